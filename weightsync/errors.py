@@ -1,0 +1,58 @@
+"""errors: the one exception hierarchy of weightsync.
+
+Every error the library raises on purpose derives from `WeightsyncError`; each subclass also
+inherits the stdlib type it refines, so callers can catch either. All are picklable (plain
+message arguments only) because they cross thread and process boundaries.
+"""
+
+from __future__ import annotations
+
+
+class WeightsyncError(Exception):
+    """Root of every error weightsync raises on purpose."""
+
+
+class FormatError(WeightsyncError, ValueError):
+    """Bytes or documents that do not follow docs/format.md (malformed, truncated, oversized)."""
+
+
+class UnsupportedFormatError(FormatError):
+    """A format version, codec or dtype this build does not know."""
+
+
+class IntegrityError(WeightsyncError, ValueError):
+    """Data that parsed but whose hash or digest does not match what was published."""
+
+
+class LayoutError(WeightsyncError, ValueError):
+    """Tensors whose names, dtypes or shapes do not fit what the operation expects."""
+
+
+class StoreError(WeightsyncError, OSError):
+    """A store could not do what was asked (I/O failure, bad key, bad URI)."""
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """A store key that does not exist."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class ObjectExists(StoreError, FileExistsError):
+    """A create-only write found the key already present (another writer won)."""
+
+
+class VersionNotFound(WeightsyncError, KeyError):
+    """A model version that the store does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "version not found"
+
+
+class VersionConflict(WeightsyncError, RuntimeError):
+    """Another publisher committed the same version first; nothing was overwritten."""
+
+
+class PublishError(WeightsyncError, RuntimeError):
+    """A version could not be published (its cause is chained)."""

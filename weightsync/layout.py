@@ -1,0 +1,69 @@
+"""layout: where a model's manifests and chunk objects live inside a store.
+
+    models/<model>/versions/<version, 12 digits>.json   one manifest per committed version
+    models/<model>/chunks/<2 hex>/<32 hex>             content-addressed chunk objects
+
+Zero-padded versions make lexicographic order numeric order. Keys are relative to the store's
+root (a directory or an S3 prefix). Not here: reading or writing them (`store.py`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from weightsync.errors import FormatError
+
+VERSION_DIGITS = 12
+MAX_VERSION = 10**VERSION_DIGITS - 1
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
+_VERSION_FILE = re.compile(r"(\d{%d})\.json" % VERSION_DIGITS)
+_CHUNK_KEY = re.compile(r"chunks/([0-9a-f]{2})/([0-9a-f]{32})")
+
+
+def check_model_name(model: object) -> str:
+    """A model name: letters, digits, `._-`, optionally one `org/` prefix (like HF repo ids)."""
+    if not isinstance(model, str) or not _MODEL_NAME.fullmatch(model):
+        raise FormatError(
+            f"invalid model name {model!r}: use letters, digits, '.', '_', '-' (max 128), "
+            "optionally prefixed by one 'org/'"
+        )
+    return model
+
+
+def model_prefix(model: str) -> str:
+    return f"models/{check_model_name(model)}/"
+
+
+def versions_prefix(model: str) -> str:
+    return f"{model_prefix(model)}versions/"
+
+
+def manifest_key(model: str, version: int) -> str:
+    if not 0 < version <= MAX_VERSION:
+        raise FormatError(f"version {version} outside 1..{MAX_VERSION}")
+    return f"{versions_prefix(model)}{version:0{VERSION_DIGITS}d}.json"
+
+
+def version_from_key(model: str, key: str) -> int | None:
+    """The version a listed key names, or None for anything else (temp files, strays)."""
+    prefix = versions_prefix(model)
+    if not key.startswith(prefix):
+        return None
+    match = _VERSION_FILE.fullmatch(key[len(prefix) :])
+    return int(match.group(1)) if match else None
+
+
+def chunks_prefix(model: str) -> str:
+    return f"{model_prefix(model)}chunks/"
+
+
+def chunk_key(object_xxh3: str) -> str:
+    """The key of a chunk object relative to its model's prefix (as written in manifests)."""
+    return f"chunks/{object_xxh3[:2]}/{object_xxh3}"
+
+
+def is_chunk_key(key: object) -> bool:
+    if not isinstance(key, str):
+        return False
+    match = _CHUNK_KEY.fullmatch(key)
+    return match is not None and match.group(2).startswith(match.group(1))

@@ -1,0 +1,382 @@
+"""publisher: turns successive state dicts into committed versions in a store.
+
+`Publisher.publish(state_dict)` takes a host snapshot synchronously (the only part the caller
+waits for) and returns a Future; encoding, upload and commit run in the background. Each
+version is a delta against the previous snapshot, or a full version (a rebase) when there is no
+parent, the tensor layout changed, the chain reached `rebase_every` versions, or the chain's
+deltas add up to more than `rebase_chain_ratio` times the base (a long chain costs a catching-up
+reader more than a fresh base would).
+
+Lifecycle of one version (states in order; any failure ends it):
+    snapshot   -> caller's thread, under the in-flight bound (blocks while max_in_flight run)
+    encode     -> chunks encoded and written on the worker pool, content-addressed
+    wait       -> the previous version has finished (commits happen in version order), and
+                  for a delta its parent committed (else this version fails, the next rebases)
+    commit     -> the manifest, create-only; the version exists from here on
+Not here: reading versions back (`reader.py`), deleting them (`retention.py`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+
+from weightsync import __version__, layout
+from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
+from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
+from weightsync.dtypes import dtype_by_name
+from weightsync.errors import ObjectNotFound, PublishError, VersionConflict
+from weightsync.manifest import (
+    CODEC_SAME,
+    KIND_DELTA,
+    KIND_FULL,
+    ChunkRef,
+    Manifest,
+    TensorEntry,
+    compute_digest,
+)
+from weightsync.store import Store
+from weightsync.tensors import Snapshot, SnapshotTensor, layout_of, take_snapshot
+from weightsync.versions import commit_manifest, latest_version, resolve_chain
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PublisherConfig:
+    chunk_bytes: int = 4 * 1024 * 1024
+    """Largest chunk, in bytes: the unit of encoding, storage, transfer and retry. 1-4 MiB
+    parallelises best and costs no compression ratio."""
+    cast_floats_to: str | None = "bfloat16"
+    """Floating tensors are cast to this dtype in the snapshot (what inference serves);
+    None keeps every dtype as handed in."""
+    zstd_level: int = DEFAULT_ZSTD_LEVEL
+    """zstd level for every chunk (1 = fastest, 19 = smallest)."""
+    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)
+    """Threads that encode and upload chunks (zstd and numpy release the GIL)."""
+    max_in_flight: int = 2
+    """Versions encoding or uploading at once; publish() blocks while this many run."""
+    rebase_every: int = 16
+    """A delta chain holds at most this many deltas; the next version is full."""
+    rebase_chain_ratio: float = 1.0
+    """Rebase when the chain's deltas add up to more than this times the base's bytes."""
+    parent_from_store: bool = True
+    """On the first publish, read the store's latest version as the delta parent (a restarted
+    trainer or a CLI publish then writes a delta instead of a full version)."""
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        if self.cast_floats_to is not None and not dtype_by_name(self.cast_floats_to).floating:
+            raise ValueError(f"cast_floats_to must be a floating dtype such as 'bfloat16', got {self.cast_floats_to!r}")
+        if not 1 <= self.zstd_level <= MAX_ZSTD_LEVEL:
+            raise ValueError(f"zstd_level must be in [1, {MAX_ZSTD_LEVEL}], got {self.zstd_level}")
+        if self.workers < 1 or self.max_in_flight < 1:
+            raise ValueError("workers and max_in_flight must be at least 1")
+        if self.rebase_every < 0 or self.rebase_chain_ratio < 0:
+            raise ValueError("rebase_every and rebase_chain_ratio must be >= 0 (0 = every version full)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PublishResult:
+    """What one publish committed, and what it cost."""
+
+    manifest: Manifest
+    raw_bytes: int  # bytes of the published weights
+    stored_bytes: int  # bytes of the chunk objects the version names, manifest excluded
+    manifest_bytes: int
+    changed_elements: int
+    total_elements: int
+    snapshot_s: float  # the caller's wait
+    encode_s: float  # encode + upload of all chunks
+    commit_s: float  # wait for earlier versions + manifest write
+    total_s: float  # publish() call to commit
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def ratio(self) -> float:
+        """Raw bytes over bytes stored for this version (chunks and manifest)."""
+        return self.raw_bytes / max(1, self.stored_bytes + self.manifest_bytes)
+
+
+@dataclasses.dataclass
+class _ChainTotals:
+    """Stored bytes of one delta chain, filled in as its versions commit (under the lock)."""
+
+    base_bytes: int = 0
+    delta_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    """The delta parent the next publish diffs against."""
+
+    version: int
+    base: int
+    snapshot: Snapshot
+    length: int  # deltas since the base
+    totals: _ChainTotals
+
+
+class Publisher:
+    """Publishes versions of one model to one store. Thread-safe; use as a context manager."""
+
+    def __init__(self, store: Store, *, model: str, config: PublisherConfig | None = None) -> None:
+        self.store = store
+        self.model = layout.check_model_name(model)
+        self.config = config or PublisherConfig()
+        self._prefix = layout.model_prefix(model)
+        self._encode_pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="ws-encode")
+        self._version_pool = cf.ThreadPoolExecutor(self.config.max_in_flight, thread_name_prefix="ws-version")
+        self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
+        self._lock = threading.Lock()
+        self._next_version: int | None = None
+        self._chain: _Chain | None = None
+        self._loaded_parent = not self.config.parent_from_store
+        self._last_future: cf.Future | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ public
+
+    def publish(self, state_dict: Mapping, *, step: int | None = None) -> cf.Future[PublishResult]:
+        """Snapshots `state_dict` now; returns a Future of the committed version."""
+        if self._closed:
+            raise PublishError("publisher is closed")
+        if step is not None and (not isinstance(step, int) or step < 0):
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        t0 = time.perf_counter()
+        self._slots.acquire()
+        try:
+            snapshot = take_snapshot(state_dict, self.config.cast_floats_to)
+            snapshot_s = time.perf_counter() - t0
+            with self._lock:
+                job = self._plan(snapshot, step)
+                job.update(t0=t0, snapshot_s=snapshot_s, previous=self._last_future)
+                future = self._version_pool.submit(self._run, job)
+                self._last_future = future
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        return future
+
+    def close(self, wait: bool = True) -> None:
+        """Stops accepting versions; with wait, returns when every accepted one has finished."""
+        self._closed = True
+        self._version_pool.shutdown(wait=wait, cancel_futures=not wait)
+        self._encode_pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(wait=True)
+
+    # ----------------------------------------------------------------------------- planning
+
+    def _plan(self, snapshot: Snapshot, step: int | None) -> dict:
+        """Numbers the version and picks its parent; called under the lock, in publish order."""
+        if self._next_version is None:
+            latest = latest_version(self.store, self.model)
+            self._next_version = (latest or 0) + 1
+        if not self._loaded_parent:
+            self._loaded_parent = True
+            self._chain = self._chain_from_store()
+        version = self._next_version
+        self._next_version += 1
+        chain = self._chain
+        reason = self._rebase_reason(chain, snapshot)
+        if reason:
+            log.info("%s v%d: full version (%s)", self.model, version, reason)
+            parent_snapshot, base, length = None, version, 0
+        else:
+            parent_snapshot, base, length = chain.snapshot, chain.base, chain.length + 1
+        parent = chain.version if chain else None
+        totals = _ChainTotals() if reason else chain.totals
+        self._chain = _Chain(version, base, snapshot, length, totals)
+        return dict(
+            version=version, parent=parent, base=base, step=step,
+            snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals,
+        )
+
+    def _rebase_reason(self, chain: _Chain | None, snapshot: Snapshot) -> str | None:
+        if chain is None:
+            return "no parent"
+        if layout_of(chain.snapshot) != layout_of(snapshot):
+            return "tensor names, dtypes or shapes changed"
+        if chain.length + 1 > self.config.rebase_every:
+            return f"chain reached {self.config.rebase_every} deltas"
+        totals = chain.totals
+        if totals.base_bytes and totals.delta_bytes > self.config.rebase_chain_ratio * totals.base_bytes:
+            return f"chain holds {totals.delta_bytes} bytes of deltas, over {self.config.rebase_chain_ratio}x its base"
+        return None
+
+    def _chain_from_store(self) -> _Chain | None:
+        """The store's latest version as the first delta parent (None if the store has none)."""
+        latest = self._next_version - 1
+        if latest < 1:
+            return None
+        from weightsync.reader import Reader  # reading back is the reader's job
+
+        manifests = resolve_chain(self.store, self.model, latest)
+        state = Reader(self.store, model=self.model, workers=self.config.workers).read(latest)
+        snapshot = {
+            t.name: SnapshotTensor(dtype_by_name(t.dtype), t.shape, state.buffers[t.name])
+            for t in state.manifest.tensors
+        }
+        log.info("%s: delta parent is v%d from %s", self.model, latest, self.store.uri)
+        return _Chain(
+            version=latest,
+            base=manifests[0].version,
+            snapshot=snapshot,
+            length=len(manifests) - 1,
+            totals=_ChainTotals(manifests[0].stored_bytes, sum(m.stored_bytes for m in manifests[1:])),
+        )
+
+    # ---------------------------------------------------------------------------- execution
+
+    def _run(self, job: dict) -> PublishResult:
+        try:
+            return self._encode_and_commit(job)
+        except BaseException as e:
+            with self._lock:
+                # Anything planned on top of this version is doomed; the next publish rebases.
+                if self._chain is not None and self._chain.version >= job["version"]:
+                    self._chain = None
+                if isinstance(e, VersionConflict):
+                    self._next_version = None  # someone else owns these numbers; re-read the store
+            log.error("%s v%d failed: %s", self.model, job["version"], e)
+            if isinstance(e, (PublishError, VersionConflict)):
+                raise
+            raise PublishError(f"{self.model} version {job['version']} was not published: {e}") from e
+
+    def _encode_and_commit(self, job: dict) -> PublishResult:
+        version, snapshot, parent_snapshot = job["version"], job["snapshot"], job["parent_snapshot"]
+        t_encode = time.perf_counter()
+        futures = {
+            name: [
+                self._encode_pool.submit(self._encode_one, tensor, parent_snapshot, name, start, stop)
+                for start, stop in self._chunk_ranges(tensor)
+            ]
+            for name, tensor in sorted(snapshot.items())
+        }
+        tensors, changed, total = [], 0, 0
+        try:
+            for name, chunk_futures in futures.items():
+                refs = []
+                for f in chunk_futures:
+                    ref, n_changed = f.result()
+                    refs.append(ref)
+                    changed += n_changed
+                tensor = snapshot[name]
+                total += tensor.nbytes // tensor.dtype.itemsize
+                tensors.append(TensorEntry(name=name, dtype=tensor.dtype.name, shape=tensor.shape, chunks=tuple(refs)))
+        except BaseException:
+            for chunk_futures in futures.values():
+                for f in chunk_futures:
+                    f.cancel()
+            raise
+        encode_s = time.perf_counter() - t_encode
+
+        t_commit = time.perf_counter()
+        self._wait_for_previous(job)
+        manifest = Manifest(
+            model=self.model,
+            version=version,
+            parent=job["parent"],
+            base=job["base"],
+            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA,
+            step=job["step"],
+            created_unix_ms=int(time.time() * 1000),
+            tensors=tuple(tensors),
+            digest=compute_digest(tensors),
+            producer={"name": "weightsync", "version": __version__, "host": socket.gethostname()},
+            stats={"changed_elements": changed, "total_elements": total},
+        )
+        data = manifest.to_bytes()
+        commit_manifest(self.store, manifest)
+        commit_s = time.perf_counter() - t_commit
+        stored = manifest.stored_bytes
+        with self._lock:
+            if manifest.kind == KIND_FULL:
+                job["totals"].base_bytes = stored
+            else:
+                job["totals"].delta_bytes += stored
+        result = PublishResult(
+            manifest=manifest,
+            raw_bytes=manifest.raw_bytes,
+            stored_bytes=stored,
+            manifest_bytes=len(data),
+            changed_elements=changed,
+            total_elements=total,
+            snapshot_s=job["snapshot_s"],
+            encode_s=encode_s,
+            commit_s=commit_s,
+            total_s=time.perf_counter() - job["t0"],
+        )
+        log.info(
+            "%s v%d committed: %s, %.1f MB -> %.2f MB (%.1fx), %.2f s",
+            self.model, version, manifest.kind, result.raw_bytes / 1e6,
+            (stored + len(data)) / 1e6, result.ratio, result.total_s,
+        )
+        return result
+
+    def _wait_for_previous(self, job: dict) -> None:
+        previous: cf.Future | None = job["previous"]
+        if previous is None:
+            return
+        try:
+            previous.result()
+        except BaseException as e:
+            if job["parent_snapshot"] is not None:
+                raise PublishError(
+                    f"{self.model} version {job['version']} is a delta on version {job['parent']}, "
+                    f"which failed: {e}"
+                ) from e
+            # A full version does not need its predecessor; commit order is all we waited for.
+
+    def _chunk_ranges(self, tensor: SnapshotTensor) -> list[tuple[int, int]]:
+        count = tensor.nbytes // tensor.dtype.itemsize
+        per_chunk = max(1, self.config.chunk_bytes // tensor.dtype.itemsize)
+        return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
+
+    def _encode_one(
+        self, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int
+    ) -> tuple[ChunkRef, int]:
+        size = tensor.dtype.itemsize
+        new = tensor.data[start * size : stop * size]
+        old = None if parent is None else parent[name].data[start * size : stop * size]
+        codec_id, raw_hex, obj, changed = encode_chunk(new, old, tensor.dtype, self.config.zstd_level)
+        if obj is None:
+            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0
+        obj_hash = object_hash(obj)
+        key = layout.chunk_key(obj_hash)
+        self._write_object(self._prefix + key, obj)
+        ref = ChunkRef(
+            start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
+        )
+        return ref, changed
+
+    def _write_object(self, key: str, obj: bytes) -> None:
+        # Content-addressed: if it exists it holds these bytes. Touch it so that gc's grace
+        # period protects it until our manifest commits.
+        try:
+            self.store.touch(key)
+        except ObjectNotFound:
+            self.store.put(key, obj)
+
+
+def publish_once(store: Store, state_dict: Mapping, *, model: str, step: int | None = None,
+                 config: PublisherConfig | None = None) -> PublishResult:
+    """Publishes one version and waits for its commit (what the CLI does)."""
+    with Publisher(store, model=model, config=config) as publisher:
+        return publisher.publish(state_dict, step=step).result()

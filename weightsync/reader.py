@@ -1,0 +1,170 @@
+"""reader: reconstructs a committed version from its base and deltas, verifying every byte.
+
+`Reader.read(version)` applies the version's chain (base first) into one set of buffers, so
+memory is one model plus one object and its decoded streams per worker, however long the
+chain. `Reader.advance(state, version)` moves an existing state forward by applying only the
+deltas after it (what an agent or a resumed publisher does). Every object's hash is checked
+before decoding and every chunk's raw hash after applying; at the target version every byte is
+covered by a checked raw hash, and the manifest's digest covers the raw hashes.
+
+A failure mid-apply leaves the buffers half-updated: the state is marked invalid (its
+manifest becomes None) and the caller reads again from a base. Not here: writing (`publisher.py`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from weightsync import layout
+from weightsync.chunk import apply_chunk, object_hash
+from weightsync.codec import CODEC_IDS
+from weightsync.dtypes import dtype_by_name
+from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, VersionNotFound
+from weightsync.hashing import xxh3_hex
+from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
+from weightsync.store import Store
+from weightsync.tensors import to_tensor
+from weightsync.versions import latest_version, resolve_chain
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]  # called with raw bytes done
+
+
+@dataclasses.dataclass
+class WeightsState:
+    """The weights of one version as raw bytes: one flat uint8 buffer per tensor."""
+
+    manifest: Manifest | None  # None once a failed apply has left the buffers inconsistent
+    buffers: dict[str, np.ndarray]
+
+    def state_dict(self) -> dict:
+        """torch tensors over the buffers (no copy; they change if the state advances)."""
+        if self.manifest is None:
+            raise IntegrityError("weights state is invalid after a failed apply; read the version again")
+        return {
+            t.name: to_tensor(self.buffers[t.name], dtype_by_name(t.dtype), t.shape) for t in self.manifest.tensors
+        }
+
+
+class Reader:
+    """Reads versions of one model from one store."""
+
+    def __init__(self, store: Store, *, model: str, workers: int | None = None) -> None:
+        self.store = store
+        self.model = layout.check_model_name(model)
+        self.workers = workers or os.cpu_count() or 2
+        self._prefix = layout.model_prefix(model)
+
+    def latest(self) -> int | None:
+        return latest_version(self.store, self.model)
+
+    def read(self, version: int | None = None, *, progress: Progress | None = None) -> WeightsState:
+        """The weights of `version` (default: latest), rebuilt from its base and verified."""
+        version = self._resolve(version)
+        chain = resolve_chain(self.store, self.model, version)
+        state = WeightsState(manifest=None, buffers={})
+        self._apply_chain(state, chain, progress)
+        return state
+
+    def advance(self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None) -> WeightsState:
+        """Moves `state` to `version` in place, by deltas when its chain passes through it."""
+        version = self._resolve(version)
+        current = state.manifest
+        if current is not None and current.version == version:
+            return state
+        chain = resolve_chain(self.store, self.model, version)
+        if current is not None:
+            versions = [m.version for m in chain]
+            if current.version in versions and chain[versions.index(current.version)].digest == current.digest:
+                self._apply_chain(state, chain[versions.index(current.version) + 1 :], progress)
+                return state
+        self._apply_chain(state, chain, progress)
+        return state
+
+    def verify(self, version: int, *, progress: Progress | None = None) -> Manifest:
+        """Reads `version` fully, checking every hash; returns its manifest."""
+        return self.read(version, progress=progress).manifest
+
+    # ------------------------------------------------------------------------------ private
+
+    def _resolve(self, version: int | None) -> int:
+        if version is not None:
+            return version
+        latest = self.latest()
+        if latest is None:
+            raise VersionNotFound(f"{self.model} has no versions in {self.store.uri}")
+        return latest
+
+    def _apply_chain(self, state: WeightsState, chain: list[Manifest], progress: Progress | None) -> None:
+        for i, manifest in enumerate(chain):
+            final = i == len(chain) - 1
+            state_manifest, state.manifest = state.manifest, None  # invalid until this one is applied
+            try:
+                self._apply_version(state, state_manifest, manifest, verify_same=final, progress=progress if final else None)
+            except BaseException:
+                state.buffers.clear()
+                raise
+            state.manifest = manifest
+            log.debug("%s: applied v%d (%s)", self.model, manifest.version, manifest.kind)
+
+    def _apply_version(
+        self, state: WeightsState, current: Manifest | None, manifest: Manifest, *, verify_same: bool,
+        progress: Progress | None,
+    ) -> None:
+        if manifest.kind == KIND_FULL:
+            # Reuse buffers of the right size (an agent re-basing keeps its memory).
+            old = state.buffers
+            state.buffers = {}
+            for t in manifest.tensors:
+                buf = old.pop(t.name, None)
+                state.buffers[t.name] = buf if buf is not None and buf.nbytes == t.nbytes else np.empty(t.nbytes, np.uint8)
+            old.clear()
+        else:
+            if current is None or current.version != manifest.parent:
+                raise IntegrityError(
+                    f"{self.model} v{manifest.version} is a delta on v{manifest.parent}, "
+                    f"but the state holds {current.version if current else 'nothing'}"
+                )
+            if current.layout != manifest.layout:
+                raise LayoutError(f"{self.model} v{manifest.version} changes tensor layout without a rebase")
+        work = [(t, c) for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME or verify_same]
+        with cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-read") as pool:
+            futures = [pool.submit(self._apply_one, state.buffers[t.name], t, c) for t, c in work]
+            try:
+                for f in cf.as_completed(futures):
+                    done = f.result()
+                    if progress is not None:
+                        progress(done)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    def _apply_one(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef) -> int:
+        dtype = dtype_by_name(tensor.dtype)
+        out = buffer[ref.start * dtype.itemsize : ref.stop * dtype.itemsize]
+        if ref.codec == CODEC_SAME:
+            if xxh3_hex(out) != ref.raw:
+                raise IntegrityError(f"{tensor.name}[{ref.start}:{ref.stop}] differs from the published bytes")
+            return out.nbytes
+        obj = self.fetch_object(ref)
+        apply_chunk(obj, out, dtype, ref.raw, CODEC_IDS[ref.codec])
+        return out.nbytes
+
+    def fetch_object(self, ref: ChunkRef) -> bytes:
+        """A chunk object from the store, checked against the manifest's size and hash."""
+        key = self._prefix + ref.key
+        try:
+            obj = self.store.get(key)
+        except ObjectNotFound:
+            raise IntegrityError(f"chunk object {key} named by a manifest is missing from {self.store.uri}") from None
+        if len(obj) != ref.size or object_hash(obj) != ref.object:
+            raise IntegrityError(f"chunk object {key} in {self.store.uri} is corrupt (size or hash mismatch)")
+        return obj

@@ -1,0 +1,231 @@
+"""store: bytes in, bytes out, under string keys. No JSON, no manifests, no versions.
+
+Every backend implements the `Store` protocol below and passes the same contract suite
+(tests/test_store_contract.py). The commit protocol of docs/format.md needs exactly two kinds
+of write: `put` for immutable content-addressed objects (a retry or a duplicate is harmless)
+and `put_new`, a create-only write that fails if the key exists, for manifests.
+
+Backends are chosen by URI scheme in `open_store`; an unknown scheme is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from weightsync.errors import ObjectExists, ObjectNotFound, StoreError
+
+_TEMP_PREFIX = ".tmp-"
+_KEY_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified_unix_s: float
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The contract every backend keeps.
+
+    - Keys are relative POSIX paths of `[A-Za-z0-9._-]` segments; no `..`, no leading `/`.
+    - `get` returns the whole object or raises ObjectNotFound.
+    - `put` makes the object durable before returning; concurrent or repeated puts of the same
+      bytes are harmless. Readers never see a partially written object.
+    - `put_new` is create-only: it raises ObjectExists if the key exists, atomically with
+      respect to other writers (exactly one of two racing writers wins).
+    - `touch` refreshes an object's modification time (GC's grace period counts from it) and
+      raises ObjectNotFound if it is gone.
+    - `list` yields every object under a key prefix in key order, with size and mtime.
+    - `delete` removes an object; deleting a missing key is not an error.
+    """
+
+    uri: str
+
+    def get(self, key: str) -> bytes: ...
+
+    def put(self, key: str, data: bytes | memoryview) -> None: ...
+
+    def put_new(self, key: str, data: bytes | memoryview) -> None: ...
+
+    def touch(self, key: str) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise StoreError(f"invalid store key {key!r}")
+    parts = key.split("/")
+    if any(not _KEY_SEGMENT.fullmatch(p) or p in (".", "..") for p in parts):
+        raise StoreError(f"invalid store key {key!r}: segments must be [A-Za-z0-9._-], no '.' or '..'")
+    return key
+
+
+class LocalStore:
+    """A directory (`file://DIR`): atomic renames for puts, hard links for create-only puts.
+
+    Objects are written to a temporary file in the target directory, flushed to disk, then
+    renamed (put) or hard-linked (put_new: link(2) fails if the name exists, which makes the
+    create atomic) into place, and the directory entry is flushed. A crash leaves at most a
+    stray `.tmp-*` file, which listing ignores and `gc` removes.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.root = Path(root).resolve()
+        self.uri = f"file://{self.root}"
+        self.fsync = fsync
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create store directory {self.root}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.uri}/{key} does not exist") from None
+        except IsADirectoryError:
+            raise ObjectNotFound(f"{self.uri}/{key} is a directory, not an object") from None
+        except OSError as e:
+            raise StoreError(f"cannot read {self.uri}/{key}: {e}") from e
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            raise StoreError(f"cannot write {self.uri}/{key}: {e}") from e
+        self._sync_dir(path.parent)
+
+    def put_new(self, key: str, data: bytes | memoryview) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExists(f"{self.uri}/{key} already exists") from None
+        except OSError as e:
+            raise StoreError(f"cannot create {self.uri}/{key}: {e}") from e
+        finally:
+            _unlink_quietly(tmp)
+        self._sync_dir(path.parent)
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.uri}/{key} does not exist") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # Walk only the directory the prefix names, not the whole store.
+        directory = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if prefix:
+            check_key(prefix.rstrip("/") or "x")
+        found = []
+        for dirpath, dirnames, filenames in os.walk(directory):
+            dirnames.sort()
+            for name in filenames:
+                if name.startswith(_TEMP_PREFIX):
+                    continue
+                full = os.path.join(dirpath, name)
+                key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:  # deleted while we walked
+                    continue
+                found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        found.sort(key=lambda info: info.key)
+        yield from found
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StoreError(f"cannot delete {self.uri}/{key}: {e}") from e
+
+    def temp_files(self) -> Iterator[ObjectInfo]:
+        """Leftovers of crashed writes (for gc)."""
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if name.startswith(_TEMP_PREFIX):
+                    full = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:
+                        continue
+                    yield ObjectInfo(os.path.relpath(full, self.root), st.st_size, st.st_mtime)
+
+    def delete_temp(self, relpath: str) -> None:
+        _unlink_quietly(self.root / relpath)
+
+    def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            return tmp
+        except OSError as e:
+            raise StoreError(f"cannot write under {path.parent}: {e}") from e
+
+    def _sync_dir(self, directory: Path) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def open_store(uri: str | os.PathLike, **options) -> Store:
+    """The store a URI names: `file://DIR` or a plain directory path.
+
+    Raises StoreError on a scheme this build does not support, listing the ones it does.
+    """
+    text = os.fspath(uri)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return LocalStore(text, **options)
+    if scheme == "file":
+        if not rest:
+            raise StoreError("file:// URI needs a directory, e.g. file:///data/weights")
+        return LocalStore(rest, **options)
+    raise StoreError(f"unsupported store URI {text!r}; supported schemes: file:// (or a plain path)")

@@ -1,0 +1,91 @@
+"""tensors: the torch boundary — snapshots of state dicts as raw bytes, and tensors back.
+
+The rest of the library sees a model as `Snapshot`: tensor name -> (dtype, shape, flat uint8
+numpy array of its little-endian bit patterns). Taking a snapshot is the only part of a
+publish the caller waits for, so it is one copy (with the cast to the publish dtype fused in)
+and nothing else. Not here: anything about torch.distributed (the trainer hands in its local
+shards), encoding or storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from weightsync.dtypes import DType, dtype_by_name
+from weightsync.errors import LayoutError, UnsupportedFormatError
+from weightsync.manifest import check_tensor_name
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotTensor:
+    dtype: DType
+    shape: tuple[int, ...]
+    data: np.ndarray  # flat uint8, the raw bytes; owned by the snapshot, never the caller's memory
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+Snapshot = dict[str, SnapshotTensor]
+
+
+def dtype_of(tensor: torch.Tensor) -> DType:
+    name = str(tensor.dtype).removeprefix("torch.")
+    return dtype_by_name(name)
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    try:
+        return getattr(torch, dtype.name)
+    except AttributeError:
+        raise UnsupportedFormatError(f"this torch build has no dtype {dtype.name}") from None
+
+
+def take_snapshot(state_dict: Mapping[str, torch.Tensor], cast_floats_to: str | None = None) -> Snapshot:
+    """Copies every tensor to host memory as raw bytes, casting floating tensors if asked.
+
+    Raises LayoutError for non-tensors, UnsupportedFormatError for dtypes the format lacks.
+    """
+    target = dtype_by_name(cast_floats_to) if cast_floats_to else None
+    snapshot: Snapshot = {}
+    for name in state_dict:
+        check_tensor_name(name)
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise LayoutError(f"{name!r} is a {tensor.layout} tensor; only dense tensors are published")
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            raise LayoutError(f"{name!r} is a {type(tensor).__name__}; hand in local tensors (e.g. DTensor.to_local())")
+        dtype = dtype_of(tensor)
+        if target is not None and dtype.floating and dtype != target:
+            dtype = target
+        host = torch.empty(tensor.shape, dtype=torch_dtype(dtype), device="cpu")
+        host.copy_(tensor.detach())
+        snapshot[name] = SnapshotTensor(dtype, tuple(tensor.shape), raw_bytes(host))
+    return snapshot
+
+
+def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat uint8 numpy array (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def to_tensor(data: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over raw bytes (no copy): the inverse of `raw_bytes`."""
+    if data.nbytes != math.prod(shape) * dtype.itemsize:
+        raise LayoutError(f"{data.nbytes} bytes cannot hold a {dtype.name} tensor of shape {shape}")
+    if data.nbytes == 0:  # numpy gives empty arrays stride 0, which torch cannot re-view
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    flat = torch.from_numpy(data.view(np.uint8)).view(torch_dtype(dtype))
+    return flat.reshape(shape)
+
+
+def layout_of(snapshot: Snapshot) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (t.dtype.name, t.shape) for name, t in snapshot.items()}

@@ -1,0 +1,77 @@
+"""versions: a model's committed versions in a store — list, read, commit, resolve chains.
+
+This is the commit protocol's reading and writing side: a version exists iff its manifest
+exists; a manifest is written with a create-only put after every chunk it names is durable.
+Not here: encoding (`publisher.py`) or reconstructing weights (`reader.py`).
+"""
+
+from __future__ import annotations
+
+from weightsync.errors import (
+    FormatError,
+    IntegrityError,
+    ObjectExists,
+    ObjectNotFound,
+    VersionConflict,
+    VersionNotFound,
+)
+from weightsync.layout import manifest_key, version_from_key, versions_prefix
+from weightsync.manifest import KIND_FULL, Manifest, parse_manifest
+from weightsync.store import Store
+
+
+def list_versions(store: Store, model: str) -> list[int]:
+    """Committed versions of `model`, ascending."""
+    versions = (version_from_key(model, info.key) for info in store.list(versions_prefix(model)))
+    return sorted(v for v in versions if v is not None)
+
+
+def latest_version(store: Store, model: str) -> int | None:
+    versions = list_versions(store, model)
+    return versions[-1] if versions else None
+
+
+def read_manifest(store: Store, model: str, version: int) -> Manifest:
+    """The validated manifest of a committed version; VersionNotFound if there is none."""
+    key = manifest_key(model, version)
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        raise VersionNotFound(f"{model} version {version} is not in {store.uri}") from None
+    try:
+        manifest = parse_manifest(data)
+    except (FormatError, IntegrityError) as e:
+        raise type(e)(f"{store.uri}/{key}: {e}") from None
+    if manifest.model != model or manifest.version != version:
+        raise FormatError(
+            f"{store.uri}/{key} holds {manifest.model} version {manifest.version}, not {model} version {version}"
+        )
+    return manifest
+
+
+def commit_manifest(store: Store, manifest: Manifest) -> None:
+    """Makes a version visible. Its chunks must already be durable in the store."""
+    try:
+        store.put_new(manifest_key(manifest.model, manifest.version), manifest.to_bytes())
+    except ObjectExists:
+        raise VersionConflict(
+            f"{manifest.model} version {manifest.version} was already committed to {store.uri} "
+            "by another publisher; nothing was overwritten"
+        ) from None
+
+
+def resolve_chain(store: Store, model: str, version: int) -> list[Manifest]:
+    """The manifests to apply, base first, to reconstruct `version` from nothing."""
+    chain = [read_manifest(store, model, version)]
+    while chain[-1].kind != KIND_FULL:
+        parent = chain[-1].parent
+        assert parent is not None  # parse_manifest guarantees deltas have parents
+        manifest = read_manifest(store, model, parent)
+        if manifest.base != chain[-1].base:
+            raise FormatError(
+                f"{model} version {chain[-1].version} says its base is {chain[-1].base}, "
+                f"but its parent {parent} has base {manifest.base}"
+            )
+        chain.append(manifest)
+    chain.reverse()
+    return chain
