@@ -1,0 +1,136 @@
+"""retention: which versions and chunk objects a model keeps, and deleting the rest safely.
+
+Kept: the newest `keep` versions, any version a caller protects (an agent still needs it),
+and every version on their delta chains back to the base. Kept objects: everything a kept
+manifest names. An object no kept manifest names is deleted only if it is older than the
+grace period: a publisher writes (or touches) its chunks before committing the manifest that
+names them, and the grace period is what keeps those chunks alive until that commit.
+
+The sweep runs in the order that makes a concurrent commit safe: objects are listed first,
+manifests second, so a manifest committed during the sweep is seen and protects its chunks.
+Not here: deciding when to run (the CLI's `gc`, a cron, an agent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from weightsync import layout
+from weightsync.errors import FormatError, IntegrityError, VersionNotFound
+from weightsync.store import LocalStore, Store
+from weightsync.versions import list_versions, read_manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 3600.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GcPlan:
+    model: str
+    keep_versions: tuple[int, ...]  # kept, including chain ancestors of the newest `keep`
+    delete_versions: tuple[int, ...]
+    delete_objects: tuple[str, ...]  # store keys
+    delete_bytes: int  # bytes of the objects to delete
+    young_unreferenced: int  # objects no manifest names, spared by the grace period
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "keep_versions": list(self.keep_versions),
+            "delete_versions": list(self.delete_versions),
+            "delete_objects": len(self.delete_objects),
+            "delete_bytes": self.delete_bytes,
+            "young_unreferenced_objects": self.young_unreferenced,
+        }
+
+
+def plan_gc(
+    store: Store,
+    model: str,
+    *,
+    keep: int,
+    protect: frozenset[int] | set[int] = frozenset(),
+    grace_s: float = DEFAULT_GRACE_S,
+    now_unix_s: float | None = None,
+) -> GcPlan:
+    """What a gc would delete; deletes nothing.
+
+    Raises FormatError/IntegrityError if a manifest cannot be read: without it we cannot know
+    which objects it needs, so nothing may be deleted until it is repaired or removed.
+    """
+    if keep < 1:
+        raise ValueError("keep must be at least 1: gc never deletes the newest version")
+    now = time.time() if now_unix_s is None else now_unix_s
+    prefix = layout.model_prefix(model)
+    objects = list(store.list(layout.chunks_prefix(model)))  # before manifests: see module doc
+    versions = list_versions(store, model)
+    manifests = {}
+    for version in versions:
+        try:
+            manifests[version] = read_manifest(store, model, version)
+        except VersionNotFound:  # deleted by a concurrent gc
+            continue
+        except (FormatError, IntegrityError) as e:
+            raise type(e)(f"gc stopped, nothing deleted: {e}; run `weightsync verify` and repair") from None
+
+    keep_set = set(versions[-keep:]) | {v for v in protect if v in manifests}
+    for version in list(keep_set):
+        manifest = manifests[version]
+        while manifest.kind != "full":
+            keep_set.add(manifest.parent)
+            if manifest.parent not in manifests:
+                raise IntegrityError(f"{model} v{manifest.version} needs v{manifest.parent}, which is missing")
+            manifest = manifests[manifest.parent]
+    referenced = {prefix + key for v in keep_set for key in manifests[v].objects()}
+    delete_objects, delete_bytes, young = [], 0, 0
+    for info in objects:
+        if info.key in referenced:
+            continue
+        if now - info.modified_unix_s < grace_s:
+            young += 1
+            continue
+        delete_objects.append(info.key)
+        delete_bytes += info.size
+    return GcPlan(
+        model=model,
+        keep_versions=tuple(sorted(keep_set)),
+        delete_versions=tuple(v for v in versions if v not in keep_set and v in manifests),
+        delete_objects=tuple(delete_objects),
+        delete_bytes=delete_bytes,
+        young_unreferenced=young,
+    )
+
+
+def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Deletes what `plan` names: manifests first (oldest first), then objects.
+
+    Manifests go first so that a crash midway leaves orphaned objects (collected next time),
+    never a manifest whose objects are gone.
+    """
+    for version in plan.delete_versions:
+        store.delete(layout.manifest_key(plan.model, version))
+    for key in plan.delete_objects:
+        store.delete(key)
+    if isinstance(store, LocalStore):
+        now = time.time()
+        for info in store.temp_files():
+            if now - info.modified_unix_s >= grace_s:
+                store.delete_temp(info.key)
+    log.info(
+        "gc %s: deleted %d versions, %d objects (%.1f MB); kept %s",
+        plan.model, len(plan.delete_versions), len(plan.delete_objects), plan.delete_bytes / 1e6,
+        list(plan.keep_versions),
+    )
+
+
+def collect_garbage(store: Store, model: str, *, keep: int, protect: frozenset[int] | set[int] = frozenset(),
+                    grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False) -> GcPlan:
+    """Plans and (unless dry_run) applies a gc; returns the plan."""
+    plan = plan_gc(store, model, keep=keep, protect=protect, grace_s=grace_s)
+    if not dry_run:
+        apply_gc(store, plan, grace_s=grace_s)
+    return plan
+
