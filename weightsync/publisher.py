@@ -142,7 +142,7 @@ class Publisher:
         self._next_version: int | None = None
         self._chain: _Chain | None = None
         self._loaded_parent = not self.config.parent_from_store
-        self._last_future: cf.Future | None = None
+        self._last_job: dict | None = None
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -160,14 +160,23 @@ class Publisher:
             snapshot_s = time.perf_counter() - t0
             with self._lock:
                 job = self._plan(snapshot, step)
-                job.update(t0=t0, snapshot_s=snapshot_s, previous=self._last_future)
-                future = self._version_pool.submit(self._run, job)
-                self._last_future = future
+                job.update(
+                    t0=t0, snapshot_s=snapshot_s, previous=self._last_job,
+                    future=cf.Future(), finished=threading.Event(),
+                )
+                worker = self._version_pool.submit(self._run, job)
+                self._last_job = job
         except BaseException:
             self._slots.release()
             raise
-        future.add_done_callback(lambda _: self._slots.release())
-        return future
+        worker.add_done_callback(lambda w: self._worker_done(w, job))
+        return job["future"]
+
+    def _worker_done(self, worker: cf.Future, job: dict) -> None:
+        if worker.cancelled():  # close(wait=False) dropped it before it ran
+            job["future"].set_exception(PublishError(f"publisher closed before version {job['version']} ran"))
+            job["finished"].set()
+        self._slots.release()
 
     def close(self, wait: bool = True) -> None:
         """Stops accepting versions; with wait, returns when every accepted one has finished."""
@@ -200,7 +209,7 @@ class Publisher:
             parent_snapshot, base, length = None, version, 0
         else:
             parent_snapshot, base, length = chain.snapshot, chain.base, chain.length + 1
-        parent = chain.version if chain else None
+        parent = None if reason else chain.version
         totals = _ChainTotals() if reason else chain.totals
         self._chain = _Chain(version, base, snapshot, length, totals)
         return dict(
@@ -244,20 +253,32 @@ class Publisher:
 
     # ---------------------------------------------------------------------------- execution
 
-    def _run(self, job: dict) -> PublishResult:
+    def _run(self, job: dict) -> None:
+        """Drives one version; its caller's future settles as soon as the outcome is known."""
         try:
-            return self._encode_and_commit(job)
+            job["future"].set_result(self._encode_and_commit(job))
         except BaseException as e:
-            with self._lock:
-                # Anything planned on top of this version is doomed; the next publish rebases.
-                if self._chain is not None and self._chain.version >= job["version"]:
-                    self._chain = None
-                if isinstance(e, VersionConflict):
-                    self._next_version = None  # someone else owns these numbers; re-read the store
-            log.error("%s v%d failed: %s", self.model, job["version"], e)
-            if isinstance(e, (PublishError, VersionConflict)):
-                raise
-            raise PublishError(f"{self.model} version {job['version']} was not published: {e}") from e
+            job["future"].set_exception(self._fail(job, e))
+        finally:
+            # `finished` is set only after the predecessor's, so waiting on the latest version's
+            # means waiting on all earlier ones, failed or not: that is what keeps commit order.
+            if job["previous"] is not None:
+                job["previous"]["finished"].wait()
+            job["finished"].set()
+
+    def _fail(self, job: dict, e: BaseException) -> BaseException:
+        with self._lock:
+            # Anything planned on top of this version is doomed; the next publish rebases.
+            if self._chain is not None and self._chain.version >= job["version"]:
+                self._chain = None
+            if isinstance(e, VersionConflict):
+                self._next_version = None  # someone else owns these numbers; re-read the store
+        log.error("%s v%d failed: %s", self.model, job["version"], e)
+        if isinstance(e, (PublishError, VersionConflict)):
+            return e
+        error = PublishError(f"{self.model} version {job['version']} was not published: {e}")
+        error.__cause__ = e
+        return error
 
     def _encode_and_commit(self, job: dict) -> PublishResult:
         version, snapshot, parent_snapshot = job["version"], job["snapshot"], job["parent_snapshot"]
@@ -331,18 +352,16 @@ class Publisher:
         return result
 
     def _wait_for_previous(self, job: dict) -> None:
-        previous: cf.Future | None = job["previous"]
+        previous: dict | None = job["previous"]
         if previous is None:
             return
-        try:
-            previous.result()
-        except BaseException as e:
-            if job["parent_snapshot"] is not None:
-                raise PublishError(
-                    f"{self.model} version {job['version']} is a delta on version {job['parent']}, "
-                    f"which failed: {e}"
-                ) from e
-            # A full version does not need its predecessor; commit order is all we waited for.
+        previous["finished"].wait()
+        error = previous["future"].exception()
+        if error is not None and job["parent_snapshot"] is not None:
+            raise PublishError(
+                f"{self.model} version {job['version']} is a delta on version {job['parent']}, which failed: {error}"
+            ) from error
+        # A full version does not need its predecessor; commit order is all we waited for.
 
     def _chunk_ranges(self, tensor: SnapshotTensor) -> list[tuple[int, int]]:
         count = tensor.nbytes // tensor.dtype.itemsize

@@ -68,8 +68,10 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not key or len(key) > 1024:
         raise StoreError(f"invalid store key {key!r}")
     parts = key.split("/")
-    if any(not _KEY_SEGMENT.fullmatch(p) or p in (".", "..") for p in parts):
-        raise StoreError(f"invalid store key {key!r}: segments must be [A-Za-z0-9._-], no '.' or '..'")
+    if any(not _KEY_SEGMENT.fullmatch(p) or p in (".", "..") or p.startswith(_TEMP_PREFIX) for p in parts):
+        raise StoreError(
+            f"invalid store key {key!r}: segments must be [A-Za-z0-9._-], not '.', '..' or '{_TEMP_PREFIX}*'"
+        )
     return key
 
 
@@ -100,10 +102,10 @@ class LocalStore:
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            # A directory where an object would be (or an object where a directory would be)
+            # is a missing key, as on an object store.
             raise ObjectNotFound(f"{self.uri}/{key} does not exist") from None
-        except IsADirectoryError:
-            raise ObjectNotFound(f"{self.uri}/{key} is a directory, not an object") from None
         except OSError as e:
             raise StoreError(f"cannot read {self.uri}/{key}: {e}") from e
 
@@ -131,10 +133,15 @@ class LocalStore:
         self._sync_dir(path.parent)
 
     def touch(self, key: str) -> None:
+        path = self._path(key)
         try:
-            os.utime(self._path(key))
-        except FileNotFoundError:
+            if not path.is_file():
+                raise FileNotFoundError(key)
+            os.utime(path)
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"{self.uri}/{key} does not exist") from None
+        except OSError as e:
+            raise StoreError(f"cannot touch {self.uri}/{key}: {e}") from e
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -163,8 +170,11 @@ class LocalStore:
         yield from found
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
+        if not path.is_file():  # missing, or a directory of other objects: nothing to delete
+            return
         try:
-            self._path(key).unlink()
+            path.unlink()
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -187,7 +197,7 @@ class LocalStore:
 
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_dirs(path.parent)
             tmp = path.parent / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -197,6 +207,21 @@ class LocalStore:
             return tmp
         except OSError as e:
             raise StoreError(f"cannot write under {path.parent}: {e}") from e
+
+    def _make_dirs(self, directory: Path) -> None:
+        """mkdir -p, flushing each new directory's entry so a committed path survives power loss."""
+        if directory.is_dir():
+            return
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for new in reversed(missing):
+            try:
+                new.mkdir()
+            except FileExistsError:  # a concurrent writer made it
+                pass
+            self._sync_dir(new.parent)
 
     def _sync_dir(self, directory: Path) -> None:
         if not self.fsync:

@@ -1,0 +1,106 @@
+"""Shared fixtures: stores, small model-like state dicts, realistic sparse perturbations.
+
+`store` is the fixture the store contract suite runs against; it is parametrized over every
+backend in STORE_KINDS (adding a backend means adding its name there and a branch in
+`_open_store_kind`). `tmp_store` is always a LocalStore, for tests that need a real directory.
+Helpers that tests call (`make_state_dict`, `perturb`, `published_view`, `assert_bit_equal`)
+are fixtures returning plain functions, so test modules never import conftest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.store import LocalStore
+
+STORE_KINDS = ["local"]  # a later S3 backend (moto server on 127.0.0.1) adds "s3" here
+
+
+def _open_store_kind(kind: str, tmp_path):
+    if kind == "local":
+        return LocalStore(tmp_path / "store")
+    raise AssertionError(f"no fixture for store kind {kind!r}")
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request, tmp_path):
+    """An empty store of every kind the contract suite covers."""
+    return _open_store_kind(request.param, tmp_path)
+
+
+@pytest.fixture
+def tmp_store(tmp_path) -> LocalStore:
+    """An empty LocalStore in a fresh directory (tmp_path / "store")."""
+    return LocalStore(tmp_path / "store")
+
+
+# ------------------------------------------------------------------------------ state dicts
+
+
+def _make_state_dict(seed: int, *, width: int = 256, layers: int = 2) -> dict[str, torch.Tensor]:
+    """A small model-like state dict: fp32 matrices (a few thousand to ~200k elements), a 1-D
+    norm weight, an int64 buffer, a 0-dim tensor and an empty tensor."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {"embed.weight": torch.randn(64, width, generator=g) * 0.02}
+    for i in range(layers):
+        sd[f"layers.{i}.attn.qkv.weight"] = torch.randn(3 * width // 4, width, generator=g) * 0.05
+        sd[f"layers.{i}.mlp.up.weight"] = torch.randn(width * 3, width, generator=g) * 0.05  # ~197k
+        sd[f"layers.{i}.norm.weight"] = 1.0 + 0.1 * torch.randn(width, generator=g)
+    sd["position_ids"] = torch.arange(128, dtype=torch.int64).reshape(1, 128) + seed
+    sd["logit_scale"] = torch.tensor(2.5 + seed)  # 0-dim
+    sd["empty.bias"] = torch.empty(0, 16)
+    return sd
+
+
+def _perturb(state_dict: dict, fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of `state_dict` with ~`fraction` of each float tensor's elements multiplied by
+    (1 + 1e-3 * randn): an optimizer step, mostly below a bf16 ULP, so casts differ sparsely."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state_dict.items():
+        t = t.clone()
+        if t.is_floating_point() and t.numel():
+            mask = torch.rand(t.shape, generator=g) < fraction
+            factor = 1.0 + 1e-3 * torch.randn(t.shape, generator=g)
+            t = torch.where(mask, t * factor.to(t.dtype), t)
+        out[name] = t
+    return out
+
+
+def _published_view(state_dict: dict, cast_floats_to: torch.dtype | None = torch.bfloat16) -> dict:
+    """What a publisher with `cast_floats_to` publishes: floats cast, everything else as is."""
+    return {
+        name: t.to(cast_floats_to) if cast_floats_to is not None and t.is_floating_point() else t.clone()
+        for name, t in state_dict.items()
+    }
+
+
+def _assert_bit_equal(actual: dict, expected: dict) -> None:
+    """Same names, dtypes, shapes and bit patterns (NaN payloads and -0.0 included)."""
+    assert sorted(actual) == sorted(expected)
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.dtype == want.dtype, name
+        assert tuple(got.shape) == tuple(want.shape), name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+@pytest.fixture
+def make_state_dict():
+    return _make_state_dict
+
+
+@pytest.fixture
+def perturb():
+    return _perturb
+
+
+@pytest.fixture
+def published_view():
+    return _published_view
+
+
+@pytest.fixture
+def assert_bit_equal():
+    return _assert_bit_equal
