@@ -111,8 +111,8 @@ def encode_chunk(
     raw_digest = xxh3_digest(new)
     count = new.nbytes // dtype.itemsize
     if old is None:
-        payload = codec.encode_full(new, dtype.itemsize)
-        codec_id, changed, zstd_level = codec.CODEC_FULL, count, codec.FULL_ZSTD_LEVEL
+        payload = codec.encode_full(new, dtype.itemsize, zstd_level)
+        codec_id, changed = codec.CODEC_FULL, count
     else:
         result = codec.encode_delta(new, old, dtype.itemsize, zstd_level)
         if result is None:

@@ -36,8 +36,7 @@ CODEC_SPARSE = 3
 CODEC_NAMES = {CODEC_FULL: "full", CODEC_XOR: "xor", CODEC_SPARSE: "sparse"}
 CODEC_IDS = {name: codec_id for codec_id, name in CODEC_NAMES.items()}
 
-DEFAULT_ZSTD_LEVEL = 3
-FULL_ZSTD_LEVEL = 1  # full chunks use a tuned level-1 profile, see _plane_compressor
+DEFAULT_ZSTD_LEVEL = 1
 MAX_ZSTD_LEVEL = 22
 MAX_STREAMS = 16
 _GAP_ESCAPE = 255
@@ -53,23 +52,23 @@ _local = threading.local()
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    # ZstdCompressor is not thread-safe; one per thread and level, reused across chunks.
+    """zstd tuned for planes and streams of weight bits (one per thread: not thread-safe).
+
+    These streams are nearly match-free (skewed symbols, not repeated strings), so short matches
+    only get in the way of zstd's entropy coder: a 7-byte minimum match is both smaller and
+    faster at every level (measured on bf16 RL deltas: value planes -14 %, full planes -20 %
+    and 2-3x faster than stock level 3). Level 1 also uses the fast strategy with tiny tables.
+    """
     cache = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        if level <= 1:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                1, strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=8, search_log=1, write_content_size=True
+            )
+        else:
+            params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7, write_content_size=True)
+        cache[level] = zstandard.ZstdCompressor(compression_params=params)
     return cache[level]
-
-
-def _plane_compressor() -> zstandard.ZstdCompressor:
-    """For the planes of full chunks. Float planes are nearly match-free (exponent bytes are
-    skewed, mantissa bytes random), so zstd's fast strategy with 7-byte minimum matches leaves
-    its entropy coder to do the work: measured 2-3x faster and ~20 % smaller than level 3."""
-    if not hasattr(_local, "plane_compressor"):
-        params = zstandard.ZstdCompressionParameters.from_level(
-            FULL_ZSTD_LEVEL, strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=8, search_log=1, write_content_size=True
-        )
-        _local.plane_compressor = zstandard.ZstdCompressor(compression_params=params)
-    return _local.plane_compressor
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -200,9 +199,9 @@ def _join_planes(planes: list[bytes], out: np.ndarray, itemsize: int, xor: bool)
 # ----------------------------------------------------------------------------------- encode
 
 
-def encode_full(raw: np.ndarray, itemsize: int) -> bytes:
+def encode_full(raw: np.ndarray, itemsize: int, level: int = DEFAULT_ZSTD_LEVEL) -> bytes:
     """Payload of the `full` codec for the raw bytes of a chunk."""
-    return _pack_streams(_planes(raw, itemsize), _plane_compressor())
+    return _pack_streams(_planes(raw, itemsize), _compressor(level))
 
 
 def encode_delta(
@@ -256,7 +255,9 @@ def _encode_sparse(
     gaps = np.diff(positions, prepend=-1)
     gaps -= 1
     gap_bytes = np.minimum(gaps, _GAP_ESCAPE).astype(np.uint8)
-    overflow = gaps[gaps >= _GAP_ESCAPE].astype("<u4")
+    # Long gaps: (gap - 255) as u32, stored as its 4 byte planes one after the other (the high
+    # planes are nearly all zero and vanish under zstd).
+    overflow = np.concatenate(_planes((gaps[gaps >= _GAP_ESCAPE] - _GAP_ESCAPE).astype(np.uint32), 4))
     values = x[positions]
     return _pack_streams([gap_bytes, overflow, *_planes(values, itemsize)], compressor)
 
@@ -301,7 +302,11 @@ def _decode_sparse(payload: bytes | memoryview, out: np.ndarray, itemsize: int, 
     if changed == 0:
         return
     gaps = gap_bytes.astype(np.int64)
-    gaps[escaped] = np.frombuffer(streams[1], dtype="<u4")
+    if n_overflow:
+        overflow = np.empty(n_overflow, dtype=np.uint32)
+        planes = [streams[1][k * n_overflow : (k + 1) * n_overflow] for k in range(4)]
+        _join_planes(planes, overflow.view(np.uint8), 4, xor=False)
+        gaps[escaped] = overflow.astype(np.int64) + _GAP_ESCAPE
     positions = np.cumsum(gaps + 1) - 1
     if positions[-1] >= count:
         raise FormatError(f"sparse position {int(positions[-1])} is outside the chunk of {count} elements")
