@@ -143,6 +143,7 @@ class Publisher:
         self._chain: _Chain | None = None
         self._loaded_parent = not self.config.parent_from_store
         self._last_job: dict | None = None
+        self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -156,7 +157,9 @@ class Publisher:
         t0 = time.perf_counter()
         self._slots.acquire()
         try:
-            snapshot = take_snapshot(state_dict, self.config.cast_floats_to)
+            with self._lock:
+                spare, self._spare = self._spare, None
+            snapshot = take_snapshot(state_dict, self.config.cast_floats_to, reuse=spare)
             snapshot_s = time.perf_counter() - t0
             with self._lock:
                 job = self._plan(snapshot, step)
@@ -256,7 +259,13 @@ class Publisher:
     def _run(self, job: dict) -> None:
         """Drives one version; its caller's future settles as soon as the outcome is known."""
         try:
-            job["future"].set_result(self._encode_and_commit(job))
+            result = self._encode_and_commit(job)
+            if job["parent_snapshot"] is not None:
+                # The parent has now served both its own version and this delta: reuse it.
+                # (Before settling the future, so the caller's next publish can have it.)
+                with self._lock:
+                    self._spare = job["parent_snapshot"]
+            job["future"].set_result(result)
         except BaseException as e:
             job["future"].set_exception(self._fail(job, e))
         finally:
