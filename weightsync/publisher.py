@@ -31,7 +31,7 @@ from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.dtypes import dtype_by_name
-from weightsync.errors import ObjectNotFound, PublishError, VersionConflict
+from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.manifest import (
     CODEC_SAME,
     KIND_DELTA,
@@ -239,8 +239,12 @@ class Publisher:
             return None
         from weightsync.reader import Reader  # reading back is the reader's job
 
-        manifests = resolve_chain(self.store, self.model, latest)
-        state = Reader(self.store, model=self.model, workers=self.config.workers).read(latest)
+        try:
+            manifests = resolve_chain(self.store, self.model, latest)
+            state = Reader(self.store, model=self.model, workers=self.config.workers).read(latest)
+        except WeightsyncError as e:  # an unreadable latest version must not stop publishing
+            log.warning("%s: cannot read v%d as delta parent (%s); publishing a full version", self.model, latest, e)
+            return None
         snapshot = {
             t.name: SnapshotTensor(dtype_by_name(t.dtype), t.shape, state.buffers[t.name])
             for t in state.manifest.tensors
