@@ -219,7 +219,7 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
             if i < config.baseline_pairs:
                 results, skipped = run_baselines(
                     checkpoint_bytes(old_sd), checkpoint_bytes(new_sd), tools=tools,
-                    patch_levels=config.patch_levels, zstd_level=config.zstd_level,
+                    patch_levels=config.patch_levels, zstd_level=3,  # stock zstd, as users run it
                 )
                 record["baselines"] = [r.as_dict() for r in results]
                 record["skipped"] = skipped
