@@ -332,7 +332,7 @@ def test_invalid_keys_write_nothing_outside_the_root(tmp_path, key):
         with pytest.raises(StoreError):
             call()
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    assert written == ["deep", "deep/store"]
+    assert written in ([], ["deep", "deep/store"])  # the root itself appears on first write at most
 
 
 # ----------------------------------------------------------------------------- open_store

@@ -87,11 +87,7 @@ class LocalStore:
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
         self.root = Path(root).resolve()
         self.uri = f"file://{self.root}"
-        self.fsync = fsync
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"cannot create store directory {self.root}: {e}") from e
+        self.fsync = fsync  # the directory is created by the first write, never by a reader
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"

@@ -1,0 +1,157 @@
+"""checkpoint_io: safetensors checkpoints in (files or an HF-style directory) and out.
+
+`open_checkpoint` returns a lazy read-only mapping, so publishing a checkpoint never holds it
+twice in memory: each tensor is read when the publisher's snapshot asks for it.
+`write_safetensors` writes `model.safetensors`, or HF-style shards plus an index, atomically:
+files appear under their final names only when complete. Not here: stores or versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from weightsync.errors import FormatError, LayoutError, StoreError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
+    """Tensor name -> tensor over one or more safetensors files, loaded on access."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files = files  # tensor name -> file holding it
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path = self._files[name]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise FormatError(f"cannot read tensor {name!r} from {path}: {e}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted(set(self._files.values()))
+
+
+def open_checkpoint(paths: list[str | os.PathLike] | str | os.PathLike) -> SafetensorsCheckpoint:
+    """Opens `.safetensors` files and/or HF-style directories as one checkpoint."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise LayoutError("no checkpoint given: pass .safetensors files or a directory")
+    files: dict[str, Path] = {}
+    for path in map(Path, paths):
+        for file in _checkpoint_files(path):
+            for name in _tensor_names(file):
+                if name in files:
+                    raise LayoutError(f"tensor {name!r} is in both {files[name]} and {file}")
+                files[name] = file
+    return SafetensorsCheckpoint(files)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise StoreError(f"checkpoint path {path} does not exist")
+    if path.is_file():
+        return [path]
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise FormatError(f"{index} is not a safetensors index with a weight_map: {e}") from None
+        files = []
+        for name in sorted(set(weight_map.values())):
+            file = (path / name).resolve()
+            if path.resolve() not in file.parents:
+                raise FormatError(f"{index} names {name!r}, which is outside {path}")
+            if not file.is_file():
+                raise StoreError(f"{index} names {name}, which does not exist")
+            files.append(file)
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LayoutError(f"{path} holds no .safetensors files")
+    return files
+
+
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise FormatError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def write_safetensors(
+    state_dict: Mapping[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    metadata: dict[str, str] | None = None,
+) -> list[Path]:
+    """Writes a checkpoint into `out_dir`; returns the files written (index last, if any).
+
+    Everything is written to a temporary directory next to `out_dir` and renamed into place, so
+    an interrupted write never leaves a partial file under a final name.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _plan_shards(state_dict, max_shard_bytes)
+    metadata = {k: str(v) for k, v in (metadata or {}).items()}
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-weightsync-", dir=out))
+    try:
+        written = []
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: state_dict[n].contiguous() for n in names}, str(tmp / file), metadata=metadata)
+            weight_map.update({n: file for n in names})
+            written.append(file)
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in (state_dict[n] for n in weight_map))
+            index = {"metadata": {"total_size": total, **metadata}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
+            written.append(INDEX_NAME)
+        for file in written:
+            os.replace(tmp / file, out / file)
+        # A previous checkpoint in the same directory (other shard count) must not linger.
+        for stale in [*out.glob("model-*-of-*.safetensors"), out / INDEX_NAME, out / SINGLE_NAME]:
+            if stale.name not in written and stale.exists():
+                stale.unlink()
+        return [out / file for file in written]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    if max_shard_bytes < 1:
+        raise ValueError("max_shard_bytes must be positive")
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in state_dict:
+        nbytes = state_dict[name].numel() * state_dict[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards

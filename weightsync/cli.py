@@ -1,0 +1,357 @@
+"""cli: the `weightsync` command — publish, pull, ls, verify, gc, demo.
+
+Thin: each subcommand parses its flags, calls the library, and prints either a human summary
+or (with --json) one JSON document on stdout. Exit code 0 only on success; errors print one line
+`weightsync: error: ...` on stderr and exit 1 (argparse's usage errors exit 2). Heavy modules
+(torch, numpy) are imported inside the handlers, so `--help` is instant.
+
+Adding a subcommand: write `_cmd_NAME(args) -> dict` and its `_add_NAME(subparsers)`, and list
+the latter in `_SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+log = logging.getLogger("weightsync.cli")
+
+
+# ------------------------------------------------------------------------------ utilities
+
+
+class _Progress:
+    """A tqdm bar on stderr over bytes, or nothing when stderr is not a terminal or with --json."""
+
+    def __init__(self, args: argparse.Namespace, total: int, desc: str) -> None:
+        self._bar = None
+        if not args.json and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+    def __call__(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _store(args: argparse.Namespace):
+    from weightsync.store import open_store
+
+    return open_store(args.store)
+
+
+def _manifest_row(manifest) -> dict[str, Any]:
+    raw, stored = manifest.raw_bytes, manifest.stored_bytes
+    return {
+        "version": manifest.version,
+        "kind": manifest.kind,
+        "parent": manifest.parent,
+        "base": manifest.base,
+        "step": manifest.step,
+        "created": datetime.datetime.fromtimestamp(manifest.created_unix_ms / 1000, datetime.timezone.utc)
+        .isoformat(timespec="seconds"),
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "ratio": raw / stored if stored else None,
+        "tensors": len(manifest.tensors),
+        "digest": manifest.digest,
+    }
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+# ---------------------------------------------------------------------------- subcommands
+
+
+def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.checkpoint_io import open_checkpoint
+    from weightsync.publisher import PublisherConfig, publish_once
+
+    checkpoint = open_checkpoint(args.checkpoint)
+    config_kwargs: dict[str, Any] = {"chunk_bytes": int(args.chunk_mib * 2**20), "zstd_level": args.zstd_level}
+    if args.keep_dtypes:
+        config_kwargs["cast_floats_to"] = None
+    if args.workers:
+        config_kwargs["workers"] = args.workers
+    result = publish_once(_store(args), checkpoint, model=args.model, step=args.step,
+                          config=PublisherConfig(**config_kwargs))
+    row = _manifest_row(result.manifest)
+    row.update(
+        model=args.model,
+        manifest_bytes=result.manifest_bytes,
+        ratio=result.ratio,
+        changed_elements=result.changed_elements,
+        total_elements=result.total_elements,
+        seconds=result.total_s,
+    )
+    if not args.json:
+        on_parent = "" if row["parent"] is None else f" on v{row['parent']}"
+        print(
+            f"published {args.model} v{row['version']} ({row['kind']}{on_parent}): {_mb(row['raw_bytes'])} -> "
+            f"{_mb(row['stored_bytes'] + row['manifest_bytes'])} ({row['ratio']:.1f}x) in {row['seconds']:.2f} s"
+        )
+    return row
+
+
+def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.checkpoint_io import write_safetensors
+    from weightsync.reader import Reader
+    from weightsync.versions import read_manifest
+
+    reader = Reader(_store(args), model=args.model, workers=args.workers)
+    version = args.version or reader.latest()
+    if version is None:
+        from weightsync.errors import VersionNotFound
+
+        raise VersionNotFound(f"{args.model} has no versions in {args.store}")
+    manifest = read_manifest(reader.store, args.model, version)
+    progress = _Progress(args, manifest.raw_bytes, f"pull v{version}")
+    try:
+        state = reader.read(version, progress=progress)
+    finally:
+        progress.close()
+    files = write_safetensors(
+        state.state_dict(), args.out,
+        metadata={"weightsync_model": args.model, "weightsync_version": str(version), "weightsync_digest": manifest.digest},
+    )
+    row = {"model": args.model, "version": version, "digest": manifest.digest, "raw_bytes": manifest.raw_bytes,
+           "files": [str(f) for f in files]}
+    if not args.json:
+        print(f"pulled {args.model} v{version} ({_mb(manifest.raw_bytes)}, verified) into {args.out}: "
+              f"{', '.join(f.name for f in files)}")
+    return row
+
+
+def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
+    store = _store(args)
+    if args.model is None:
+        models = _list_models(store)
+        if not args.json:
+            print("\n".join(models) if models else f"no models in {store.uri}")
+        return {"store": store.uri, "models": models}
+    from weightsync.versions import list_versions, read_manifest
+
+    rows = [_manifest_row(read_manifest(store, args.model, v)) for v in list_versions(store, args.model)]
+    if not args.json:
+        if not rows:
+            print(f"{args.model} has no versions in {store.uri}")
+        else:
+            print(f"{'version':>7} {'kind':>5} {'parent':>6} {'base':>5} {'step':>7} {'created':>25} "
+                  f"{'raw':>12} {'stored':>12} {'ratio':>7}  digest")
+            for r in rows:
+                ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+                print(f"{r['version']:>7} {r['kind']:>5} {r['parent'] or '-':>6} {r['base']:>5} "
+                      f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_mb(r['raw_bytes']):>12} "
+                      f"{_mb(r['stored_bytes']):>12} {ratio:>7}  {r['digest'][:12]}")
+    return {"store": store.uri, "model": args.model, "versions": rows}
+
+
+def _list_models(store) -> list[str]:
+    """Models are the names under models/ that have a versions/ folder (a name may be org/name)."""
+    models = set()
+    for info in store.list("models/"):
+        parts = info.key.split("/")
+        for i in (2, 3):  # models/<name>/versions/... or models/<org>/<name>/versions/...
+            if len(parts) > i + 1 and parts[i] == "versions":
+                models.add("/".join(parts[1:i]))
+    return sorted(models)
+
+
+def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.errors import WeightsyncError
+    from weightsync.reader import Reader
+    from weightsync.versions import list_versions
+
+    reader = Reader(_store(args), model=args.model, workers=args.workers)
+    if args.all:
+        versions = list_versions(reader.store, args.model)
+    else:
+        latest = reader.latest()
+        versions = [args.version or latest] if (args.version or latest) else []
+    if not versions:
+        from weightsync.errors import VersionNotFound
+
+        raise VersionNotFound(f"{args.model} has no versions in {args.store}")
+    results = []
+    for version in versions:
+        try:
+            manifest = reader.verify(version)
+            results.append({"version": version, "ok": True, "digest": manifest.digest})
+        except WeightsyncError as e:
+            results.append({"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"})
+        if not args.json:
+            r = results[-1]
+            print(f"v{version}: {'ok' if r['ok'] else 'FAILED: ' + r['error']}")
+    failed = [r["version"] for r in results if not r["ok"]]
+    row = {"model": args.model, "versions": results, "ok": not failed}
+    if failed:
+        raise _Failed(row, f"{len(failed)} of {len(results)} versions failed verification: {failed}")
+    return row
+
+
+def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.retention import collect_garbage
+
+    plan = collect_garbage(_store(args), args.model, keep=args.keep, protect=set(args.protect),
+                           grace_s=args.grace_s, dry_run=args.dry_run)
+    row = {**plan.to_json(), "dry_run": args.dry_run}
+    if not args.json:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"{verb} versions {list(plan.delete_versions) or 'none'} and {len(plan.delete_objects)} objects "
+              f"({_mb(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
+              f"{plan.young_unreferenced} unreferenced objects younger than the grace period kept")
+    return row
+
+
+def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.demo import DemoConfig, run_demo
+
+    overrides = {k: getattr(args, k) for k in ("store", "steps", "lr", "out") if getattr(args, k) is not None}
+    summary = run_demo(DemoConfig(**overrides), echo=(lambda _: None) if args.json else print)
+    if not summary["all_bit_exact"]:
+        raise _Failed(summary, "some versions were not bit-exact")
+    return summary
+
+
+class _Failed(Exception):
+    """A subcommand that ran but whose result is a failure (its JSON is still printed)."""
+
+    def __init__(self, row: dict, message: str) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+# ------------------------------------------------------------------------------- parsers
+
+
+def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool | None = True) -> None:
+    if store:
+        parser.add_argument("--store", required=True, help="store URI: file://DIR or a directory path")
+    if model is True:
+        parser.add_argument("--model", required=True, help="model name, e.g. qwen3-0.6b-grpo or org/name")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+
+
+def _add_publish(sub) -> None:
+    p = sub.add_parser("publish", help="publish a checkpoint as the next version",
+                       description="Publish safetensors files or an HF-style directory as the model's next "
+                                   "version (a delta on the latest version when shapes allow).")
+    _common(p)
+    p.add_argument("checkpoint", nargs="+", help=".safetensors files or HF-style directories")
+    p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
+    p.add_argument("--chunk-mib", type=float, default=4.0, help="largest chunk in MiB (default 4)")
+    p.add_argument("--zstd-level", type=int, default=1, help="zstd level 1-22 (default 1: fast and small)")
+    p.add_argument("--keep-dtypes", action="store_true", help="keep float dtypes instead of casting to bf16")
+    p.add_argument("--workers", type=int, help="encode threads (default: CPU count)")
+    p.set_defaults(handler=_cmd_publish)
+
+
+def _add_pull(sub) -> None:
+    p = sub.add_parser("pull", help="rebuild a version and write it as safetensors",
+                       description="Rebuild a version from its base and deltas, verify every hash, and "
+                                   "write it as safetensors (sharded with an index above 5 GiB).")
+    _common(p)
+    p.add_argument("--version", type=int, help="version to pull (default: latest)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--workers", type=int, help="read threads (default: CPU count)")
+    p.set_defaults(handler=_cmd_pull)
+
+
+def _add_ls(sub) -> None:
+    p = sub.add_parser("ls", help="list models, or the versions of one model")
+    _common(p, model=None)
+    p.add_argument("--model", help="model whose versions to list (default: list models)")
+    p.set_defaults(handler=_cmd_ls)
+
+
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="rebuild versions and check every hash",
+                       description="Rebuild versions and check every chunk and digest; exit 1 if any fails.")
+    _common(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, help="version to verify (default: latest)")
+    which.add_argument("--all", action="store_true", help="verify every version")
+    p.add_argument("--workers", type=int, help="read threads (default: CPU count)")
+    p.set_defaults(handler=_cmd_verify)
+
+
+def _add_gc(sub) -> None:
+    p = sub.add_parser("gc", help="delete old versions and unreferenced chunks",
+                       description="Keep the newest N versions (and the bases and deltas they need, and any "
+                                   "protected version); delete the rest.")
+    _common(p)
+    p.add_argument("--keep", type=int, required=True, help="newest versions to keep (>= 1)")
+    p.add_argument("--protect", type=int, nargs="*", default=[], help="versions to keep regardless")
+    p.add_argument("--grace-s", type=float, default=3600.0,
+                   help="never delete unreferenced chunks younger than this (in-flight publishes; default 3600)")
+    p.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
+    p.set_defaults(handler=_cmd_gc)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="run the end-to-end demo on embedded defaults",
+                       description="Train a small model, publish every step, follow the versions from the "
+                                   "store and check each one bit for bit.")
+    _common(p, store=False, model=False)
+    p.add_argument("--store", help="store URI (default: file://weightsync-demo/store)")
+    p.add_argument("--steps", type=int, help="published training steps (default 12)")
+    p.add_argument("--lr", type=float, help="learning rate after warm-up (default 3e-6)")
+    p.add_argument("--out", help="summary JSON path (default weightsync-demo/summary.json)")
+    p.set_defaults(handler=_cmd_demo)
+
+
+_SUBCOMMANDS: list[Callable] = [_add_publish, _add_pull, _add_ls, _add_verify, _add_gc, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from weightsync import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="weightsync",
+        description="Lossless, chunked, verified weight deltas from an RL trainer to inference servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"weightsync {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from weightsync.errors import WeightsyncError
+
+    try:
+        row, code = args.handler(args), 0
+    except _Failed as e:
+        row, code = e.row, 1
+        print(f"weightsync: error: {e}", file=sys.stderr)
+    except (WeightsyncError, OSError, ValueError) as e:
+        print(f"weightsync: error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+        return 1
+    except KeyboardInterrupt:
+        print("weightsync: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(row, default=str))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
