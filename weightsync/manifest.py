@@ -284,6 +284,8 @@ def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str) -> ChunkRef:
     if not isinstance(c, dict):
         raise FormatError(f"{where} must be a JSON object")
     codec = c.get("codec")
+    if not isinstance(codec, str):
+        raise FormatError(f"{where}: codec must be a string, got {codec!r}")
     if codec == CODEC_SAME:
         _exact_keys(c, _SAME_CHUNK_KEYS, where)
         if kind == KIND_FULL:
