@@ -4,6 +4,7 @@ own errors (or parse), never anything else."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +16,9 @@ from weightsync.dtypes import dtype_by_name
 from weightsync.errors import WeightsyncError
 from weightsync.manifest import ChunkRef, Manifest, TensorEntry, compute_digest, parse_manifest
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# CI runs a bounded fuzz; WEIGHTSYNC_FUZZ_EXAMPLES=20000 runs a longer one.
+FUZZ = settings(max_examples=int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 BF16 = dtype_by_name("bfloat16")
 
 
