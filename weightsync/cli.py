@@ -27,7 +27,7 @@ log = logging.getLogger("weightsync.cli")
 class _Progress:
     """A tqdm bar on stderr over bytes, or nothing when stderr is not a terminal or with --json."""
 
-    def __init__(self, args: argparse.Namespace, total: int, desc: str) -> None:
+    def __init__(self, args: argparse.Namespace, total: int | None, desc: str) -> None:
         self._bar = None
         if not args.json and sys.stderr.isatty():
             from tqdm import tqdm
@@ -84,8 +84,12 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
         config_kwargs["cast_floats_to"] = None
     if args.workers:
         config_kwargs["workers"] = args.workers
-    result = publish_once(_store(args), checkpoint, model=args.model, step=args.step,
-                          config=PublisherConfig(**config_kwargs))
+    progress = _Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
+    try:
+        result = publish_once(_store(args), checkpoint, model=args.model, step=args.step,
+                              config=PublisherConfig(**config_kwargs), progress=progress)
+    finally:
+        progress.close()
     row = _manifest_row(result.manifest)
     row.update(
         model=args.model,
@@ -184,9 +188,15 @@ def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 
         raise VersionNotFound(f"{args.model} has no versions in {args.store}")
     results = []
+    from weightsync.versions import read_manifest
+
     for version in versions:
         try:
-            manifest = reader.verify(version)
+            progress = _Progress(args, read_manifest(reader.store, args.model, version).raw_bytes, f"verify v{version}")
+            try:
+                manifest = reader.verify(version, progress=progress)
+            finally:
+                progress.close()
             results.append({"version": version, "ok": True, "digest": manifest.digest})
         except WeightsyncError as e:
             results.append({"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"})

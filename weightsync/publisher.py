@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
@@ -148,8 +148,14 @@ class Publisher:
 
     # ------------------------------------------------------------------------------ public
 
-    def publish(self, state_dict: Mapping, *, step: int | None = None) -> cf.Future[PublishResult]:
-        """Snapshots `state_dict` now; returns a Future of the committed version."""
+    def publish(
+        self, state_dict: Mapping, *, step: int | None = None, progress: Callable[[int], None] | None = None
+    ) -> cf.Future[PublishResult]:
+        """Snapshots `state_dict` now; returns a Future of the committed version.
+
+        `progress`, if given, is called from a background thread with the raw bytes of each
+        chunk as it is encoded and stored.
+        """
         if self._closed:
             raise PublishError("publisher is closed")
         if step is not None and (not isinstance(step, int) or step < 0):
@@ -164,7 +170,7 @@ class Publisher:
             with self._lock:
                 job = self._plan(snapshot, step)
                 job.update(
-                    t0=t0, snapshot_s=snapshot_s, previous=self._last_job,
+                    t0=t0, snapshot_s=snapshot_s, previous=self._last_job, progress=progress,
                     future=cf.Future(), finished=threading.Event(),
                 )
                 worker = self._version_pool.submit(self._run, job)
@@ -309,6 +315,8 @@ class Publisher:
                 refs = []
                 for f in chunk_futures:
                     ref, n_changed = f.result()
+                    if job["progress"] is not None:
+                        job["progress"]((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
                     refs.append(ref)
                     changed += n_changed
                 tensor = snapshot[name]
@@ -408,7 +416,8 @@ class Publisher:
 
 
 def publish_once(store: Store, state_dict: Mapping, *, model: str, step: int | None = None,
-                 config: PublisherConfig | None = None) -> PublishResult:
+                 config: PublisherConfig | None = None, progress: Callable[[int], None] | None = None
+                 ) -> PublishResult:
     """Publishes one version and waits for its commit (what the CLI does)."""
     with Publisher(store, model=model, config=config) as publisher:
-        return publisher.publish(state_dict, step=step).result()
+        return publisher.publish(state_dict, step=step, progress=progress).result()
