@@ -78,14 +78,15 @@ def _chunks(snapshot: Snapshot) -> list[tuple[str, int, int]]:
     return out
 
 
-def _encode_all(new: Snapshot, old: Snapshot, threads: int, level: int) -> list[tuple]:
+def _encode_all(new: Snapshot, old: Snapshot | None, threads: int, level: int) -> list[tuple]:
+    """Every chunk of `new` encoded against `old` (full chunks when old is None)."""
+
     def one(item):
         name, start, stop = item
         t = new[name]
         size = t.dtype.itemsize
-        codec_id, raw, obj, _ = encode_chunk(
-            t.data[start * size : stop * size], old[name].data[start * size : stop * size], t.dtype, level
-        )
+        parent = None if old is None else old[name].data[start * size : stop * size]
+        codec_id, raw, obj, _ = encode_chunk(t.data[start * size : stop * size], parent, t.dtype, level)
         return name, start, stop, codec_id, raw, obj, None if obj is None else object_hash(obj)
 
     with cf.ThreadPoolExecutor(threads) as pool:
@@ -130,7 +131,7 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
         store = LocalStore(tmp, fsync=False)
         pconf = PublisherConfig(zstd_level=config.zstd_level, parent_from_store=False)
         with Publisher(store, model="bench", config=pconf) as publisher:
-            publisher.publish(old_sd).result()
+            full = publisher.publish(old_sd).result()
             delta = publisher.publish(new_sd).result()
         codecs: dict[str, int] = {}
         for t in delta.manifest.tensors:
@@ -141,6 +142,7 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
             manifest_bytes=delta.manifest_bytes,
             ratio=delta.ratio,
             chunk_codecs=codecs,
+            full_ratio=full.ratio,
         )
 
     encoded = _encode_all(new, old, 1, config.zstd_level)
@@ -159,6 +161,12 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
         result[f"encode_GBps_{threads}t"] = raw_bytes / enc_s / 1e9
         result[f"decode_apply_GBps_{threads}t"] = raw_bytes / dec_s / 1e9
         result.update(_measure_end_to_end(old_sd, new_sd, threads, config, raw_bytes))
+        # Full versions (the first one, and every rebase): no parent.
+        full_s = _median_time(lambda: _encode_all(new, None, threads, config.zstd_level), config.repeats)
+        full = _encode_all(new, None, threads, config.zstd_level)
+        full_dec_s = _median_time(lambda: _decode_all(full, buffers, new, threads), config.repeats)
+        result[f"full_encode_GBps_{threads}t"] = raw_bytes / full_s / 1e9
+        result[f"full_decode_GBps_{threads}t"] = raw_bytes / full_dec_s / 1e9
     return result
 
 
@@ -309,6 +317,11 @@ def markdown(record: dict) -> str:
             f"{e.get('decode_apply_GBps_1t', 0):.2f} GB/s | {e.get('decode_apply_GBps_2t', 0):.2f} GB/s | "
             f"{e.get('publish_GBps_2t', 0):.2f} GB/s | {e.get('reader_advance_GBps_2t', 0):.2f} GB/s |"
         )
+    first = record["pairs"][0]["ours"]
+    lines += ["", f"Full versions (first version and rebases): ratio {first['full_ratio']:.2f}x, encode "
+              f"{first.get('full_encode_GBps_1t', 0):.2f} / {first.get('full_encode_GBps_2t', 0):.2f} GB/s, "
+              f"decode {first.get('full_decode_GBps_1t', 0):.2f} / {first.get('full_decode_GBps_2t', 0):.2f} GB/s "
+              "on 1 / 2 threads."]
     lines += ["", "## Baselines on the same pairs (first pair of each lr)", "",
               "| lr | tool | ratio | encode s | decode s |", "|---|---|---|---|---|"]
     for p in record["pairs"]:
