@@ -104,12 +104,12 @@ def _pack_streams(streams: list[np.ndarray | bytes], compressor: zstandard.ZstdC
     return b"".join([bytes([len(streams)]), table, *frames])
 
 
-def _unpack_streams(payload: bytes | memoryview, expected_raw_lens: list[int | None]) -> list[bytes]:
+def _unpack_streams(payload: bytes | memoryview, expected_raw_lens: list[int | range]) -> list[bytes]:
     """Splits and decompresses the streams of a payload, refusing anything off-spec.
 
-    `expected_raw_lens[i]` is the length stream i must decompress to (None: any length up to the
-    chunk's size, checked by the caller). A frame is never allowed to allocate more than that:
-    its declared content size is checked before decompressing (the zstd-bomb defence).
+    `expected_raw_lens[i]` is the length stream i must decompress to, or a range of allowed
+    lengths when only a bound is known. A frame is never allowed to allocate more than that: its
+    declared content size is checked before decompressing (the zstd-bomb defence).
     """
     view = memoryview(payload)
     if len(view) < 1:
@@ -124,7 +124,7 @@ def _unpack_streams(payload: bytes | memoryview, expected_raw_lens: list[int | N
     offset = table_end
     for i, expected in enumerate(expected_raw_lens):
         raw_len, comp_len = _STREAM_ENTRY.unpack_from(view, 1 + i * _STREAM_ENTRY.size)
-        if expected is not None and raw_len != expected:
+        if raw_len not in (expected if isinstance(expected, range) else (expected,)):
             raise FormatError(f"stream {i} declares {raw_len} bytes, expected {expected}")
         if offset + comp_len > len(view):
             raise FormatError(f"stream {i} truncated: needs {comp_len} bytes, {len(view) - offset} left")
@@ -292,8 +292,9 @@ def _decode_sparse(payload: bytes | memoryview, out: np.ndarray, itemsize: int, 
     changed, _ = _STREAM_ENTRY.unpack_from(view, 1)
     if changed > count:
         raise FormatError(f"sparse payload claims {changed} changed elements in a chunk of {count}")
-    # The overflow stream's length depends on the gap bytes; check it after decoding them.
-    streams = _unpack_streams(view, [changed, None] + [changed] * itemsize)
+    # The overflow stream's exact length depends on the gap bytes: bound it now (4 bytes per
+    # changed element at most), check it exactly once they are decoded.
+    streams = _unpack_streams(view, [changed, range(0, 4 * changed + 1)] + [changed] * itemsize)
     gap_bytes = np.frombuffer(streams[0], dtype=np.uint8)
     escaped = gap_bytes == _GAP_ESCAPE
     n_overflow = int(np.count_nonzero(escaped))

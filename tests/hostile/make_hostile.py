@@ -198,6 +198,9 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
         "FormatError", "outside the chunk")
     add("chunk_sparse_overflow_length.bin", header(payload=streams((far, n), (overflow[:0], 0), (lo, n), (hi, n))),
         "FormatError", "overflow")
+    huge = zstandard.ZstdCompressor(level=19).compress(bytes(1 << 20))  # claims 1 MiB; the table claims 1 TiB
+    add("chunk_sparse_overflow_claims_huge.bin", header(payload=streams((far, n), (huge, 1 << 40), (lo, n), (hi, n))),
+        "FormatError", "stream 1 declares")
     add("chunk_sparse_too_many_changes.bin", header(payload=streams((gaps, COUNT + 1), (b"", 0), (lo, n), (hi, n))),
         "FormatError", "changed elements")
     add("chunk_full_codec_short_plane.bin", header(codec=1, payload=streams((lo, n), (hi, n))), "FormatError",
