@@ -146,7 +146,14 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
         return {"store": store.uri, "models": models}
     from weightsync.versions import list_versions, read_manifest
 
-    rows = [_manifest_row(read_manifest(store, args.model, v)) for v in list_versions(store, args.model)]
+    from weightsync.errors import WeightsyncError
+
+    rows = []
+    for version in list_versions(store, args.model):
+        try:
+            rows.append(_manifest_row(read_manifest(store, args.model, version)))
+        except WeightsyncError as e:  # one bad manifest must not hide the others
+            rows.append({"version": version, "error": f"{type(e).__name__}: {e}"})
     if not args.json:
         if not rows:
             print(f"{args.model} has no versions in {store.uri}")
@@ -154,6 +161,9 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{'version':>7} {'kind':>5} {'parent':>6} {'base':>5} {'step':>7} {'created':>25} "
                   f"{'raw':>12} {'stored':>12} {'ratio':>7}  digest")
             for r in rows:
+                if "error" in r:
+                    print(f"{r['version']:>7} UNREADABLE: {r['error']}")
+                    continue
                 ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
                 print(f"{r['version']:>7} {r['kind']:>5} {r['parent'] or '-':>6} {r['base']:>5} "
                       f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_mb(r['raw_bytes']):>12} "

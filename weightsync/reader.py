@@ -124,7 +124,7 @@ class Reader:
             state.buffers = {}
             for t in manifest.tensors:
                 buf = old.pop(t.name, None)
-                state.buffers[t.name] = buf if buf is not None and buf.nbytes == t.nbytes else np.empty(t.nbytes, np.uint8)
+                state.buffers[t.name] = buf if buf is not None and buf.nbytes == t.nbytes else _allocate(t, manifest)
             old.clear()
         else:
             if current is None or current.version != manifest.parent:
@@ -168,3 +168,13 @@ class Reader:
         if len(obj) != ref.size or object_hash(obj) != ref.object:
             raise IntegrityError(f"chunk object {key} in {self.store.uri} is corrupt (size or hash mismatch)")
         return obj
+
+
+def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:
+    try:
+        return np.empty(tensor.nbytes, np.uint8)
+    except MemoryError:
+        raise LayoutError(
+            f"{manifest.model} v{manifest.version}: cannot allocate {tensor.nbytes} bytes for {tensor.name!r} "
+            f"(the version holds {manifest.raw_bytes} bytes)"
+        ) from None
