@@ -114,11 +114,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.versions import read_manifest
 
     reader = Reader(_store(args), model=args.model, workers=args.workers)
-    version = args.version or reader.latest()
-    if version is None:
-        from weightsync.errors import VersionNotFound
-
-        raise VersionNotFound(f"{args.model} has no versions in {args.store}")
+    version = reader.resolve(args.version)
     manifest = read_manifest(reader.store, args.model, version)
     progress = _Progress(args, manifest.raw_bytes, f"pull v{version}")
     try:
@@ -183,23 +179,15 @@ def _list_models(store) -> list[str]:
 
 
 def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.errors import WeightsyncError
+    from weightsync.errors import VersionNotFound, WeightsyncError
     from weightsync.reader import Reader
-    from weightsync.versions import list_versions
+    from weightsync.versions import list_versions, read_manifest
 
     reader = Reader(_store(args), model=args.model, workers=args.workers)
-    if args.all:
-        versions = list_versions(reader.store, args.model)
-    else:
-        latest = reader.latest()
-        versions = [args.version or latest] if (args.version or latest) else []
+    versions = list_versions(reader.store, args.model) if args.all else [reader.resolve(args.version)]
     if not versions:
-        from weightsync.errors import VersionNotFound
-
         raise VersionNotFound(f"{args.model} has no versions in {args.store}")
     results = []
-    from weightsync.versions import read_manifest
-
     for version in versions:
         try:
             progress = _Progress(args, read_manifest(reader.store, args.model, version).raw_bytes, f"verify v{version}")

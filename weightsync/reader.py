@@ -67,7 +67,7 @@ class Reader:
 
     def read(self, version: int | None = None, *, progress: Progress | None = None) -> WeightsState:
         """The weights of `version` (default: latest), rebuilt from its base and verified."""
-        version = self._resolve(version)
+        version = self.resolve(version)
         chain = resolve_chain(self.store, self.model, version)
         state = WeightsState(manifest=None, buffers={})
         self._apply_chain(state, chain, progress)
@@ -75,7 +75,7 @@ class Reader:
 
     def advance(self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None) -> WeightsState:
         """Moves `state` to `version` in place, by deltas when its chain passes through it."""
-        version = self._resolve(version)
+        version = self.resolve(version)
         current = state.manifest
         if current is not None and current.version == version:
             return state
@@ -92,15 +92,16 @@ class Reader:
         """Reads `version` fully, checking every hash; returns its manifest."""
         return self.read(version, progress=progress).manifest
 
-    # ------------------------------------------------------------------------------ private
-
-    def _resolve(self, version: int | None) -> int:
+    def resolve(self, version: int | None = None) -> int:
+        """`version`, or the latest one when None; VersionNotFound if the model has none."""
         if version is not None:
             return version
         latest = self.latest()
         if latest is None:
             raise VersionNotFound(f"{self.model} has no versions in {self.store.uri}")
         return latest
+
+    # ------------------------------------------------------------------------------ private
 
     def _apply_chain(self, state: WeightsState, chain: list[Manifest], progress: Progress | None) -> None:
         for i, manifest in enumerate(chain):
