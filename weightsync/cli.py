@@ -243,10 +243,10 @@ class _Failed(Exception):
 # ------------------------------------------------------------------------------- parsers
 
 
-def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool | None = True) -> None:
+def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool = True) -> None:
     if store:
         parser.add_argument("--store", required=True, help="store URI: file://DIR or a directory path")
-    if model is True:
+    if model:
         parser.add_argument("--model", required=True, help="model name, e.g. qwen3-0.6b-grpo or org/name")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -279,7 +279,7 @@ def _add_pull(sub) -> None:
 
 def _add_ls(sub) -> None:
     p = sub.add_parser("ls", help="list models, or the versions of one model")
-    _common(p, model=None)
+    _common(p, model=False)  # --model is optional here
     p.add_argument("--model", help="model whose versions to list (default: list models)")
     p.set_defaults(handler=_cmd_ls)
 
