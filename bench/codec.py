@@ -41,8 +41,7 @@ from bench.baselines import checkpoint_bytes, checkpoint_u16, ensure_tools, entr
 from bench.checkpoints import CheckpointConfig, make_checkpoint_series, pair_stats
 from weightsync import __version__
 from weightsync.chunk import apply_chunk, encode_chunk, object_hash
-from weightsync.codec import CODEC_IDS, CODEC_NAMES, DEFAULT_ZSTD_LEVEL
-from weightsync.dtypes import dtype_by_name
+from weightsync.codec import DEFAULT_ZSTD_LEVEL
 from weightsync.hashing import xxh3_hex
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
@@ -153,8 +152,8 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
             np.copyto(buffers[name], t.data)
 
     for threads in config.threads:
-        enc_s = _median_time(lambda: _encode_all(new, old, threads, config.zstd_level), config.repeats)
-        dec_s = _median_time(lambda: _decode_all(encoded, buffers, new, threads), config.repeats, setup=reset)
+        enc_s = _median_time(lambda t=threads: _encode_all(new, old, t, config.zstd_level), config.repeats)
+        dec_s = _median_time(lambda t=threads: _decode_all(encoded, buffers, new, t), config.repeats, setup=reset)
         for name, t in new.items():  # the decode really rebuilt the new checkpoint
             if not np.array_equal(buffers[name], t.data):
                 raise AssertionError(f"decode of {name} is not bit-exact")
@@ -162,9 +161,9 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
         result[f"decode_apply_GBps_{threads}t"] = raw_bytes / dec_s / 1e9
         result.update(_measure_end_to_end(old_sd, new_sd, threads, config, raw_bytes))
         # Full versions (the first one, and every rebase): no parent.
-        full_s = _median_time(lambda: _encode_all(new, None, threads, config.zstd_level), config.repeats)
+        full_s = _median_time(lambda t=threads: _encode_all(new, None, t, config.zstd_level), config.repeats)
         full = _encode_all(new, None, threads, config.zstd_level)
-        full_dec_s = _median_time(lambda: _decode_all(full, buffers, new, threads), config.repeats)
+        full_dec_s = _median_time(lambda t=threads, f=full: _decode_all(f, buffers, new, t), config.repeats)
         result[f"full_encode_GBps_{threads}t"] = raw_bytes / full_s / 1e9
         result[f"full_decode_GBps_{threads}t"] = raw_bytes / full_dec_s / 1e9
     return result
@@ -272,8 +271,8 @@ def _summary(pairs: list[dict]) -> dict:
 
 
 def _versions() -> dict:
-    import zstandard
     import xxhash
+    import zstandard
 
     return {
         "weightsync": __version__, "python": platform.python_version(), "torch": torch.__version__,

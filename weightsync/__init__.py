@@ -23,7 +23,7 @@ _LAZY = {
     "read_manifest": "weightsync.versions",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__"] + list(_LAZY)  # lazy names, resolved by __getattr__
 
 
 def __getattr__(name: str):

@@ -16,7 +16,8 @@ import datetime
 import json
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("weightsync.cli")
 
@@ -140,9 +141,8 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
         if not args.json:
             print("\n".join(models) if models else f"no models in {store.uri}")
         return {"store": store.uri, "models": models}
-    from weightsync.versions import list_versions, read_manifest
-
     from weightsync.errors import WeightsyncError
+    from weightsync.versions import list_versions, read_manifest
 
     rows = []
     for version in list_versions(store, args.model):

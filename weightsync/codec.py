@@ -294,7 +294,7 @@ def _decode_sparse(payload: bytes | memoryview, out: np.ndarray, itemsize: int, 
         raise FormatError(f"sparse payload claims {changed} changed elements in a chunk of {count}")
     # The overflow stream's exact length depends on the gap bytes: bound it now (4 bytes per
     # changed element at most), check it exactly once they are decoded.
-    streams = _unpack_streams(view, [changed, range(0, 4 * changed + 1)] + [changed] * itemsize)
+    streams = _unpack_streams(view, [changed, range(4 * changed + 1)] + [changed] * itemsize)
     gap_bytes = np.frombuffer(streams[0], dtype=np.uint8)
     escaped = gap_bytes == _GAP_ESCAPE
     n_overflow = int(np.count_nonzero(escaped))

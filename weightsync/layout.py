@@ -16,7 +16,7 @@ from weightsync.errors import FormatError
 VERSION_DIGITS = 12
 MAX_VERSION = 10**VERSION_DIGITS - 1
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
-_VERSION_FILE = re.compile(r"(\d{%d})\.json" % VERSION_DIGITS)
+_VERSION_FILE = re.compile(rf"(\d{{{VERSION_DIGITS}}})\.json")
 _CHUNK_KEY = re.compile(r"chunks/([0-9a-f]{2})/([0-9a-f]{32})")
 
 

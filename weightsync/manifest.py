@@ -14,10 +14,10 @@ import json
 import math
 from typing import Any
 
+from weightsync.chunk import HEADER_SIZE, MAX_CHUNK_BYTES, max_object_bytes
 from weightsync.codec import CODEC_IDS
 from weightsync.dtypes import DType, dtype_by_name
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
-from weightsync.chunk import MAX_CHUNK_BYTES, HEADER_SIZE, max_object_bytes
 from weightsync.hashing import is_hash_hex, xxh3_hex
 from weightsync.layout import MAX_VERSION, check_model_name, chunk_key, is_chunk_key
 
