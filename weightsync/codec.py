@@ -38,7 +38,6 @@ CODEC_IDS = {name: codec_id for codec_id, name in CODEC_NAMES.items()}
 
 DEFAULT_ZSTD_LEVEL = 1
 MAX_ZSTD_LEVEL = 22
-MAX_STREAMS = 16
 _GAP_ESCAPE = 255
 _STREAM_ENTRY = struct.Struct("<QQ")  # raw length, compressed length
 
