@@ -89,3 +89,22 @@ def test_a_hostile_manifest_in_a_store_breaks_only_itself(tmp_path):
         plan_gc(store, "hostile", keep=1, grace_s=0)
     after = sorted((i.key, i.size) for i in store.list() if i.key != bad_key)
     assert after == before and list_versions(store, "hostile") == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "state, error, match",
+    [
+        ({"../escape": torch.ones(2)}, errors.FormatError, "'..' path segment"),
+        ({"/abs": torch.ones(2)}, errors.FormatError, "absolute"),
+        ({"c": torch.ones(2, dtype=torch.complex64)}, errors.UnsupportedFormatError, "unsupported dtype"),
+        ({"n": [1.0, 2.0]}, errors.LayoutError, "not a tensor"),
+        ({"s": torch.ones(3).to_sparse()}, errors.LayoutError, "dense"),
+    ],
+    ids=["traversal", "absolute", "complex", "list", "sparse"],
+)
+def test_hostile_state_dicts_are_refused_before_anything_is_written(tmp_path, state, error, match):
+    store = LocalStore(tmp_path / "store")
+    with Publisher(store, model="hostile") as publisher:
+        with pytest.raises(error, match=re.escape(match)):
+            publisher.publish({"ok": torch.ones(4), **state})
+    assert list(store.list()) == []
