@@ -40,6 +40,7 @@ from weightsync.manifest import (
     Manifest,
     TensorEntry,
     compute_digest,
+    parse_manifest,
 )
 from weightsync.store import Store
 from weightsync.tensors import Snapshot, SnapshotTensor, layout_of, take_snapshot
@@ -158,7 +159,7 @@ class Publisher:
         """
         if self._closed:
             raise PublishError("publisher is closed")
-        if step is not None and (not isinstance(step, int) or step < 0):
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         t0 = time.perf_counter()
         self._slots.acquire()
@@ -345,6 +346,7 @@ class Publisher:
             stats={"changed_elements": changed, "total_elements": total},
         )
         data = manifest.to_bytes()
+        parse_manifest(data)  # never commit a manifest a reader would refuse
         commit_manifest(self.store, manifest)
         commit_s = time.perf_counter() - t_commit
         stored = manifest.stored_bytes
