@@ -152,3 +152,38 @@ def test_every_zstd_level_decodes():
         out = old.copy()
         apply_chunk(obj, out, dtype_by_name("bfloat16"), raw_hex, codec_id)
         assert np.array_equal(out, new)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 2047, 2048, 2049, 4095, 4096, 4097, 6143]), min_size=1, max_size=4),
+    dtype_name=st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"]),
+    seed=st.integers(0, 2**16),
+)
+def test_publish_and_read_tensors_with_partial_last_chunks(tmp_path_factory, sizes, dtype_name, seed):
+    """Tensors whose sizes fall just around multiples of the chunk size, through the Publisher."""
+    from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.reader import Reader
+    from weightsync.store import LocalStore
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(seed)
+    first = {f"t{i}": torch.randint(-100, 100, (n,), generator=g).to(dtype) for i, n in enumerate(sizes)}
+    second = {}
+    for name, t in first.items():
+        changed = t.clone()
+        if t.numel():
+            index = torch.randint(0, t.numel(), (max(1, t.numel() // 50),), generator=g)
+            changed[index] = changed[index] + 1
+        second[name] = changed
+    store = LocalStore(tmp_path_factory.mktemp("store"), fsync=False)
+    config = PublisherConfig(chunk_bytes=4096, cast_floats_to=None, parent_from_store=False)
+    with Publisher(store, model="edges", config=config) as publisher:
+        publisher.publish(first).result()
+        publisher.publish(second).result()
+    reader = Reader(store, model="edges")
+    for version, expected in ((1, first), (2, second)):
+        got = reader.read(version).state_dict()
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert got[name].dtype == expected[name].dtype and torch.equal(_bits(got[name]), _bits(expected[name]))
