@@ -90,3 +90,16 @@ def test_dry_run_deletes_nothing_and_crashed_temp_files_are_collected(tmp_path):
 def test_keep_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="at least 1"):
         plan_gc(LocalStore(tmp_path), MODEL, keep=0)
+
+
+def test_an_object_touched_after_planning_is_spared(tmp_path):
+    """A publisher reusing an old chunk touches it before committing; gc must not delete it."""
+    store = LocalStore(tmp_path)
+    _publish(store, 8, rebase_every=3)
+    _age_everything(store, 7200)
+    plan = plan_gc(store, MODEL, keep=2, grace_s=3600)
+    reused = plan.delete_objects[0]
+    store.touch(reused)  # what Publisher._write_object does for an existing chunk
+    apply_gc(store, plan, grace_s=3600)
+    assert store.exists(reused)
+    assert not any(store.exists(key) for key in plan.delete_objects[1:])

@@ -108,12 +108,17 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
     """Deletes what `plan` names: manifests first (oldest first), then objects.
 
     Manifests go first so that a crash midway leaves orphaned objects (collected next time),
-    never a manifest whose objects are gone.
+    never a manifest whose objects are gone. Objects are re-listed just before deletion: one
+    that a publisher touched since the plan was made (to reuse it in a version it is about to
+    commit) is young again and spared.
     """
     for version in plan.delete_versions:
         store.delete(layout.manifest_key(plan.model, version))
+    modified = {info.key: info.modified_unix_s for info in store.list(layout.chunks_prefix(plan.model))}
+    now = time.time()
     for key in plan.delete_objects:
-        store.delete(key)
+        if key in modified and now - modified[key] >= grace_s:
+            store.delete(key)
     if isinstance(store, LocalStore):
         now = time.time()
         for info in store.temp_files():
