@@ -89,11 +89,7 @@ class PublishResult:
     """What one publish committed, and what it cost."""
 
     manifest: Manifest
-    raw_bytes: int  # bytes of the published weights
-    stored_bytes: int  # bytes of the chunk objects the version names, manifest excluded
     manifest_bytes: int
-    changed_elements: int
-    total_elements: int
     snapshot_s: float  # the caller's wait
     encode_s: float  # encode + upload of all chunks
     commit_s: float  # wait for earlier versions + manifest write
@@ -102,6 +98,24 @@ class PublishResult:
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the published weights."""
+        return self.manifest.raw_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the chunk objects the version names, manifest excluded."""
+        return self.manifest.stored_bytes
+
+    @property
+    def changed_elements(self) -> int:
+        return self.manifest.stats["changed_elements"]
+
+    @property
+    def total_elements(self) -> int:
+        return self.manifest.stats["total_elements"]
 
     @property
     def ratio(self) -> float:
@@ -357,11 +371,7 @@ class Publisher:
                 job["totals"].delta_bytes += stored
         result = PublishResult(
             manifest=manifest,
-            raw_bytes=manifest.raw_bytes,
-            stored_bytes=stored,
             manifest_bytes=len(data),
-            changed_elements=changed,
-            total_elements=total,
             snapshot_s=job["snapshot_s"],
             encode_s=encode_s,
             commit_s=commit_s,
