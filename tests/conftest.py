@@ -9,24 +9,84 @@ are fixtures returning plain functions, so test modules never import conftest.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
 import pytest
 import torch
 
 from weightsync.store import LocalStore
 
-STORE_KINDS = ["local"]  # a later S3 backend (moto server on 127.0.0.1) adds "s3" here
+STORE_KINDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
 
 
-def _open_store_kind(kind: str, tmp_path):
-    if kind == "local":
-        return LocalStore(tmp_path / "store")
-    raise AssertionError(f"no fixture for store kind {kind!r}")
+@pytest.fixture(scope="session", autouse=True)
+def _no_real_aws():
+    """Scrub AWS settings so that no test can reach a real account or bucket."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.startswith("AWS_") and name != "AWS_CA_BUNDLE":
+                mp.delenv(name)
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_CONFIG_FILE", os.devnull)
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(_no_real_aws) -> str:
+    """A moto S3 server in its own process on 127.0.0.1, stopped (by PID) after the session."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start on {endpoint}") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def s3_store(s3_endpoint):
+    """An empty S3Store: a fresh bucket on the moto server, under a prefix."""
+    import boto3
+
+    from weightsync.s3_store import S3Store
+
+    bucket = f"ws-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    return S3Store(bucket, "prefix/run1", endpoint_url=s3_endpoint)
 
 
 @pytest.fixture(params=STORE_KINDS)
 def store(request, tmp_path):
     """An empty store of every kind the contract suite covers."""
-    return _open_store_kind(request.param, tmp_path)
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    return request.getfixturevalue("s3_store")
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""Publishes version after version of a ~6 MB model to a LocalStore until killed.
+"""Publishes version after version of a ~6 MB model to a store (a directory or s3:// URI) until killed.
 
 The child process of tests/test_crash.py, which SIGKILLs it at random points. Version v always
 holds `state_for(v)`, so the test can recompute what every committed version must hold. It
 continues from whatever the store holds (`parent_from_store`), so a restart after a kill writes
 a delta on the last committed version.
 
-    python tests/crash_publisher.py STORE_DIR [MAX_VERSIONS]
+    python tests/crash_publisher.py STORE_URI [MAX_VERSIONS]
 
 Prints "ready <first version>" when it starts publishing and "committed <v>" after each commit;
 exits 0 after MAX_VERSIONS versions (default: effectively forever).
@@ -54,10 +54,10 @@ def state_for(version: int) -> dict[str, torch.Tensor]:
 
 def main(root: str, max_versions: int) -> int:
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.store import LocalStore
+    from weightsync.store import open_store
     from weightsync.versions import latest_version
 
-    store = LocalStore(root)
+    store = open_store(root)
     config = PublisherConfig(chunk_bytes=CHUNK_BYTES, workers=2, max_in_flight=2, rebase_every=REBASE_EVERY,
                              rebase_chain_ratio=1e9)
     _base_state()

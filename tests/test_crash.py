@@ -11,6 +11,7 @@ and hold exactly the bf16 weights the child published for that version number.
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import signal
 import subprocess
@@ -77,20 +78,27 @@ def _check_store(store: LocalStore, model: str, expected: _Expected, seen: set[i
     return versions
 
 
-def _start(root: Path, log: Path, *extra: str) -> subprocess.Popen:
+def _start(root: str, log: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(root), *extra],
-        stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True,
+        [sys.executable, str(SCRIPT), root, *extra],
+        stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True, env=env,
     )
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path, request, kind):
     child = _load_child_module()
     expected = _Expected(child)
-    root, log = tmp_path / "store", tmp_path / "child-stderr.log"
-    store = LocalStore(root)
+    log = tmp_path / "child-stderr.log"
+    if kind == "local":
+        store, env = LocalStore(tmp_path / "store"), None
+    else:  # the child finds the moto server the standard way, through AWS_ENDPOINT_URL
+        store = request.getfixturevalue("s3_store")
+        env = {**os.environ, "AWS_ENDPOINT_URL": request.getfixturevalue("s3_endpoint")}
+    root = str(tmp_path / "store") if kind == "local" else store.uri
+    pace = 1.0 if kind == "local" else 6.0  # every request crosses HTTP to moto: stretch the kill times
     rng = random.Random(20240607)
     # (wait for "ready"?, seconds): the first kill lands before anything is published, some
     # land right after "ready" (while the child restores its parent from the store).
@@ -99,14 +107,14 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path)
     seen: set[int] = set()
     continued_by_delta = 0
     for wait_ready, delay in plan:
-        proc = _start(root, log)
+        proc = _start(root, log, env=env)
         first = None
         try:
             if wait_ready:
                 line = proc.stdout.readline()
                 assert line.startswith("ready "), f"child said {line!r}; stderr: {log.read_text()[-2000:]}"
                 first = int(line.split()[1])
-            time.sleep(delay)
+            time.sleep(delay * pace)
         finally:
             proc.send_signal(signal.SIGKILL)
             out, _ = proc.communicate(timeout=60)
@@ -120,7 +128,7 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path)
             continued_by_delta += manifest.kind == KIND_DELTA and manifest.parent == first - 1
 
     # After all the kills the publisher still works: a clean run commits three more versions.
-    proc = _start(root, log, "3")
+    proc = _start(root, log, "3", env=env)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, log.read_text()[-2000:]
     first = int(out.split()[1])

@@ -237,7 +237,7 @@ def _unlink_quietly(path: Path) -> None:
 
 
 def open_store(uri: str | os.PathLike, **options) -> Store:
-    """The store a URI names: `file://DIR` or a plain directory path.
+    """The store a URI names: `file://DIR`, a plain directory path, or `s3://BUCKET/PREFIX`.
 
     Raises StoreError on a scheme this build does not support, listing the ones it does.
     """
@@ -249,4 +249,8 @@ def open_store(uri: str | os.PathLike, **options) -> Store:
         if not rest:
             raise StoreError("file:// URI needs a directory, e.g. file:///data/weights")
         return LocalStore(rest, **options)
-    raise StoreError(f"unsupported store URI {text!r}; supported schemes: file:// (or a plain path)")
+    if scheme == "s3":
+        from weightsync.s3_store import open_s3  # boto3 loads only when S3 is used
+
+        return open_s3(rest, **options)
+    raise StoreError(f"unsupported store URI {text!r}; supported schemes: file:// (or a plain path), s3://")
