@@ -67,3 +67,42 @@ def test_cli_with_s3_uris(s3_store, s3_endpoint, tmp_path, capsys, monkeypatch):
     assert run("verify", "--store", uri, "--model", "m", "--all", "--json")["ok"] is True
     plan = run("gc", "--store", uri, "--model", "m", "--keep", "1", "--grace-s", "0", "--dry-run", "--json")
     assert plan["keep_versions"] == [1, 2] and plan["delete_versions"] == []
+
+
+def test_a_rerun_after_a_failed_commit_uploads_no_chunk_twice(s3_store, make_state_dict, published_view,
+                                                               assert_bit_equal):
+    """A publisher that dies after its chunks are durable but before its manifest (simulated by a
+    failing commit) leaves no version; the re-run commits it and re-uploads nothing."""
+    from weightsync.errors import PublishError, StoreError
+    from weightsync.s3_store import S3Store
+
+    class CountingS3Store(S3Store):
+        """Stands in for the same bucket seen by a publisher: counts writes, can fail commits."""
+
+        fail_commits = False
+        puts = 0
+
+        def put(self, key, data):
+            type(self).puts += 1
+            super().put(key, data)
+
+        def put_new(self, key, data):
+            if self.fail_commits:
+                raise StoreError("injected: died before the manifest")
+            super().put_new(key, data)
+
+    counting = CountingS3Store(s3_store.bucket, s3_store.prefix, endpoint_url=s3_store._client.meta.endpoint_url)
+    sd = make_state_dict(9)
+    config = PublisherConfig(chunk_bytes=16 * 1024)
+    counting.fail_commits = True
+    with Publisher(counting, model="m", config=config) as publisher:
+        with pytest.raises(PublishError):
+            publisher.publish(sd).result()
+    first_puts = CountingS3Store.puts
+    assert first_puts > 10 and list_versions(s3_store, "m") == []
+
+    counting.fail_commits = False
+    with Publisher(counting, model="m", config=config) as publisher:
+        assert publisher.publish(sd).result().version == 1
+    assert CountingS3Store.puts == first_puts, "the re-run uploaded chunks that were already in the store"
+    assert_bit_equal(Reader(s3_store, model="m").read(1).state_dict(), published_view(sd))
