@@ -1,34 +1,61 @@
-"""Golden bytes: the chunk header layout and the canonical manifest encoding are frozen by
-docs/format.md; these tests fail if either drifts.
+"""Golden bytes: the chunk object layout (docs/format.md, "Chunk objects") and the canonical
+manifest encoding and version digest (docs/format.md, "Manifest") are frozen; these tests fail if
+any of them drifts.
 
-The zstd frames inside payloads come from the zstandard library: if an upgrade changes them,
-the pinned object hashes below change while the headers and the decoded bytes do not. Then
-check that old objects still decode (the `test_old_object_still_decodes` test does) and update
-the pinned hashes in the same commit as the upgrade.
+What to do when a test here fails after a dependency upgrade:
+- Header fields, raw bytes, stream tables, manifest bytes and digests never depend on zstd: a
+  change there is a format change (bump a format version, update docs/format.md), not a fix.
+- The zstd frames inside payloads come from the zstandard library. If a zstandard upgrade changes
+  them, the pinned payload/object hashes change while headers and decoded bytes do not: check
+  that `test_pinned_objects_still_decode` passes (old objects must stay readable forever), then
+  update PAYLOAD_XXH3 / FULL_OBJECT_XXH3 / FULL_OBJECT_HEX / SPARSE_OBJECT_HEX in the same commit
+  as the upgrade, saying so in its message. Keep the old hex as a decode-only fixture if it
+  differs.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import struct
 
-from weightsync.chunk import HEADER, apply_chunk, encode_chunk, object_hash, unpack_chunk
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from weightsync.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, object_hash, unpack_chunk
+from weightsync.codec import CODEC_FULL, CODEC_SPARSE
 from weightsync.dtypes import dtype_by_name
-from weightsync.manifest import ChunkRef, Manifest, TensorEntry, compute_digest, parse_manifest
-from weightsync.tensors import raw_bytes
+from weightsync.hashing import xxh3_digest, xxh3_hex
+from weightsync.manifest import ChunkRef, Manifest, TensorEntry, canonical_json, compute_digest, parse_manifest
+from weightsync.tensors import raw_bytes, to_tensor
 
 BF16 = dtype_by_name("bfloat16")
+# +0, -0, 1, -1.5, pi (bf16-rounded), +inf, a subnormal (1e-40 -> 0x0001), a large finite value.
 VALUES = [0.0, -0.0, 1.0, -1.5, 3.140625, float("inf"), 1e-40, 65504.0]
+BITS = [0x0000, 0x8000, 0x3F80, 0xBFC0, 0x4049, 0x7F80, 0x0001, 0x4780]
 RAW_HEX = "00000080803fc0bf4940807f01008047"
 RAW_XXH3 = "f061486d5558d2791f748d20218e0565"
-# A sparse delta object (one element changed by one bit), byte for byte.
+
+# The `full` object of VALUES at zstd level 3. Its two 8-byte planes are incompressible, so zstd
+# stores them as raw blocks; the hashes below still depend on the zstandard version (see above).
+PAYLOAD_XXH3 = "dceadd6943f86999ec12603b7cb1e189"
+FULL_OBJECT_XXH3 = "e6d027a2d28b9aa07a29d6af77ac6e3d"
+FULL_OBJECT_HEX = (
+    "5753434b01000103010040000000000008000000000000004300000000000000"  # header 0..31
+    "f061486d5558d2791f748d20218e0565dceadd6943f86999ec12603b7cb1e189"  # header 32..63: raw, payload hashes
+    "02"  # two streams
+    "08000000000000001100000000000000" "08000000000000001100000000000000"  # (raw_len, comp_len) x 2
+    "28b52ffd" "20" "08" "410000" "000080c049800180"  # zstd magic, descriptor, size 8, raw block: plane 0
+    "28b52ffd" "20" "08" "410000" "00803fbf407f0047"  # the same for plane 1
+)
+
+# A sparse delta object (element 2 differed by its lowest bit from the parent), zstd level 1.
 SPARSE_OBJECT_HEX = (
     "5753434b01000301010040000000000008000000000000005f00000000000000"
     "f061486d5558d2791f748d20218e0565f8d356521506bebc3ac6cb30221c61a1"
     "0401000000000000000a000000000000000000000000000000000000000000000001000000000000000a00000000"
     "00000001000000000000000a0000000000000028b52ffd20010900000228b52ffd20010900000128b52ffd200109000000"
 )
-FULL_OBJECT_XXH3 = "1fb5135330e45b9eaa251920cb0fef44"
 
 
 def _raw() -> np.ndarray:
@@ -36,69 +63,178 @@ def _raw() -> np.ndarray:
 
 
 def test_raw_bytes_are_little_endian_bit_patterns():
-    assert _raw().tobytes().hex() == RAW_HEX
+    raw = _raw()
+    assert raw.tobytes().hex() == RAW_HEX
+    assert list(np.frombuffer(raw.tobytes(), "<u2")) == BITS
+    assert xxh3_digest(raw).hex() == RAW_XXH3
 
 
 def test_full_chunk_header_field_by_field():
-    codec_id, raw_hex, obj, changed = encode_chunk(_raw(), None, BF16, 1)
-    fields = HEADER.unpack_from(obj, 0)
-    magic, fmt, codec, level, dtype_code, flags, header_size, count, payload_len, raw_h, payload_h = fields
-    assert (magic, fmt, codec, level, dtype_code, flags, header_size) == (b"WSCK", 1, 1, 1, 1, 0, 64)
-    assert (count, payload_len, len(obj)) == (8, len(obj) - 64, 131)
-    assert raw_h.hex() == raw_hex == RAW_XXH3
-    assert (codec_id, changed) == (1, 8)
+    codec_id, raw_hex, obj, changed = encode_chunk(_raw(), None, BF16, 3)
+    assert (codec_id, raw_hex, changed) == (CODEC_FULL, RAW_XXH3, 8)
+    assert HEADER.size == HEADER_SIZE == 64
+    assert obj[0:4] == b"WSCK"  # magic
+    assert struct.unpack_from("<H", obj, 4) == (1,)  # format version
+    assert obj[6] == 1  # codec id: full
+    assert obj[7] == 3  # zstd level
+    assert obj[8] == 1  # dtype code: bfloat16
+    assert obj[9] == 0  # flags
+    assert struct.unpack_from("<H", obj, 10) == (64,)  # header size
     assert obj[12:16] == b"\0\0\0\0"  # reserved
-    assert object_hash(obj) == FULL_OBJECT_XXH3
+    assert struct.unpack_from("<Q", obj, 16) == (8,)  # element count
+    assert struct.unpack_from("<Q", obj, 24) == (len(obj) - 64,)  # payload length
+    assert obj[32:48] == bytes.fromhex(RAW_XXH3)  # raw xxh3-128, canonical big-endian digest
+    assert obj[48:64] == xxh3_digest(obj[64:])  # payload xxh3-128
+    assert obj[48:64].hex() == PAYLOAD_XXH3
+    assert object_hash(obj) == FULL_OBJECT_XXH3 == xxh3_hex(obj)
+    assert obj.hex() == FULL_OBJECT_HEX
+    # The same fields through the parser.
+    header, payload = unpack_chunk(obj)
+    assert (header.codec_id, header.zstd_level, header.dtype, header.count) == (CODEC_FULL, 3, BF16, 8)
+    assert (header.payload_bytes, header.raw_xxh3.hex(), header.payload_xxh3.hex()) == (67, RAW_XXH3, PAYLOAD_XXH3)
+    assert bytes(payload) == obj[64:]
+
+
+def test_full_payload_stream_table():
+    """The payload's framing (stream count and table) does not depend on zstd; the planes do not either."""
+    _, _, obj, _ = encode_chunk(_raw(), None, BF16, 3)
+    payload = obj[64:]
+    assert payload[0] == 2  # one stream per byte plane of a 2-byte element
+    (raw0, comp0), (raw1, comp1) = struct.iter_unpack("<QQ", payload[1:33])
+    assert (raw0, raw1) == (8, 8)
+    assert 33 + comp0 + comp1 == len(payload)
+    frames = payload[33 : 33 + comp0], payload[33 + comp0 :]
+    planes = [zstandard.ZstdDecompressor().decompress(f) for f in frames]
+    assert planes[0] == bytes(b & 0xFF for b in BITS)  # low bytes (mantissa)
+    assert planes[1] == bytes(b >> 8 for b in BITS)  # high bytes (sign, exponent)
 
 
 def test_sparse_delta_object_bytes():
     old = _raw().copy()
     old.view(np.uint16)[2] ^= 1
     codec_id, raw_hex, obj, changed = encode_chunk(_raw(), old, BF16, 1)
-    assert (codec_id, changed, raw_hex) == (3, 1, RAW_XXH3)
+    assert (codec_id, changed, raw_hex) == (CODEC_SPARSE, 1, RAW_XXH3)
     assert obj.hex() == SPARSE_OBJECT_HEX
 
 
-def test_old_object_still_decodes():
-    old = _raw().copy()
-    old.view(np.uint16)[2] ^= 1
-    apply_chunk(bytes.fromhex(SPARSE_OBJECT_HEX), old, BF16, RAW_XXH3, 3)
-    assert np.array_equal(old, _raw())
-    header, payload = unpack_chunk(bytes.fromhex(SPARSE_OBJECT_HEX))
-    assert header.count == 8 and len(payload) == 95
+@pytest.mark.parametrize("which", ["full", "sparse"])
+def test_pinned_objects_still_decode(which):
+    """Objects written by earlier builds stay readable whatever zstd version wrote them."""
+    if which == "full":
+        obj, out, codec_id = bytes.fromhex(FULL_OBJECT_HEX), np.full(16, 0xEE, np.uint8), CODEC_FULL
+    else:
+        obj, out, codec_id = bytes.fromhex(SPARSE_OBJECT_HEX), _raw().copy(), CODEC_SPARSE
+        out.view(np.uint16)[2] ^= 1
+    apply_chunk(obj, out, BF16, RAW_XXH3, codec_id)
+    assert out.tobytes().hex() == RAW_HEX
+    back = to_tensor(out, BF16, (8,))
+    assert torch.equal(back.view(torch.int16), torch.tensor(BITS, dtype=torch.int32).to(torch.int16))
 
 
-GOLDEN_MANIFEST = (
-    b'{"base":1,"created_unix_ms":1764000000000,"digest":"DIGEST","format":1,"kind":"delta",'
-    b'"model":"org/tiny","parent":1,"producer":{"name":"weightsync","version":"0.1.0"},'
-    b'"stats":{"changed_elements":1,"total_elements":9},"step":7,"tensors":['
-    b'{"chunks":[{"codec":"sparse","key":"chunks/1f/1fb5135330e45b9eaa251920cb0fef44",'
-    b'"object":"1fb5135330e45b9eaa251920cb0fef44","raw":"f061486d5558d2791f748d20218e0565","size":131,'
+# ------------------------------------------------------------------------------- manifests
+
+OBJ = FULL_OBJECT_XXH3
+GOLDEN_FULL_MANIFEST = (
+    b'{"base":1,"created_unix_ms":1764000000000,"digest":"60a2b2c2a9aee4d6698a44abbec9c24f","format":1,'
+    b'"kind":"full","model":"org/tiny","parent":null,'
+    b'"producer":{"host":"golden","name":"weightsync","version":"0.1.0"},'
+    b'"stats":{"changed_elements":9,"total_elements":9},"step":null,"tensors":['
+    b'{"chunks":[{"codec":"full","key":"chunks/e6/e6d027a2d28b9aa07a29d6af77ac6e3d",'
+    b'"object":"e6d027a2d28b9aa07a29d6af77ac6e3d","raw":"f061486d5558d2791f748d20218e0565","size":131,'
     b'"start":0,"stop":8}],"dtype":"bfloat16","name":"a.weight","shape":[2,4]},'
-    b'{"chunks":[{"codec":"same","raw":"00000000000000000000000000000001","start":0,"stop":1}],'
-    b'"dtype":"int64","name":"b.step","shape":[]}],"version":2}'
+    b'{"chunks":[],"dtype":"float32","name":"b.empty","shape":[0,3]},'
+    b'{"chunks":[{"codec":"full","key":"chunks/11/11111111111111111111111111111111",'
+    b'"object":"11111111111111111111111111111111","raw":"00000000000000000000000000000001","size":100,'
+    b'"start":0,"stop":1}],"dtype":"int64","name":"c.step","shape":[]}],"version":1}'
 )
-GOLDEN_DIGEST = "0794999e4c25a0a470ef03e5265b4fa5"
+GOLDEN_FULL_DIGEST = "60a2b2c2a9aee4d6698a44abbec9c24f"
+GOLDEN_FULL_DIGEST_DOC = (
+    b'[["a.weight","bfloat16",[2,4],[[0,8,"f061486d5558d2791f748d20218e0565"]]],["b.empty","float32",[0,3],[]],'
+    b'["c.step","int64",[],[[0,1,"00000000000000000000000000000001"]]]]'
+)
+
+GOLDEN_DELTA_MANIFEST = (
+    b'{"base":1,"created_unix_ms":1764000001234,"digest":"f6775f33b4f51579a9e849aa49bdc41b","format":1,'
+    b'"kind":"delta","model":"org/tiny","parent":1,"producer":{"name":"weightsync","version":"0.1.0"},'
+    b'"stats":{"changed_elements":3,"total_elements":9},"step":7,"tensors":['
+    b'{"chunks":[{"codec":"sparse","key":"chunks/33/33333333333333333333333333333333",'
+    b'"object":"33333333333333333333333333333333","raw":"22222222222222222222222222222222","size":95,'
+    b'"start":0,"stop":4},{"codec":"same","raw":"44444444444444444444444444444444","start":4,"stop":8}],'
+    b'"dtype":"bfloat16","name":"a.weight","shape":[2,4]},'
+    b'{"chunks":[],"dtype":"float32","name":"b.empty","shape":[0,3]},'
+    b'{"chunks":[{"codec":"xor","key":"chunks/66/66666666666666666666666666666666",'
+    b'"object":"66666666666666666666666666666666","raw":"55555555555555555555555555555555","size":90,'
+    b'"start":0,"stop":1}],"dtype":"int64","name":"c.step","shape":[]}],"version":2}'
+)
+GOLDEN_DELTA_DIGEST = "f6775f33b4f51579a9e849aa49bdc41b"
 
 
-def _golden_manifest() -> Manifest:
+def _full_manifest() -> Manifest:
     tensors = (
-        TensorEntry(name="a.weight", dtype="bfloat16", shape=(2, 4), chunks=(ChunkRef(
-            start=0, stop=8, codec="sparse", raw=RAW_XXH3, object=FULL_OBJECT_XXH3,
-            key=f"chunks/1f/{FULL_OBJECT_XXH3}", size=131),)),
-        TensorEntry(name="b.step", dtype="int64", shape=(), chunks=(
-            ChunkRef(start=0, stop=1, codec="same", raw="0" * 31 + "1"),)),
+        TensorEntry(name="a.weight", dtype="bfloat16", shape=(2, 4), chunks=(
+            ChunkRef(start=0, stop=8, codec="full", raw=RAW_XXH3, object=OBJ, key=f"chunks/e6/{OBJ}", size=131),)),
+        TensorEntry(name="b.empty", dtype="float32", shape=(0, 3), chunks=()),
+        TensorEntry(name="c.step", dtype="int64", shape=(), chunks=(
+            ChunkRef(start=0, stop=1, codec="full", raw="0" * 31 + "1", object="1" * 32,
+                     key="chunks/11/" + "1" * 32, size=100),)),
     )
     return Manifest(
-        model="org/tiny", version=2, parent=1, base=1, kind="delta", step=7, created_unix_ms=1764000000000,
-        tensors=tensors, digest=compute_digest(tensors), producer={"name": "weightsync", "version": "0.1.0"},
-        stats={"changed_elements": 1, "total_elements": 9},
+        model="org/tiny", version=1, parent=None, base=1, kind="full", step=None, created_unix_ms=1764000000000,
+        tensors=tensors, digest=GOLDEN_FULL_DIGEST,
+        producer={"host": "golden", "name": "weightsync", "version": "0.1.0"},
+        stats={"changed_elements": 9, "total_elements": 9},
     )
 
 
-def test_manifest_canonical_bytes_and_digest():
-    manifest = _golden_manifest()
-    assert manifest.digest == GOLDEN_DIGEST
-    data = manifest.to_bytes()
-    assert data == GOLDEN_MANIFEST.replace(b"DIGEST", GOLDEN_DIGEST.encode())
-    assert parse_manifest(data) == manifest
+def _delta_manifest() -> Manifest:
+    tensors = (
+        TensorEntry(name="a.weight", dtype="bfloat16", shape=(2, 4), chunks=(
+            ChunkRef(start=0, stop=4, codec="sparse", raw="2" * 32, object="3" * 32, key="chunks/33/" + "3" * 32,
+                     size=95),
+            ChunkRef(start=4, stop=8, codec="same", raw="4" * 32))),
+        TensorEntry(name="b.empty", dtype="float32", shape=(0, 3), chunks=()),
+        TensorEntry(name="c.step", dtype="int64", shape=(), chunks=(
+            ChunkRef(start=0, stop=1, codec="xor", raw="5" * 32, object="6" * 32, key="chunks/66/" + "6" * 32,
+                     size=90),)),
+    )
+    return Manifest(
+        model="org/tiny", version=2, parent=1, base=1, kind="delta", step=7, created_unix_ms=1764000001234,
+        tensors=tensors, digest=GOLDEN_DELTA_DIGEST, producer={"name": "weightsync", "version": "0.1.0"},
+        stats={"changed_elements": 3, "total_elements": 9},
+    )
+
+
+@pytest.mark.parametrize(
+    "build, golden, digest",
+    [(_full_manifest, GOLDEN_FULL_MANIFEST, GOLDEN_FULL_DIGEST),
+     (_delta_manifest, GOLDEN_DELTA_MANIFEST, GOLDEN_DELTA_DIGEST)],
+    ids=["full", "delta"],
+)
+def test_manifest_canonical_bytes_parse_and_digest(build, golden, digest):
+    manifest = build()
+    assert compute_digest(manifest.tensors) == digest
+    assert manifest.to_bytes() == golden
+    parsed = parse_manifest(golden)
+    assert parsed == manifest
+    assert parsed.to_bytes() == golden
+    assert parsed.digest == digest
+
+
+def test_version_digest_is_xxh3_of_the_documented_document():
+    """docs/format.md: xxh3-128 of canonical [[name, dtype, shape, [[start, stop, raw], ...]], ...]."""
+    manifest = _full_manifest()
+    doc = [[t.name, t.dtype, list(t.shape), [[c.start, c.stop, c.raw] for c in t.chunks]] for t in manifest.tensors]
+    assert canonical_json(doc) == GOLDEN_FULL_DIGEST_DOC
+    assert xxh3_hex(GOLDEN_FULL_DIGEST_DOC) == GOLDEN_FULL_DIGEST
+
+
+def test_digest_ignores_codecs_and_objects():
+    """Equal weights and chunking give equal digests, however they were encoded."""
+    delta = _delta_manifest()
+    recoded = tuple(
+        TensorEntry(name=t.name, dtype=t.dtype, shape=t.shape, chunks=tuple(
+            ChunkRef(start=c.start, stop=c.stop, codec="full", raw=c.raw, object="7" * 32,
+                     key="chunks/77/" + "7" * 32, size=1000) for c in t.chunks))
+        for t in delta.tensors
+    )
+    assert compute_digest(recoded) == GOLDEN_DELTA_DIGEST

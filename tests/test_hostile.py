@@ -1,11 +1,17 @@
-"""Every file in tests/hostile/ is refused with the error expected.json names (a subclass of the
-project's WeightsyncError, never a bare ValueError, zstd or recursion error), changes nothing it
-was applied to, and a hostile manifest in a store breaks nothing else there."""
+"""Hostile inputs: every file in tests/hostile/ is refused with the error class and message that
+expected.json names (always a WeightsyncError subclass, never a bare ValueError, KeyError,
+IndexError, zstd, recursion or memory error), a refused chunk leaves its output range untouched
+unless the failure is only detectable after decoding, and a hostile manifest in a store breaks
+nothing else there. Inputs too big to commit (a manifest over the size cap, nesting right at the
+interpreter's recursion limit) are built here at test time. The corpus is written by
+tests/hostile/make_hostile.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,49 +30,102 @@ from weightsync.versions import list_versions
 
 HOSTILE = Path(__file__).parent / "hostile"
 EXPECTED = json.loads((HOSTILE / "expected.json").read_text())
+MANIFESTS = sorted(name for name, spec in EXPECTED.items() if spec["kind"] == "manifest")
+CHUNKS = sorted(name for name, spec in EXPECTED.items() if spec["kind"] == "chunk")
 
 
-def test_corpus_is_complete():
-    files = {p.name for p in HOSTILE.iterdir() if p.suffix in (".json", ".bin") and p.name != "expected.json"}
-    assert files == set(EXPECTED)
-    assert len(EXPECTED) >= 50
+@pytest.fixture(scope="module")
+def make_hostile():
+    """The generator script, imported from its file (tests/hostile is not a package)."""
+    spec = importlib.util.spec_from_file_location("make_hostile", HOSTILE / "make_hostile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _parent(spec: dict) -> np.ndarray:
+    """The bytes the output range holds before the chunk is applied (make_hostile.parent)."""
     itemsize = dtype_by_name(spec["dtype"]).itemsize
+    assert itemsize == 2, "every hostile chunk is built around 2-byte elements"
     rng = np.random.default_rng(spec["parent_seed"])
-    return rng.integers(0, 256, spec["count"] * itemsize, dtype=np.uint8) if spec["parent_seed"] else \
-        np.random.default_rng(0).integers(0, 2**16, spec["count"], dtype=np.uint16).view(np.uint8).copy()
+    return rng.integers(0, 2**16, spec["count"], dtype=np.uint16).view(np.uint8).copy()
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED), ids=str)
-def test_hostile_input_is_refused_with_a_clear_error(name):
+def test_corpus_is_complete_and_small():
+    files = {p.name for p in HOSTILE.iterdir() if p.suffix in (".json", ".bin") and p.name != "expected.json"}
+    assert files == set(EXPECTED)
+    assert len(MANIFESTS) >= 60 and len(CHUNKS) >= 40
+    for name in files:
+        assert (HOSTILE / name).stat().st_size < 100_000, name
+    for spec in EXPECTED.values():
+        assert issubclass(getattr(errors, spec["error"]), errors.WeightsyncError)
+
+
+def test_committed_manifests_are_what_the_script_writes(make_hostile):
+    # Manifest files do not depend on zstd, so they must regenerate byte for byte. (Chunk files
+    # embed zstd frames and may legitimately differ after a zstandard upgrade.)
+    for name, (data, error, match) in make_hostile.manifests().items():
+        assert (HOSTILE / name).read_bytes() == data, name
+        assert EXPECTED[name] == {"kind": "manifest", "error": error, "match": match}
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_hostile_manifest_is_refused_with_a_clear_error(name):
     spec = EXPECTED[name]
-    data = (HOSTILE / name).read_bytes()
-    error = getattr(errors, spec["error"])
-    if spec["kind"] == "manifest":
-        with pytest.raises(error, match=re.escape(spec["match"])) as info:
-            parse_manifest(data)
-    else:
-        parent = _parent(spec)
-        out = parent.copy()
-        with pytest.raises(error, match=re.escape(spec["match"])) as info:
-            apply_chunk(data, out, dtype_by_name(spec["dtype"]), spec["raw"], spec["codec"])
-        if spec["error"] != "IntegrityError" or "decoded" not in spec["match"]:
-            assert np.array_equal(out, parent), "a refused chunk must not touch the buffer"
+    with pytest.raises(getattr(errors, spec["error"]), match=re.escape(spec["match"])) as info:
+        parse_manifest((HOSTILE / name).read_bytes())
     assert isinstance(info.value, errors.WeightsyncError)
 
 
+@pytest.mark.parametrize("name", CHUNKS)
+def test_hostile_chunk_is_refused_with_a_clear_error(name):
+    spec = EXPECTED[name]
+    data = (HOSTILE / name).read_bytes()
+    error = getattr(errors, spec["error"])
+    if spec["stage"] == "unpack":
+        with pytest.raises(error, match=re.escape(spec["match"])):
+            unpack_chunk(data)
+    else:
+        header, payload = unpack_chunk(data)  # the framing is valid: the failure comes later
+        assert len(payload) == header.payload_bytes
+    parent = _parent(spec)
+    out = parent.copy()
+    with pytest.raises(error, match=re.escape(spec["match"])) as info:
+        apply_chunk(data, out, dtype_by_name(spec["dtype"]), spec["raw"], spec["codec"])
+    assert isinstance(info.value, errors.WeightsyncError)
+    if not spec["touches"]:
+        assert np.array_equal(out, parent), "a chunk refused before decoding must not touch the range"
+
+
 def test_oversized_manifest_is_refused_before_parsing():
-    with pytest.raises(errors.FormatError, match="exceeds"):
-        parse_manifest(b" " * (MAX_MANIFEST_BYTES + 1))
+    valid = (HOSTILE / "manifest_bad_digest.json").read_bytes()  # any real manifest, padded past the cap
+    data = valid + b" " * (MAX_MANIFEST_BYTES + 1 - len(valid))
+    with pytest.raises(errors.FormatError, match=re.escape(f"manifest of {MAX_MANIFEST_BYTES + 1} bytes exceeds")):
+        parse_manifest(data)
+    at_cap = data[:MAX_MANIFEST_BYTES]  # exactly at the cap: not refused for its size
+    with pytest.raises(errors.WeightsyncError) as info:
+        parse_manifest(at_cap)
+    assert "exceeds" not in str(info.value)
 
 
-def test_chunk_framing_errors_leave_the_header_parser_consistent():
-    for name, spec in EXPECTED.items():
-        if spec["kind"] == "chunk" and spec["match"] in ("shorter than", "declares", "not a weightsync chunk"):
-            with pytest.raises(errors.FormatError):
-                unpack_chunk((HOSTILE / name).read_bytes())
+@pytest.mark.parametrize("field", ["producer", "stats"])
+def test_manifest_nested_up_to_the_recursion_limit_is_refused_cleanly(field):
+    """Nesting deep enough that json.loads still succeeds but re-encoding it (the size check on
+    producer/stats, the canonical check) runs out of stack: must be a FormatError, not a bare
+    RecursionError. Swept over every depth, since where the window lies depends on the stack."""
+    valid = (HOSTILE / "manifest_bad_digest.json").read_bytes()
+    prefix, rest = valid.split(f'"{field}":'.encode(), 1)
+    suffix = rest[rest.index(b"}") + 1 :]
+    bare = []
+    for depth in range(1, sys.getrecursionlimit() + 10):
+        data = prefix + f'"{field}":{{"x":'.encode() + b"[" * depth + b"]" * depth + b"}" + suffix
+        try:
+            parse_manifest(data)
+        except errors.WeightsyncError:
+            pass
+        except RecursionError:
+            bare.append(depth)
+    assert not bare, f"bare RecursionError from parse_manifest at {field} nesting depths {bare[0]}..{bare[-1]}"
 
 
 def test_a_hostile_manifest_in_a_store_breaks_only_itself(tmp_path):
@@ -104,7 +163,6 @@ def test_a_hostile_manifest_in_a_store_breaks_only_itself(tmp_path):
 )
 def test_hostile_state_dicts_are_refused_before_anything_is_written(tmp_path, state, error, match):
     store = LocalStore(tmp_path / "store")
-    with Publisher(store, model="hostile") as publisher:
-        with pytest.raises(error, match=re.escape(match)):
-            publisher.publish({"ok": torch.ones(4), **state})
+    with Publisher(store, model="hostile") as publisher, pytest.raises(error, match=re.escape(match)):
+        publisher.publish({"ok": torch.ones(4), **state})
     assert list(store.list()) == []

@@ -23,7 +23,7 @@ from weightsync.hashing import xxh3_digest, xxh3_hex
 CHUNK_MAGIC = b"WSCK"
 CHUNK_FORMAT_VERSION = 1  # 1: first release (full, xor, sparse codecs)
 SUPPORTED_CHUNK_FORMATS = (1,)
-HEADER = struct.Struct("<4sHBBBBH4xQQ16s16s")
+HEADER = struct.Struct("<4sHBBBBHIQQ16s16s")
 HEADER_SIZE = HEADER.size  # 64
 assert HEADER_SIZE == 64
 
@@ -59,6 +59,7 @@ def pack_chunk(
         dtype.code,
         0,  # flags, reserved
         HEADER_SIZE,
+        0,  # reserved
         count,
         len(payload),
         raw_xxh3,
@@ -72,7 +73,7 @@ def unpack_chunk(obj: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
     view = memoryview(obj)
     if len(view) < HEADER_SIZE:
         raise FormatError(f"chunk object of {len(view)} bytes is shorter than its {HEADER_SIZE}-byte header")
-    magic, fmt, codec_id, level, dtype_code, flags, header_size, count, payload_bytes, raw_h, payload_h = (
+    magic, fmt, codec_id, level, dtype_code, flags, header_size, reserved, count, payload_bytes, raw_h, payload_h = (
         HEADER.unpack_from(view, 0)
     )
     if magic != CHUNK_MAGIC:
@@ -83,6 +84,8 @@ def unpack_chunk(obj: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
         )
     if header_size != HEADER_SIZE or flags != 0:
         raise FormatError(f"chunk header size {header_size} / flags {flags} not valid for format {fmt}")
+    if reserved != 0:
+        raise FormatError(f"chunk header's reserved bytes must be zero, got {reserved:#x}")
     if codec_id not in codec.CODEC_NAMES:
         raise UnsupportedFormatError(f"unknown codec id {codec_id}; supported: {sorted(codec.CODEC_NAMES)}")
     if level > codec.MAX_ZSTD_LEVEL:

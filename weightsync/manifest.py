@@ -37,6 +37,7 @@ MAX_NDIM = 64
 MAX_TENSOR_BYTES = 1 << 46  # 64 TiB
 MAX_NAME_LEN = 1024
 MAX_FREEFORM_BYTES = 64 * 1024  # producer and stats objects
+MAX_FREEFORM_DEPTH = 32  # nesting inside producer/stats; deeper would let re-encoding overflow the stack
 
 _TOP_KEYS = {
     "format", "model", "version", "parent", "base", "kind", "step", "created_unix_ms",
@@ -340,9 +341,24 @@ def _exact_keys(doc: dict, allowed: set[str], what: str) -> None:
 
 
 def _freeform(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or len(canonical_json(value)) > MAX_FREEFORM_BYTES:
+    if not isinstance(value, dict) or _depth(value) > MAX_FREEFORM_DEPTH:
+        raise FormatError(f"{what} must be a JSON object nested at most {MAX_FREEFORM_DEPTH} levels deep")
+    if len(canonical_json(value)) > MAX_FREEFORM_BYTES:
         raise FormatError(f"{what} must be a JSON object of at most {MAX_FREEFORM_BYTES} bytes")
     return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, measured without recursion (json.loads accepts ~1000 levels)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_FREEFORM_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
