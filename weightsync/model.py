@@ -1,0 +1,357 @@
+"""model: a Llama / Qwen2 / Qwen3-style decoder in plain PyTorch, with Hugging Face tensor names.
+
+The one model definition the project shares: the trainer (`weightsync.trainer`) trains it and
+the reference inference server (`weightsync.agents`) serves it, and its checkpoints load in HF
+tooling and inference engines (`config.json` + safetensors, the names of `LlamaForCausalLM`,
+`Qwen2ForCausalLM` and `Qwen3ForCausalLM`). RMSNorm, RoPE (HF's half-split layout), grouped-query
+attention, SwiGLU, optional tied embeddings, optional q/k bias (Qwen2) and q/k norms (Qwen3).
+
+The module is an architecture; the weights can be handed in per call (`forward(..., weights=)`,
+via `torch.func.functional_call`) so that a server can swap a whole dict of tensors atomically
+and each request runs on exactly one version. `generate` keeps a KV cache.
+
+Not here: training (`trainer/`), sharding, anything about versions or stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_NAME = "config.json"
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The architecture, with the field names of an HF `config.json`."""
+
+    model_type: str = "qwen3"
+    """"llama", "qwen2" (q/k/v bias) or "qwen3" (per-head RMSNorm on q and k)."""
+    vocab_size: int = 256
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    """SwiGLU width."""
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    """Grouped-query attention: each k/v head serves num_attention_heads // num_key_value_heads."""
+    head_dim: int | None = None
+    """Per-head width; None (resolved at construction) means hidden_size // num_attention_heads."""
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    """The output projection reuses embed_tokens.weight (no lm_head.weight tensor)."""
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.model_type not in _ARCHITECTURES:
+            raise ValueError(f"model_type must be one of {sorted(_ARCHITECTURES)}, got {self.model_type!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError("hidden_size must be a multiple of num_attention_heads (or set head_dim)")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for RoPE")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `config.json` document HF transformers and inference engines read."""
+        doc = dataclasses.asdict(self)
+        doc.update(architectures=[_ARCHITECTURES[self.model_type]], torch_dtype="bfloat16",
+                   hidden_act="silu", attention_bias=self.model_type == "qwen2")
+        return doc
+
+    @classmethod
+    def from_hf(cls, doc: Mapping[str, Any]) -> ModelConfig:
+        """From an HF `config.json` document; fields this model does not use are ignored."""
+        model_type = doc.get("model_type", "llama")
+        if model_type not in _ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_ARCHITECTURES)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in doc.items() if k in names}
+        kwargs.setdefault("num_key_value_heads", doc.get("num_attention_heads", 1))
+        return cls(**kwargs)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as HF does, then cast back: bf16 variance loses too much precision.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # HF's layout: halves, not interleaved pairs
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, per layer (for incremental decoding)."""
+
+    def __init__(self, layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+
+    def length(self, layer: int = 0) -> int:
+        """Positions cached for `layer` (layers are filled in order during a forward pass)."""
+        keys = self.keys[layer]
+        return 0 if keys is None else keys.shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat((self.keys[layer], k), dim=2)
+            v = torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bias = c.model_type == "qwen2"
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
+        if c.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        past = 0
+        if cache is not None:
+            past = cache.length(self.layer)
+            k, v = cache.update(self.layer, k, v)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new queries see every cached position and the causal part of their own block
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The causal LM; `state_dict()` names match HF's `*ForCausalLM` for the config's model_type."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not a weight: not published
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """HF's initialisation: normal(0, initializer_range) for matrices, zero biases, unit norms."""
+        std = self.config.initializer_range
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    module.weight.normal_(0.0, std, generator=generator)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
+                weights: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits (batch, tokens, vocab) in fp32. `weights`: run on these tensors instead of the
+        module's own (names as in `state_dict()`); the module's parameters are not touched."""
+        if weights is not None:
+            return torch.func.functional_call(self, dict(weights), (input_ids,), {"cache": cache}, strict=False)
+        past = 0 if cache is None else cache.length()
+        t = input_ids.shape[1]
+        positions = torch.arange(past, past + t, dtype=torch.float32, device=input_ids.device)
+        freqs = torch.outer(positions, self.inv_freq.to(input_ids.device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache)
+        x = self.model.norm(x)
+        return F.linear(x, self.output_weight()).float()
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+        stop_token: int | None = None, generator: torch.Generator | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples continuations of a batch of equal-length prompts.
+
+        Returns (new tokens, their log-probabilities under the sampling distribution at
+        temperature 1, i.e. what a policy-gradient loss needs), each (batch, <= max_new_tokens).
+        Rows that produced `stop_token` keep emitting it. temperature 0 is greedy.
+        """
+        cache = KVCache(self.config.num_hidden_layers)
+        tokens, logprobs = [], []
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        step_input = input_ids
+        for _ in range(max_new_tokens):
+            logits = self.forward(step_input, cache=cache, weights=weights)[:, -1, :]
+            logp = torch.log_softmax(logits, dim=-1)
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1)
+            else:
+                scaled = logits / temperature
+                if top_k:
+                    kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                next_token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
+            if stop_token is not None:
+                next_token = torch.where(done, torch.full_like(next_token, stop_token), next_token)
+            tokens.append(next_token)
+            logprobs.append(logp.gather(1, next_token[:, None]).squeeze(1))
+            if stop_token is not None:
+                done |= next_token == stop_token
+                if bool(done.all()):
+                    break
+            step_input = next_token[:, None]
+        if not tokens:
+            empty = input_ids.new_empty(input_ids.shape[0], 0)
+            return empty, empty.float()
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def num_parameters(config: ModelConfig) -> int:
+    return sum(t.numel() for t in CausalLM(config).to("meta").state_dict().values())
+
+
+def build_model(config: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> CausalLM:
+    """An fp32 model initialised deterministically from `seed`."""
+    model = CausalLM(config).to(device)
+    model.reset_parameters(torch.Generator(device=device).manual_seed(seed))
+    return model
+
+
+def save_pretrained(directory: str | os.PathLike, config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
+                    *, dtype: torch.dtype | None = torch.bfloat16) -> list[Path]:
+    """Writes an HF-style directory: `config.json` and safetensors (floats cast to `dtype`)."""
+    from weightsync.checkpoint_io import write_safetensors
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: (t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()).contiguous()
+        for name, t in state_dict.items()
+    }
+    files = write_safetensors(tensors, directory)
+    tmp = directory / f".{CONFIG_NAME}.tmp"
+    tmp.write_text(json.dumps(config.to_hf(), indent=2, sort_keys=True))
+    os.replace(tmp, directory / CONFIG_NAME)
+    return files
+
+
+def load_config(directory: str | os.PathLike) -> ModelConfig:
+    path = Path(directory) / CONFIG_NAME
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"cannot read a model config from {path}: {e}") from e
+
+
+def load_pretrained(directory: str | os.PathLike, *, dtype: torch.dtype | None = None
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and weights of an HF-style directory, checked against the architecture.
+
+    Raises ValueError naming missing, unexpected or mis-shaped tensors.
+    """
+    from weightsync.checkpoint_io import open_checkpoint
+
+    config = load_config(directory)
+    checkpoint = open_checkpoint(directory)
+    expected = {name: tuple(t.shape) for name, t in CausalLM(config).to("meta").state_dict().items()}
+    missing = sorted(set(expected) - set(checkpoint))
+    unexpected = sorted(set(checkpoint) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{directory}: weights do not fit the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    weights = {}
+    for name, shape in expected.items():
+        tensor = checkpoint[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{directory}: {name} has shape {tuple(tensor.shape)}, the config needs {shape}")
+        weights[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return config, weights
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position: logits (b, t, v), targets (b, t) -> (b, t), in fp32."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
