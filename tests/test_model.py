@@ -90,3 +90,13 @@ def test_a_directory_that_does_not_fit_the_config_is_refused(tmp_path):
         load_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig(model_type="gpt2")
+
+
+def test_byte_tokenizer_round_trips_text_and_stops_at_eos():
+    from weightsync.model import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = tok.encode("12+30=42 é")
+    assert ids[0] == tok.BOS and max(ids) < tok.vocab_size
+    assert tok.decode(ids) == "12+30=42 é"
+    assert tok.decode([*tok.encode("ab", bos=False), tok.EOS, ord("c")]) == "ab"

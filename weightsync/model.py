@@ -289,6 +289,30 @@ class CausalLM(nn.Module):
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
+class ByteTokenizer:
+    """Bytes as tokens (ids 0-255) plus BOS, EOS and PAD: what the small demo and test models use.
+
+    Trainer, reference server and rollout workers share it, so a prompt means the same ids
+    everywhere. Models using it need vocab_size >= 259.
+    """
+
+    BOS, EOS, PAD = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        return ([self.BOS] if bos else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        """Text of the byte ids up to the first EOS; BOS/PAD are skipped."""
+        out = bytearray()
+        for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
+            if i == self.EOS:
+                break
+            if 0 <= i < 256:
+                out.append(i)
+        return out.decode("utf-8", errors="replace")
+
+
 def num_parameters(config: ModelConfig) -> int:
     return sum(t.numel() for t in CausalLM(config).to("meta").state_dict().values())
 
