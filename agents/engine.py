@@ -1,0 +1,92 @@
+"""engine: the one small interface between a sync agent and the inference engine beside it.
+
+The agent verifies a whole version, then hands its tensors to `Engine.swap`; the engine makes
+them the served weights atomically (no request ever runs on a mix of two versions) and reports
+how long requests were held back. Engines are chosen by a `type` field and built by
+`open_engine`, which raises on an unknown type.
+
+Two kinds of engine, told apart by `zero_copy`:
+- zero-copy (the in-process reference server): serves the very tensors it is handed. The agent
+  must not modify them while any request still runs on them; it asks `wait_unused(version)`
+  before it reuses that memory for a later version (double buffering).
+- copying (a safetensors directory + reload hook, a remote vLLM/SGLang): copies or persists the
+  tensors inside `swap` and keeps no reference, so the agent may reuse them as soon as `swap`
+  returns.
+
+Native vLLM/SGLang adapters (update weights over NCCL or from tensors) implement the same
+protocol. Not here: verifying, staging or fetching versions (the agent does that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwapReport:
+    """What one swap cost."""
+
+    version: int
+    pause_s: float
+    """Time during which new requests were held back (the pause clients see). For engines that
+    reload on their own (a remote server), the reload call's duration as the engine reports it."""
+    total_s: float
+    """The whole `swap` call: for copying engines this includes writing and the reload call."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The contract every engine adapter keeps (tests/test_engines.py runs it over each).
+
+    - `swap(version, weights, digest=...)` makes `weights` (HF tensor names -> tensors, every
+      tensor of the model) the served weights, atomically: a request sees either the previous
+      version or this one, entirely. It returns once new requests get `version`. On failure it
+      raises and the previous version stays served.
+    - `served_version()` is the version new requests get (None before the first swap).
+    - `wait_unused(version, timeout_s)` returns True once no request runs on `version`'s
+      tensors any more (immediately for copying engines); False on timeout.
+    - `close()` stops whatever the engine started; idempotent.
+    """
+
+    name: str
+    zero_copy: bool
+
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport: ...
+
+    def served_version(self) -> int | None: ...
+
+    def wait_unused(self, version: int, timeout_s: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+_FACTORIES: dict[str, Callable[[dict[str, Any]], Engine]] = {}
+
+
+def register_engine(type_name: str, factory: Callable[[dict[str, Any]], Engine]) -> None:
+    """Makes `open_engine({"type": type_name, ...})` call `factory(options)`."""
+    _FACTORIES[type_name] = factory
+
+
+def open_engine(config: Mapping[str, Any]) -> Engine:
+    """The engine a config names by its `type`; every other key is that engine's option.
+
+    Raises ValueError on an unknown type, listing the known ones.
+    """
+    _load_builtin_engines()
+    options = dict(config)
+    type_name = options.pop("type", None)
+    factory = _FACTORIES.get(type_name)
+    if factory is None:
+        raise ValueError(f"unknown engine type {type_name!r}; known: {sorted(_FACTORIES)}")
+    return factory(options)
+
+
+def _load_builtin_engines() -> None:
+    # Imported for their register_engine calls; lazily, so `import engine` stays light.
+    import weightsync.agents.reference_server  # noqa: F401
+    import weightsync.agents.safetensors_engine  # noqa: F401
