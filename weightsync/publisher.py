@@ -151,6 +151,12 @@ class Publisher:
         self.config = config or PublisherConfig()
         self._prefix = layout.model_prefix(model)
         self._encode_pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="ws-encode")
+        # Uploads wait on the network, not the CPU: their own pool, as wide as the store likes.
+        # The semaphore bounds encoded objects waiting for upload, so a slow store slows the
+        # encoders instead of piling a version's objects up in memory.
+        io_workers = max(1, int(getattr(store, "io_concurrency", 4)))
+        self._io_pool = cf.ThreadPoolExecutor(io_workers, thread_name_prefix="ws-upload")
+        self._pending_uploads = threading.BoundedSemaphore(2 * io_workers)
         self._version_pool = cf.ThreadPoolExecutor(self.config.max_in_flight, thread_name_prefix="ws-version")
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
         self._lock = threading.Lock()
@@ -207,6 +213,7 @@ class Publisher:
         self._closed = True
         self._version_pool.shutdown(wait=wait, cancel_futures=not wait)
         self._encode_pool.shutdown(wait=wait, cancel_futures=not wait)
+        self._io_pool.shutdown(wait=wait, cancel_futures=not wait)
 
     def __enter__(self) -> Publisher:
         return self
@@ -329,7 +336,9 @@ class Publisher:
             for name, chunk_futures in futures.items():
                 refs = []
                 for f in chunk_futures:
-                    ref, n_changed = f.result()
+                    ref, n_changed, upload = f.result()
+                    if upload is not None:
+                        upload.result()
                     if job["progress"] is not None:
                         job["progress"]((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
                     refs.append(ref)
@@ -403,20 +412,27 @@ class Publisher:
 
     def _encode_one(
         self, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int
-    ) -> tuple[ChunkRef, int]:
+    ) -> tuple[ChunkRef, int, cf.Future | None]:
+        """Encodes one chunk and queues its upload; returns (ref, changed elements, upload)."""
         size = tensor.dtype.itemsize
         new = tensor.data[start * size : stop * size]
         old = None if parent is None else parent[name].data[start * size : stop * size]
         codec_id, raw_hex, obj, changed = encode_chunk(new, old, tensor.dtype, self.config.zstd_level)
         if obj is None:
-            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0
+            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None
         obj_hash = object_hash(obj)
         key = layout.chunk_key(obj_hash)
-        self._write_object(self._prefix + key, obj)
         ref = ChunkRef(
             start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
         )
-        return ref, changed
+        self._pending_uploads.acquire()
+        try:
+            upload = self._io_pool.submit(self._write_object, self._prefix + key, obj)
+        except BaseException:
+            self._pending_uploads.release()
+            raise
+        upload.add_done_callback(lambda _: self._pending_uploads.release())
+        return ref, changed, upload
 
     def _write_object(self, key: str, obj: bytes) -> None:
         # Content-addressed: if it exists it holds these bytes. Touch it so that gc's grace

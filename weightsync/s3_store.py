@@ -35,6 +35,7 @@ class S3Store:
         *,
         endpoint_url: str | None = None,
         max_connections: int = 64,
+        io_concurrency: int = 32,
         max_attempts: int = 8,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
@@ -45,6 +46,7 @@ class S3Store:
         if not bucket:
             raise StoreError("s3:// URI needs a bucket, e.g. s3://my-bucket/weights")
         self.bucket = bucket
+        self.io_concurrency = io_concurrency  # object transfers are latency-bound: many in parallel
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         if self.prefix:
             check_key(self.prefix.rstrip("/"))

@@ -45,9 +45,12 @@ class Store(Protocol):
       raises ObjectNotFound if it is gone.
     - `list` yields every object under a key prefix in key order, with size and mtime.
     - `delete` removes an object; deleting a missing key is not an error.
+    - `io_concurrency` is how many transfers callers should run at once to use the backend well
+      (publisher uploads and reader fetches run on a pool of that size, apart from the CPU work).
     """
 
     uri: str
+    io_concurrency: int
 
     def get(self, key: str) -> bytes: ...
 
@@ -83,6 +86,8 @@ class LocalStore:
     create atomic) into place, and the directory entry is flushed. A crash leaves at most a
     stray `.tmp-*` file, which listing ignores and `gc` removes.
     """
+
+    io_concurrency = 4  # a local disk gains little from more parallel writes
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
         self.root = Path(root).resolve()
