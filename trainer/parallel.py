@@ -1,0 +1,180 @@
+"""parallel: process group, DeviceMesh and FSDP2 sharding of the decoder.
+
+`init_runtime` joins the process group torchrun describes (or reuses one that is already up),
+picks the device from LOCAL_RANK and the backend from it; `build_mesh` turns ParallelConfig's
+degrees into a DeviceMesh once; `build_sharded_model` makes the model on the meta device,
+applies activation checkpointing and `fully_shard` (each decoder layer, then the root),
+materialises only the local shards and loads the initial weights from rank 0.
+
+Not here: what the model computes (`weightsync.model`), the optimizer, checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from weightsync.trainer.config import ParallelConfig
+from weightsync.model import CausalLM, ModelConfig
+
+log = logging.getLogger(__name__)
+
+AXIS_REPLICATE = "dp_replicate"
+AXIS_SHARD = "dp_shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Where this process runs inside the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_process_group: bool
+    """True when init_runtime created the process group (and close_runtime should end it)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_runtime(config: ParallelConfig, *, timeout_s: float = 600.0) -> Runtime:
+    """Joins (or reuses) the default process group and picks this rank's device.
+
+    Under torchrun the environment names rank, world size and rendezvous; a plain
+    `python -m weightsync.trainer.train` runs as a world of one.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("parallel.device = \"cuda\" but CUDA is not available; use device = \"auto\" or \"cpu\"")
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    owns = not dist.is_initialized()
+    if owns:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend=_backend(config, use_cuda), timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
+
+
+def _backend(config: ParallelConfig, use_cuda: bool) -> str:
+    if config.backend == "gloo" or not use_cuda:
+        return "gloo"
+    if config.backend == "nccl" and not config.cpu_offload:
+        return "nccl"
+    # CPU-offloaded gradients are clipped (an all-reduce of CPU tensors) on the host: give CPU
+    # tensors a gloo group beside NCCL, as torchtitan does.
+    return "cuda:nccl,cpu:gloo"
+
+
+def close_runtime(runtime: Runtime) -> None:
+    if runtime.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_mesh(config: ParallelConfig, runtime: Runtime) -> DeviceMesh:
+    """A 1-D ("dp_shard",) mesh for FSDP, or 2-D ("dp_replicate", "dp_shard") for HSDP."""
+    replicate, shard = config.mesh_shape(runtime.world_size)
+    if replicate == 1:
+        return init_device_mesh(runtime.device.type, (shard,), mesh_dim_names=(AXIS_SHARD,))
+    return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(AXIS_REPLICATE, AXIS_SHARD))
+
+
+def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among all data-parallel ranks (replicas x shards), and their count."""
+    if mesh.ndim == 1:
+        return mesh.get_local_rank(), mesh.size()
+    replicate, shard = mesh.get_local_rank(AXIS_REPLICATE), mesh.get_local_rank(AXIS_SHARD)
+    return replicate * mesh.size(1) + shard, mesh.size()
+
+
+def apply_activation_checkpointing(model: CausalLM) -> None:
+    """Recomputes each decoder layer in backward.
+
+    The layer's forward is wrapped in place rather than the layer in a CheckpointWrapper, so
+    parameter names stay the HF names that checkpoints and published versions carry.
+    """
+    for layer in model.model.layers:
+        forward = layer.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+
+
+def apply_fsdp(model: CausalLM, mesh: DeviceMesh, config: ParallelConfig, *, device: torch.device) -> None:
+    """`fully_shard` each decoder layer (the unit of all-gather), then the root (embeddings,
+    final norm, output projection)."""
+    kwargs: dict = {"mesh": mesh}
+    if config.mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        # Pinned host memory needs an accelerator; without one, pinning fails outright.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        kwargs["offload_policy"] = OffloadPolicy()
+    layers = list(model.model.layers)
+    for i, layer in enumerate(layers):
+        # The last layer's weights are needed again at once by backward: keep them gathered.
+        reshard = config.reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
+
+
+def build_sharded_model(
+    architecture: ModelConfig, full_state_dict: Mapping[str, torch.Tensor] | None, *, mesh: DeviceMesh,
+    config: ParallelConfig, device: torch.device, trainable: bool = True,
+) -> CausalLM:
+    """The FSDP2-sharded model holding `full_state_dict` (given on rank 0, None elsewhere).
+
+    No rank materialises the whole model on the device: parameters are created on the meta
+    device, sharded, allocated shard by shard, and filled by a broadcast from rank 0.
+    """
+    with torch.device("meta"):
+        model = CausalLM(architecture)
+    if config.activation_checkpointing and trainable:
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, mesh, config, device=device)
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    reset_rope_buffer(model)
+    state = dict(full_state_dict) if full_state_dict is not None else {}  # the call overwrites its argument
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+def reset_rope_buffer(model: CausalLM) -> None:
+    """Recomputes the RoPE inverse frequencies, which `to_empty` left uninitialised (the
+    buffer is not persistent, so no state dict carries it). Same formula as CausalLM.__init__."""
+    config = model.config
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    with torch.no_grad():
+        model.inv_freq.copy_(inv_freq.to(model.inv_freq.device))
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Reduce-scatter gradients after this backward (the last micro-batch) or keep accumulating."""
+    model.set_requires_gradient_sync(enabled)
