@@ -103,3 +103,31 @@ def test_an_object_touched_after_planning_is_spared(tmp_path):
     apply_gc(store, plan, grace_s=3600)
     assert store.exists(reused)
     assert not any(store.exists(key) for key in plan.delete_objects[1:])
+
+
+def test_signatures_follow_their_versions_and_stale_parts_age_out(tmp_path):
+    from weightsync import layout
+    from weightsync.signing import Signer
+    from weightsync.versions import read_manifest_bytes, read_signature
+
+    store = LocalStore(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(64, 64, generator=g)}
+    config = PublisherConfig(chunk_bytes=8192, rebase_every=0)  # every version full
+    with Publisher(store, model=MODEL, config=config, signer=Signer.generate()) as publisher:
+        for _ in range(3):
+            publisher.publish(state).result()
+            state = {"w": state["w"] + 1e-2 * torch.randn(64, 64, generator=g)}
+    stale_part = layout.part_key(MODEL, 9, "dead-session", 1)
+    store.put(stale_part, b"{}")
+    fresh_part = layout.part_key(MODEL, 10, "live-session", 0)
+    _age_everything(store, 7200)
+    store.put(fresh_part, b"{}")  # an in-flight sharded publish: younger than the grace period
+
+    collect_garbage(store, MODEL, keep=1, grace_s=3600)
+    assert list_versions(store, MODEL) == [3]
+    signatures = [info.key for info in store.list(layout.signatures_prefix(MODEL))]
+    assert [layout.version_from_signature_key(MODEL, k) for k in signatures] == [3]
+    _, data = read_manifest_bytes(store, MODEL, 3)
+    assert read_signature(store, MODEL, 3, data) is not None
+    assert not store.exists(stale_part) and store.exists(fresh_part)

@@ -56,3 +56,15 @@ class VersionConflict(WeightsyncError, RuntimeError):
 
 class PublishError(WeightsyncError, RuntimeError):
     """A version could not be published (its cause is chained)."""
+
+
+class SignatureError(IntegrityError):
+    """A manifest whose signature is missing, malformed or not made by a trusted key."""
+
+
+class StaleVersion(WeightsyncError, ValueError):
+    """A version older than (or a replay of) what the receiver already serves."""
+
+
+class AccessDenied(WeightsyncError, PermissionError):
+    """A caller without a valid token (or certificate) for the endpoint."""

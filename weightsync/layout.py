@@ -1,7 +1,10 @@
 """layout: where a model's manifests and chunk objects live inside a store.
 
     models/<model>/versions/<version, 12 digits>.json   one manifest per committed version
+    models/<model>/signatures/<version>-<manifest xxh3>.sig  the publisher's signature of a manifest
     models/<model>/chunks/<2 hex>/<32 hex>             content-addressed chunk objects
+    models/<model>/parts/<version>/<session>/<rank>.json  a sharded publish's per-rank parts,
+                                                        before the one manifest commits
 
 Zero-padded versions make lexicographic order numeric order. Keys are relative to the store's
 root (a directory or an S3 prefix). Not here: reading or writing them (`store.py`).
@@ -51,6 +54,56 @@ def version_from_key(model: str, key: str) -> int | None:
         return None
     match = _VERSION_FILE.fullmatch(key[len(prefix) :])
     return int(match.group(1)) if match else None
+
+
+def signature_key(model: str, version: int, manifest_xxh3: str) -> str:
+    """Keyed by the manifest's own hash too, so a publisher that loses a commit race cannot
+    overwrite the winner's signature with one for a manifest that never committed."""
+    manifest_key(model, version)  # validates the version
+    if not re.fullmatch(r"[0-9a-f]{32}", manifest_xxh3):
+        raise FormatError(f"invalid manifest hash {manifest_xxh3!r}")
+    return f"{signatures_prefix(model)}{version:0{VERSION_DIGITS}d}-{manifest_xxh3}.sig"
+
+
+def signatures_prefix(model: str) -> str:
+    return f"{model_prefix(model)}signatures/"
+
+
+_SIGNATURE_FILE = re.compile(rf"(\d{{{VERSION_DIGITS}}})-[0-9a-f]{{32}}\.sig")
+
+
+def version_from_signature_key(model: str, key: str) -> int | None:
+    prefix = signatures_prefix(model)
+    match = _SIGNATURE_FILE.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
+    return int(match.group(1)) if match else None
+
+
+def parts_prefix(model: str, version: int | None = None, session: str | None = None) -> str:
+    """Where a sharded publish's parts go: all of them, one version's, or one session's."""
+    prefix = f"{model_prefix(model)}parts/"
+    if version is not None:
+        prefix += f"{version:0{VERSION_DIGITS}d}/"
+        if session is not None:
+            prefix += f"{check_session(session)}/"
+    return prefix
+
+
+def part_key(model: str, version: int, session: str, rank: int) -> str:
+    return f"{parts_prefix(model, version, session)}rank-{rank:05d}.json"
+
+
+def abort_key(model: str, version: int, session: str) -> str:
+    return f"{parts_prefix(model, version, session)}abort.json"
+
+
+_SESSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_session(session: object) -> str:
+    """A sharded publish session id: what ties the ranks of one job run together."""
+    if not isinstance(session, str) or not _SESSION.fullmatch(session):
+        raise FormatError(f"invalid session {session!r}: 1-64 of [A-Za-z0-9._-], starting with a letter or digit")
+    return session
 
 
 def chunks_prefix(model: str) -> str:

@@ -13,6 +13,16 @@ Lifecycle of one version (states in order; any failure ends it):
     wait       -> the previous version has finished (commits happen in version order), and
                   for a delta its parent committed (else this version fails, the next rebases)
     commit     -> the manifest, create-only; the version exists from here on
+                  (sharded: this rank's part, then rank 0 merges every rank's part and commits
+                  the one manifest while the others wait for it; see `shards.py`)
+
+A sharded publisher (`shard=ShardSpec(...)`) is one of N trainer ranks: it publishes only its
+local shards, each with a `Placement` (global shape, flat element offset), and the version
+commits once every rank's part is durable. It never reads a parent from the store: a new job
+session starts with a full version.
+
+Listeners (the gRPC push client) see each encoded object as soon as it exists, concurrently
+with its upload, and the manifest once committed; they must queue, not block.
 Not here: reading versions back (`reader.py`), deleting them (`retention.py`).
 """
 
@@ -25,7 +35,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
@@ -42,9 +53,21 @@ from weightsync.manifest import (
     compute_digest,
     parse_manifest,
 )
+from weightsync.shards import (
+    PartHeader,
+    Placement,
+    ShardSpec,
+    delete_parts,
+    merge_parts,
+    wait_for_commit,
+    wait_for_parts,
+    write_abort,
+    write_part,
+)
+from weightsync.signing import Signer
 from weightsync.store import Store
 from weightsync.tensors import Snapshot, SnapshotTensor, layout_of, take_snapshot
-from weightsync.versions import commit_manifest, latest_version, resolve_chain
+from weightsync.versions import commit_manifest, latest_version, read_manifest, resolve_chain
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +146,20 @@ class PublishResult:
         return self.raw_bytes / max(1, self.stored_bytes + self.manifest_bytes)
 
 
+class PublishListener(Protocol):
+    """Sees a version's bytes as they are made (the gRPC push client is one). Called from the
+    publisher's threads: implementations queue the work and return at once."""
+
+    def on_object(self, version: int, object_xxh3: str, obj: bytes) -> None:
+        """An encoded chunk object of `version`, before its upload is durable."""
+
+    def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
+        """`version` committed (on a sharded publish: called on rank 0 only)."""
+
+    def on_failure(self, version: int, error: BaseException) -> None:
+        """`version` will never commit."""
+
+
 @dataclasses.dataclass
 class _ChainTotals:
     """Stored bytes of one delta chain, filled in as its versions commit (under the lock)."""
@@ -138,6 +175,7 @@ class _Chain:
     version: int
     base: int
     snapshot: Snapshot
+    placements: dict[str, Placement]
     length: int  # deltas since the base
     totals: _ChainTotals
 
@@ -145,10 +183,16 @@ class _Chain:
 class Publisher:
     """Publishes versions of one model to one store. Thread-safe; use as a context manager."""
 
-    def __init__(self, store: Store, *, model: str, config: PublisherConfig | None = None) -> None:
+    def __init__(
+        self, store: Store, *, model: str, config: PublisherConfig | None = None, shard: ShardSpec | None = None,
+        signer: Signer | None = None, listeners: Sequence[PublishListener] = (),
+    ) -> None:
         self.store = store
         self.model = layout.check_model_name(model)
         self.config = config or PublisherConfig()
+        self.shard = shard
+        self.signer = signer
+        self.listeners = tuple(listeners)
         self._prefix = layout.model_prefix(model)
         self._encode_pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="ws-encode")
         # Uploads wait on the network, not the CPU: their own pool, as wide as the store likes.
@@ -162,7 +206,9 @@ class Publisher:
         self._lock = threading.Lock()
         self._next_version: int | None = None
         self._chain: _Chain | None = None
-        self._loaded_parent = not self.config.parent_from_store
+        # A sharded job never diffs against the store: each rank would need its own ranges of a
+        # version that other ranks wrote. Its first version is a full one.
+        self._loaded_parent = not self.config.parent_from_store or shard is not None
         self._last_job: dict | None = None
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._closed = False
@@ -170,17 +216,24 @@ class Publisher:
     # ------------------------------------------------------------------------------ public
 
     def publish(
-        self, state_dict: Mapping, *, step: int | None = None, progress: Callable[[int], None] | None = None
+        self, state_dict: Mapping, *, step: int | None = None, progress: Callable[[int], None] | None = None,
+        placements: Mapping[str, Placement] | None = None,
     ) -> cf.Future[PublishResult]:
         """Snapshots `state_dict` now; returns a Future of the committed version.
 
         `progress`, if given, is called from a background thread with the raw bytes of each
-        chunk as it is encoded and stored.
+        chunk as it is encoded and stored. `placements` (sharded publishers only) says where
+        each local shard sits in its global tensor; tensors without one are whole tensors.
         """
         if self._closed:
             raise PublishError("publisher is closed")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if placements and self.shard is None:
+            raise ValueError("placements need a sharded publisher (Publisher(..., shard=ShardSpec(...)))")
+        unknown = sorted(set(placements or ()) - set(state_dict))
+        if unknown:
+            raise ValueError(f"placements name tensors that are not in the state dict: {unknown[:5]}")
         t0 = time.perf_counter()
         self._slots.acquire()
         try:
@@ -188,8 +241,9 @@ class Publisher:
                 spare, self._spare = self._spare, None
             snapshot = take_snapshot(state_dict, self.config.cast_floats_to, reuse=spare)
             snapshot_s = time.perf_counter() - t0
+            where = _placements(snapshot, placements or {})
             with self._lock:
-                job = self._plan(snapshot, step)
+                job = self._plan(snapshot, where, step)
                 job.update(
                     t0=t0, snapshot_s=snapshot_s, previous=self._last_job, progress=progress,
                     future=cf.Future(), finished=threading.Event(),
@@ -223,7 +277,7 @@ class Publisher:
 
     # ----------------------------------------------------------------------------- planning
 
-    def _plan(self, snapshot: Snapshot, step: int | None) -> dict:
+    def _plan(self, snapshot: Snapshot, placements: dict[str, Placement], step: int | None) -> dict:
         """Numbers the version and picks its parent; called under the lock, in publish order."""
         if self._next_version is None:
             latest = latest_version(self.store, self.model)
@@ -234,7 +288,7 @@ class Publisher:
         version = self._next_version
         self._next_version += 1
         chain = self._chain
-        reason = self._rebase_reason(chain, snapshot)
+        reason = self._rebase_reason(chain, snapshot, placements)
         if reason:
             log.info("%s v%d: full version (%s)", self.model, version, reason)
             parent_snapshot, base, length = None, version, 0
@@ -242,17 +296,17 @@ class Publisher:
             parent_snapshot, base, length = chain.snapshot, chain.base, chain.length + 1
         parent = None if reason else chain.version
         totals = _ChainTotals() if reason else chain.totals
-        self._chain = _Chain(version, base, snapshot, length, totals)
+        self._chain = _Chain(version, base, snapshot, placements, length, totals)
         return dict(
-            version=version, parent=parent, base=base, step=step,
+            version=version, parent=parent, base=base, step=step, placements=placements,
             snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals,
         )
 
-    def _rebase_reason(self, chain: _Chain | None, snapshot: Snapshot) -> str | None:
+    def _rebase_reason(self, chain: _Chain | None, snapshot: Snapshot, placements: dict[str, Placement]) -> str | None:
         if chain is None:
             return "no parent"
-        if layout_of(chain.snapshot) != layout_of(snapshot):
-            return "tensor names, dtypes or shapes changed"
+        if layout_of(chain.snapshot) != layout_of(snapshot) or chain.placements != placements:
+            return "tensor names, dtypes, shapes or placements changed"
         if chain.length + 1 > self.config.rebase_every:
             return f"chain reached {self.config.rebase_every} deltas"
         totals = chain.totals
@@ -282,6 +336,7 @@ class Publisher:
             version=latest,
             base=manifests[0].version,
             snapshot=snapshot,
+            placements=_placements(snapshot, {}),
             length=len(manifests) - 1,
             totals=_ChainTotals(manifests[0].stored_bytes, sum(m.stored_bytes for m in manifests[1:])),
         )
@@ -315,6 +370,9 @@ class Publisher:
             if isinstance(e, VersionConflict):
                 self._next_version = None  # someone else owns these numbers; re-read the store
         log.error("%s v%d failed: %s", self.model, job["version"], e)
+        if self.shard is not None:  # any rank's failure fails the version for all: tell them now
+            write_abort(self.store, self.model, job["version"], self.shard.session, f"rank {self.shard.rank}: {e}")
+        self._notify("on_failure", job["version"], e)
         if isinstance(e, (PublishError, VersionConflict)):
             return e
         error = PublishError(f"{self.model} version {job['version']} was not published: {e}")
@@ -323,10 +381,13 @@ class Publisher:
 
     def _encode_and_commit(self, job: dict) -> PublishResult:
         version, snapshot, parent_snapshot = job["version"], job["snapshot"], job["parent_snapshot"]
+        placements = job["placements"]
         t_encode = time.perf_counter()
         futures = {
             name: [
-                self._encode_pool.submit(self._encode_one, tensor, parent_snapshot, name, start, stop)
+                self._encode_pool.submit(
+                    self._encode_one, version, tensor, parent_snapshot, name, start, stop, placements[name].start
+                )
                 for start, stop in self._chunk_ranges(tensor)
             ]
             for name, tensor in sorted(snapshot.items())
@@ -345,7 +406,9 @@ class Publisher:
                     changed += n_changed
                 tensor = snapshot[name]
                 total += tensor.nbytes // tensor.dtype.itemsize
-                tensors.append(TensorEntry(name=name, dtype=tensor.dtype.name, shape=tensor.shape, chunks=tuple(refs)))
+                tensors.append(TensorEntry(
+                    name=name, dtype=tensor.dtype.name, shape=placements[name].global_shape, chunks=tuple(refs)
+                ))
         except BaseException:
             for chunk_futures in futures.values():
                 for f in chunk_futures:
@@ -355,22 +418,19 @@ class Publisher:
 
         t_commit = time.perf_counter()
         self._wait_for_previous(job)
-        manifest = Manifest(
-            model=self.model,
-            version=version,
-            parent=job["parent"],
-            base=job["base"],
-            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA,
-            step=job["step"],
-            created_unix_ms=int(time.time() * 1000),
-            tensors=tuple(tensors),
-            digest=compute_digest(tensors),
-            producer={"name": "weightsync", "version": __version__, "host": socket.gethostname()},
-            stats={"changed_elements": changed, "total_elements": total},
+        header = PartHeader(
+            version=version, parent=job["parent"], base=job["base"],
+            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA, step=job["step"],
         )
+        stats = {"changed_elements": changed, "total_elements": total}
+        if self.shard is None:
+            manifest = self._commit(header, tensors, stats)
+        elif self.shard.is_committer:
+            manifest = self._commit_sharded(header, tensors, stats)
+        else:
+            write_part(self.store, self.model, self.shard, header, tensors, stats)
+            manifest = wait_for_commit(self.store, self.model, self.shard, version)
         data = manifest.to_bytes()
-        parse_manifest(data)  # never commit a manifest a reader would refuse
-        commit_manifest(self.store, manifest)
         commit_s = time.perf_counter() - t_commit
         stored = manifest.stored_bytes
         with self._lock:
@@ -393,6 +453,44 @@ class Publisher:
         )
         return result
 
+    def _commit(self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]) -> Manifest:
+        """Writes the one manifest of a version (signed if we sign) and tells the listeners."""
+        producer = {"name": "weightsync", "version": __version__, "host": socket.gethostname()}
+        if self.shard is not None:
+            producer.update(session=self.shard.session, ranks=self.shard.world_size)
+        manifest = Manifest(
+            model=self.model, version=header.version, parent=header.parent, base=header.base, kind=header.kind,
+            step=header.step, created_unix_ms=int(time.time() * 1000), tensors=tuple(tensors),
+            digest=compute_digest(tensors), producer=producer, stats=stats,
+        )
+        data = manifest.to_bytes()
+        parse_manifest(data)  # never commit a manifest a reader would refuse
+        signature = self.signer.sign(data) if self.signer is not None else None
+        commit_manifest(self.store, manifest, signature)
+        self._notify("on_commit", manifest, data, signature)
+        return manifest
+
+    def _commit_sharded(self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]) -> Manifest:
+        """Rank 0: our part, everyone's parts, one manifest — or an abort marker that every rank sees."""
+        spec, version = self.shard, header.version
+        write_part(self.store, self.model, spec, header, tensors, stats)
+        parts = wait_for_parts(self.store, self.model, spec, version)
+        merged_header, merged, merged_stats = merge_parts(self.model, spec, parts)
+        if merged_header.parent is not None:
+            parent = read_manifest(self.store, self.model, merged_header.parent)  # VersionNotFound: it failed
+            if parent.producer.get("session") != spec.session:
+                raise PublishError(f"v{merged_header.parent} was committed by another job; cannot be our parent")
+        manifest = self._commit(merged_header, merged, merged_stats)
+        delete_parts(self.store, self.model, version, spec.session)
+        return manifest
+
+    def _notify(self, event: str, *args) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, event)(*args)
+            except Exception:  # a listener's bug must not fail the publish it observes
+                log.exception("%s: publish listener %r failed in %s", self.model, listener, event)
+
     def _wait_for_previous(self, job: dict) -> None:
         previous: dict | None = job["previous"]
         if previous is None:
@@ -411,13 +509,16 @@ class Publisher:
         return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
 
     def _encode_one(
-        self, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int
+        self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int,
+        offset: int,
     ) -> tuple[ChunkRef, int, cf.Future | None]:
-        """Encodes one chunk and queues its upload; returns (ref, changed elements, upload)."""
+        """Encodes local elements [start, stop) (global: + offset) and queues the upload;
+        returns (ref, changed elements, upload)."""
         size = tensor.dtype.itemsize
         new = tensor.data[start * size : stop * size]
         old = None if parent is None else parent[name].data[start * size : stop * size]
         codec_id, raw_hex, obj, changed = encode_chunk(new, old, tensor.dtype, self.config.zstd_level)
+        start, stop = start + offset, stop + offset
         if obj is None:
             return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None
         obj_hash = object_hash(obj)
@@ -425,6 +526,7 @@ class Publisher:
         ref = ChunkRef(
             start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
         )
+        self._notify("on_object", version, obj_hash, obj)
         self._pending_uploads.acquire()
         try:
             upload = self._io_pool.submit(self._write_object, self._prefix + key, obj)
@@ -441,6 +543,19 @@ class Publisher:
             self.store.touch(key)
         except ObjectNotFound:
             self.store.put(key, obj)
+
+
+def _placements(snapshot: Snapshot, given: Mapping[str, Placement]) -> dict[str, Placement]:
+    """Every tensor's placement: the given one (checked to fit), else the whole tensor."""
+    out = {}
+    for name, tensor in snapshot.items():
+        placement = given.get(name)
+        numel = tensor.nbytes // tensor.dtype.itemsize
+        if placement is None:
+            placement = Placement(global_shape=tensor.shape, start=0)
+        placement.check_fits(name, numel)
+        out[name] = placement
+    return out
 
 
 def publish_once(store: Store, state_dict: Mapping, *, model: str, step: int | None = None,

@@ -2,9 +2,12 @@
 
 Kept: the newest `keep` versions, any version a caller protects (an agent still needs it),
 and every version on their delta chains back to the base. Kept objects: everything a kept
-manifest names. An object no kept manifest names is deleted only if it is older than the
-grace period: a publisher writes (or touches) its chunks before committing the manifest that
-names them, and the grace period is what keeps those chunks alive until that commit.
+manifest names, and the signatures of kept versions. An object no kept manifest names is
+deleted only if it is older than the grace period: a publisher writes (or touches) its chunks
+before committing the manifest that names them, and the grace period is what keeps those
+chunks alive until that commit. Signatures of deleted versions go with them; sharded-publish
+parts (normally removed at commit) go once older than the grace period: a part that old belongs
+to a version that committed or failed long ago.
 
 The sweep runs in the order that makes a concurrent commit safe: objects are listed first,
 manifests second, so a manifest committed during the sweep is seen and protects its chunks.
@@ -66,6 +69,8 @@ def plan_gc(
     now = time.time() if now_unix_s is None else now_unix_s
     prefix = layout.model_prefix(model)
     objects = list(store.list(layout.chunks_prefix(model)))  # before manifests: see module doc
+    signatures = list(store.list(layout.signatures_prefix(model)))
+    parts = list(store.list(layout.parts_prefix(model)))
     versions = list_versions(store, model)
     manifests = {}
     for version in versions:
@@ -94,10 +99,20 @@ def plan_gc(
             continue
         delete_objects.append(info.key)
         delete_bytes += info.size
+    deleted_versions = {v for v in versions if v not in keep_set and v in manifests}
+    for info in signatures:  # a signature of a kept version stays; a stray one ages out like a chunk
+        version = layout.version_from_signature_key(model, info.key)
+        if version in deleted_versions or (version not in keep_set and now - info.modified_unix_s >= grace_s):
+            delete_objects.append(info.key)
+            delete_bytes += info.size
+    for info in parts:
+        if now - info.modified_unix_s >= grace_s:
+            delete_objects.append(info.key)
+            delete_bytes += info.size
     return GcPlan(
         model=model,
         keep_versions=tuple(sorted(keep_set)),
-        delete_versions=tuple(v for v in versions if v not in keep_set and v in manifests),
+        delete_versions=tuple(sorted(deleted_versions)),
         delete_objects=tuple(delete_objects),
         delete_bytes=delete_bytes,
         young_unreferenced=young,
@@ -117,7 +132,9 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
     modified = {info.key: info.modified_unix_s for info in store.list(layout.chunks_prefix(plan.model))}
     now = time.time()
     for key in plan.delete_objects:
-        if key in modified and now - modified[key] >= grace_s:
+        if not key.startswith(layout.chunks_prefix(plan.model)):
+            store.delete(key)  # signatures of deleted versions, stale parts: nothing can reuse them
+        elif key in modified and now - modified[key] >= grace_s:
             store.delete(key)
     if isinstance(store, LocalStore):
         now = time.time()

@@ -15,7 +15,8 @@ from weightsync.errors import (
     VersionConflict,
     VersionNotFound,
 )
-from weightsync.layout import manifest_key, version_from_key, versions_prefix
+from weightsync.hashing import xxh3_hex
+from weightsync.layout import manifest_key, signature_key, version_from_key, versions_prefix
 from weightsync.manifest import KIND_FULL, Manifest, parse_manifest
 from weightsync.store import Store
 
@@ -33,6 +34,11 @@ def latest_version(store: Store, model: str) -> int | None:
 
 def read_manifest(store: Store, model: str, version: int) -> Manifest:
     """The validated manifest of a committed version; VersionNotFound if there is none."""
+    return read_manifest_bytes(store, model, version)[0]
+
+
+def read_manifest_bytes(store: Store, model: str, version: int) -> tuple[Manifest, bytes]:
+    """The validated manifest of a committed version and its exact bytes (what signatures cover)."""
     key = manifest_key(model, version)
     try:
         data = store.get(key)
@@ -46,13 +52,25 @@ def read_manifest(store: Store, model: str, version: int) -> Manifest:
         raise FormatError(
             f"{store.uri}/{key} holds {manifest.model} version {manifest.version}, not {model} version {version}"
         )
-    return manifest
+    return manifest, data
 
 
-def commit_manifest(store: Store, manifest: Manifest) -> None:
-    """Makes a version visible. Its chunks must already be durable in the store."""
+def read_signature(store: Store, model: str, version: int, manifest_bytes: bytes) -> bytes | None:
+    """The publisher's signature document for these manifest bytes, or None if unsigned."""
     try:
-        store.put_new(manifest_key(manifest.model, manifest.version), manifest.to_bytes())
+        return store.get(signature_key(model, version, xxh3_hex(manifest_bytes)))
+    except ObjectNotFound:
+        return None
+
+
+def commit_manifest(store: Store, manifest: Manifest, signature: bytes | None = None) -> None:
+    """Makes a version visible. Its chunks must already be durable in the store; a signature,
+    if given, is made durable first, so a version that requires one is never visible without it."""
+    data = manifest.to_bytes()
+    if signature is not None:
+        store.put(signature_key(manifest.model, manifest.version, xxh3_hex(data)), signature)
+    try:
+        store.put_new(manifest_key(manifest.model, manifest.version), data)
     except ObjectExists:
         raise VersionConflict(
             f"{manifest.model} version {manifest.version} was already committed to {store.uri} "

@@ -1,0 +1,257 @@
+"""shards: one version published by N trainer ranks, each encoding only its own shard.
+
+Nobody gathers the model. Each rank encodes and uploads the chunks of its local shards (a dim-0
+FSDP shard is one contiguous flat range of the global tensor), then writes a *part*: its chunk
+references with global element ranges, under
+
+    models/<model>/parts/<version>/<session>/rank-<r>.json
+
+Rank 0 (the committer) waits until every rank's part is there, checks that they agree (same
+parent, base, kind, step; same dtype and global shape for a tensor split across ranks), merges
+them into one manifest, validates it like any reader would, and commits it with the usual
+create-only write. The other ranks wait for that manifest. So a version exists iff every rank's
+chunks are durable, and a rank killed mid-publish means no version at all.
+
+If the committer gives up (a part missing past the timeout, parts that disagree, a delta whose
+parent never committed), it writes an abort marker next to the parts, so every rank learns the
+version failed without waiting out its own timeout; every rank's next version is then a full
+one, which is how the ranks re-agree on a parent. Parts are deleted after the commit; parts of
+dead sessions are left for gc (`retention.py`).
+
+The session ties the ranks of one job run together: parts of another session (a crashed run
+that published the same version number) are never merged. Not here: how a rank finds its shards
+and offsets (the trainer), encoding (`publisher.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+
+from weightsync import layout
+from weightsync.errors import ObjectExists, ObjectNotFound, PublishError, VersionConflict, WeightsyncError
+from weightsync.manifest import ChunkRef, Manifest, TensorEntry, canonical_json
+from weightsync.store import Store
+from weightsync.versions import read_manifest
+
+log = logging.getLogger(__name__)
+
+PART_FORMAT = 1
+_POLL_MIN_S = 0.02
+_POLL_MAX_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardSpec:
+    """This publisher's place in a sharded publish."""
+
+    rank: int
+    """This rank, 0..world_size-1; rank 0 commits the manifest."""
+    world_size: int
+    """Ranks that publish a part of every version."""
+    session: str
+    """Identical on every rank of one job run (e.g. a uuid rank 0 broadcasts at start);
+    1-64 of [A-Za-z0-9._-]. Parts of other sessions are never merged."""
+    commit_timeout_s: float = 600.0
+    """How long rank 0 waits for the other ranks' parts (and they for its commit) before the
+    version fails. A rank that is slow by more than this loses the version, not the job."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank {self.rank}, world_size {self.world_size}")
+        layout.check_session(self.session)
+        if self.commit_timeout_s <= 0:
+            raise ValueError("commit_timeout_s must be positive")
+
+    @property
+    def is_committer(self) -> bool:
+        return self.rank == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a local tensor sits in its global tensor: the flat element range
+    [start, start + local numel) of a tensor of `global_shape` (what a dim-0 shard is)."""
+
+    global_shape: tuple[int, ...]
+    start: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
+        if self.start < 0 or any(s < 0 for s in self.global_shape):
+            raise ValueError(f"placement start and global_shape must be non-negative, got {self}")
+
+    def check_fits(self, name: str, local_numel: int) -> None:
+        total = math.prod(self.global_shape)
+        if self.start + local_numel > total:
+            raise ValueError(
+                f"{name!r}: local shard of {local_numel} elements at offset {self.start} does not fit "
+                f"the global shape {self.global_shape} ({total} elements)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartHeader:
+    """What every rank's part of one version must agree on."""
+
+    version: int
+    parent: int | None
+    base: int
+    kind: str
+    step: int | None
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+def write_part(store: Store, model: str, spec: ShardSpec, header: PartHeader, tensors: list[TensorEntry],
+               stats: dict[str, int]) -> None:
+    """Records this rank's chunk references; its chunks must already be durable."""
+    doc = {
+        "format": PART_FORMAT, "model": model, "session": spec.session, "rank": spec.rank,
+        "world_size": spec.world_size, **dataclasses.asdict(header),
+        "tensors": [t.to_json() for t in tensors], "stats": stats,
+    }
+    store.put(layout.part_key(model, header.version, spec.session, spec.rank), canonical_json(doc))
+
+
+def write_abort(store: Store, model: str, version: int, session: str, reason: str) -> None:
+    """Marks `version` failed for every rank of the session; the first reason written stays."""
+    doc = {"version": version, "session": session, "reason": reason[:4000]}
+    try:
+        store.put_new(layout.abort_key(model, version, session), canonical_json(doc))
+    except ObjectExists:
+        pass
+    except WeightsyncError as e:  # the other ranks then learn it from their timeout
+        log.warning("%s v%d: could not write the abort marker: %s", model, version, e)
+
+
+def delete_parts(store: Store, model: str, version: int, session: str) -> None:
+    """Best-effort cleanup after a commit; gc removes whatever this misses."""
+    try:
+        for info in list(store.list(layout.parts_prefix(model, version, session))):
+            store.delete(info.key)
+    except WeightsyncError as e:
+        log.debug("%s v%d: parts left for gc: %s", model, version, e)
+
+
+# ---------------------------------------------------------------------------------- waiting
+
+
+class _Timeout(PublishError):
+    """_poll ran out of time (the caller words the error)."""
+
+
+def _poll(deadline: float, check):
+    """Calls `check()` with backoff until it returns non-None; _Timeout at the deadline."""
+    delay = _POLL_MIN_S
+    while True:
+        result = check()
+        if result is not None:
+            return result
+        if time.monotonic() >= deadline:
+            raise _Timeout("timed out")
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 1.5, _POLL_MAX_S)
+
+
+def _abort_reason(store: Store, model: str, version: int, session: str) -> str | None:
+    try:
+        data = store.get(layout.abort_key(model, version, session))
+    except ObjectNotFound:
+        return None
+    try:
+        return str(json.loads(data)["reason"])
+    except (ValueError, KeyError, TypeError):
+        return "aborted (unreadable abort marker)"
+
+
+def wait_for_parts(store: Store, model: str, spec: ShardSpec, version: int) -> list[dict]:
+    """Rank 0: every rank's part of `version` (this session), ordered by rank."""
+    wanted = {layout.part_key(model, version, spec.session, r): r for r in range(spec.world_size)}
+    abort = layout.abort_key(model, version, spec.session)
+    present: set[str] = set()
+
+    def check():
+        present.clear()
+        present.update(info.key for info in store.list(layout.parts_prefix(model, version, spec.session)))
+        if abort in present:
+            raise PublishError(f"{model} v{version}: {_abort_reason(store, model, version, spec.session)}")
+        return True if wanted.keys() <= present else None
+
+    try:
+        _poll(time.monotonic() + spec.commit_timeout_s, check)
+    except _Timeout:
+        missing = sorted(r for key, r in wanted.items() if key not in present)
+        raise PublishError(f"{model} v{version}: no part from ranks {missing} within "
+                           f"{spec.commit_timeout_s:.0f} s") from None
+    parts = []
+    for key in sorted(wanted, key=wanted.get):
+        try:
+            parts.append(json.loads(store.get(key)))
+        except (ValueError, ObjectNotFound) as e:
+            raise PublishError(f"{model} v{version}: unreadable part {key}: {e}") from None
+    return parts
+
+
+def wait_for_commit(store: Store, model: str, spec: ShardSpec, version: int) -> Manifest:
+    """Ranks > 0: the manifest rank 0 committed for `version`, or PublishError if any rank aborted it."""
+
+    def check():
+        # The manifest first: a rank that fails after the commit may still write an abort marker.
+        try:
+            return read_manifest(store, model, version)
+        except WeightsyncError:  # not committed yet
+            pass
+        reason = _abort_reason(store, model, version, spec.session)
+        if reason is not None:
+            raise PublishError(f"{model} v{version} was aborted: {reason}")
+        return None
+
+    # Rank 0 starts its commit_timeout_s wait only once its own part is written, which may be
+    # up to a timeout later than ours; then it merges and commits.
+    try:
+        manifest = _poll(time.monotonic() + 2 * spec.commit_timeout_s + 10, check)
+    except _Timeout:
+        raise PublishError(f"{model} v{version}: rank 0 neither committed nor aborted it in time") from None
+    if manifest.producer.get("session") != spec.session:
+        raise VersionConflict(f"{model} v{version} was committed by another job (session "
+                              f"{manifest.producer.get('session')!r}, ours {spec.session!r})")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------- merging
+
+
+def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHeader, list[TensorEntry], dict]:
+    """One manifest's header, tensors and stats from every rank's part; PublishError if they
+    disagree. Coverage (every element of every tensor in exactly one chunk) is checked when the
+    merged manifest is parsed before commit."""
+    headers = set()
+    for part in parts:
+        if part.get("format") != PART_FORMAT or part.get("session") != spec.session or part.get("model") != model:
+            raise PublishError(f"{model}: part of rank {part.get('rank')} is not a format-{PART_FORMAT} part "
+                               f"of this session")
+        headers.add(PartHeader(**{f.name: part.get(f.name) for f in dataclasses.fields(PartHeader)}))
+    if len(headers) != 1:
+        raise PublishError(f"{model}: ranks disagree on the version's parent/base/kind/step: {sorted(map(str, headers))}")
+    header = headers.pop()
+    merged: dict[str, dict] = {}
+    stats = {"changed_elements": 0, "total_elements": 0}
+    for part in parts:
+        for key in stats:
+            stats[key] += int(part["stats"].get(key, 0))
+        for t in part["tensors"]:
+            entry = merged.setdefault(t["name"], {"dtype": t["dtype"], "shape": tuple(t["shape"]), "chunks": []})
+            if (entry["dtype"], entry["shape"]) != (t["dtype"], tuple(t["shape"])):
+                raise PublishError(f"{model}: ranks disagree on {t['name']!r}: {entry['dtype']} {entry['shape']} "
+                                   f"vs {t['dtype']} {tuple(t['shape'])} (rank {part['rank']})")
+            entry["chunks"].extend(ChunkRef(**c) for c in t["chunks"])
+    tensors = [
+        TensorEntry(name=name, dtype=e["dtype"], shape=e["shape"], chunks=tuple(sorted(e["chunks"], key=lambda c: c.start)))
+        for name, e in sorted(merged.items())
+    ]
+    return header, tensors, stats
