@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from weightsync.trainer.config import ParallelConfig
 from weightsync.model import CausalLM, ModelConfig
+from weightsync.trainer.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 

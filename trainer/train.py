@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -76,7 +77,7 @@ class Trainer:
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         self.grad_accum_steps = self.config.data.grad_accum_steps(self.dp_size)
         architecture, initial = load_initial_weights(self.config.model, rank=self.rank)
-        build = dict(mesh=self.mesh, config=job.parallel, device=self.device)
+        build = {"mesh": self.mesh, "config": job.parallel, "device": self.device}
         self.model = build_sharded_model(architecture, initial, **build)
         # The KL reference is the initial policy, frozen (rebuilt identically on resume).
         self.reference = build_sharded_model(architecture, initial, trainable=False, **build) \
@@ -213,7 +214,9 @@ class Trainer:
         self.history.append(metrics)
         if self.rank != 0:
             return
-        line = json.dumps(metrics, sort_keys=True)
+        # Strict JSON has no NaN/Infinity: write them as strings so any JSON reader takes the line.
+        line = json.dumps({k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+                           for k, v in metrics.items()}, sort_keys=True)
         if self.step % self.config.log_every == 0 or self.step == self.config.steps:
             print(line, flush=True)
         if self.config.metrics_path:
