@@ -2,67 +2,196 @@
 
 Endpoint, region, credentials and addressing style come from boto3's standard mechanisms
 (`AWS_ENDPOINT_URL`, `AWS_REGION`, profiles, environment, instance roles); `endpoint_url`
-overrides the endpoint. The client is tuned for many parallel chunk transfers (a connection
-pool as large as the worker pools, standard retries with backoff on 5xx/SlowDown/resets).
+overrides the endpoint. docs/stores.md is the user's page; this docstring is the mechanics.
 
-Create-only writes use `If-None-Match: *` (AWS S3, MinIO, R2 and moto enforce it): of two
-racing writers exactly one succeeds and the other gets ObjectExists. `touch` copies an object
-onto itself (server side, no data transfer) to refresh its LastModified.
+Transfers. Objects above `multipart_threshold_bytes` are uploaded in parts, in parallel; an
+object larger than `part_bytes` is read as parallel ranged GETs (the first GET asks for the
+first range, so small objects cost one request and large ones no extra HEAD; later ranges carry
+`If-Match` on the first one's ETag, so an object replaced mid-read is read again, never spliced).
+Part and range transfers run on one pool of `io_concurrency` threads shared by the store; callers
+run their own `io_concurrency` transfers beside it, hence a connection pool of twice that.
+
+Integrity on the wire. Every PUT and UploadPart carries a Content-MD5, so a server refuses a
+body corrupted on the way (400 BadDigest) and the upload is retried. Where the ETag is the
+MD5 of the bytes (single-part objects without SSE-KMS or SSE-C) the store also compares it after
+each upload (a server that stored a corrupted body without checking is caught and re-written)
+and after each download. Every GET checks the length it was promised.
+
+Retries. botocore retries requests ("standard" mode: exponential backoff with jitter on 5xx,
+SlowDown/throttling, resets and timeouts, bounded by a retry quota), but not the streaming of a
+response body, nor a BadDigest. The store retries those itself: a body cut short or reset, a
+read timeout mid-body, a checksum mismatch, a BadDigest; at most `transfer_attempts` times and
+no new attempt after `transfer_deadline_s`, then a StoreError saying what failed and how often.
+
+Create-only writes use `If-None-Match: *` (on PutObject, and on CompleteMultipartUpload for large
+objects): of two racing writers exactly one succeeds, the other gets ObjectExists. A writer whose
+success response was lost and whose retry then hits 412 reads the object back: its own bytes
+mean it had won. `touch` copies an object onto itself (server side, no data transfer) to
+refresh its LastModified.
 Not here: manifests or versions (stores are bytes in, bytes out).
 """
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures as cf
+import dataclasses
+import hashlib
 import logging
-from collections.abc import Iterator
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from weightsync.errors import ObjectExists, ObjectNotFound, StoreError
 from weightsync.store import ObjectInfo, check_key
 
 log = logging.getLogger(__name__)
 
-_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
-_PRECONDITION = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+MiB = 1024 * 1024
+_S3_MIN_PART_BYTES = 5 * MiB  # S3's smallest part but the last
+_READ_PIECE_BYTES = 8 * MiB  # a body is read in pieces so a trickling server meets the deadline
+_MD5_ETAG = re.compile(r'"?([0-9a-fA-F]{32})(-\d+)?"?')
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class S3StoreConfig:
+    endpoint_url: str | None = None
+    """Endpoint of an S3-compatible server (MinIO, R2, Ceph...). None: boto3's own resolution
+    (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, the profile's `endpoint_url`, else AWS)."""
+    io_concurrency: int = 32
+    """Object transfers callers should run at once (publisher uploads, reader fetches), and the
+    size of the store's own pool for parts and ranges. Transfers are latency-bound, so far more
+    than the CPU count; 16-64 suits most links."""
+    max_pool_connections: int | None = None
+    """HTTP connections kept open; None: 2 * io_concurrency (callers plus the part pool)."""
+    retry_mode: str = "standard"
+    """botocore retry mode: "standard" (per-request backoff with jitter, bounded) or "adaptive"
+    (adds a client-wide rate limiter after throttling; slows every thread, experimental)."""
+    max_attempts: int = 8
+    """Attempts per request, botocore's retries included (its `total_max_attempts`)."""
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    """Longest wait for any one socket read; a stalled transfer fails after this."""
+    multipart_threshold_bytes: int = 16 * MiB
+    """Objects larger than this are uploaded as a multipart upload."""
+    part_bytes: int = 8 * MiB
+    """Size of upload parts and of ranged GETs (S3 requires at least 5 MiB for parts)."""
+    transfer_attempts: int = 5
+    """Attempts of one transfer at what botocore does not retry (bodies cut short, checksum
+    mismatches, BadDigest); each attempt is itself retried by botocore per request."""
+    transfer_deadline_s: float = 300.0
+    """No new attempt of a transfer starts after this many seconds; bodies are read against it."""
+    verify_md5: bool = True
+    """Compare bodies with ETags that are MD5s, after uploads and downloads (~0.7 GB/s per core).
+    Turn off for servers whose ETags are not MD5s even for plain single-part objects."""
+    list_page_size: int = 1000
+    """Keys per ListObjectsV2 page (S3's maximum is 1000)."""
+
+    def __post_init__(self) -> None:
+        if self.io_concurrency < 1:
+            raise ValueError(f"io_concurrency must be at least 1, got {self.io_concurrency}")
+        if self.max_pool_connections is not None and self.max_pool_connections < 1:
+            raise ValueError("max_pool_connections must be at least 1 (or None for 2 * io_concurrency)")
+        if self.retry_mode not in ("standard", "adaptive"):
+            raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {self.retry_mode!r}")
+        if self.max_attempts < 1 or self.transfer_attempts < 1:
+            raise ValueError("max_attempts and transfer_attempts must be at least 1")
+        if min(self.connect_timeout_s, self.read_timeout_s, self.transfer_deadline_s) <= 0:
+            raise ValueError("timeouts and transfer_deadline_s must be positive")
+        if self.part_bytes < _S3_MIN_PART_BYTES:
+            raise ValueError(f"part_bytes must be at least 5 MiB (S3's minimum part), got {self.part_bytes}")
+        if self.multipart_threshold_bytes < self.part_bytes:
+            raise ValueError("multipart_threshold_bytes must be at least part_bytes")
+        if not 1 <= self.list_page_size <= 1000:
+            raise ValueError(f"list_page_size must be in [1, 1000], got {self.list_page_size}")
+
+
+# The one table from S3 error codes (HTTP status when there is no code) to what they mean here.
+# Codes botocore retries itself (5xx, SlowDown, throttling, RequestTimeout) are absent: when they
+# reach us its attempts are spent.
+_MISSING, _PRECONDITION, _CORRUPT, _CONFLICT, _NO_BUCKET, _NO_UPLOAD, _EMPTY_RANGE = (
+    "missing", "precondition", "corrupt", "conflict", "no bucket", "no upload", "empty range")
+_ERROR_MEANINGS = {
+    "NoSuchKey": _MISSING,
+    "NotFound": _MISSING,
+    "404": _MISSING,
+    "PreconditionFailed": _PRECONDITION,
+    "412": _PRECONDITION,
+    "ConditionalRequestConflict": _CONFLICT,  # a racing conditional write in progress: retry (AWS advice)
+    "BadDigest": _CORRUPT,  # the body did not match its Content-MD5 / checksum
+    "XAmzContentSHA256Mismatch": _CORRUPT,
+    "NoSuchBucket": _NO_BUCKET,
+    "NoSuchUpload": _NO_UPLOAD,
+    "InvalidRange": _EMPTY_RANGE,  # any range of an empty object
+    "416": _EMPTY_RANGE,
+}
+
+
+def _meaning(e: BaseException) -> str | None:
+    response = getattr(e, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return _ERROR_MEANINGS.get(code) or _ERROR_MEANINGS.get(status)
+
+
+class _Transient(StoreError):
+    """A transfer failure worth another attempt (body cut short, checksum mismatch, BadDigest)."""
+
+
+class _Replaced(StoreError):
+    """The object changed while its ranges were being read: read it again from the start."""
+
+
+class _Precondition(StoreError):
+    """A create-only write found the key present (resolved to success or ObjectExists by put_new)."""
 
 
 class S3Store:
-    """Objects under `s3://bucket/prefix/`."""
+    """Objects under `s3://bucket/prefix/`. Thread-safe."""
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        endpoint_url: str | None = None,
-        max_connections: int = 64,
-        io_concurrency: int = 32,
-        max_attempts: int = 8,
-        connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 60.0,
-    ) -> None:
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                 config: S3StoreConfig | None = None) -> None:
         import boto3
         import botocore.config
+        import botocore.exceptions
+        import urllib3.exceptions
 
         if not bucket:
             raise StoreError("s3:// URI needs a bucket, e.g. s3://my-bucket/weights")
+        config = config or S3StoreConfig()
+        if endpoint_url is not None:
+            config = dataclasses.replace(config, endpoint_url=endpoint_url)
+        self.config = config
         self.bucket = bucket
-        self.io_concurrency = io_concurrency  # object transfers are latency-bound: many in parallel
+        self.io_concurrency = config.io_concurrency
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         if self.prefix:
             check_key(self.prefix.rstrip("/"))
         self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        config = botocore.config.Config(
-            max_pool_connections=max_connections,
-            retries={"mode": "standard", "max_attempts": max_attempts},
-            connect_timeout=connect_timeout_s,
-            read_timeout=read_timeout_s,
-            # Checksums only when the operation requires them: some S3-compatible servers
-            # reject the trailing-checksum encoding newer botocore sends by default.
+        client_config = botocore.config.Config(
+            max_pool_connections=config.max_pool_connections or 2 * config.io_concurrency,
+            retries={"mode": config.retry_mode, "total_max_attempts": config.max_attempts},
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.read_timeout_s,
+            # We send Content-MD5 ourselves. botocore's default trailing checksums (aws-chunked
+            # bodies) are refused by some S3-compatible servers.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
-        self._errors = self._client.exceptions
+        self._client = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=client_config)
+        # Failures while a response body streams, which botocore leaves to the caller.
+        self._stream_errors = (
+            botocore.exceptions.IncompleteReadError, botocore.exceptions.ResponseStreamingError,
+            botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectionClosedError,
+            urllib3.exceptions.HTTPError, ConnectionError, TimeoutError,
+        )
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r})"
@@ -70,91 +199,290 @@ class S3Store:
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 
+    # ------------------------------------------------------------------------------ reads
+
     def get(self, key: str) -> bytes:
-        try:
-            response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
-            data = response["Body"].read()
-        except Exception as e:  # botocore raises many types; map them in one place
-            raise self._map(e, key, "read") from None
-        if len(data) != response.get("ContentLength", len(data)):
-            raise StoreError(f"{self.uri}/{key}: truncated read ({len(data)} of {response['ContentLength']} bytes)")
-        return data
-
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
-        except Exception as e:
-            raise self._map(e, key, "write") from None
-
-    def put_new(self, key: str, data: bytes | memoryview) -> None:
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data), IfNoneMatch="*")
-        except Exception as e:
-            error = self._map(e, key, "create")
-            if isinstance(error, _Precondition):
-                raise ObjectExists(f"{self.uri}/{key} already exists") from None
-            raise error from None
-
-    def touch(self, key: str) -> None:
         full = self._key(key)
+        return self._retrying(f"read {self.uri}/{key}", lambda deadline: self._get_once(full, key, deadline),
+                              retry_on=(_Transient, _Replaced))
+
+    def _get_once(self, full: str, key: str, deadline: float) -> bytes:
+        part = self.config.part_bytes
         try:
-            self._client.copy_object(
-                Bucket=self.bucket, Key=full, CopySource={"Bucket": self.bucket, "Key": full},
-                MetadataDirective="REPLACE",
+            response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full,
+                                  Range=f"bytes=0-{part - 1}")
+        except _EmptyRange:  # S3 refuses any range of an empty object
+            response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full)
+        length = response["ContentLength"]
+        match = _CONTENT_RANGE.fullmatch(response.get("ContentRange") or "")
+        size = int(match.group(3)) if match else length  # 200: the server sent it all
+        if match and (int(match.group(1)) != 0 or length != min(part, size)):
+            raise StoreError(f"{self.uri}/{key}: server answered range {response['ContentRange']} to bytes=0-{part - 1}")
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        self._read_body(response, view[:length], key, deadline)
+        if size > length:
+            etag = response["ETag"]
+            ranges = [(start, min(start + part, size)) for start in range(length, size, part)]
+            self._parallel(
+                lambda r: self._retrying(f"read {self.uri}/{key} bytes {r[0]}-{r[1] - 1}",
+                                         lambda d: self._get_range(full, key, etag, r[0], view[r[0]:r[1]], d),
+                                         deadline=deadline),
+                ranges,
             )
-        except Exception as e:
-            raise self._map(e, key, "touch") from None
+        self._check_md5(response, buffer, key, "read")
+        return bytes(buffer)
+
+    def _get_range(self, full: str, key: str, etag: str, start: int, out: memoryview, deadline: float) -> None:
+        try:
+            response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full,
+                                  Range=f"bytes={start}-{start + len(out) - 1}", IfMatch=etag)
+        except _Precondition:
+            raise _Replaced(f"{self.uri}/{key} was replaced while being read") from None
+        expected = f"bytes {start}-{start + len(out) - 1}/"
+        if not (response.get("ContentRange") or "").startswith(expected) or response["ContentLength"] != len(out):
+            raise _Transient(f"{self.uri}/{key}: asked for {expected}, got {response.get('ContentRange')}")
+        self._read_body(response, out, key, deadline)
+
+    def _read_body(self, response: dict, out: memoryview, key: str, deadline: float) -> None:
+        """Reads exactly len(out) bytes of the response body into `out`, in pieces, against the deadline."""
+        body = response["Body"]
+        done = 0
+        try:
+            while done < len(out):
+                if time.monotonic() > deadline:
+                    raise _Transient(f"{self.uri}/{key}: {done} of {len(out)} bytes read when the deadline passed")
+                n = body.readinto(out[done : done + _READ_PIECE_BYTES])
+                if not n:
+                    raise _Transient(f"{self.uri}/{key}: body ended after {done} of {len(out)} bytes")
+                done += n
+        except self._stream_errors as e:
+            raise _Transient(f"{self.uri}/{key}: body broken after {done} of {len(out)} bytes: {e}") from None
+        finally:
+            body.close()
 
     def exists(self, key: str) -> bool:
         try:
-            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            self._call("stat", key, self._client.head_object, Bucket=self.bucket, Key=self._key(key))
             return True
-        except Exception as e:
-            error = self._map(e, key, "stat")
-            if isinstance(error, ObjectNotFound):
-                return False
-            raise error from None
+        except ObjectNotFound:
+            return False
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix:
             check_key(prefix.rstrip("/") or "x")
-        paginator = self._client.get_paginator("list_objects_v2")
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix, PaginationConfig={"PageSize": self.config.list_page_size},
+        )
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+            for page in pages:
                 for item in page.get("Contents", []):
                     yield ObjectInfo(item["Key"][len(self.prefix):], item["Size"], item["LastModified"].timestamp())
-        except Exception as e:
+        except Exception as e:  # botocore raises many types; _map is the one table
             raise self._map(e, prefix, "list") from None
+
+    # ----------------------------------------------------------------------------- writes
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        self._upload(key, data, create_only=False)
+
+    def put_new(self, key: str, data: bytes | memoryview) -> None:
+        try:
+            self._upload(key, data, create_only=True)
+        except _Precondition:
+            # Either another writer won, or we did and the success response was lost (botocore
+            # then retried into our own object): only the bytes can tell.
+            try:
+                ours = self.get(key) == bytes(data)
+            except ObjectNotFound:  # deleted since: the key was taken all the same
+                ours = False
+            if not ours:
+                raise ObjectExists(f"{self.uri}/{key} already exists") from None
+            log.info("%s/%s: create-only write had succeeded before its retry", self.uri, key)
+
+    def _upload(self, key: str, data: bytes | memoryview, *, create_only: bool) -> None:
+        full = self._key(key)
+        data = bytes(data)  # botocore re-sends the body on retries; no copy when it is bytes already
+        if len(data) > self.config.multipart_threshold_bytes:
+            return self._upload_multipart(full, key, data, create_only)
+        self._retrying(f"write {self.uri}/{key}", lambda _: self._put_once(full, key, data, create_only))
+
+    def _put_once(self, full: str, key: str, data: bytes, create_only: bool) -> None:
+        md5 = hashlib.md5(data)
+        kwargs = {"IfNoneMatch": "*"} if create_only else {}
+        response = self._call("write", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=data,
+                              ContentMD5=base64.b64encode(md5.digest()).decode(), **kwargs)
+        if not self._etag_matches(response, md5.hexdigest()):
+            # The server stored other bytes than we sent without checking Content-MD5. A plain
+            # object is simply written again; a create-only one is ours (our create won), so
+            # remove it (If-Match: only that object) and create it again.
+            if create_only:
+                self._call("clean up", key, self._client.delete_object, Bucket=self.bucket, Key=full,
+                           IfMatch=response["ETag"])
+            raise _Transient(f"{self.uri}/{key}: the server stored bytes that differ from those sent")
+
+    def _upload_multipart(self, full: str, key: str, data: bytes, create_only: bool) -> None:
+        start = self._call("write", key, self._client.create_multipart_upload, Bucket=self.bucket, Key=full)
+        upload_id = start["UploadId"]
+        view = memoryview(data)
+        part = self.config.part_bytes
+        numbered = [(n + 1, view[offset : offset + part]) for n, offset in enumerate(range(0, len(data), part))]
+        try:
+            digests = self._parallel(
+                lambda item: self._retrying(f"write {self.uri}/{key} part {item[0]}",
+                                            lambda _: self._upload_part(full, key, upload_id, *item)),
+                numbered,
+            )
+            parts = [{"PartNumber": n, "ETag": f'"{d.hex()}"'} for (n, _), d in zip(numbered, digests)]
+            kwargs = {"IfNoneMatch": "*"} if create_only else {}
+            try:
+                response = self._call("write", key, self._client.complete_multipart_upload, Bucket=self.bucket,
+                                      Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}, **kwargs)
+            except _NoUpload:
+                # Completed by an earlier attempt whose response was lost; put_new checks the bytes.
+                if create_only:
+                    raise _Precondition(f"{self.uri}/{key}: upload already completed") from None
+                raise
+        except BaseException:
+            self._abort_upload(full, upload_id)
+            raise
+        expected = hashlib.md5(b"".join(digests)).hexdigest() + f"-{len(parts)}"
+        if not self._etag_matches(response, expected):
+            raise StoreError(f"{self.uri}/{key}: multipart upload completed with ETag {response.get('ETag')}, "
+                             f"expected {expected}")
+
+    def _upload_part(self, full: str, key: str, upload_id: str, number: int, body: memoryview) -> bytes:
+        data = bytes(body)
+        md5 = hashlib.md5(data)
+        response = self._call("write", key, self._client.upload_part, Bucket=self.bucket, Key=full,
+                              UploadId=upload_id, PartNumber=number, Body=data,
+                              ContentMD5=base64.b64encode(md5.digest()).decode())
+        if not self._etag_matches(response, md5.hexdigest()):
+            raise _Transient(f"{self.uri}/{key}: part {number} stored with bytes that differ from those sent")
+        return md5.digest()
+
+    def _abort_upload(self, full: str, upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except Exception as e:  # cleanup only: abort_stale_uploads (or a lifecycle rule) gets it later
+            log.warning("%s: could not abort multipart upload of %s: %s", self.uri, full, e)
+
+    def abort_stale_uploads(self, older_than_s: float) -> int:
+        """Aborts multipart uploads under the prefix started more than `older_than_s` ago (left by
+        a killed writer; they hold storage but are never visible). Returns how many it aborted."""
+        cutoff = time.time() - older_than_s
+        aborted = 0
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                                   Prefix=self.prefix)
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"].timestamp() < cutoff:
+                        self._abort_upload(upload["Key"], upload["UploadId"])
+                        aborted += 1
+        except Exception as e:
+            raise self._map(e, "", "list uploads under") from None
+        return aborted
+
+    def touch(self, key: str) -> None:
+        full = self._key(key)
+        self._call("touch", key, self._client.copy_object, Bucket=self.bucket, Key=full,
+                   CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE")
 
     def delete(self, key: str) -> None:
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
-        except Exception as e:
-            error = self._map(e, key, "delete")
-            if not isinstance(error, ObjectNotFound):
-                raise error from None
+            self._call("delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._key(key))
+        except ObjectNotFound:
+            pass
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def _call(self, action: str, key: str, method: Callable[..., dict], **kwargs) -> dict:
+        """One botocore request (botocore retries it), its failure mapped through the table."""
+        try:
+            return method(**kwargs)
+        except Exception as e:  # botocore raises many types; _map is the one table
+            raise self._map(e, key, action) from None
 
     def _map(self, e: Exception, key: str, action: str) -> Exception:
-        """The one table from boto errors to the store contract's errors."""
         if isinstance(e, StoreError):
             return e
-        response = getattr(e, "response", None) or {}
-        code = str(response.get("Error", {}).get("Code", ""))
-        status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-        if code in _NOT_FOUND or status == "404":
-            return ObjectNotFound(f"{self.uri}/{key} does not exist")
-        if code in _PRECONDITION or status == "412":
-            return _Precondition(f"{self.uri}/{key}: precondition failed")
-        if code == "NoSuchBucket":
+        meaning = _meaning(e)
+        where = f"{self.uri}/{key}"
+        if meaning == _MISSING:
+            return ObjectNotFound(f"{where} does not exist")
+        if meaning == _PRECONDITION:
+            return _Precondition(f"{where}: precondition failed")
+        if meaning in (_CORRUPT, _CONFLICT):
+            return _Transient(f"cannot {action} {where}: {e}")
+        if meaning == _NO_BUCKET:
             return StoreError(f"bucket {self.bucket!r} does not exist ({self.uri})")
-        return StoreError(f"cannot {action} {self.uri}/{key}: {type(e).__name__}: {e}")
+        if meaning == _NO_UPLOAD:
+            return _NoUpload(f"{where}: multipart upload not found")
+        if meaning == _EMPTY_RANGE:
+            return _EmptyRange(f"{where}: range not satisfiable")
+        return StoreError(f"cannot {action} {where}: {type(e).__name__}: {e}")
+
+    def _retrying(self, what: str, attempt: Callable[[float], T], *, deadline: float | None = None,
+                  retry_on: tuple[type[BaseException], ...] = (_Transient,)) -> T:
+        """Runs `attempt(deadline)` until it succeeds, at most transfer_attempts times and no new
+        attempt after the deadline, backing off with jitter; then a StoreError."""
+        t0 = time.monotonic()
+        deadline = t0 + self.config.transfer_deadline_s if deadline is None else deadline
+        for n in range(1, self.config.transfer_attempts + 1):
+            try:
+                return attempt(deadline)
+            except retry_on as e:
+                error = e
+            pause = min(5.0, 0.1 * 2**n) * random.uniform(0.5, 1.0)
+            if n == self.config.transfer_attempts or time.monotonic() + pause > deadline:
+                break
+            log.warning("%s: attempt %d failed (%s); retrying", what, n, error)
+            time.sleep(pause)
+        raise StoreError(f"cannot {what}: {error} (gave up after {n} attempts in {time.monotonic() - t0:.1f} s)")
+
+    def _parallel(self, fn: Callable[[T], object], items: list[T]) -> list:
+        """fn over items on the store's transfer pool; the first failure cancels the rest and is
+        raised once every started transfer has finished (none keeps writing into a buffer)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.config.io_concurrency, thread_name_prefix="ws-s3-part")
+        futures = [self._pool.submit(fn, item) for item in items]
+        done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for f in futures:
+                f.cancel()
+            cf.wait(futures)
+        return [f.result() for f in futures]
+
+    def _etag_matches(self, response: dict, md5_hex: str) -> bool:
+        """False only when the ETag is an MD5 of the bytes and differs from `md5_hex`."""
+        if not self.config.verify_md5 or not _etag_is_md5(response):
+            return True
+        return response["ETag"].strip('"').lower() == md5_hex
+
+    def _check_md5(self, response: dict, data: bytearray, key: str, action: str) -> None:
+        if self.config.verify_md5 and _etag_is_md5(response) and "-" not in response["ETag"]:
+            if hashlib.md5(data).hexdigest() != response["ETag"].strip('"').lower():
+                raise _Transient(f"cannot {action} {self.uri}/{key}: body does not match its ETag (MD5)")
 
 
-class _Precondition(StoreError):
-    """A conditional write lost (mapped to ObjectExists by put_new)."""
+def _etag_is_md5(response: dict) -> bool:
+    """Whether S3 promises this response's ETag is an MD5 (of the bytes, or of part MD5s with -N)."""
+    if response.get("SSECustomerAlgorithm") or str(response.get("ServerSideEncryption", "")).startswith("aws:kms"):
+        return False
+    return bool(_MD5_ETAG.fullmatch(response.get("ETag") or ""))
 
 
-def open_s3(uri_rest: str, endpoint_url: str | None = None) -> S3Store:
+class _NoUpload(StoreError):
+    """CompleteMultipartUpload found no such upload (an earlier attempt completed it)."""
+
+
+class _EmptyRange(StoreError):
+    """A ranged GET of an empty object (S3 answers 416)."""
+
+
+def open_s3(uri_rest: str, endpoint_url: str | None = None, config: S3StoreConfig | None = None) -> S3Store:
     """`BUCKET/PREFIX` (the part after `s3://`) as a store."""
     bucket, _, prefix = uri_rest.partition("/")
-    return S3Store(bucket, prefix, endpoint_url=endpoint_url)
+    return S3Store(bucket, prefix, endpoint_url=endpoint_url, config=config)
