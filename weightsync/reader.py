@@ -1,8 +1,11 @@
 """reader: reconstructs a committed version from its base and deltas, verifying every byte.
 
 `Reader.read(version)` applies the version's chain (base first) into one set of buffers, so
-memory is one model plus one object and its decoded streams per worker, however long the
-chain. `Reader.advance(state, version)` moves an existing state forward by applying only the
+memory is one model plus the objects in flight, however long the chain. Objects are fetched on
+an I/O pool of `store.io_concurrency` threads, ahead of the CPU pool (`workers`) that decodes
+and applies them, with at most 2 x io_concurrency objects fetched or in flight at once. An
+object whose size or hash is off is fetched again (corruption in flight is transient; a corrupt
+stored object is not) before the read fails with IntegrityError. `Reader.advance(state, version)` moves an existing state forward by applying only the
 deltas after it (what an agent or a resumed publisher does). Every object's hash is checked
 before decoding and every chunk's raw hash after applying; at the target version every byte is
 covered by a checked raw hash, and the manifest's digest covers the raw hashes.
@@ -34,6 +37,9 @@ from weightsync.versions import latest_version, resolve_chain
 
 log = logging.getLogger(__name__)
 
+FETCH_ATTEMPTS = 3
+"""Fetches of a chunk object whose size or hash does not match its manifest before giving up."""
+
 Progress = Callable[[int], None]  # called with raw bytes done
 
 
@@ -60,6 +66,7 @@ class Reader:
         self.store = store
         self.model = layout.check_model_name(model)
         self.workers = workers or os.cpu_count() or 2
+        self.io_workers = max(1, int(getattr(store, "io_concurrency", 4)))  # fetches wait on the store, not the CPU
         self._prefix = layout.model_prefix(model)
 
     def latest(self) -> int | None:
@@ -104,20 +111,27 @@ class Reader:
     # ------------------------------------------------------------------------------ private
 
     def _apply_chain(self, state: WeightsState, chain: list[Manifest], progress: Progress | None) -> None:
-        for i, manifest in enumerate(chain):
-            final = i == len(chain) - 1
-            state_manifest, state.manifest = state.manifest, None  # invalid until this one is applied
-            try:
-                self._apply_version(state, state_manifest, manifest, verify_same=final, progress=progress if final else None)
-            except BaseException:
-                state.buffers.clear()
-                raise
-            state.manifest = manifest
-            log.debug("%s: applied v%d (%s)", self.model, manifest.version, manifest.kind)
+        cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-apply")
+        io = cf.ThreadPoolExecutor(self.io_workers, thread_name_prefix="ws-fetch")
+        try:
+            for i, manifest in enumerate(chain):
+                final = i == len(chain) - 1
+                state_manifest, state.manifest = state.manifest, None  # invalid until this one is applied
+                try:
+                    self._apply_version(state, state_manifest, manifest, cpu, io, verify_same=final,
+                                        progress=progress if final else None)
+                except BaseException:
+                    state.buffers.clear()
+                    raise
+                state.manifest = manifest
+                log.debug("%s: applied v%d (%s)", self.model, manifest.version, manifest.kind)
+        finally:
+            io.shutdown(wait=True, cancel_futures=True)
+            cpu.shutdown(wait=True, cancel_futures=True)
 
     def _apply_version(
-        self, state: WeightsState, current: Manifest | None, manifest: Manifest, *, verify_same: bool,
-        progress: Progress | None,
+        self, state: WeightsState, current: Manifest | None, manifest: Manifest, cpu: cf.Executor, io: cf.Executor,
+        *, verify_same: bool, progress: Progress | None,
     ) -> None:
         if manifest.kind == KIND_FULL:
             # Reuse buffers of the right size (an agent re-basing keeps its memory).
@@ -135,40 +149,80 @@ class Reader:
                 )
             if current.layout != manifest.layout:
                 raise LayoutError(f"{self.model} v{manifest.version} changes tensor layout without a rebase")
-        work = [(t, c) for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME or verify_same]
-        with cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-read") as pool:
-            futures = [pool.submit(self._apply_one, state.buffers[t.name], t, c) for t, c in work]
-            try:
-                for f in cf.as_completed(futures):
-                    done = f.result()
-                    if progress is not None:
-                        progress(done)
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        self._fetch_and_apply(state.buffers, manifest, cpu, io, verify_same=verify_same, progress=progress)
 
-    def _apply_one(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef) -> int:
+    def _fetch_and_apply(
+        self, buffers: dict[str, np.ndarray], manifest: Manifest, cpu: cf.Executor, io: cf.Executor, *,
+        verify_same: bool, progress: Progress | None,
+    ) -> None:
+        """Fetches the version's objects on `io`, applies them on `cpu` as they arrive, and (with
+        verify_same) hashes its unchanged ranges; returns when all are done, raises the first error."""
+        objects = iter([(t, c) for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME])
+        window = 2 * self.io_workers  # objects fetching, fetched or being applied: the memory bound
+        # Each running future maps to its stage: ("fetch", tensor, ref), ("apply",) or ("check",).
+        running: dict[cf.Future, tuple] = {
+            cpu.submit(self._check_same, buffers[t.name], t, c): ("check",)
+            for t in manifest.tensors for c in t.chunks if c.codec == CODEC_SAME and verify_same
+        }
+        held = 0
+        try:
+            while True:
+                while held < window and (item := next(objects, None)) is not None:
+                    running[io.submit(self.fetch_object, item[1])] = ("fetch", *item)
+                    held += 1
+                if not running:
+                    return
+                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    stage = running.pop(future)
+                    if stage[0] == "fetch":
+                        _, tensor, ref = stage
+                        apply = cpu.submit(self._apply_object, buffers[tensor.name], tensor, ref, future.result())
+                        running[apply] = ("apply",)
+                        continue
+                    done_bytes = future.result()
+                    held -= stage[0] == "apply"
+                    if progress is not None:
+                        progress(done_bytes)
+        except BaseException:
+            for future in running:
+                future.cancel()
+            raise
+
+    def _check_same(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef) -> int:
+        """An unchanged range (no object) still holds the bytes the manifest says."""
+        itemsize = dtype_by_name(tensor.dtype).itemsize
+        out = buffer[ref.start * itemsize : ref.stop * itemsize]
+        if xxh3_hex(out) != ref.raw:
+            raise IntegrityError(f"{tensor.name}[{ref.start}:{ref.stop}] differs from the published bytes")
+        return out.nbytes
+
+    def _apply_object(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef, obj: bytes) -> int:
         dtype = dtype_by_name(tensor.dtype)
         out = buffer[ref.start * dtype.itemsize : ref.stop * dtype.itemsize]
-        if ref.codec == CODEC_SAME:
-            if xxh3_hex(out) != ref.raw:
-                raise IntegrityError(f"{tensor.name}[{ref.start}:{ref.stop}] differs from the published bytes")
-            return out.nbytes
-        obj = self.fetch_object(ref)
         apply_chunk(obj, out, dtype, ref.raw, CODEC_IDS[ref.codec])
         return out.nbytes
 
     def fetch_object(self, ref: ChunkRef) -> bytes:
-        """A chunk object from the store, checked against the manifest's size and hash."""
+        """A chunk object from the store, checked against the manifest's size and hash.
+
+        A mismatch is fetched again (a byte flipped in flight is transient) up to FETCH_ATTEMPTS
+        times in all, then IntegrityError; a missing object is an IntegrityError at once.
+        """
         key = self._prefix + ref.key
-        try:
-            obj = self.store.get(key)
-        except ObjectNotFound:
-            raise IntegrityError(f"chunk object {key} named by a manifest is missing from {self.store.uri}") from None
-        if len(obj) != ref.size or object_hash(obj) != ref.object:
-            raise IntegrityError(f"chunk object {key} in {self.store.uri} is corrupt (size or hash mismatch)")
-        return obj
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            try:
+                obj = self.store.get(key)
+            except ObjectNotFound:
+                raise IntegrityError(f"chunk object {key} named by a manifest is missing from {self.store.uri}") from None
+            if len(obj) == ref.size and object_hash(obj) == ref.object:
+                return obj
+            if attempt < FETCH_ATTEMPTS:
+                log.warning("chunk object %s in %s does not match its manifest (%d of %d bytes); fetching it again",
+                            key, self.store.uri, len(obj), ref.size)
+        raise IntegrityError(
+            f"chunk object {key} in {self.store.uri} is corrupt (size or hash mismatch in {FETCH_ATTEMPTS} fetches)"
+        )
 
 
 def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:
