@@ -8,6 +8,7 @@ Each torchrun launch costs seconds, so one launch runs a whole suite of small jo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -184,3 +185,23 @@ def test_killed_rank_leaves_no_partial_version_and_restart_resumes(tmp_path):
     assert read_manifest(store, "tiny", new[0]).kind == "full"  # a new session starts with a full version
     state = reader.read(after[-1])
     assert_bit_equal(state.state_dict(), results["published_states"][10])
+
+
+def test_train_entry_point_runs_the_example_config_on_two_ranks(tmp_path):
+    """What `weightsync train --config FILE --nproc 2` runs: torchrun, the example config."""
+    from weightsync.trainer.checkpoint import list_checkpoints
+
+    code = ("import sys; from weightsync.trainer.launch import run_train; "
+            "sys.exit(run_train(sys.argv[1], nproc=2, overrides=sys.argv[2:], log_level='WARNING'))")
+    overrides = ["train.steps=3", "train.schedule.warmup_steps=1", "train.checkpoint.every_steps=2",
+                 f"train.checkpoint.dir={tmp_path}/ckpt", f"train.publish.store={tmp_path}/store",
+                 f"train.metrics_path={tmp_path}/metrics.jsonl"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "trainer" / "configs" / "sft_tiny.toml"),
+                           *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3] and all(m["verdict"] == "accept" for m in lines)
+    assert [json.loads(line)["step"] for line in proc.stdout.splitlines() if line.startswith("{")] == [1, 2, 3]
+    assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2, 3]
+    assert list_versions(LocalStore(tmp_path / "store"), "sft-tiny") == [1, 2, 3]

@@ -11,6 +11,7 @@ on in OUT_DIR as torch.save files written by rank 0 (and a few per rank). Suites
   gradient accumulation, activation checkpointing, GRPO with KL, bf16 mixed precision with CPU
   offload, NaN injection into the guard.
 - one_rank: the plain SFT and GRPO runs on one rank (the reference for the 2-rank losses).
+- gpu: CUDA/NCCL, bf16 mixed precision with publishing, without and with CPU offload.
 - kill / restart: publishing every step; in `kill` rank 1 SIGKILLs itself in the middle of
   publishing step KILL_STEP; `restart` is the same job relaunched, resuming from its checkpoint.
 """
@@ -204,16 +205,32 @@ def suite_restart(out: Path) -> dict:
     return {"history": history, "state": state, "published_states": trainer.published_states}
 
 
+def suite_gpu(out: Path) -> dict:
+    """CUDA/NCCL: bf16 mixed precision with publishing, then the same with CPU offload."""
+    results = {}
+    for offload in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        config = job(parallel={"device": "cuda", "mixed_precision": "bf16", "cpu_offload": offload},
+                     publish={"store": str(out / f"store-{int(offload)}"), "model": "tiny", "every_steps": 1})
+        trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
+        results[offload] = {"history": history, "state": state, "published_states": trainer.published_states,
+                            "peak_cuda_bytes": torch.cuda.max_memory_allocated()}
+    return results
+
+
 def main() -> None:
+    from weightsync.trainer.config import ParallelConfig
+    from weightsync.trainer.parallel import close_runtime, init_runtime
+
     suite, out = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
+    runtime = init_runtime(ParallelConfig(device="cuda" if suite == "gpu" else "cpu"))
     configure_logging("WARNING")
     results = {"one_rank": suite_one_rank, "two_ranks": suite_two_ranks, "kill": suite_kill,
-               "restart": suite_restart}[suite](out)
-    if dist.get_rank() == 0:
+               "restart": suite_restart, "gpu": suite_gpu}[suite](out)
+    if runtime.rank == 0:
         torch.save(results, out / f"{suite}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    close_runtime(runtime)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""launch: what `weightsync train --config FILE [--nproc N]` runs.
+
+With --nproc N > 1 (and not already under torchrun) it starts `torchrun --standalone
+--nproc-per-node N -m weightsync.trainer.train ...` as a child process and returns its exit
+code; otherwise it runs the trainer in this process (a world of one, or this rank of a job
+that torchrun started). Multi-node jobs call torchrun directly with their rendezvous flags.
+
+Imports nothing heavy at module level, so `weightsync train --help` stays instant.
+
+Not here: the trainer itself (`train.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `weightsync train` arguments, for the CLI's subparser."""
+    parser.add_argument("--config", required=True, help="trainer TOML file (see trainer/configs/sft_tiny.toml)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="ranks on this machine: spawns torchrun --standalone with N processes "
+                             "(default: run in this process)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value in TOML syntax, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--log-level", default="INFO", help="logging level of every rank (default INFO)")
+
+
+def run_train(config: str | os.PathLike, *, nproc: int | None = None, overrides: Sequence[str] = (),
+              log_level: str = "INFO") -> int:
+    """Runs a training job; returns its exit code (0 only if every rank finished)."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    argv = ["--config", os.fspath(config), "--log-level", log_level]
+    for override in overrides:
+        argv += ["--set", override]
+    if nproc is None or nproc == 1 or "LOCAL_RANK" in os.environ:
+        from weightsync.trainer.train import main
+
+        return main(argv)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "weightsync.trainer.train", *argv]
+    return subprocess.run(command, check=False).returncode
+
+
+def run_train_args(args: argparse.Namespace) -> int:
+    """`run_train` from the namespace `add_train_arguments` parsed."""
+    return run_train(args.config, nproc=args.nproc, overrides=args.overrides, log_level=args.log_level)
