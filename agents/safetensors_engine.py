@@ -1,0 +1,435 @@
+"""safetensors_engine: a copying engine that writes each version as an HF-style directory and
+asks the inference server to reload from it.
+
+This is how SGLang's `POST /update_weights_from_disk` ({"model_path": DIR}) and vLLM's
+reload-from-disk hooks are driven. Layout of `root`:
+
+    root/v000000000012/      one complete snapshot per version: model.safetensors (or shards +
+                             index), config.json and the other non-weight files of the template,
+                             weightsync.json (version, digest)
+    root/current -> v000000000012    the version last handed to the server
+    root/.tmp-*, .trash-*    work in progress; removed on open
+
+`swap` states (a crash in any of them leaves `current` naming a complete snapshot):
+    write   snapshot into root/.tmp-*, fsync files and directory
+    place   rename .tmp-* to v<version> (atomic); fsync root
+    point   new symlink renamed over `current` (atomic); fsync root
+    reload  HTTP call to the server, bounded retries; a failure re-points `current` to the previous
+            snapshot, removes the new one, and raises: the previous version stays served
+    prune   keep the newest `keep_snapshots` snapshots (and always `current`)
+
+It keeps no reference to the tensors it is handed (`zero_copy` is False). Not here: verifying
+versions (the agent), loading weights (the inference server does that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, write_safetensors
+from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.layout import MAX_VERSION, VERSION_DIGITS
+from weightsync.model import CONFIG_NAME, CausalLM, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+CURRENT = "current"
+SNAPSHOT_META = "weightsync.json"
+_SNAPSHOT = re.compile(rf"v(\d{{{VERSION_DIGITS}}})")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_PLACEHOLDERS = ("{path}", "{version}", "{digest}")
+_REPLY_BYTES = 64 * 1024  # enough of the server's reply to quote in an error
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SafetensorsDirConfig:
+    """Where snapshots go and how the inference server is told to reload.
+
+    The snapshot's config.json comes from `template_dir` if it has one, else from `model`: give at
+    least one of them. SGLang: reload_url="http://HOST:PORT/update_weights_from_disk" with the
+    default body. vLLM: the URL and body of the reload endpoint your deployment exposes.
+    """
+
+    root: str
+    """Directory holding the snapshots and the `current` symlink (created if missing)."""
+    reload_url: str | None = None
+    """http(s) URL called after each snapshot is in place; None: only write and re-point
+    `current` (for a server that watches the directory, or one restarted on `current`)."""
+    reload_method: str = "POST"
+    reload_body: Any = dataclasses.field(default_factory=lambda: {"model_path": "{path}"})
+    """JSON document sent as the body (None: no body). In its strings "{path}" becomes the snapshot
+    directory (absolute), "{version}" the version number and "{digest}" the version digest. SGLang
+    accepts e.g. {"model_path": "{path}", "weight_version": "{version}"}."""
+    reload_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Extra request headers, e.g. {"Authorization": "Bearer ..."} for a server started with an API key."""
+    reload_timeout_s: float = 600.0
+    """Per attempt; a large model takes a while to load."""
+    reload_retries: int = 2
+    """Further attempts after a connection error, timeout, 408, 429 or 5xx reply (other 4xx are final)."""
+    reload_backoff_s: float = 1.0
+    """Sleep before retry n is reload_backoff_s * 2**(n-1)."""
+    template_dir: str | None = None
+    """An HF model directory whose non-weight files (config.json, tokenizer, generation config) are
+    copied into every snapshot; its safetensors, if any, fix the expected tensor layout."""
+    model: ModelConfig | Mapping[str, Any] | None = None
+    """Architecture (ModelConfig or a dict of its fields): swaps are checked against its tensor
+    names and shapes, and it writes config.json when the template has none."""
+    keep_snapshots: int = 2
+    """Snapshots kept on disk, newest versions first (the one `current` names is always kept)."""
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    """Larger snapshots are written as HF-style shards plus an index."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
+            raise ValueError("root must be a directory path for the snapshots")
+        object.__setattr__(self, "root", str(self.root))
+        if isinstance(self.model, Mapping):
+            try:
+                object.__setattr__(self, "model", ModelConfig(**self.model))
+            except TypeError as e:
+                raise ValueError(f"model: {e}; use the field names of weightsync.model.ModelConfig") from None
+        elif self.model is not None and not isinstance(self.model, ModelConfig):
+            raise ValueError(f"model must be a ModelConfig or a dict of its fields, got {type(self.model).__name__}")
+        if self.model is None and self.template_dir is None:
+            raise ValueError("give template_dir (an HF model directory) and/or model, so snapshots get a config.json")
+        if self.reload_url is not None and not re.match(r"https?://[^/]+", self.reload_url):
+            raise ValueError(f"reload_url must be an http:// or https:// URL, got {self.reload_url!r}")
+        if self.reload_method not in ("POST", "PUT", "GET"):
+            raise ValueError(f"reload_method must be POST, PUT or GET, got {self.reload_method!r}")
+        try:
+            json.dumps(self.reload_body)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"reload_body must be a JSON document: {e}") from None
+        if not self.reload_timeout_s > 0 or self.reload_backoff_s < 0:
+            raise ValueError("reload_timeout_s must be > 0 and reload_backoff_s >= 0 seconds")
+        for name in ("reload_retries", "keep_snapshots", "max_shard_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "reload_retries" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'reload_retries' else 1}, got {value!r}")
+
+
+class SafetensorsDirEngine:
+    """A copying `Engine` (name "safetensors_dir"): snapshot directory + reload hook."""
+
+    name = "safetensors_dir"
+    zero_copy = False
+
+    def __init__(self, config: SafetensorsDirConfig) -> None:
+        self.config = config
+        self.root = Path(config.root).absolute()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.root / ".lock", "a")  # noqa: SIM115 - held for the engine's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise WeightsyncError(f"another engine is using {self.root}; give each engine its own root") from None
+        self._lock = threading.Lock()
+        self._closed = False
+        # The server's state before our first swap is unknown (a crash may have come between
+        # re-pointing `current` and the reload), so nothing counts as served until a swap succeeds.
+        self._served: int | None = None
+        self._template_files = self._find_template_files()
+        self._layout = self._initial_layout()
+        self._remove_leftovers()
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
+        """Writes, places and points at snapshot `version`, then has the server reload it."""
+        started = time.perf_counter()
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
+        if not isinstance(digest, str):
+            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        with self._lock:
+            if self._closed:
+                raise WeightsyncError(f"the safetensors_dir engine on {self.root} is closed")
+            self._check_layout(weights)
+            target = self.root / _snapshot_name(version)
+            previous = self.current_dir()
+            created = False
+            if target.exists() and _read_meta(target).get("digest") == digest:
+                logger.info("snapshot %s already holds version %d (digest %s); reusing it", target, version, digest)
+            else:
+                if target.exists():
+                    if previous is not None and previous.name == target.name:
+                        raise WeightsyncError(f"{target} is current and holds another digest than {digest}; "
+                                              "a version number must not be reused for other weights")
+                    self._discard(target)
+                self._write_snapshot(target, version, weights, digest)
+                created = True
+            self._point_current(target.name)
+            try:
+                pause_s = self._reload(target, version, digest)
+            except BaseException:
+                self._point_current(previous.name if previous is not None else None)
+                if created:
+                    self._discard(target)
+                raise
+            self._served = version
+            self._layout = {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
+            self._prune(keep=target.name)
+        total_s = time.perf_counter() - started
+        logger.info("version %d in %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
+        return SwapReport(version=version, pause_s=pause_s, total_s=total_s)
+
+    def served_version(self) -> int | None:
+        return self._served
+
+    def wait_unused(self, version: int, timeout_s: float) -> bool:
+        return True  # swap copied the tensors to disk; nothing here refers to the agent's memory
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock_file.close()  # releases the flock
+
+    # ------------------------------------------------------------------ inspection
+
+    def current_dir(self) -> Path | None:
+        """The snapshot `current` names, or None."""
+        try:
+            return self.root / os.readlink(self.root / CURRENT)
+        except FileNotFoundError:
+            return None
+
+    def snapshots(self) -> list[int]:
+        """Versions with a snapshot on disk, ascending."""
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _SNAPSHOT.fullmatch(p.name)))
+
+    # ------------------------------------------------------------------ steps
+
+    def _check_layout(self, weights: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in weights.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+        if self._layout is None:
+            return  # first version, no architecture given: any layout
+        strict_dtype = any(dtype is not None for dtype, _ in self._layout.values())
+        missing = sorted(set(self._layout) - set(weights))
+        unexpected = sorted(set(weights) - set(self._layout))
+        if missing or unexpected:
+            raise LayoutError(f"weights do not fit the served layout: {len(missing)} missing {missing[:5]}, "
+                              f"{len(unexpected)} unexpected {unexpected[:5]}")
+        for name, (dtype, shape) in self._layout.items():
+            tensor = weights[name]
+            if tuple(tensor.shape) != shape:
+                raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, the served layout has {shape}")
+            if strict_dtype and tensor.dtype != dtype:
+                raise LayoutError(f"{name} is {tensor.dtype}, the served layout has {dtype}")
+
+    def _write_snapshot(self, target: Path, version: int, weights: Mapping[str, torch.Tensor], digest: str) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        free = shutil.disk_usage(self.root).free
+        if nbytes > free:  # fail before writing rather than on ENOSPC halfway through
+            raise WeightsyncError(f"version {version} needs {nbytes / 2**30:.2f} GiB, {self.root} has "
+                                  f"{free / 2**30:.2f} GiB free; lower keep_snapshots or free space")
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=self.root))
+        try:
+            # "format": "pt" is what HF loaders expect in safetensors metadata.
+            write_safetensors({n: t.detach().cpu() for n, t in weights.items()}, tmp,
+                              max_shard_bytes=self.config.max_shard_bytes,
+                              metadata={"format": "pt", "weightsync_version": str(version)})
+            for src in self._template_files:
+                shutil.copyfile(src, tmp / src.name)
+            if not (tmp / CONFIG_NAME).exists():
+                (tmp / CONFIG_NAME).write_text(json.dumps(self.config.model.to_hf(), indent=2, sort_keys=True))
+            (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest}))
+            for file in tmp.iterdir():
+                _fsync(file)
+            _fsync(tmp)
+            os.rename(tmp, target)
+            _fsync(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _point_current(self, name: str | None) -> None:
+        link = self.root / CURRENT
+        if name is None:
+            link.unlink(missing_ok=True)
+        else:
+            tmp = self.root / f".current.tmp-{uuid.uuid4().hex}"
+            os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
+            os.replace(tmp, link)
+        _fsync(self.root)
+
+    def _reload(self, path: Path, version: int, digest: str) -> float:
+        """Seconds spent in reload attempts; WeightsyncError when the server did not reload."""
+        if self.config.reload_url is None:
+            return 0.0
+        values = {"{path}": str(path), "{version}": str(version), "{digest}": digest}
+        body = self.config.reload_body
+        data = None if body is None else json.dumps(_fill(body, values)).encode()
+        headers = {"Content-Type": "application/json", **self.config.reload_headers}
+        spent = 0.0
+        attempts = self.config.reload_retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.config.reload_backoff_s * 2 ** (attempt - 1))
+            started = time.perf_counter()
+            request = urllib.request.Request(self.config.reload_url, data=data, headers=headers,
+                                             method=self.config.reload_method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.config.reload_timeout_s) as reply:
+                    text = reply.read(_REPLY_BYTES).decode("utf-8", "replace")
+                    status = reply.status
+            except urllib.error.HTTPError as e:
+                spent += time.perf_counter() - started
+                text = e.read(_REPLY_BYTES).decode("utf-8", "replace")
+                problem = f"{self.config.reload_url} answered {e.code}: {text[:500]}"
+                if e.code < 500 and e.code not in (408, 429):  # the server understood and refused
+                    raise WeightsyncError(f"reload of version {version} refused: {problem}") from None
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
+                spent += time.perf_counter() - started
+                problem = f"{self.config.reload_url}: {type(e).__name__}: {e}"
+            else:
+                spent += time.perf_counter() - started
+                if not 200 <= status < 300:
+                    raise WeightsyncError(f"reload of version {version}: {self.config.reload_url} answered {status}")
+                if _reports_failure(text):  # SGLang says {"success": false, "message": ...} on failure
+                    raise WeightsyncError(f"reload of version {version} failed: {text[:500]}")
+                return spent
+            logger.warning("reload of version %d, attempt %d/%d: %s", version, attempt + 1, attempts, problem)
+        raise WeightsyncError(f"reload of version {version} failed after {attempts} attempts: {problem}")
+
+    def _prune(self, keep: str) -> None:
+        current = self.current_dir()
+        names = [_snapshot_name(v) for v in self.snapshots()]
+        kept = set(names[-self.config.keep_snapshots:]) | {keep} | ({current.name} if current else set())
+        for name in names:
+            if name not in kept:
+                self._discard(self.root / name)
+
+    def _discard(self, path: Path) -> None:
+        # Renamed away first: a crash mid-delete leaves a .trash-* dir, never a partial snapshot.
+        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        _fsync(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ open
+
+    def _find_template_files(self) -> list[Path]:
+        if self.config.template_dir is None:
+            return []
+        template = Path(self.config.template_dir)
+        if not template.is_dir():
+            raise WeightsyncError(f"template_dir {template} is not a directory")
+        files = [p for p in sorted(template.iterdir()) if p.is_file() and p.name != INDEX_NAME
+                 and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith(".")]
+        if self.config.model is None and not any(p.name == CONFIG_NAME for p in files):
+            raise WeightsyncError(f"template_dir {template} has no {CONFIG_NAME}; add one or give model")
+        return files
+
+    def _initial_layout(self) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]] | None:
+        """What swaps must match: the architecture if given (any float dtype), else the template's
+        weights, else the snapshot `current` names, else nothing until the first swap."""
+        if self.config.model is not None:
+            meta = CausalLM(self.config.model).to("meta").state_dict()
+            return {name: (None, tuple(t.shape)) for name, t in meta.items()}
+        sources = [Path(self.config.template_dir)] if self.config.template_dir else []
+        sources += [d for d in [self.current_dir()] if d is not None]
+        for directory in sources:
+            files = sorted(directory.glob("*.safetensors"))
+            if files:
+                layout = {}
+                for file in files:
+                    with safe_open(str(file), framework="pt") as f:
+                        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                            sl = f.get_slice(name)
+                            layout[name] = (_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape()))
+                return layout
+        return None
+
+    def _remove_leftovers(self) -> None:
+        for path in self.root.iterdir():
+            if path.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(path, ignore_errors=True)
+                logger.info("removed leftover %s", path)
+            elif path.name.startswith(".current.tmp-"):
+                path.unlink(missing_ok=True)
+        current = self.current_dir()
+        if current is not None and not current.is_dir():
+            logger.warning("%s/%s points at missing %s; the next swap re-points it", self.root, CURRENT, current)
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _snapshot_name(version: int) -> str:
+    return f"v{version:0{VERSION_DIGITS}d}"
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads((directory / SNAPSHOT_META).read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _fill(template: Any, values: dict[str, str]) -> Any:
+    if isinstance(template, str):
+        for placeholder in _PLACEHOLDERS:
+            template = template.replace(placeholder, values[placeholder])
+        return template
+    if isinstance(template, dict):
+        return {key: _fill(value, values) for key, value in template.items()}
+    if isinstance(template, list):
+        return [_fill(value, values) for value in template]
+    return template
+
+
+def _reports_failure(text: str) -> bool:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("success") is False
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_safetensors_dir_engine(options: Mapping[str, Any]) -> SafetensorsDirEngine:
+    """The `open_engine({"type": "safetensors_dir", ...})` factory."""
+    names = sorted(f.name for f in dataclasses.fields(SafetensorsDirConfig))
+    try:
+        config = SafetensorsDirConfig(**options)
+    except TypeError as e:
+        raise ValueError(f"safetensors_dir engine: {e}; options are {names}") from None
+    return SafetensorsDirEngine(config)
+
+
+register_engine("safetensors_dir", open_safetensors_dir_engine)

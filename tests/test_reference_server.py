@@ -1,0 +1,344 @@
+"""The reference inference server over real HTTP on 127.0.0.1: generation for text and id prompts
+of mixed lengths, the version on every response, a hammer test (clients generating while versions
+swap) proving no request ever mixes weights, request validation, endpoints and configurations."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from weightsync.agents.engine import open_engine
+from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
+from weightsync.errors import LayoutError
+from weightsync.model import ByteTokenizer, CausalLM, ModelConfig, build_model, save_pretrained
+
+# Byte-tokenizer vocabulary; a wide init so greedy choices have clear margins and differ per version.
+BYTE_MODEL = dict(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.3)
+TOKENIZER = ByteTokenizer()
+
+
+def make_weights(version: int) -> dict[str, torch.Tensor]:
+    model = build_model(ModelConfig(**BYTE_MODEL), seed=version)
+    return {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}
+
+
+def post(url: str, body: dict | bytes, path: str = "/v1/generate") -> tuple[int, dict, dict]:
+    """(status, headers, JSON answer) of a POST."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, dict(reply.headers), json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def get(url: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=60) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.fixture
+def server():
+    with ReferenceServer(ReferenceServerConfig(model=BYTE_MODEL)) as server:
+        yield server
+
+
+def test_no_weights_yet_means_503_and_not_ready(server):
+    status, headers, answer = post(server.url, {"prompts": ["hi"]})
+    assert status == 503 and "no weights yet" in answer["error"] and headers["Retry-After"] == "1"
+    assert json.loads(get(server.url, "/health")[1]) == {"status": "ok", "ready": False, "weight_version": None}
+    assert json.loads(get(server.url, "/v1/version")[1])["weight_version"] is None
+
+
+def test_generates_text_and_id_prompts_of_mixed_lengths(server):
+    weights = make_weights(1)
+    server.swap(1, weights, digest="digest-1")
+    reference = build_model(ModelConfig(**BYTE_MODEL))  # the model library, in-process, same weights
+
+    def expected(rows: list[list[int]]) -> torch.Tensor:
+        return reference.generate(torch.tensor(rows), max_new_tokens=6, temperature=0, stop_token=TOKENIZER.EOS,
+                                  weights=weights)[0]
+
+    texts = ["hello", "a", "", "world", "a longer prompt"]  # "hello" and "world": one batch of two
+    status, headers, answer = post(server.url, {"prompts": texts, "max_new_tokens": 6})
+    assert status == 200 and headers["X-Weight-Version"] == "1"
+    assert answer["weight_version"] == 1 and answer["weight_digest"] == "digest-1"
+    completions = answer["completions"]
+    assert len(completions) == len(texts)
+    pair = expected([TOKENIZER.encode("hello"), TOKENIZER.encode("world")])
+    for i, text in enumerate(texts):
+        want = pair[0 if text == "hello" else 1] if text in ("hello", "world") else expected([TOKENIZER.encode(text)])[0]
+        got = completions[i]
+        assert got["token_ids"] == want.tolist()[:len(got["token_ids"])], text
+        assert len(got["token_ids"]) == len(got["logprobs"]) <= 6
+        assert all(lp <= 0 for lp in got["logprobs"])
+        assert got["text"] == TOKENIZER.decode(got["token_ids"])
+        assert got["finish_reason"] == ("stop" if TOKENIZER.EOS in got["token_ids"] else "length")
+
+    ids = [[256, 1, 2, 3], [256], [256, 9, 8, 7], [200, 100]]
+    status, headers, answer = post(server.url, {"prompt_ids": ids, "max_new_tokens": 6, "stop": None})
+    assert status == 200 and answer["weight_version"] == 1
+    got = [c["token_ids"] for c in answer["completions"]]
+    same_length = expected([ids[0], ids[2]]).tolist()
+    assert got == [same_length[0], expected([ids[1]])[0].tolist(), same_length[1], expected([ids[3]])[0].tolist()]
+
+
+def test_sampling_is_seeded_and_stop_tokens_end_completions(server):
+    server.swap(1, make_weights(1), digest="digest-1")
+    sample = {"prompt_ids": [[256, 5, 6]], "max_new_tokens": 12, "temperature": 1.0, "top_k": 50, "stop": None}
+    runs = [post(server.url, {**sample, "seed": seed})[2]["completions"][0]["token_ids"] for seed in (1, 1, 2, 3)]
+    assert runs[0] == runs[1]
+    assert len({tuple(r) for r in runs}) > 1
+    greedy = post(server.url, {"prompt_ids": [[256, 5, 6]], "max_new_tokens": 12, "stop": None})[2]
+    tokens = greedy["completions"][0]["token_ids"]
+    stop = tokens[2]
+    stopped = post(server.url, {"prompt_ids": [[256, 5, 6]], "max_new_tokens": 12, "stop": stop})[2]
+    assert stopped["completions"][0]["token_ids"] == tokens[:tokens.index(stop) + 1]
+    assert stopped["completions"][0]["finish_reason"] == "stop"
+
+
+def test_hammer_every_response_comes_from_exactly_one_version(server):
+    """Clients generate without pause while the agent swaps versions and, as it would with double
+    buffering, overwrites each replaced version's tensors once wait_unused says they are free."""
+    versions = range(1, 13)
+    weights = {v: make_weights(v) for v in versions}
+    requests = [{"prompt_ids": [[256, 1, 2], [256, 3, 4, 5, 6], [256, 3, 4]], "max_new_tokens": 8},
+                {"prompts": ["swap", "under load"], "max_new_tokens": 10},
+                {"prompt_ids": [[7] * 9], "max_new_tokens": 12, "stop": None}]
+    expected = {}  # (version, request) -> completions, precomputed through the same server
+    for v in versions:
+        server.swap(v, weights[v], digest=f"digest-{v}")
+        for r, body in enumerate(requests):
+            status, _, answer = post(server.url, body)
+            assert status == 200 and answer["weight_version"] == v
+            expected[v, r] = answer["completions"]
+    for r in range(len(requests)):
+        assert len({json.dumps(expected[v, r]) for v in versions}) >= len(versions) // 2, "versions must differ"
+
+    server.swap(1, weights[1], digest="digest-1")
+    responses: dict[int, list[tuple[str, int, dict]]] = {r: [] for r in range(len(requests))}
+    answered = {v: 0 for v in versions}  # responses per version, to swap only after a few
+    progress = threading.Condition()
+    stop = threading.Event()
+
+    def client(r: int) -> None:
+        while not stop.is_set():
+            status, headers, answer = post(server.url, requests[r])
+            responses[r].append((headers.get("X-Weight-Version"), status, answer))
+            if status != 200:
+                return
+            with progress:
+                answered[answer["weight_version"]] += 1
+                progress.notify_all()
+
+    clients = [threading.Thread(target=client, args=(r,)) for r in range(len(requests))]
+    for c in clients:
+        c.start()
+    try:
+        for v in versions:
+            with progress:
+                assert progress.wait_for(lambda v=v: answered[v] >= 3, timeout=60), f"version {v} got no answers"
+            if v == versions[-1]:
+                break
+            server.swap(v + 1, weights[v + 1], digest=f"digest-{v + 1}")
+            assert server.wait_unused(v, 60)
+            for t in weights[v].values():  # the agent reuses that memory for a later version
+                t.fill_(float("nan"))
+    finally:
+        stop.set()
+        for c in clients:
+            c.join()
+
+    for r, answers in responses.items():
+        assert answers
+        previous = 0
+        for header, status, answer in answers:
+            assert status == 200, answer
+            v = answer["weight_version"]
+            assert header == str(v) and answer["weight_digest"] == f"digest-{v}"
+            assert answer["completions"] == expected[v, r], f"request {r} at version {v}: mixed or stale weights"
+            assert v >= previous, "a client saw versions go backwards"
+            previous = v
+    assert {a["weight_version"] for answers in responses.values() for _, _, a in answers} == set(versions)
+
+
+BAD_REQUESTS = [
+    (b"{not json", "not valid JSON"),
+    (b'["a list"]', "must be a JSON object"),
+    (b'{"prompts": ["a"], "max_new_tokens": NaN}', "NaN is not a JSON number"),
+    ({"max_new_tokens": 4}, "exactly one of prompts"),
+    ({"prompts": ["a"], "prompt_ids": [[1]]}, "exactly one of prompts"),
+    ({"prompts": "a"}, "prompts must be a non-empty list"),
+    ({"prompts": []}, "prompts must be a non-empty list"),
+    ({"prompts": [3]}, "prompts[0] must be a string"),
+    ({"prompt_ids": [[1, "2"]]}, "prompt_ids[0][1] must be an integer"),
+    ({"prompt_ids": [[1, True]]}, "prompt_ids[0][1] must be an integer"),
+    ({"prompt_ids": [[]]}, "prompt_ids[0] must be a non-empty list"),
+    ({"prompt_ids": [[1, 259]]}, "prompt_ids[0][1] must be in 0..258"),
+    ({"prompt_ids": [[-1]]}, "must be in 0..258"),
+    ({"prompt_ids": [[1]] * 65}, "prompt_ids has 65 entries; the limit is 64"),
+    ({"prompts": ["a"], "max_new_tokens": 5000}, "max_new_tokens must be in 1..1024"),
+    ({"prompts": ["a"], "max_new_tokens": 0}, "max_new_tokens must be in 1..1024"),
+    ({"prompts": ["a"], "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+    ({"prompts": ["a" * 5000]}, "prompt 0 has 5001 tokens; the limit is 4096"),
+    ({"prompts": ["a" * 2000], "max_new_tokens": 100}, "exceeds the model's max_position_embeddings (2048)"),
+    ({"prompts": ["a"], "temperature": -1}, "temperature must be a number in [0, 100]"),
+    ({"prompts": ["a"], "temperature": "hot"}, "temperature must be a number"),
+    ({"prompts": ["a"], "top_k": -3}, "top_k must be in 0..259"),
+    ({"prompts": ["a"], "seed": "x"}, "seed must be an integer"),
+    ({"prompts": ["a"], "stop": 999}, "stop must be in 0..258"),
+    ({"prompts": ["a"], "max_tokens": 3}, "unknown fields ['max_tokens']"),
+]
+
+
+def test_bad_requests_get_400_with_a_clear_message(server):
+    server.swap(1, make_weights(1), digest="digest-1")
+    for body, message in BAD_REQUESTS:
+        status, _, answer = post(server.url, body)
+        assert status == 400 and message in answer["error"], (body, answer)
+    assert post(server.url, b"x" * (2 << 20))[0] == 413  # read and dropped: the client sees the 413
+    for headers, status in [({"Content-Length": str(100 << 20)}, 413),  # refused without reading the body
+                            ({"Content-Length": str(2 << 20), "Expect": "100-continue"}, 413),
+                            ({"Transfer-Encoding": "chunked"}, 411)]:
+        connection = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+        connection.putrequest("POST", "/v1/generate")
+        for key, value in headers.items():
+            connection.putheader(key, value)
+        connection.endheaders()
+        reply = connection.getresponse()
+        assert reply.status == status and "error" in json.loads(reply.read())
+        connection.close()
+    assert post(server.url, {"prompts": ["a"]}, path="/v1/nothing")[0] == 404
+    assert get(server.url, "/v1/generate")[0] == 405
+    status, _, answer = post(server.url, {"prompts": ["still alive"], "max_new_tokens": 2})
+    assert status == 200 and answer["weight_version"] == 1
+    metrics = get(server.url, "/metrics")[1].decode()
+    assert f'weightsync_engine_requests_total{{outcome="bad_request"}} {len(BAD_REQUESTS) + 3}.0' in metrics
+
+
+def test_text_prompts_need_the_byte_vocabulary():
+    with ReferenceServer(ReferenceServerConfig(model={**BYTE_MODEL, "vocab_size": 64})) as server:
+        server.swap(1, {n: t.to(torch.bfloat16) for n, t in build_model(server.model_config).state_dict().items()},
+                    digest="d")
+        status, _, answer = post(server.url, {"prompts": ["a"]})
+        assert status == 400 and "send prompt_ids" in answer["error"]
+        status, _, answer = post(server.url, {"prompt_ids": [[1, 2]], "max_new_tokens": 3})
+        assert status == 200 and answer["completions"][0]["text"] is None
+
+
+def test_served_tensors_are_the_swapped_tensors_and_layout_is_checked(server):
+    weights = make_weights(1)
+    server.swap(1, weights, digest="digest-1")
+    served = server.served()
+    assert served.version == 1 and served.digest == "digest-1"
+    assert all(served.weights[n] is t and torch.equal(served.weights[n], t) for n, t in weights.items())
+    fp32 = {n: t.float() for n, t in make_weights(2).items()}
+    with pytest.raises(LayoutError, match="compute_dtype float32 to convert"):
+        server.swap(2, fp32, digest="digest-2")
+    assert server.served().version == 1 and server.served_version() == 1
+
+
+def test_float32_compute_converts_before_the_flip():
+    with ReferenceServer(ReferenceServerConfig(model=BYTE_MODEL, compute_dtype="float32")) as server:
+        assert not server.zero_copy
+        weights = make_weights(1)
+        server.swap(1, weights, digest="digest-1")
+        served = server.served().weights
+        assert all(served[n].dtype == torch.float32 and torch.equal(served[n], t.float()) for n, t in weights.items())
+        assert server.wait_unused(1, 0), "no reference to the agent's tensors is kept"
+        status, _, answer = post(server.url, {"prompts": ["abc"], "max_new_tokens": 4})
+        assert status == 200 and answer["weight_version"] == 1 and len(answer["completions"][0]["token_ids"]) <= 4
+
+
+def test_version_and_metrics_endpoints(server):
+    server.swap(7, make_weights(1), digest="digest-7")
+    post(server.url, {"prompts": ["m"], "max_new_tokens": 3, "stop": None})
+    info = json.loads(get(server.url, "/v1/version")[1])
+    assert info["weight_version"] == 7 and info["weight_digest"] == "digest-7"
+    assert info["last_swap_pause_s"] >= 0 and info["swapped_at"] > 0 and info["compute_dtype"] == "bfloat16"
+    assert json.loads(get(server.url, "/health")[1]) == {"status": "ok", "ready": True, "weight_version": 7}
+    status, metrics = get(server.url, "/metrics")
+    text = metrics.decode()
+    assert status == 200
+    for line in ("weightsync_engine_weight_version 7.0", 'weightsync_engine_requests_total{outcome="ok"} 1.0',
+                 "weightsync_engine_swap_pause_seconds_count 1.0", "weightsync_engine_generated_tokens_total 3.0",
+                 "weightsync_engine_prompt_tokens_total 2.0", 'weightsync_engine_swaps_total{outcome="ok"} 1.0'):
+        assert line in text, line
+
+
+def test_busy_slots_answer_503():
+    config = ReferenceServerConfig(model=BYTE_MODEL, max_concurrent_requests=1, queue_timeout_s=0.01)
+    with ReferenceServer(config) as server:
+        server.swap(1, make_weights(1), digest="d")
+        replica = server._replicas.get()  # what a long generation does: hold the only slot
+        try:
+            status, _, answer = post(server.url, {"prompts": ["a"]})
+            assert status == 503 and "slots stayed busy" in answer["error"]
+        finally:
+            server._replicas.put(replica)
+        assert post(server.url, {"prompts": ["a"], "max_new_tokens": 1})[0] == 200
+
+
+def test_config_is_validated():
+    for kwargs, message in [({}, "exactly one of model"), ({"model": BYTE_MODEL, "model_dir": "x"}, "exactly one"),
+                            ({"model": {"hidden": 3}}, "field names of weightsync.model.ModelConfig"),
+                            ({"model": BYTE_MODEL, "compute_dtype": "fp8"}, "compute_dtype must be one of"),
+                            ({"model": BYTE_MODEL, "port": 70000}, "port must be"),
+                            ({"model": BYTE_MODEL, "max_batch_size": 0}, "max_batch_size must be a positive int")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            ReferenceServerConfig(**kwargs)
+
+
+def test_model_dir_is_served_as_version_0(tmp_path):
+    config = ModelConfig(**BYTE_MODEL)
+    state = build_model(config, seed=4).state_dict()
+    save_pretrained(tmp_path / "model", config, state)
+    engine = open_engine({"type": "reference", "model_dir": str(tmp_path / "model")})
+    try:
+        served = engine.served()
+        assert engine.served_version() == 0 and served.digest is None
+        assert all(torch.equal(served.weights[n], t.to(torch.bfloat16)) for n, t in state.items())
+        status, headers, answer = post(engine.url, {"prompts": ["x"], "max_new_tokens": 2})
+        assert status == 200 and headers["X-Weight-Version"] == "0" and answer["weight_digest"] is None
+    finally:
+        engine.close()
+
+
+def test_replica_rope_matches_the_model():
+    from weightsync.agents.reference_server import _replica
+
+    config = ModelConfig(**{**BYTE_MODEL, "rope_theta": 500000.0, "head_dim": 16})
+    assert torch.equal(_replica(config).inv_freq, CausalLM(config).inv_freq)
+
+
+@pytest.mark.slow
+def test_serve_entry_point(tmp_path):
+    config = ModelConfig(**BYTE_MODEL)
+    save_pretrained(tmp_path / "model", config, build_model(config).state_dict())
+    proc = subprocess.Popen([sys.executable, "-m", "weightsync.agents.reference_server", "--model-dir",
+                             str(tmp_path / "model"), "--port", "0", "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(proc.stdout.readline())
+        assert started["weight_version"] == 0
+        assert json.loads(get(started["url"], "/health")[1])["ready"] is True
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
