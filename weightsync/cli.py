@@ -1,4 +1,4 @@
-"""cli: the `weightsync` command — publish, pull, ls, verify, gc, demo.
+"""cli: the `weightsync` command — publish, pull, ls, verify, gc, agent, status, keygen, train, demo.
 
 Thin: each subcommand parses its flags, calls the library, and prints either a human summary
 or (with --json) one JSON document on stdout. Exit code 0 only on success; errors print one line
@@ -232,6 +232,86 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.agents.config import load_agent_config
+    from weightsync.agents.server import run_agent
+
+    engine = None
+    if args.engine or args.model_dir:
+        engine = {"type": args.engine or "reference"}
+        if args.model_dir:
+            engine["model_dir"] = args.model_dir
+        if args.engine_port is not None:
+            engine["port"] = args.engine_port
+    config = load_agent_config(
+        args.config, model=args.model, cache_dir=args.cache_dir, name=args.name, region=args.region,
+        listen=args.listen, store=args.store, peers=tuple(args.peer) or None, engine=engine,
+        token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
+        require_signatures=args.require_signatures or None, metrics_port=args.metrics_port,
+        poll_interval_s=args.poll_interval_s,
+    )
+
+    def ready(server) -> None:
+        # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
+        engine_url = getattr(server.engine, "url", None)
+        print(json.dumps({"event": "ready", "agent": config.name, "address": server.address,
+                          "engine_url": engine_url, "metrics_port": server.metrics_port}), flush=True)
+
+    run_agent(config, ready=ready)
+    return {"agent": config.name, "stopped": True}
+
+
+def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    from weightsync.rpc import AgentClient, TlsConfig, read_token
+
+    tls = TlsConfig(ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name) if args.ca else None
+    client = AgentClient(args.agent, tls=tls, token=read_token(token_file=args.token_file))
+    try:
+        reply = client.status(timeout_s=args.timeout_s)
+    finally:
+        client.close()
+    row = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    if not args.json:
+        print(f"agent {reply.agent} ({reply.region}) serving {reply.model} v{reply.current_version} "
+              f"[{reply.current_digest[:12]}], newest known v{reply.target_version}, engine {reply.engine}, "
+              f"peers {list(reply.peers) or '-'}")
+        if reply.last_error:
+            print(f"last error: {reply.last_error}")
+        print(f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
+              f"{'pause':>8}  path / error")
+        for e in reply.ledger:
+            total = e.timings_s.get("since_offer")
+            pause = e.timings_s.get("swap_pause")
+            print(f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_mb(e.bytes_pushed):>10} "
+                  f"{_mb(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
+                  f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}")
+    return row
+
+
+def _cmd_keygen(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.signing import Signer
+
+    signer = Signer.generate()
+    private, public = f"{args.out}.pem", f"{args.out}.pub"
+    signer.write(private, public)
+    if not args.json:
+        print(f"wrote {private} (private, mode 600: give it to the publisher) and {public} "
+              f"(public: give it to agents as a trusted key); key id {signer.key_id}")
+    return {"private_key": private, "public_key": public, "key_id": signer.key_id}
+
+
+def _cmd_train(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.trainer.launch import run_train_args
+
+    code = run_train_args(args)
+    row = {"config": args.config, "exit_code": code}
+    if code != 0:
+        raise _Failed(row, f"training exited with code {code}")
+    return row
+
+
 class _Failed(Exception):
     """A subcommand that ran but whose result is a failure (its JSON is still printed)."""
 
@@ -320,7 +400,69 @@ def _add_demo(sub) -> None:
     p.set_defaults(handler=_cmd_demo)
 
 
-_SUBCOMMANDS: list[Callable] = [_add_publish, _add_pull, _add_ls, _add_verify, _add_gc, _add_demo]
+def _add_agent(sub) -> None:
+    p = sub.add_parser("agent", help="run a sync agent beside an inference engine",
+                       description="Run a sync agent: receive pushed versions, relay them to peers, fetch what is "
+                                   "missing from the store, verify everything, hot-swap the engine's weights. "
+                                   "Settings come from --config (TOML, [agent] table) and the flags below. "
+                                   "Prints one JSON line when listening; stops gracefully on SIGTERM/SIGINT.")
+    _common(p, store=False, model=False)
+    p.add_argument("--config", help="agent TOML file (see agents/config.py)")
+    p.add_argument("--model", help="model name this agent serves")
+    p.add_argument("--cache-dir", help="local cache directory (crash-safe; a restart serves from it)")
+    p.add_argument("--store", help="store URI to fetch from and poll: file://DIR or s3://BUCKET/PREFIX")
+    p.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:0)")
+    p.add_argument("--name", help="agent name (default: hostname)")
+    p.add_argument("--region", help="region name (default 'default')")
+    p.add_argument("--peer", action="append", default=[], help="downstream agent host:port to relay to (repeatable)")
+    p.add_argument("--engine", help="engine type: reference (default) or safetensors_dir")
+    p.add_argument("--model-dir", help="HF-style directory giving the engine its architecture (and first weights)")
+    p.add_argument("--engine-port", type=int, help="the reference engine's HTTP port (default: any free port)")
+    p.add_argument("--token-file", help="bearer token callers must present (or $WEIGHTSYNC_TOKEN)")
+    p.add_argument("--trusted-key", action="append", default=[], help="publisher public key (PEM), repeatable")
+    p.add_argument("--require-signatures", action="store_true", help="refuse unsigned versions")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
+    p.add_argument("--poll-interval-s", type=float, help="how often to check the store for new versions")
+    p.set_defaults(handler=_cmd_agent)
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="show an agent's version, ledger and last error",
+                       description="Ask a running agent for its current version, its ledger of recent versions "
+                                   "(path, bytes pushed and fetched, timings) and its last error.")
+    _common(p, store=False, model=False)
+    p.add_argument("--agent", required=True, help="agent gRPC address host:port")
+    p.add_argument("--token-file", help="bearer token file (or $WEIGHTSYNC_TOKEN)")
+    p.add_argument("--ca", help="CA certificate (PEM) to verify a TLS agent")
+    p.add_argument("--cert", help="client certificate (PEM) for mTLS")
+    p.add_argument("--key", help="client key (PEM) for mTLS")
+    p.add_argument("--server-name", help="name to check the agent's certificate against")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of the call (default 10)")
+    p.set_defaults(handler=_cmd_status)
+
+
+def _add_keygen(sub) -> None:
+    p = sub.add_parser("keygen", help="make an Ed25519 key pair for signing manifests")
+    _common(p, store=False, model=False)
+    p.add_argument("--out", required=True, help="path prefix: writes PREFIX.pem (private) and PREFIX.pub")
+    p.set_defaults(handler=_cmd_keygen)
+
+
+def _add_train(sub) -> None:
+    from weightsync.trainer.launch import add_train_arguments
+
+    p = sub.add_parser("train", help="run the FSDP2 trainer (publishing in its loop)",
+                       description="Run the FSDP2 trainer from a TOML config; --nproc N starts N ranks with "
+                                   "torchrun on this machine.")
+    _common(p, store=False, model=False)
+    add_train_arguments(p)
+    p.set_defaults(handler=_cmd_train)
+
+
+_SUBCOMMANDS: list[Callable] = [
+    _add_publish, _add_pull, _add_ls, _add_verify, _add_gc, _add_agent, _add_status, _add_keygen, _add_train,
+    _add_demo,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

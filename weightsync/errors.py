@@ -68,3 +68,11 @@ class StaleVersion(WeightsyncError, ValueError):
 
 class AccessDenied(WeightsyncError, PermissionError):
     """A caller without a valid token (or certificate) for the endpoint."""
+
+
+class ResourceExhausted(WeightsyncError, RuntimeError):
+    """A receiver's bound (pending bytes, queue length) is reached; the sender retries later."""
+
+
+class RpcUnavailable(WeightsyncError, ConnectionError):
+    """A peer could not be reached, or a call failed in transport (timeout, reset, shutdown)."""

@@ -67,7 +67,7 @@ from weightsync.shards import (
 from weightsync.signing import Signer
 from weightsync.store import Store
 from weightsync.tensors import Snapshot, SnapshotTensor, layout_of, take_snapshot
-from weightsync.versions import commit_manifest, latest_version, read_manifest, resolve_chain
+from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature, resolve_chain
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class PublishListener(Protocol):
         """An encoded chunk object of `version`, before its upload is durable."""
 
     def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
-        """`version` committed (on a sharded publish: called on rank 0 only)."""
+        """The version committed (on a sharded publish: called on every rank)."""
 
     def on_failure(self, version: int, error: BaseException) -> None:
         """`version` will never commit."""
@@ -430,6 +430,10 @@ class Publisher:
         else:
             write_part(self.store, self.model, self.shard, header, tensors, stats)
             manifest = wait_for_commit(self.store, self.model, self.shard, version)
+            # Every rank offers the version to the agents, so each sends whatever of its own
+            # objects an agent still lacks; duplicate offers are harmless.
+            data = manifest.to_bytes()
+            self._notify("on_commit", manifest, data, read_signature(self.store, self.model, version, data))
         data = manifest.to_bytes()
         commit_s = time.perf_counter() - t_commit
         stored = manifest.stored_bytes

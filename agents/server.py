@@ -1,0 +1,166 @@
+"""server: runs one sync agent — its engine, its SyncAgent and the gRPC server in front of them.
+
+The servicer is thin: it converts protobuf messages to the agent's calls and back, and maps
+errors to status codes with the one table in `weightsync.rpc`; it holds no logic. The server
+has explicit message limits, a bearer-token interceptor and TLS/mTLS when configured, the
+standard gRPC health service (SERVING once the agent runs, NOT_SERVING while it shuts down),
+and Prometheus metrics when a metrics port is set. `AgentServer.stop` drains in-flight calls
+for a grace period before closing (what SIGTERM does in `run_agent`).
+
+Not here: what the agent does (`sync.py`), engines (`engine.py`), the CLI (weightsync/cli.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from weightsync.errors import WeightsyncError
+from weightsync.metrics import NULL_METRICS, PrometheusMetrics
+from weightsync.push import PushConfig, Pusher
+from weightsync.rpc import (
+    SERVER_OPTIONS,
+    SERVICE,
+    ObjectFrame,
+    TokenAuthInterceptor,
+    agent_service_handler,
+    read_token,
+    server_credentials,
+    status_for,
+)
+from weightsync.signing import Verifier
+from weightsync.store import open_store
+from weightsync.v1 import sync_pb2
+
+from weightsync.agents.config import AgentConfig
+from weightsync.agents.engine import Engine, open_engine
+from weightsync.agents.sync import SyncAgent
+
+log = logging.getLogger(__name__)
+
+
+class _Servicer:
+    """SyncAgent RPCs -> SyncAgent calls; weightsync errors -> status codes."""
+
+    def __init__(self, agent: SyncAgent) -> None:
+        self.agent = agent
+
+    def offer(self, request: sync_pb2.OfferRequest, context: grpc.ServicerContext) -> sync_pb2.OfferReply:
+        try:
+            wanted, missing = self.agent.offer(
+                model=request.model, version=request.version, manifest=request.manifest,
+                signature=request.signature, objects=list(request.objects), origin=request.origin or context.peer(),
+                hops=request.hops,
+            )
+        except WeightsyncError as e:
+            context.abort(status_for(e), str(e))
+        decision = sync_pb2.OfferReply.WANTED if wanted else sync_pb2.OfferReply.NOT_NEEDED
+        return sync_pb2.OfferReply(decision=decision, missing=missing, current_version=self.agent.served_version)
+
+    def push_objects(self, frames: Iterator[ObjectFrame], context: grpc.ServicerContext) -> sync_pb2.PushReply:
+        kept = size = duplicates = 0
+        try:
+            for frame in frames:
+                if self.agent.receive_object(model=frame.model, version=frame.version, address=frame.object,
+                                             data=frame.data):
+                    kept += 1
+                    size += len(frame.data)
+                else:
+                    duplicates += 1
+        except WeightsyncError as e:
+            context.abort(status_for(e), str(e))
+        return sync_pb2.PushReply(objects=kept, bytes=size, duplicates=duplicates)
+
+    def get_status(self, request: sync_pb2.StatusRequest, context: grpc.ServicerContext) -> sync_pb2.StatusReply:
+        return status_to_proto(self.agent.status())
+
+
+def status_to_proto(status: dict) -> sync_pb2.StatusReply:
+    reply = sync_pb2.StatusReply(**{k: v for k, v in status.items() if k != "ledger"})
+    for entry in status["ledger"]:
+        reply.ledger.add(**entry)
+    return reply
+
+
+class AgentServer:
+    """An agent process's parts, started and stopped together."""
+
+    def __init__(self, config: AgentConfig, *, engine: Engine | None = None) -> None:
+        self.config = config
+        token = read_token(config.token, config.token_file)
+        self.metrics = PrometheusMetrics(agent=config.name, region=config.region) \
+            if config.metrics_port is not None else NULL_METRICS
+        self.engine = engine if engine is not None else open_engine(config.engine)
+        relay = None
+        if config.peers:
+            relay = Pusher(PushConfig(targets=config.peers, model=config.model, tls=config.client_tls, token=token,
+                                      origin=config.name, hops=1), metrics=self.metrics)
+        self.agent = SyncAgent(
+            config, self.engine,
+            upstream=open_store(config.store) if config.store else None,
+            verifier=Verifier.from_pem(config.trusted_keys) if config.trusted_keys else None,
+            relay=relay, metrics=self.metrics,
+        )
+        interceptors = [TokenAuthInterceptor(token)] if token else []
+        self._server = grpc.server(cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ws-rpc"),
+                                   options=SERVER_OPTIONS, interceptors=interceptors)
+        servicer = _Servicer(self.agent)
+        self._server.add_generic_rpc_handlers(
+            (agent_service_handler(servicer.offer, servicer.push_objects, servicer.get_status),))
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        if config.tls is not None and config.tls.enabled:
+            port = self._server.add_secure_port(config.listen, server_credentials(config.tls))
+        else:
+            port = self._server.add_insecure_port(config.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {config.listen}")
+        self.address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+        self.metrics_port: int | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> AgentServer:
+        self.agent.start()  # serves the cached version before taking calls
+        self._server.start()
+        if isinstance(self.metrics, PrometheusMetrics):
+            self.metrics_port = self.metrics.serve(self.config.metrics_port)
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("agent %s (%s) listening on %s, serving %s", self.config.name, self.config.region, self.address,
+                 self.config.model)
+        return self
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stops taking calls, lets in-flight ones finish for `grace_s`, then closes everything."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()
+        self.agent.close()
+        self.engine.close()
+        if isinstance(self.metrics, PrometheusMetrics):
+            self.metrics.close()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def run_agent(config: AgentConfig, *, ready=None) -> None:
+    """Runs an agent until SIGTERM/SIGINT, then shuts it down gracefully. `ready(server)` is
+    called once it listens (the CLI prints the address)."""
+    server = AgentServer(config).start()
+    if ready is not None:
+        ready(server)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("agent %s: shutting down", config.name)
+    server.stop()

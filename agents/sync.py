@@ -1,0 +1,540 @@
+"""sync: the agent's core — offers and objects in, a verified version out, swapped into the engine.
+
+gRPC threads only record what arrives: an offered manifest (parsed, signature checked, version
+checked against what is served) and pushed objects (each checked against its content address,
+then written to the local cache). One sync thread does the rest, one version at a time:
+
+    idle     -> nothing newer than the served version is known (the store is polled every
+                poll_interval_s for versions nobody pushed)
+    gather   -> the newest known version is the target. Its path is planned: the deltas after
+                the staging buffer's version when that version is on the target's chain, else
+                the target's base and its deltas. Every object of the path is brought into the
+                cache: by push, or from the store once pushes stall for push_wait_s (or at once
+                when nobody is pushing). Manifests enter the cache after their objects.
+    apply    -> the Reader applies the path from the cache into the staging buffer, checking
+                each object's hash before decoding and each chunk's raw hash after; at the
+                target every byte is covered by a checked hash, and the raw hashes by the
+                version digest.
+    swap     -> engine.swap; the state file records the served version (crash-safe), the
+                ledger its timings; old cache entries are collected.
+A failure in gather or apply leaves what the engine serves untouched; it is recorded, a corrupt
+cached object is deleted so it is fetched again, and the version is retried.
+
+Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (served +
+staging, the staging one brought forward by deltas); copying engines use one buffer. Either
+way about one or two models, never a copy per version of a chain. Received objects live in the
+cache on disk, not in memory. Not here: the gRPC plumbing (`server.py`), engines (`engine.py`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from weightsync import layout
+from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
+from weightsync.errors import (
+    FormatError,
+    IntegrityError,
+    ObjectNotFound,
+    ResourceExhausted,
+    StaleVersion,
+    WeightsyncError,
+)
+from weightsync.hashing import is_hash_hex
+from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, parse_manifest
+from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.push import Pusher
+from weightsync.reader import Reader, WeightsState
+from weightsync.retention import collect_garbage
+from weightsync.signing import Verifier
+from weightsync.store import LocalStore, Store
+from weightsync.versions import latest_version, read_manifest_bytes, read_signature
+
+from weightsync.agents.config import AgentConfig
+from weightsync.agents.engine import Engine
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "agent-state.json"
+_DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
+_RETRY_S = (0.5, 10.0)
+
+
+@dataclasses.dataclass
+class _Known:
+    """A manifest the agent accepted (offered, or found in the store) and has not served yet."""
+
+    manifest: Manifest
+    data: bytes
+    signature: bytes | None
+    source: str
+    offered_unix_ms: int
+    offered_at: float  # monotonic
+    pushed: bool  # offered by a pusher (publisher or upstream agent)
+
+
+@dataclasses.dataclass
+class LedgerEntry:
+    version: int
+    outcome: str = "pending"  # served | failed | superseded
+    path: str = ""
+    source: str = ""
+    bytes_pushed: int = 0
+    bytes_fetched: int = 0
+    timings_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str = ""
+    offered_unix_ms: int = 0
+    served_unix_ms: int = 0
+    digest: str = ""
+
+
+class SyncAgent:
+    """Receives, verifies and serves versions of one model (see the module docstring)."""
+
+    def __init__(self, config: AgentConfig, engine: Engine, *, upstream: Store | None = None,
+                 verifier: Verifier | None = None, relay: Pusher | None = None,
+                 metrics: Metrics = NULL_METRICS) -> None:
+        self.config = config
+        self.engine = engine
+        self.upstream = upstream
+        self.verifier = verifier
+        self.relay = relay
+        self.metrics = metrics
+        self.model = config.model
+        config.cache_path.mkdir(parents=True, exist_ok=True)
+        # The cache is a store of its own, same layout as the upstream one. No fsync: a lost
+        # object after a power cut is caught by its hash and fetched again; the commit order
+        # (objects, then manifest, then state file) is what keeps it consistent.
+        self.cache = LocalStore(config.cache_path / "store", fsync=False)
+        self.reader = Reader(self.cache, model=config.model, workers=config.workers)
+        self._prefix = layout.model_prefix(config.model)
+        self._cond = threading.Condition()
+        self._known: dict[int, _Known] = {}
+        self._served: WeightsState | None = None
+        self._spare: WeightsState | None = None
+        self._served_version = 0
+        self._served_digest = ""
+        self._pending_bytes = 0
+        self._progress = 0  # objects received so far; the sync thread watches it to see pushes advance
+        self._last_push_offer = float("-inf")  # monotonic time of the last offer that came by push
+        self._ledger: deque[LedgerEntry] = deque(maxlen=config.ledger_size)
+        self._ledger_by_version: dict[int, LedgerEntry] = {}
+        self.last_error = ""
+        self.started_unix_ms = int(time.time() * 1000)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._fetch_pool = cf.ThreadPoolExecutor(
+            max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Serves the last good version from the cache (if any), then starts syncing."""
+        self._restore()
+        self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        if self.relay is not None:
+            self.relay.close(timeout_s=2)
+
+    @property
+    def served_version(self) -> int:
+        return self._served_version
+
+    def wait_for_version(self, version: int, timeout_s: float) -> bool:
+        """Blocks until `version` (or newer) is served; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._served_version < version:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(timeout=remaining)
+            return True
+
+    # ------------------------------------------------------------------- incoming (gRPC threads)
+
+    def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
+              origin: str, hops: int) -> tuple[bool, list[str]]:
+        """An offer from a publisher or an upstream agent: (wanted, objects still missing)."""
+        self._check_model(model)
+        if hops > self.config.max_hops:
+            raise FormatError(f"offer of v{version} relayed {hops} times (max {self.config.max_hops}): a relay loop?")
+        if not manifest:  # objects-only: a version still being published
+            if any(not is_hash_hex(a) for a in objects):
+                raise FormatError("objects must be 32-character lowercase hex content addresses")
+            if version <= self._served_version:
+                return False, []
+            return True, [a for a in objects if not self.cache.exists(self._prefix + layout.chunk_key(a))]
+        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True)
+        self._last_push_offer = time.monotonic()
+        if version != known.manifest.version:
+            raise FormatError(f"offer says v{version} but its manifest is v{known.manifest.version}")
+        with self._cond:
+            if version <= self._served_version:
+                return False, []
+        if self.relay is not None:
+            self.relay.offer(version, known.data, known.signature, hops=hops + 1)
+        missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
+                          if c.object and not self.cache.exists(self._prefix + c.key)})
+        return True, missing
+
+    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
+        """One pushed object: kept (True) if new, verified against its address first."""
+        self._check_model(model)
+        if not is_hash_hex(address):
+            raise FormatError(f"object address {address!r} is not 32 lowercase hex characters")
+        if len(data) > max_object_bytes(MAX_CHUNK_BYTES):
+            raise FormatError(f"object of {len(data)} bytes is over the format's limit")
+        if object_hash(data) != address:
+            self.metrics.inc("agent/objects_rejected", reason="hash")
+            raise IntegrityError(f"object {address} of v{version} does not match its content address (corrupt in flight)")
+        if version <= self._served_version:
+            return False  # stale: nothing can use it any more
+        key = self._prefix + layout.chunk_key(address)
+        if self.cache.exists(key):
+            return False
+        with self._cond:
+            if self._pending_bytes + len(data) > self.config.max_pending_bytes:
+                self.metrics.inc("agent/objects_rejected", reason="quota")
+                raise ResourceExhausted(f"{self._pending_bytes} pushed bytes await a version; "
+                                        f"limit {self.config.max_pending_bytes}")
+            self._pending_bytes += len(data)
+        self.cache.put(key, data)
+        self.metrics.inc("agent/bytes_received", len(data), source="push")
+        if self.relay is not None:
+            self.relay.on_object(version, address, data)
+        with self._cond:
+            self._progress += 1
+            self._cond.notify_all()
+        return True
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise FormatError(f"this agent serves {self.model!r}, not {model!r}")
+
+    def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool) -> _Known:
+        """Parses and checks a manifest (signature, model, not older than served); records it."""
+        manifest = parse_manifest(data)
+        self._check_model(manifest.model)
+        if self.verifier is not None and (signature or self.config.require_signatures):
+            self.verifier.verify(data, signature)
+        with self._cond:
+            if manifest.version < self._served_version:
+                raise StaleVersion(f"v{manifest.version} is older than the served v{self._served_version}")
+            if manifest.version == self._served_version and manifest.digest != self._served_digest:
+                raise IntegrityError(f"v{manifest.version} differs from the one served (digest mismatch): a replay?")
+            known = self._known.get(manifest.version)
+            if known is not None:
+                if known.manifest.digest != manifest.digest:
+                    raise IntegrityError(f"two different manifests offered as v{manifest.version}")
+                known.pushed = known.pushed or pushed
+                return known
+            known = _Known(manifest, data, signature, source, int(time.time() * 1000), time.monotonic(), pushed)
+            if manifest.version > self._served_version:
+                self._known[manifest.version] = known
+                self._entry(manifest.version, source=source, offered_unix_ms=known.offered_unix_ms)
+                self._cond.notify_all()
+            return known
+
+    # ------------------------------------------------------------------------- sync thread
+
+    def _run(self) -> None:
+        next_poll = 0.0
+        backoff = _RETRY_S[0]
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                target = self._newest()
+                if target is None:
+                    self._cond.wait(timeout=max(0.0, min(next_poll - time.monotonic(), 1.0)))
+            if self._closed:
+                return
+            if self.upstream is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.config.poll_interval_s
+                self._poll_store()
+            target = self._newest()
+            if target is None:
+                continue
+            try:
+                self._sync_to(target)
+                backoff = _RETRY_S[0]
+            except WeightsyncError as e:
+                self._record_failure(target.manifest.version, e)
+                with self._cond:
+                    self._cond.wait(timeout=backoff)
+                backoff = min(2 * backoff, _RETRY_S[1])
+
+    def _newest(self) -> _Known | None:
+        with self._cond:
+            for version in [v for v in self._known if v <= self._served_version]:
+                del self._known[version]
+            return self._known[max(self._known)] if self._known else None
+
+    def _poll_store(self) -> None:
+        try:
+            latest = latest_version(self.upstream, self.model)
+            known = max(self._known, default=0)
+            if latest is None or latest <= max(known, self._served_version):
+                return
+            _, data = read_manifest_bytes(self.upstream, self.model, latest)
+            known = self._accept(data, read_signature(self.upstream, self.model, latest, data), "store", pushed=False)
+            if self.relay is not None:  # the peers get it from us, objects included, as we fetch them
+                self.relay.offer(latest, known.data, known.signature, hops=1)
+        except WeightsyncError as e:
+            self.last_error = f"store poll: {e}"
+            log.warning("%s: polling %s failed: %s", self.config.name, self.upstream.uri, e)
+
+    def _sync_to(self, target: _Known) -> None:
+        version = target.manifest.version
+        entry = self._entry(version)
+        t0 = time.monotonic()
+        staging = self._staging()
+        chain = self._chain(target)
+        start = 0
+        if staging.manifest is not None:
+            for i, known in enumerate(chain):
+                if known.manifest.version == staging.manifest.version and known.manifest.digest == staging.manifest.digest:
+                    start = i + 1
+        path = chain[start:]
+        entry.path = (f"deltas {staging.manifest.version}->{version}" if start else
+                      f"base {chain[0].manifest.version} + {len(chain) - 1} deltas")
+        self._gather(target, path, entry)
+        t_apply = time.monotonic()
+        try:
+            self.reader.advance(staging, version)
+        except IntegrityError as e:
+            self._evict_corrupt(path)  # fetched again on the retry
+            raise IntegrityError(f"v{version} failed verification from the cache ({e}); refetching") from e
+        t_swap = time.monotonic()
+        report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest)
+        self._write_state(version, target.manifest.digest)
+        done = time.monotonic()
+        with self._cond:  # the ledger first, so whoever waits for this version sees it complete
+            entry.outcome, entry.digest, entry.served_unix_ms = "served", target.manifest.digest, int(time.time() * 1000)
+            entry.timings_s.update(gather=t_apply - t0, apply=t_swap - t_apply, swap=report.total_s,
+                                   swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
+            for older in [v for v, e in self._ledger_by_version.items() if v < version and e.outcome == "pending"]:
+                self._ledger_by_version[older].outcome = "superseded"
+            if self.engine.zero_copy:
+                self._spare, self._served = self._served, staging
+            else:
+                self._served = staging
+            self._served_version, self._served_digest = version, target.manifest.digest
+            self._pending_bytes = 0
+            self._cond.notify_all()
+        self.metrics.set("agent/version", version)
+        self.metrics.observe("agent/swap_pause_s", report.pause_s)
+        self.metrics.observe("agent/sync_s", done - target.offered_at)
+        self.metrics.inc("agent/versions_served", path="deltas" if start else "base")
+        log.info("%s: serving v%d (%s) %.3f s after the offer; swap pause %.2f ms", self.config.name, version,
+                 entry.path, done - target.offered_at, 1000 * report.pause_s)
+        self._collect_cache()
+
+    def _staging(self) -> WeightsState:
+        """The buffer the next version is built in: the spare (zero-copy engines still serve the
+        current one), or the served one (copying engines keep their own copy)."""
+        if not self.engine.zero_copy:
+            return self._served or WeightsState(manifest=None, buffers={})
+        spare = self._spare
+        if spare is None:
+            return WeightsState(manifest=None, buffers={})
+        if spare.manifest is not None and not self.engine.wait_unused(spare.manifest.version, _DRAIN_TIMEOUT_S):
+            raise ResourceExhausted(f"requests still run on v{spare.manifest.version} after {_DRAIN_TIMEOUT_S} s")
+        return spare
+
+    def _chain(self, target: _Known) -> list[_Known]:
+        """The target's chain, base first, from accepted manifests, the cache or the store."""
+        chain = [target]
+        while chain[-1].manifest.kind != KIND_FULL:
+            parent = chain[-1].manifest.parent
+            chain.append(self._manifest(parent))
+            if chain[-1].manifest.base != chain[-2].manifest.base:
+                raise FormatError(f"v{chain[-2].manifest.version} and its parent v{parent} disagree on their base")
+        chain.reverse()
+        return chain
+
+    def _manifest(self, version: int) -> _Known:
+        with self._cond:
+            known = self._known.get(version)
+        if known is not None:
+            return known
+        for store in (self.cache, self.upstream):
+            if store is None:
+                continue
+            try:
+                manifest, data = read_manifest_bytes(store, self.model, version)
+            except WeightsyncError:
+                continue
+            if store is self.upstream and self.verifier is not None:
+                signature = read_signature(store, self.model, version, data)
+                if signature or self.config.require_signatures:
+                    self.verifier.verify(data, signature)
+            return _Known(manifest, data, None, "store", 0, time.monotonic(), False)
+        raise IntegrityError(f"v{version}, needed to reach a newer version, is neither cached nor in the store")
+
+    def _gather(self, target: _Known, path: list[_Known], entry: LedgerEntry) -> None:
+        """Brings every object of `path` into the cache (push, else store), then its manifests."""
+        refs: dict[str, ChunkRef] = {}
+        for known in path:
+            for tensor in known.manifest.tensors:
+                for ref in tensor.chunks:
+                    if ref.key is not None:
+                        refs[ref.key] = ref
+        missing = self._missing(refs)
+        # Wait for pushes while they make progress when they are expected: this version was
+        # offered by push, or pushes arrived lately (a store poll can see a commit before the
+        # push of it lands). An agent nobody pushes to fetches at once.
+        expect_push = target.pushed or time.monotonic() - self._last_push_offer < 10 * self.config.poll_interval_s + 60
+        if missing and expect_push:
+            with self._cond:
+                seen = self._progress
+            while missing and not self._closed:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._progress != seen or self._closed, timeout=self.config.push_wait_s)
+                    progressed, seen = self._progress != seen, self._progress
+                missing = self._missing(missing)
+                if not progressed:
+                    break
+        fetched = self._fetch(missing, target.manifest.version) if missing else 0
+        entry.bytes_fetched += fetched
+        entry.bytes_pushed += sum(r.size for r in refs.values()) - fetched
+        for known in path:  # manifests after their objects: the cache stays a valid store
+            self.cache.put(layout.manifest_key(self.model, known.manifest.version), known.data)
+
+    def _missing(self, refs: dict[str, ChunkRef]) -> dict[str, ChunkRef]:
+        return {key: ref for key, ref in refs.items() if not self.cache.exists(self._prefix + key)}
+
+    def _fetch(self, missing: dict[str, ChunkRef], version: int) -> int:
+        """Fetches objects from the store into the cache and relays them to the peers as part of
+        `version` (the peers lack them too); returns the bytes fetched."""
+        if self.upstream is None:
+            raise ObjectNotFound(f"{len(missing)} objects never arrived and this agent has no store to fetch from")
+        reader = Reader(self.upstream, model=self.model)
+
+        def fetch(ref: ChunkRef) -> int:
+            obj = reader.fetch_object(ref)  # checks size and hash against the manifest
+            self.cache.put(self._prefix + ref.key, obj)
+            if self.relay is not None:
+                self.relay.on_object(version, ref.object, obj)
+            return len(obj)
+
+        total = sum(self._fetch_pool.map(fetch, missing.values()))
+        self.metrics.inc("agent/bytes_received", total, source="store")
+        return total
+
+    def _evict_corrupt(self, path: list[_Known]) -> None:
+        for known in path:
+            for tensor in known.manifest.tensors:
+                for ref in tensor.chunks:
+                    if ref.key is None:
+                        continue
+                    key = self._prefix + ref.key
+                    try:
+                        ok = object_hash(self.cache.get(key)) == ref.object
+                    except ObjectNotFound:
+                        continue
+                    if not ok:
+                        log.warning("%s: cached object %s is corrupt; deleting it", self.config.name, ref.key)
+                        self.cache.delete(key)
+
+    # --------------------------------------------------------------------- state and ledger
+
+    def _write_state(self, version: int, digest: str) -> None:
+        """Records the served version: what a restarted agent serves first (atomic replace)."""
+        path = self.config.cache_path / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        doc = {"model": self.model, "version": version, "digest": digest}
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _restore(self) -> None:
+        """After a restart: serve the last good version from the cache, verified again."""
+        path = self.config.cache_path / STATE_FILE
+        try:
+            doc = json.loads(Path(path).read_text())
+            version, digest = int(doc["version"]), str(doc["digest"])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("%s: unreadable %s (%s); starting empty", self.config.name, path, e)
+            return
+        if doc.get("model") != self.model or version < 1:
+            return
+        try:
+            state = self.reader.read(version)
+            if state.manifest.digest != digest:
+                raise IntegrityError(f"cached v{version} has digest {state.manifest.digest}, the state file {digest}")
+            self.engine.swap(version, state.state_dict(), digest=digest)
+        except WeightsyncError as e:
+            self.last_error = f"restore: {e}"
+            log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.config.name, version, e)
+            return
+        self._served, self._served_version, self._served_digest = state, version, digest
+        entry = self._entry(version, source="cache")
+        entry.outcome, entry.path, entry.digest = "served", "cache", digest
+        entry.served_unix_ms = int(time.time() * 1000)
+        self.metrics.set("agent/version", version)
+        log.info("%s: restarted serving v%d from its cache", self.config.name, version)
+
+    def _collect_cache(self) -> None:
+        protect = {self._served_version}
+        if self._spare is not None and self._spare.manifest is not None:
+            protect.add(self._spare.manifest.version)
+        try:
+            collect_garbage(self.cache, self.model, keep=self.config.cache_keep_versions, protect=protect,
+                            grace_s=self.config.cache_grace_s)
+        except WeightsyncError as e:
+            log.warning("%s: cache gc failed: %s", self.config.name, e)
+
+    def _entry(self, version: int, **fields) -> LedgerEntry:
+        with self._cond:
+            entry = self._ledger_by_version.get(version)
+            if entry is None:
+                entry = LedgerEntry(version=version)
+                self._ledger_by_version[version] = entry
+                self._ledger.appendleft(entry)
+                if len(self._ledger_by_version) > self.config.ledger_size:
+                    live = {e.version for e in self._ledger}
+                    self._ledger_by_version = {v: e for v, e in self._ledger_by_version.items() if v in live}
+            for key, value in fields.items():
+                setattr(entry, key, value)
+            return entry
+
+    def _record_failure(self, version: int, error: BaseException) -> None:
+        entry = self._entry(version)
+        entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
+        self.last_error = f"v{version}: {entry.error}"
+        self.metrics.inc("agent/errors")
+        log.warning("%s: v%d failed: %s", self.config.name, version, entry.error)
+
+    def status(self) -> dict:
+        with self._cond:
+            target = max(self._known, default=self._served_version)
+            return {
+                "agent": self.config.name, "region": self.config.region, "model": self.model,
+                "current_version": self._served_version, "current_digest": self._served_digest,
+                "target_version": max(target, self._served_version),
+                "ledger": [dataclasses.asdict(e) for e in self._ledger],
+                "last_error": self.last_error, "engine": getattr(self.engine, "name", type(self.engine).__name__),
+                "peers": list(self.config.peers), "started_unix_ms": self.started_unix_ms,
+            }

@@ -1,0 +1,113 @@
+"""metrics: counters, gauges and histograms with slash-namespaced names, exported to Prometheus.
+
+Code records `metrics.inc("agent/bytes_received", n, source="push")`,
+`metrics.set("agent/version", 7)` or `metrics.observe("agent/swap_pause_s", 0.002)`; the name
+`agent/swap_pause_s` becomes the Prometheus metric `weightsync_agent_swap_pause_s`. Every
+component takes a `Metrics` and defaults to `NULL_METRICS`, which drops everything, so no code
+branches on whether metrics are enabled. Each Prometheus sink has its own registry (several
+agents in one test process must not collide) and can serve `/metrics` over HTTP.
+
+Not here: what is measured (each component documents its own names in docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Protocol
+
+# Latency buckets from 100 us to ~2 min: swap pauses are sub-millisecond, catch-ups take minutes.
+DEFAULT_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
+_NAME = re.compile(r"[a-z][a-z0-9_]*(/[a-z][a-z0-9_]*)+")
+
+
+class Metrics(Protocol):
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None: ...
+
+    def set(self, name: str, value: float, **labels: str) -> None: ...
+
+    def observe(self, name: str, value: float, **labels: str) -> None: ...
+
+
+class NullMetrics:
+    """Drops everything: the default sink."""
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        pass
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        pass
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        pass
+
+
+NULL_METRICS = NullMetrics()
+
+
+def prometheus_name(name: str) -> str:
+    """`agent/swap_pause_s` -> `weightsync_agent_swap_pause_s`."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"metric name {name!r} must be slash-namespaced lowercase, e.g. 'agent/swap_pause_s'")
+    return "weightsync_" + name.replace("/", "_")
+
+
+class PrometheusMetrics:
+    """A Prometheus registry filled on first use of each name; `constant_labels` go on every series
+    (e.g. agent name and region)."""
+
+    def __init__(self, **constant_labels: str) -> None:
+        import prometheus_client
+
+        self._prom = prometheus_client
+        self.registry = prometheus_client.CollectorRegistry()
+        self._constant = dict(constant_labels)
+        self._metrics: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()
+        self._server = None
+
+    def _get(self, kind: str, name: str, labels: dict[str, str]):
+        key = (kind, name)
+        metric = self._metrics.get(key)
+        if metric is None:
+            with self._lock:
+                metric = self._metrics.get(key)
+                if metric is None:
+                    label_names = sorted({*self._constant, *labels})
+                    full = prometheus_name(name)
+                    doc = f"weightsync {name}"
+                    if kind == "counter":
+                        metric = self._prom.Counter(full, doc, label_names, registry=self.registry)
+                    elif kind == "gauge":
+                        metric = self._prom.Gauge(full, doc, label_names, registry=self.registry)
+                    else:
+                        metric = self._prom.Histogram(full, doc, label_names, registry=self.registry,
+                                                      buckets=DEFAULT_BUCKETS_S)
+                    self._metrics[key] = metric
+        all_labels = {**self._constant, **labels}
+        return metric.labels(**all_labels) if all_labels else metric
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        self._get("counter", name, labels).inc(value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._get("gauge", name, labels).set(value)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._get("histogram", name, labels).observe(value)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format (what GET /metrics returns)."""
+        return self._prom.generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serves GET /metrics on `host:port` (0: a free port) in a daemon thread; returns the port."""
+        server, _ = self._prom.start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

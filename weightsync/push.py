@@ -1,0 +1,284 @@
+"""push: streams versions to sync agents over gRPC — from the publisher, and from agent to agent.
+
+A `Pusher` is a `PublishListener`: the publisher (or an agent relaying what it receives) hands
+it each chunk object as soon as it exists and the manifest once the version is committed. For
+each target agent it keeps a worker thread and a bounded buffer, and per version:
+
+    objects   -> streamed as they arrive, in one PushObjects stream per version
+    committed -> that stream is closed (its reply confirms receipt), the manifest is offered,
+                 and the objects the agent still lacks (its answer) are streamed again
+    failed    -> the version's buffered objects are dropped
+
+A broken stream or refused connection is retried with backoff; the retry starts with an offer
+(the manifest, or before the commit the buffered objects' addresses), so it resumes at chunk
+granularity and sends only what did not arrive. Pushing never blocks the caller: a target that
+is slow or down lets its buffer fill, then objects for it are dropped and the agent fetches them
+from the store; after `give_up_after_s` a version is dropped for that target altogether (the
+agent catches up from the store). One target's trouble never delays another's.
+
+Not here: the agent side (agents/), the wire format (`rpc.py`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from weightsync.errors import WeightsyncError
+from weightsync.manifest import Manifest
+from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig
+from weightsync.v1 import sync_pb2
+
+log = logging.getLogger(__name__)
+
+_END = object()  # ends a stream's frame iterator
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PushConfig:
+    targets: tuple[str, ...]
+    """Agents to push to (host:port): one leader per region from a publisher, the downstream
+    peers from an agent."""
+    model: str
+    tls: TlsConfig | None = None
+    token: str | None = None
+    origin: str = "publisher"
+    """Who pushes (shown in agents' ledgers)."""
+    hops: int = 0
+    """Relay depth written into offers: 0 from a publisher, the received hops + 1 from an agent."""
+    max_buffered_bytes: int = 512 * 1024 * 1024
+    """Per target: object bytes held for sending; beyond it objects are dropped for that target
+    (it fetches them from the store) so memory stays bounded whatever the target does."""
+    give_up_after_s: float = 120.0
+    """Per target and version: stop retrying after this long (the agent catches up from the store)."""
+    retry_backoff_s: tuple[float, float] = (0.1, 5.0)
+    """First and largest delay between retries to an unreachable target."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.max_buffered_bytes < 0 or self.give_up_after_s <= 0:
+            raise ValueError("max_buffered_bytes must be >= 0 and give_up_after_s > 0")
+        if not 0 < self.retry_backoff_s[0] <= self.retry_backoff_s[1]:
+            raise ValueError("retry_backoff_s must be (first, largest) with 0 < first <= largest")
+
+
+@dataclasses.dataclass
+class _Version:
+    """What one target still has to get of one version."""
+
+    version: int
+    started: float
+    objects: dict[str, bytes] = dataclasses.field(default_factory=dict)  # buffered, by address
+    unsent: collections.deque = dataclasses.field(default_factory=collections.deque)  # addresses
+    offer: sync_pb2.OfferRequest | None = None
+    failed: bool = False
+    resume: bool = False  # a stream broke: ask the agent what it lacks before sending more
+
+
+class _Target:
+    """One target agent: a worker thread that drains per-version work in version order."""
+
+    def __init__(self, address: str, config: PushConfig, metrics: Metrics) -> None:
+        self.address = address
+        self.config = config
+        self.metrics = metrics
+        self.client = AgentClient(address, tls=config.tls, token=config.token)
+        self._cond = threading.Condition()
+        self._versions: dict[int, _Version] = {}
+        self._buffered = 0
+        self._closed = False
+        self.sent_bytes = 0
+        self.dropped_objects = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ws-push-{address}", daemon=True)
+        self._thread.start()
+
+    # -- producer side (publisher / relay threads): never blocks on the network
+
+    def add_object(self, version: int, address: str, obj: bytes) -> None:
+        with self._cond:
+            state = self._versions.setdefault(version, _Version(version, time.monotonic()))
+            if state.failed or address in state.objects:
+                return
+            if self._buffered + len(obj) > self.config.max_buffered_bytes:
+                self.dropped_objects += 1  # the agent will fetch it from the store
+                return
+            state.objects[address] = obj
+            state.unsent.append(address)
+            self._buffered += len(obj)
+            self._cond.notify()
+
+    def add_offer(self, offer: sync_pb2.OfferRequest) -> None:
+        with self._cond:
+            state = self._versions.setdefault(offer.version, _Version(offer.version, time.monotonic()))
+            state.offer = offer
+            self._cond.notify()
+
+    def fail(self, version: int) -> None:
+        with self._cond:
+            state = self._versions.get(version)
+            if state is not None:
+                state.failed = True
+                self._cond.notify()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._versions
+
+    def close(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._versions and time.monotonic() < deadline:
+                self._cond.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
+        self.client.close()
+
+    # -- worker
+
+    def _run(self) -> None:
+        backoff = self.config.retry_backoff_s[0]
+        while True:
+            with self._cond:
+                while not self._closed and not self._ready():
+                    self._cond.wait(timeout=0.5)
+                if self._closed:
+                    return
+                state = self._versions[min(self._versions)]
+            try:
+                self._work(state)
+                backoff = self.config.retry_backoff_s[0]
+            except WeightsyncError as e:
+                self.last_error = str(e)
+                self.metrics.inc("push/errors", target=self.address)
+                state.resume = True
+                if time.monotonic() - state.started > self.config.give_up_after_s:
+                    log.warning("push to %s: giving up on v%d after %.0f s (%s); it will catch up from the store",
+                                self.address, state.version, self.config.give_up_after_s, e)
+                    self._finish(state)
+                else:
+                    log.info("push to %s failed (%s); retrying in %.1f s", self.address, e, backoff)
+                    time.sleep(backoff)
+                    backoff = min(2 * backoff, self.config.retry_backoff_s[1])
+
+    def _ready(self) -> bool:
+        if not self._versions:
+            return False
+        state = self._versions[min(self._versions)]
+        return bool(state.unsent) or state.offer is not None or state.failed
+
+    def _work(self, state: _Version) -> None:
+        if state.failed:
+            self._finish(state)
+            return
+        if state.resume:
+            self._resume(state)
+        if state.unsent:
+            self._stream(state)
+        with self._cond:
+            offer = state.offer if not state.unsent else None
+        if offer is not None:
+            reply = self.client.offer(offer)
+            if reply.decision == sync_pb2.OfferReply.WANTED and reply.missing:
+                with self._cond:
+                    state.unsent.extend(a for a in reply.missing if a in state.objects)
+                if state.unsent:
+                    self._stream(state)
+            self._finish(state)
+
+    def _resume(self, state: _Version) -> None:
+        """After a broken stream: ask which buffered objects the agent still lacks."""
+        with self._cond:
+            offer = state.offer
+            addresses = list(state.objects)
+        if offer is None:
+            offer = sync_pb2.OfferRequest(model=self.config.model, version=state.version, objects=addresses,
+                                          origin=self.config.origin, hops=self.config.hops)
+        reply = self.client.offer(offer)
+        with self._cond:
+            state.unsent.clear()
+            if reply.decision == sync_pb2.OfferReply.WANTED:
+                state.unsent.extend(a for a in reply.missing if a in state.objects)
+            state.resume = False
+
+    def _stream(self, state: _Version) -> None:
+        """One PushObjects stream: sends unsent objects of `state` while more keep arriving,
+        until the version's offer is known and nothing is left to send."""
+        frames: queue.Queue = queue.Queue()
+        call = self.client.push_future(iter(frames.get, _END))
+        try:
+            while True:
+                with self._cond:
+                    while not state.unsent and state.offer is None and not state.failed and not self._closed:
+                        self._cond.wait(timeout=0.5)
+                    if not state.unsent:
+                        break
+                    address = state.unsent.popleft()
+                    obj = state.objects[address]
+                if call.done():  # the stream broke; its error surfaces below
+                    break
+                frames.put(ObjectFrame(self.config.model, state.version, address, obj))
+                self.sent_bytes += len(obj)
+                self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
+        finally:
+            frames.put(_END)
+        try:
+            call.result()
+        except Exception as e:  # grpc.RpcError: map it like every other call failure
+            from weightsync.rpc import error_from_rpc
+
+            raise error_from_rpc(e, f"push of v{state.version} to {self.address}") from None
+
+    def _finish(self, state: _Version) -> None:
+        with self._cond:
+            self._versions.pop(state.version, None)
+            self._buffered -= sum(len(o) for o in state.objects.values())
+            state.objects.clear()
+            self._cond.notify_all()
+
+
+class Pusher:
+    """Pushes versions to a set of agents; a `PublishListener` for `Publisher(listeners=...)`."""
+
+    def __init__(self, config: PushConfig, *, metrics: Metrics = NULL_METRICS) -> None:
+        self.config = config
+        self._targets = [_Target(address, config, metrics) for address in config.targets]
+
+    def on_object(self, version: int, object_xxh3: str, obj: bytes) -> None:
+        for target in self._targets:
+            target.add_object(version, object_xxh3, obj)
+
+    def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
+        self.offer(manifest.version, manifest_bytes, signature)
+
+    def offer(self, version: int, manifest_bytes: bytes, signature: bytes | None, hops: int | None = None) -> None:
+        offer = sync_pb2.OfferRequest(
+            model=self.config.model, version=version, manifest=manifest_bytes, signature=signature or b"",
+            origin=self.config.origin, hops=self.config.hops if hops is None else hops,
+        )
+        for target in self._targets:
+            target.add_offer(offer)
+
+    def on_failure(self, version: int, error: BaseException) -> None:
+        for target in self._targets:
+            target.fail(version)
+
+    def idle(self) -> bool:
+        """True when every target has nothing left to send."""
+        return all(t.idle() for t in self._targets)
+
+    def stats(self) -> dict[str, dict]:
+        return {t.address: {"sent_bytes": t.sent_bytes, "dropped_objects": t.dropped_objects,
+                            "last_error": t.last_error} for t in self._targets}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Waits up to `timeout_s` for pending versions, then stops."""
+        deadline = time.monotonic() + timeout_s
+        for target in self._targets:
+            target.close(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,129 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OfferRequest(_message.Message):
+    __slots__ = ("model", "version", "manifest", "signature", "objects", "origin", "hops")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    manifest: bytes
+    signature: bytes
+    objects: _containers.RepeatedScalarFieldContainer[str]
+    origin: str
+    hops: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., objects: _Optional[_Iterable[str]] = ..., origin: _Optional[str] = ..., hops: _Optional[int] = ...) -> None: ...
+
+class OfferReply(_message.Message):
+    __slots__ = ("decision", "missing", "current_version")
+    class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DECISION_UNSPECIFIED: _ClassVar[OfferReply.Decision]
+        WANTED: _ClassVar[OfferReply.Decision]
+        NOT_NEEDED: _ClassVar[OfferReply.Decision]
+    DECISION_UNSPECIFIED: OfferReply.Decision
+    WANTED: OfferReply.Decision
+    NOT_NEEDED: OfferReply.Decision
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    decision: OfferReply.Decision
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    current_version: int
+    def __init__(self, decision: _Optional[_Union[OfferReply.Decision, str]] = ..., missing: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ...) -> None: ...
+
+class ObjectFrame(_message.Message):
+    __slots__ = ("model", "version", "object", "data")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    object: str
+    data: bytes
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., object: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("objects", "bytes", "duplicates")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    objects: int
+    bytes: int
+    duplicates: int
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LedgerEntry(_message.Message):
+    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest")
+    class TimingsSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    outcome: str
+    path: str
+    source: str
+    bytes_pushed: int
+    bytes_fetched: int
+    timings_s: _containers.ScalarMap[str, float]
+    error: str
+    offered_unix_ms: int
+    served_unix_ms: int
+    digest: str
+    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    region: str
+    model: str
+    current_version: int
+    current_digest: str
+    target_version: int
+    ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    last_error: str
+    engine: str
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    started_unix_ms: int
+    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ...) -> None: ...
