@@ -28,11 +28,11 @@ SCENARIOS = Path(__file__).with_name("trainer_scenarios.py")
 REPO = SCENARIOS.parent.parent
 
 
-def launch(suite: str, out: Path, *, nproc: int, check: bool = True) -> subprocess.CompletedProcess:
+def launch(suite: str, out: Path, *more: Path, nproc: int, check: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCENARIOS), suite, str(out)]
+           str(SCENARIOS), suite, str(out), *map(str, more)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     if check and proc.returncode != 0:
         pytest.fail(f"{suite} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -47,9 +47,9 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
+def one_rank(tmp_path_factory, two_ranks):
     out = tmp_path_factory.mktemp("one_rank")
-    launch("one_rank", out, nproc=1)
+    launch("one_rank", out, two_ranks[0], nproc=1)
     return torch.load(out / "one_rank.pt", weights_only=False)
 
 
@@ -90,6 +90,23 @@ def test_resume_is_bit_identical(two_ranks):
     assert losses(resumed) == losses(results["plain"])[3:]  # exact, not approximate
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in results["plain"]][3:]
     assert_bit_equal(results["resumed_state"], results["plain_state"])
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(two_ranks, one_rank):
+    _, results = two_ranks
+    elastic = one_rank["elastic"]
+    assert [m["step"] for m in elastic] == [4, 5, 6]
+    assert losses(elastic) == pytest.approx(losses(results["plain"])[3:], rel=1e-5)
+
+
+def test_hsdp_four_ranks_match_one_rank_and_publish(tmp_path, one_rank):
+    launch("hsdp", tmp_path, nproc=4)
+    results = torch.load(tmp_path / "hsdp.pt", weights_only=False)
+    assert losses(results["history"]) == pytest.approx(losses(one_rank["plain"]), rel=1e-5)
+    store = LocalStore(tmp_path / "store")
+    assert list_versions(store, "tiny") == [1, 2, 3, 4, 5, 6]
+    state = Reader(store, model="tiny").read(6)
+    assert_bit_equal(state.state_dict(), results["published_states"][6])
 
 
 def test_checkpoints_keep_last(two_ranks):
@@ -195,7 +212,8 @@ def test_train_entry_point_runs_the_example_config_on_two_ranks(tmp_path):
             "sys.exit(run_train(sys.argv[1], nproc=2, overrides=sys.argv[2:], log_level='WARNING'))")
     overrides = ["train.steps=3", "train.schedule.warmup_steps=1", "train.checkpoint.every_steps=2",
                  f"train.checkpoint.dir={tmp_path}/ckpt", f"train.publish.store={tmp_path}/store",
-                 f"train.metrics_path={tmp_path}/metrics.jsonl"]
+                 f"train.metrics_path={tmp_path}/metrics.jsonl",
+                 "train.publish.publisher.rebase_chain_ratio=1e9"]  # see publish_to() in trainer_scenarios.py
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     proc = subprocess.run([sys.executable, "-c", code, str(REPO / "trainer" / "configs" / "sft_tiny.toml"),
                            *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

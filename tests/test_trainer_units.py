@@ -99,7 +99,7 @@ def test_collate_shifts_pads_and_weights():
     assert mb.input_ids[0, :3].tolist() == [5, 6, 7] and mb.targets[0, :3].tolist() == [6, 7, 8]
     assert mb.loss_weights[0].tolist() == [0, 1, 1, 0, 0, 0, 0, 0]
     assert mb.loss_weights[1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
-    assert mb.advantages is None and mb.sampler_versions.tolist() == [-1, -1]
+    assert mb.advantages is None and mb.sampler_steps.tolist() == [-1, -1]
     with pytest.raises(ValueError, match="max_seq_len"):
         collate([a], max_seq_len=3)
 

@@ -1,6 +1,6 @@
 """Scenarios the distributed trainer tests launch under torchrun (not a test module itself).
 
-    torchrun --standalone --nproc-per-node N tests/trainer_scenarios.py SUITE OUT_DIR
+    torchrun --standalone --nproc-per-node N tests/trainer_scenarios.py SUITE OUT_DIR [MORE_DIRS]
 
 Each suite runs several small Trainer jobs one after another inside one process group (a
 torchrun launch costs seconds, a Trainer build milliseconds) and leaves what the tests assert
@@ -10,7 +10,9 @@ on in OUT_DIR as torch.save files written by rank 0 (and a few per rank). Suites
   every publish, each rank's local shards and placements), resume from its middle checkpoint,
   gradient accumulation, activation checkpointing, GRPO with KL, bf16 mixed precision with CPU
   offload, NaN injection into the guard.
-- one_rank: the plain SFT and GRPO runs on one rank (the reference for the 2-rank losses).
+- one_rank: the plain SFT and GRPO runs on one rank (the reference for the 2-rank losses), and
+  a resume of the 2-rank job's checkpoint on 1 rank (argument 3: the two_ranks OUT_DIR).
+- hsdp: 4 ranks as 2 replicas x 2 shards, with publishing.
 - gpu: CUDA/NCCL, bf16 mixed precision with publishing, without and with CPU offload.
 - kill / restart: publishing every step; in `kill` rank 1 SIGKILLs itself in the middle of
   publishing step KILL_STEP; `restart` is the same job relaunched, resuming from its checkpoint.
@@ -51,6 +53,14 @@ BASE = {
         "guard": {"enabled": False},
     },
 }
+
+
+def publish_to(store: str) -> dict:
+    """[train.publish] for store `store`, every step. The chain-ratio rebase is pinned off: in
+    this weightsync build each rank applies it from its own view of which versions committed,
+    so ranks can disagree on full vs delta and lose a version (reported in trainer/REQUESTS.md);
+    `rebase_every` (a plain count) stays on."""
+    return {"store": store, "model": "tiny", "every_steps": 1, "publisher": {"rebase_chain_ratio": 1e9}}
 
 
 def job(**sections):
@@ -122,7 +132,7 @@ def write_jsonl(path: Path) -> None:
             logprobs = (-5.5 + 0.3 * torch.randn(len(tokens), generator=g)) * example.loss_weights
             f.write(json.dumps({"tokens": tokens, "loss_weights": example.loss_weights.tolist(),
                                 "advantage": -1.0 if i % 2 else 1.0, "sampler_logprobs": logprobs.tolist(),
-                                "sampler_version": 0}) + "\n")
+                                "sampler_step": 0}) + "\n")
 
 
 def grpo_job(out: Path, **extra):
@@ -133,10 +143,21 @@ def grpo_job(out: Path, **extra):
                loss={"kind": "grpo", "kl_coef": 0.05}, guard={"enabled": True, "watch": "loss/nll"}, **extra)
 
 
-def suite_one_rank(out: Path) -> dict:
+def suite_one_rank(out: Path, two_ranks_out: Path) -> dict:
     _, plain, _ = run(job())
     _, grpo, _ = run(grpo_job(out))
-    return {"plain": plain, "grpo": grpo}
+    # Elastic resume: the 2-rank job's step-3 checkpoint, resharded onto 1 rank by DCP.
+    shutil.copytree(two_ranks_out / "ckpt" / "step-00000003", out / "elastic" / "step-00000003")
+    _, elastic, _ = run(job(checkpoint={"dir": str(out / "elastic"), "every_steps": 3}))
+    return {"plain": plain, "grpo": grpo, "elastic": elastic}
+
+
+def suite_hsdp(out: Path) -> dict:
+    """4 ranks as 2 replicas x 2 shards, publishing: replica 1 publishes nothing of its own."""
+    config = job(parallel={"dp_replicate": 2}, data={"micro_batch_size": 2},
+                 publish=publish_to(str(out / "store")))
+    trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
+    return {"history": history, "state": state, "published_states": trainer.published_states}
 
 
 def suite_two_ranks(out: Path) -> dict:
@@ -144,7 +165,7 @@ def suite_two_ranks(out: Path) -> dict:
     results = {}
     ckpt, store = out / "ckpt", out / "store"
     config = job(checkpoint={"dir": str(ckpt), "every_steps": 3, "keep_last": 2},
-                 publish={"store": str(store), "model": "tiny", "every_steps": 1})
+                 publish=publish_to(str(store)))
     trainer, results["plain"], results["plain_state"] = run(config, cls=RecordingTrainer, published_states={})
     results["published_states"] = trainer.published_states
     # Each rank's own shards and where they go, to reassemble in the test.
@@ -176,7 +197,7 @@ def suite_two_ranks(out: Path) -> dict:
 
 def suite_kill(out: Path) -> dict:
     config = job(steps=10, checkpoint={"dir": str(out / "ckpt"), "every_steps": 3},
-                 publish={"store": str(out / "store"), "model": "tiny", "every_steps": 1})
+                 publish=publish_to(str(out / "store")))
 
     class KillingTrainer(Trainer):
         def publish(self):
@@ -200,7 +221,7 @@ def suite_kill(out: Path) -> dict:
 
 def suite_restart(out: Path) -> dict:
     config = job(steps=10, checkpoint={"dir": str(out / "ckpt"), "every_steps": 3},
-                 publish={"store": str(out / "store"), "model": "tiny", "every_steps": 1})
+                 publish=publish_to(str(out / "store")))
     trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
     return {"history": history, "state": state, "published_states": trainer.published_states}
 
@@ -211,7 +232,7 @@ def suite_gpu(out: Path) -> dict:
     for offload in (False, True):
         torch.cuda.reset_peak_memory_stats()
         config = job(parallel={"device": "cuda", "mixed_precision": "bf16", "cpu_offload": offload},
-                     publish={"store": str(out / f"store-{int(offload)}"), "model": "tiny", "every_steps": 1})
+                     publish=publish_to(str(out / f"store-{int(offload)}")))
         trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
         results[offload] = {"history": history, "state": state, "published_states": trainer.published_states,
                             "peak_cuda_bytes": torch.cuda.max_memory_allocated()}
@@ -222,11 +243,11 @@ def main() -> None:
     from weightsync.trainer.config import ParallelConfig
     from weightsync.trainer.parallel import close_runtime, init_runtime
 
-    suite, out = sys.argv[1], Path(sys.argv[2])
+    suite, out, *more = sys.argv[1], Path(sys.argv[2]), *map(Path, sys.argv[3:])
     runtime = init_runtime(ParallelConfig(device="cuda" if suite == "gpu" else "cpu"))
     configure_logging("WARNING")
-    results = {"one_rank": suite_one_rank, "two_ranks": suite_two_ranks, "kill": suite_kill,
-               "restart": suite_restart, "gpu": suite_gpu}[suite](out)
+    results = {"one_rank": suite_one_rank, "two_ranks": suite_two_ranks, "hsdp": suite_hsdp, "kill": suite_kill,
+               "restart": suite_restart, "gpu": suite_gpu}[suite](out, *more)
     if runtime.rank == 0:
         torch.save(results, out / f"{suite}.pt")
     dist.barrier()

@@ -106,16 +106,22 @@ class CheckpointManager:
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restores model and optimizer in place from `path`; returns this rank's extras."""
+        """Restores model and optimizer in place from `path`; returns this rank's extras (rank
+        0's, with own_rank = False, when the checkpoint came from a job with fewer ranks)."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra_path = path / f"extra-rank{self.rank}.pt"
-        if not extra_path.is_file():
-            raise FileNotFoundError(f"{path} has no {extra_path.name}: it was written by a job with fewer ranks; "
-                                    "resume with the same number of ranks")
+        own = extra_path.is_file()
+        if not own:
+            # Written by a job with fewer ranks: DCP reshards model and optimizer; the step and the
+            # (globally numbered) data position are the same on every rank, so rank 0's serve.
+            log.warning("%s has no %s (saved by fewer ranks); using rank 0's extras, RNG states are not restored",
+                        path, extra_path.name)
+            extra_path = path / "extra-rank0.pt"
         extra = torch.load(extra_path, weights_only=True)
+        extra["own_rank"] = own
         log.info("resumed from %s (step %d)", path, extra["step"])
         return extra
 

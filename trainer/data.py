@@ -2,7 +2,7 @@
 
 An `Example` is token ids with a loss weight per token (0 = prompt, 1 = response; any weight
 >= 0 is allowed), plus, for policy-gradient losses, the sequence's advantage, the sampler's
-log-prob of each token and the weight version that sampled it. `collate` turns a micro-batch of
+log-prob of each token and the trainer step of the weights that sampled it. `collate` turns a micro-batch of
 examples into right-padded next-token tensors (one example per row; the causal mask means
 padding after an example never changes what it sees, and padded positions weigh 0).
 
@@ -49,8 +49,9 @@ class Example:
     """GRPO: the sequence's advantage (e.g. reward minus the group mean, over the group std)."""
     sampler_logprobs: torch.Tensor | None = None
     """GRPO: log-prob of each token under the weights that sampled it (0 where not sampled)."""
-    sampler_version: int | None = None
-    """The published weight version the sampler used (staleness = trainer step - this)."""
+    sampler_step: int | None = None
+    """The trainer step of the published weights that sampled it (the `step` in that version's
+    manifest); the trainer reports staleness = its current step - this."""
 
     def __post_init__(self) -> None:
         tokens = torch.as_tensor(self.tokens, dtype=torch.int64)
@@ -84,7 +85,7 @@ class MicroBatch:
     loss_weights: torch.Tensor  # (batch, tokens) float32, 0 on padding and prompts
     advantages: torch.Tensor | None  # (batch,) float32
     sampler_logprobs: torch.Tensor | None  # (batch, tokens) float32
-    sampler_versions: torch.Tensor | None  # (batch,) int64, -1 where unknown
+    sampler_steps: torch.Tensor  # (batch,) int64, -1 where unknown
 
     @property
     def num_tokens(self) -> int:
@@ -130,8 +131,8 @@ def collate(examples: Sequence[Example], *, max_seq_len: int, pad_multiple: int 
                 raise ValueError("a policy-gradient example (with an advantage) needs sampler_logprobs")
             logprobs[i, :n] = e.sampler_logprobs[1:]
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32) if all(policy) else None
-    versions = torch.tensor([-1 if e.sampler_version is None else e.sampler_version for e in examples])
-    return MicroBatch(input_ids, targets, weights, advantages, logprobs, versions)
+    sampler_steps = torch.tensor([-1 if e.sampler_step is None else e.sampler_step for e in examples])
+    return MicroBatch(input_ids, targets, weights, advantages, logprobs, sampler_steps)
 
 
 @runtime_checkable
@@ -213,7 +214,7 @@ class JsonlSource(_IndexedSource):
     """Pre-tokenized examples, one JSON object per line:
 
         {"tokens": [ids], "loss_weights": [w], "advantage": a?, "sampler_logprobs": [lp]?,
-         "sampler_version": v?}
+         "sampler_step": s?}
 
     Endless: epoch e visits every line once, in a permutation seeded by (seed, e) when shuffle
     is on. Lines are located by byte offset, so the file is never held in memory whole.
@@ -257,7 +258,7 @@ class JsonlSource(_IndexedSource):
             doc = json.loads(text)
             return Example(
                 tokens=doc["tokens"], loss_weights=doc["loss_weights"], advantage=doc.get("advantage"),
-                sampler_logprobs=doc.get("sampler_logprobs"), sampler_version=doc.get("sampler_version"),
+                sampler_logprobs=doc.get("sampler_logprobs"), sampler_step=doc.get("sampler_step"),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path}: example on line {line + 1} is malformed: {e!r}") from e

@@ -152,8 +152,8 @@ class Trainer:
                        micro_batches: list[MicroBatch]) -> dict[str, Any]:
         """One all-reduce of every sum; token metrics are divided by the global weight."""
         names = sorted(sums)
-        versions = torch.cat([mb.sampler_versions for mb in micro_batches])
-        known = versions[versions >= 0]
+        sampler_steps = torch.cat([mb.sampler_steps for mb in micro_batches])
+        known = sampler_steps[sampler_steps >= 0]
         extra = [sum(mb.num_tokens for mb in micro_batches), known.numel(), float((self.step + 1 - known).sum())]
         packed = torch.stack([sums[n].float().to(self.device) for n in names])
         packed = torch.cat([packed, torch.tensor(extra, dtype=torch.float32, device=self.device)])
@@ -242,10 +242,11 @@ class Trainer:
             return
         extra = self.checkpoints.load(latest[1], self.model, self.optimizer)
         self.step = int(extra["step"])
-        torch.set_rng_state(extra["rng_cpu"])
-        if extra["rng_cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(extra["rng_cuda"], self.device)
-        random.setstate(extra["rng_python"])
+        if extra["own_rank"]:  # another rank's RNG streams would duplicate that rank's
+            torch.set_rng_state(extra["rng_cpu"])
+            if extra["rng_cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(extra["rng_cuda"], self.device)
+            random.setstate(extra["rng_python"])
         self.source.load_state_dict(extra["data"])
         self.guard.load_state_dict(extra["guard"])
 
