@@ -117,16 +117,46 @@ def test_a_failing_rank_aborts_the_version_for_every_rank(tmp_store, make_state_
     assert list_versions(tmp_store, "m") == [1], "no partial version is ever visible"
 
     flaky.fail = False
-    sd = perturb(sd, 0.02, 2)
-    results = [f.result(timeout=60) for f in _publish_all(ranks, sd, 2)]
-    assert results[0].version == 3 and results[0].manifest.kind == "full", "the ranks re-agree via a full version"
-    sd2 = perturb(sd, 0.02, 3)
-    assert _publish_all(ranks, sd2, 3)[0].result(timeout=60).manifest.kind == "delta"
+    # v3 was planned before every rank could know v2's fate (max_in_flight 2), so every rank
+    # planned it as a delta on v2, and it fails on every rank alike; v4 is the first version
+    # planned past v2, and every rank makes it full: the ranks never disagree.
+    for f in _publish_all(ranks, perturb(sd, 0.02, 2), 2):
+        with pytest.raises(PublishError):
+            f.result(timeout=60)
+    sd = perturb(sd, 0.02, 3)
+    results = [f.result(timeout=60) for f in _publish_all(ranks, sd, 3)]
+    assert results[0].version == 4 and results[0].manifest.kind == "full", "the ranks re-agree via a full version"
+    sd2 = perturb(sd, 0.02, 4)
+    assert _publish_all(ranks, sd2, 4)[0].result(timeout=60).manifest.kind == "delta"
     for p in ranks:
         p.close()
-    assert list_versions(tmp_store, "m") == [1, 3, 4]
-    assert_bit_equal(Reader(tmp_store, model="m").read(3).state_dict(), published_view(sd))
-    assert_bit_equal(Reader(tmp_store, model="m").read(4).state_dict(), published_view(sd2))
+    assert list_versions(tmp_store, "m") == [1, 4, 5]
+    assert_bit_equal(Reader(tmp_store, model="m").read(4).state_dict(), published_view(sd))
+    assert_bit_equal(Reader(tmp_store, model="m").read(5).state_dict(), published_view(sd2))
+
+
+def test_ranks_agree_on_rebases_whatever_the_timing(tmp_store, make_state_dict, perturb, published_view,
+                                                   assert_bit_equal):
+    """The ratio rebase depends on committed bytes, which ranks learn at different moments: with a
+    tiny rebase_chain_ratio and publishes not waited for, every version must still commit."""
+    config = PublisherConfig(chunk_bytes=8 * 1024, workers=2, rebase_chain_ratio=0.05, max_in_flight=2)
+    ranks = [Publisher(tmp_store, model="m", config=config,
+                       shard=ShardSpec(rank=r, world_size=2, session="s", commit_timeout_s=30)) for r in range(2)]
+    sd = _state(6, make_state_dict)
+    futures, expected = [], {}
+    for step in range(8):
+        futures += _publish_all(ranks, sd, step)
+        expected[step + 1] = published_view(sd)
+        sd = perturb(sd, 0.02, step + 10)
+    results = [f.result(timeout=120) for f in futures]
+    for p in ranks:
+        p.close()
+    assert list_versions(tmp_store, "m") == list(range(1, 9))
+    kinds = {r.version: r.manifest.kind for r in results}
+    assert "full" in list(kinds.values())[1:], "the ratio rule did rebase"
+    reader = Reader(tmp_store, model="m")
+    for version, want in expected.items():
+        assert_bit_equal(reader.read(version).state_dict(), want)
 
 
 def test_a_missing_rank_times_out_and_a_new_session_resumes(tmp_store, make_state_dict, perturb,

@@ -162,10 +162,16 @@ class PublishListener(Protocol):
 
 @dataclasses.dataclass
 class _ChainTotals:
-    """Stored bytes of one delta chain, filled in as its versions commit (under the lock)."""
+    """Stored bytes of one delta chain's versions, filled in as they commit (under the lock)."""
 
-    base_bytes: int = 0
-    delta_bytes: int = 0
+    by_version: dict[int, int] = dataclasses.field(default_factory=dict)
+    base: int = 0  # the chain's full version
+
+    def known(self, horizon: int | None) -> tuple[int, int]:
+        """(base bytes, delta bytes) counting only versions <= `horizon` (None: all committed)."""
+        counted = {v: b for v, b in self.by_version.items() if horizon is None or v <= horizon}
+        base = counted.pop(self.base, 0)
+        return base, sum(counted.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +217,7 @@ class Publisher:
         self._loaded_parent = not self.config.parent_from_store or shard is not None
         self._last_job: dict | None = None
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
+        self._failed: set[int] = set()  # versions that will never commit
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -288,30 +295,46 @@ class Publisher:
         version = self._next_version
         self._next_version += 1
         chain = self._chain
-        reason = self._rebase_reason(chain, snapshot, placements)
+        reason = self._rebase_reason(chain, snapshot, placements, self._horizon(version))
         if reason:
             log.info("%s v%d: full version (%s)", self.model, version, reason)
             parent_snapshot, base, length = None, version, 0
         else:
             parent_snapshot, base, length = chain.snapshot, chain.base, chain.length + 1
         parent = None if reason else chain.version
-        totals = _ChainTotals() if reason else chain.totals
+        totals = _ChainTotals(base=version) if reason else chain.totals
         self._chain = _Chain(version, base, snapshot, placements, length, totals)
+        self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
         return dict(
             version=version, parent=parent, base=base, step=step, placements=placements,
             snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals,
         )
 
-    def _rebase_reason(self, chain: _Chain | None, snapshot: Snapshot, placements: dict[str, Placement]) -> str | None:
+    def _horizon(self, version: int) -> int | None:
+        """The newest version whose outcome every rank knows when planning `version` (sharded).
+
+        Ranks learn commits and failures at different moments, so a plan that used everything a
+        rank knows could make one rank write a delta and another a full version of the same
+        version. But a rank plans `version` only after its publish slot frees, i.e. after the
+        version `max_in_flight` before it finished on that rank, commit or failure: every rank
+        knows that far, and sharded plans use nothing newer. None (unsharded): use everything.
+        """
+        return None if self.shard is None else version - self.config.max_in_flight
+
+    def _rebase_reason(self, chain: _Chain | None, snapshot: Snapshot, placements: dict[str, Placement],
+                       horizon: int | None) -> str | None:
         if chain is None:
             return "no parent"
+        failed = [v for v in self._failed if (horizon is None or v <= horizon) and chain.base <= v <= chain.version]
+        if failed:
+            return f"v{min(failed)} of the chain failed"
         if layout_of(chain.snapshot) != layout_of(snapshot) or chain.placements != placements:
             return "tensor names, dtypes, shapes or placements changed"
         if chain.length + 1 > self.config.rebase_every:
             return f"chain reached {self.config.rebase_every} deltas"
-        totals = chain.totals
-        if totals.base_bytes and totals.delta_bytes > self.config.rebase_chain_ratio * totals.base_bytes:
-            return f"chain holds {totals.delta_bytes} bytes of deltas, over {self.config.rebase_chain_ratio}x its base"
+        base_bytes, delta_bytes = chain.totals.known(horizon)
+        if base_bytes and delta_bytes > self.config.rebase_chain_ratio * base_bytes:
+            return f"chain holds {delta_bytes} bytes of deltas, over {self.config.rebase_chain_ratio}x its base"
         return None
 
     def _chain_from_store(self) -> _Chain | None:
@@ -338,7 +361,7 @@ class Publisher:
             snapshot=snapshot,
             placements=_placements(snapshot, {}),
             length=len(manifests) - 1,
-            totals=_ChainTotals(manifests[0].stored_bytes, sum(m.stored_bytes for m in manifests[1:])),
+            totals=_ChainTotals(by_version={m.version: m.stored_bytes for m in manifests}, base=manifests[0].version),
         )
 
     # ---------------------------------------------------------------------------- execution
@@ -364,8 +387,11 @@ class Publisher:
 
     def _fail(self, job: dict, e: BaseException) -> BaseException:
         with self._lock:
-            # Anything planned on top of this version is doomed; the next publish rebases.
-            if self._chain is not None and self._chain.version >= job["version"]:
+            # Anything planned on top of this version is doomed; a later publish rebases. Unsharded:
+            # the very next one. Sharded: the first one planned past the horizon (see _horizon),
+            # so that every rank rebases the same version.
+            self._failed.add(job["version"])
+            if self.shard is None and self._chain is not None and self._chain.version >= job["version"]:
                 self._chain = None
             if isinstance(e, VersionConflict):
                 self._next_version = None  # someone else owns these numbers; re-read the store
@@ -438,10 +464,7 @@ class Publisher:
         commit_s = time.perf_counter() - t_commit
         stored = manifest.stored_bytes
         with self._lock:
-            if manifest.kind == KIND_FULL:
-                job["totals"].base_bytes = stored
-            else:
-                job["totals"].delta_bytes += stored
+            job["totals"].by_version[manifest.version] = stored
         result = PublishResult(
             manifest=manifest,
             manifest_bytes=len(data),
