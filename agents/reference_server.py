@@ -463,8 +463,10 @@ def parse_generate_request(body: bytes, model: ModelConfig, limits: ReferenceSer
             raise BadRequest(f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                              f"max_position_embeddings ({model.max_position_embeddings})")
     temperature = doc.get("temperature", 0.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 100:
-        raise BadRequest(f"temperature must be a number in [0, 100] (0 is greedy), got {temperature!r}")
+    # A tiny positive temperature scales logits to inf (NaN probabilities); greedy is spelled 0.
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature == 0 or 0.01 <= temperature <= 100):
+        raise BadRequest(f"temperature must be 0 (greedy) or a number in [0.01, 100], got {temperature!r}")
     stop = doc.get("stop", ByteTokenizer.EOS if vocab > ByteTokenizer.EOS else None)
     return {"prompt_ids": prompt_ids, "max_new_tokens": max_new, "temperature": float(temperature),
             "top_k": _int(doc.get("top_k", 0), "top_k", 0, vocab),
