@@ -106,3 +106,148 @@ def test_a_rerun_after_a_failed_commit_uploads_no_chunk_twice(s3_store, make_sta
         assert publisher.publish(sd).result().version == 1
     assert CountingS3Store.puts == first_puts, "the re-run uploaded chunks that were already in the store"
     assert_bit_equal(Reader(s3_store, model="m").read(1).state_dict(), published_view(sd))
+
+
+# ----------------------------------------------------------------------- transfers, listing
+
+MiB = 1024 * 1024
+
+
+def _like(s3_store, **settings):
+    """Another S3Store on the same bucket and prefix, with other settings."""
+    from weightsync.s3_store import S3Store, S3StoreConfig
+
+    endpoint = s3_store._client.meta.endpoint_url
+    return S3Store(s3_store.bucket, s3_store.prefix, config=S3StoreConfig(endpoint_url=endpoint, **settings))
+
+
+def _raw_head(s3_store, key):
+    return s3_store._client.head_object(Bucket=s3_store.bucket, Key=s3_store.prefix + key)
+
+
+def test_large_objects_go_multipart_and_come_back_in_ranges(s3_store):
+    import os
+
+    store = _like(s3_store, part_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB)
+    data = os.urandom(13 * MiB + 7)
+    store.put("big", data)
+    assert _raw_head(store, "big")["ETag"].strip('"').endswith("-3")  # three parts
+    assert store.get("big") == data  # first range, then two more in parallel
+    assert s3_store.get("big") == data  # default settings: one 8 MiB range and one more
+    store.touch("big")
+    assert store.get("big") == data
+
+
+def test_create_only_multipart_refuses_the_second_writer(s3_store):
+    import os
+
+    store = _like(s3_store, part_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB)
+    first, second = os.urandom(11 * MiB), os.urandom(11 * MiB)
+    store.put_new("versions/1.json", first)
+    with pytest.raises(ObjectExists):
+        store.put_new("versions/1.json", second)
+    assert store.get("versions/1.json") == first
+    with pytest.raises(ObjectExists):  # a small create-only write over a multipart object, too
+        store.put_new("versions/1.json", b"small")
+    listing = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
+    assert listing.get("Uploads", []) == [], "the losing writer left its upload behind"
+
+
+@pytest.mark.slow
+def test_racing_multipart_creates_exactly_one_wins(s3_store):
+    import threading
+
+    store = _like(s3_store, part_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB, io_concurrency=4)
+    payloads = [bytes([i]) * (6 * MiB) for i in range(4)]
+    outcomes = []
+    barrier = threading.Barrier(len(payloads))
+
+    def contender(data):
+        barrier.wait()
+        try:
+            store.put_new("race.json", data)
+            outcomes.append("won")
+        except ObjectExists:
+            outcomes.append("lost")
+
+    threads = [threading.Thread(target=contender, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["lost"] * 3 + ["won"]
+    assert store.get("race.json") in payloads
+
+
+@pytest.mark.slow
+def test_objects_replaced_while_read_in_ranges_are_never_spliced(s3_store):
+    import threading
+
+    store = _like(s3_store, part_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB)
+    a, b = b"A" * (11 * MiB), b"B" * (11 * MiB + 1)
+    store.put("hot", a)
+    stop, seen = threading.Event(), []
+
+    def writer():
+        for i in range(6):
+            store.put("hot", b if i % 2 == 0 else a)
+        stop.set()
+
+    def reader():
+        while not stop.is_set():
+            data = store.get("hot")
+            if data not in (a, b):
+                seen.append((len(data), data[:1], data[-1:]))
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not seen, f"spliced reads: {seen}"
+
+
+def test_abort_stale_uploads_cleans_up_after_a_killed_writer(s3_store):
+    full = s3_store.prefix + "models/m/chunks/ab/abandoned"
+    s3_store._client.create_multipart_upload(Bucket=s3_store.bucket, Key=full)
+    # moto reports every upload as started in 2010, so only the "old enough" side is testable here.
+    assert s3_store.abort_stale_uploads(older_than_s=3600) == 1
+    assert s3_store._client.list_multipart_uploads(Bucket=s3_store.bucket).get("Uploads", []) == []
+
+
+@pytest.mark.slow
+def test_versions_list_numerically_across_pages(s3_store):
+    """More than 1,000 manifests: S3 returns them in pages of at most 1,000 keys."""
+    import concurrent.futures as cf
+
+    from weightsync.layout import manifest_key
+
+    versions = list(range(1, 1101)) + [10**11, 10**12 - 1]
+    with cf.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda v: s3_store.put(manifest_key("m", v), b"{}"), versions))
+    assert list_versions(s3_store, "m") == versions
+    small_pages = _like(s3_store, list_page_size=7)
+    assert [i.key for i in small_pages.list("models/m/")] == [i.key for i in s3_store.list("models/m/")]
+
+
+def test_small_pages_list_everything(s3_store):
+    for i in range(23):
+        s3_store.put(f"k/{i:03d}", b"x")
+    assert [i.key for i in _like(s3_store, list_page_size=5).list("k/")] == [f"k/{i:03d}" for i in range(23)]
+
+
+@pytest.mark.parametrize("bad", [dict(io_concurrency=0), dict(part_bytes=MiB), dict(retry_mode="legacy"),
+                                 dict(multipart_threshold_bytes=5 * MiB, part_bytes=8 * MiB),
+                                 dict(list_page_size=1001), dict(transfer_deadline_s=0)])
+def test_config_refuses_bad_settings(bad):
+    from weightsync.s3_store import S3StoreConfig
+
+    with pytest.raises(ValueError):
+        S3StoreConfig(**bad)
+
+
+def test_client_pool_matches_io_concurrency(s3_store):
+    store = _like(s3_store, io_concurrency=12)
+    assert store.io_concurrency == 12
+    assert store._client.meta.config.max_pool_connections == 24
+    assert store._client.meta.config.retries["mode"] == "standard"

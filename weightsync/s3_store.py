@@ -230,7 +230,7 @@ class S3Store:
                                          deadline=deadline),
                 ranges,
             )
-        self._check_md5(response, buffer, key, "read")
+        self._check_md5(response, buffer)
         return bytes(buffer)
 
     def _get_range(self, full: str, key: str, etag: str, start: int, out: memoryview, deadline: float) -> None:
@@ -241,7 +241,7 @@ class S3Store:
             raise _Replaced(f"{self.uri}/{key} was replaced while being read") from None
         expected = f"bytes {start}-{start + len(out) - 1}/"
         if not (response.get("ContentRange") or "").startswith(expected) or response["ContentLength"] != len(out):
-            raise _Transient(f"{self.uri}/{key}: asked for {expected}, got {response.get('ContentRange')}")
+            raise _Transient(f"asked for {expected}, got {response.get('ContentRange')}")
         self._read_body(response, out, key, deadline)
 
     def _read_body(self, response: dict, out: memoryview, key: str, deadline: float) -> None:
@@ -251,13 +251,13 @@ class S3Store:
         try:
             while done < len(out):
                 if time.monotonic() > deadline:
-                    raise _Transient(f"{self.uri}/{key}: {done} of {len(out)} bytes read when the deadline passed")
+                    raise _Transient(f"{done} of {len(out)} bytes read when the deadline passed")
                 n = body.readinto(out[done : done + _READ_PIECE_BYTES])
                 if not n:
-                    raise _Transient(f"{self.uri}/{key}: body ended after {done} of {len(out)} bytes")
+                    raise _Transient(f"body ended after {done} of {len(out)} bytes")
                 done += n
         except self._stream_errors as e:
-            raise _Transient(f"{self.uri}/{key}: body broken after {done} of {len(out)} bytes: {e}") from None
+            raise _Transient(f"body broken after {done} of {len(out)} bytes: {e}") from None
         finally:
             body.close()
 
@@ -319,7 +319,7 @@ class S3Store:
             if create_only:
                 self._call("clean up", key, self._client.delete_object, Bucket=self.bucket, Key=full,
                            IfMatch=response["ETag"])
-            raise _Transient(f"{self.uri}/{key}: the server stored bytes that differ from those sent")
+            raise _Transient("the server stored bytes that differ from those sent (ETag is not their MD5)")
 
     def _upload_multipart(self, full: str, key: str, data: bytes, create_only: bool) -> None:
         start = self._call("write", key, self._client.create_multipart_upload, Bucket=self.bucket, Key=full)
@@ -358,7 +358,7 @@ class S3Store:
                               UploadId=upload_id, PartNumber=number, Body=data,
                               ContentMD5=base64.b64encode(md5.digest()).decode())
         if not self._etag_matches(response, md5.hexdigest()):
-            raise _Transient(f"{self.uri}/{key}: part {number} stored with bytes that differ from those sent")
+            raise _Transient(f"part {number} stored with bytes that differ from those sent (ETag is not their MD5)")
         return md5.digest()
 
     def _abort_upload(self, full: str, upload_id: str) -> None:
@@ -414,7 +414,7 @@ class S3Store:
         if meaning == _PRECONDITION:
             return _Precondition(f"{where}: precondition failed")
         if meaning in (_CORRUPT, _CONFLICT):
-            return _Transient(f"cannot {action} {where}: {e}")
+            return _Transient(f"cannot {action} {where}: {type(e).__name__}: {e}")
         if meaning == _NO_BUCKET:
             return StoreError(f"bucket {self.bucket!r} does not exist ({self.uri})")
         if meaning == _NO_UPLOAD:
@@ -434,12 +434,12 @@ class S3Store:
                 return attempt(deadline)
             except retry_on as e:
                 error = e
-            pause = min(5.0, 0.1 * 2**n) * random.uniform(0.5, 1.0)
+            pause = min(2.0, 0.05 * 2**n) * random.uniform(0.5, 1.0)  # corruption is rarely load: short waits
             if n == self.config.transfer_attempts or time.monotonic() + pause > deadline:
                 break
             log.warning("%s: attempt %d failed (%s); retrying", what, n, error)
             time.sleep(pause)
-        raise StoreError(f"cannot {what}: {error} (gave up after {n} attempts in {time.monotonic() - t0:.1f} s)")
+        raise StoreError(f"cannot {what} (gave up after {n} attempts in {time.monotonic() - t0:.1f} s): {error}")
 
     def _parallel(self, fn: Callable[[T], object], items: list[T]) -> list:
         """fn over items on the store's transfer pool; the first failure cancels the rest and is
@@ -461,10 +461,10 @@ class S3Store:
             return True
         return response["ETag"].strip('"').lower() == md5_hex
 
-    def _check_md5(self, response: dict, data: bytearray, key: str, action: str) -> None:
+    def _check_md5(self, response: dict, data: bytearray) -> None:
         if self.config.verify_md5 and _etag_is_md5(response) and "-" not in response["ETag"]:
             if hashlib.md5(data).hexdigest() != response["ETag"].strip('"').lower():
-                raise _Transient(f"cannot {action} {self.uri}/{key}: body does not match its ETag (MD5)")
+                raise _Transient("body does not match its ETag (MD5)")
 
 
 def _etag_is_md5(response: dict) -> bool:
