@@ -78,7 +78,7 @@ class _Servicer:
         return sync_pb2.PushReply(objects=kept, bytes=size, duplicates=duplicates)
 
     def get_status(self, request: sync_pb2.StatusRequest, context: grpc.ServicerContext) -> sync_pb2.StatusReply:
-        return status_to_proto(self.agent.status())
+        return status_to_proto(self.agent.status(verify=request.verify))
 
 
 def status_to_proto(status: dict) -> sync_pb2.StatusReply:

@@ -48,8 +48,10 @@ from weightsync.errors import (
     StaleVersion,
     WeightsyncError,
 )
+from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import is_hash_hex
-from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, parse_manifest
+from weightsync.hashing import xxh3_hex
+from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, compute_digest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.push import Pusher
 from weightsync.reader import Reader, WeightsState
@@ -130,6 +132,7 @@ class SyncAgent:
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
+        self._syncing = False  # the sync thread is rewriting a buffer
         self._thread: threading.Thread | None = None
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
@@ -302,6 +305,13 @@ class SyncAgent:
             log.warning("%s: polling %s failed: %s", self.config.name, self.upstream.uri, e)
 
     def _sync_to(self, target: _Known) -> None:
+        self._syncing = True
+        try:
+            self._sync_version(target)
+        finally:
+            self._syncing = False
+
+    def _sync_version(self, target: _Known) -> None:
         version = target.manifest.version
         entry = self._entry(version)
         t0 = time.monotonic()
@@ -527,7 +537,28 @@ class SyncAgent:
         self.metrics.inc("agent/errors")
         log.warning("%s: v%d failed: %s", self.config.name, version, entry.error)
 
-    def status(self) -> dict:
+    def verify_served(self) -> str:
+        """The version digest recomputed from the bytes served now (every chunk range of the
+        served manifest re-hashed): equal to the manifest's digest iff they are the published
+        bytes. For a copying engine it checks the agent's own copy, and only between syncs
+        (during one that copy is being rewritten); "" when there is nothing to check."""
+        with self._cond:
+            state = self._served
+            manifest = state.manifest if state is not None else None
+            if manifest is None or (not self.engine.zero_copy and self._syncing):
+                return ""
+            buffers = dict(state.buffers)
+        rehashed = []
+        for tensor in manifest.tensors:
+            itemsize = dtype_by_name(tensor.dtype).itemsize
+            data = buffers[tensor.name]
+            chunks = tuple(dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize:c.stop * itemsize]))
+                           for c in tensor.chunks)
+            rehashed.append(dataclasses.replace(tensor, chunks=chunks))
+        return compute_digest(rehashed)
+
+    def status(self, *, verify: bool = False) -> dict:
+        served_digest = self.verify_served() if verify else ""
         with self._cond:
             target = max(self._known, default=self._served_version)
             return {
@@ -537,4 +568,5 @@ class SyncAgent:
                 "ledger": [dataclasses.asdict(e) for e in self._ledger],
                 "last_error": self.last_error, "engine": getattr(self.engine, "name", type(self.engine).__name__),
                 "peers": list(self.config.peers), "started_unix_ms": self.started_unix_ms,
+                "served_digest": served_digest,
             }

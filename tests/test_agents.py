@@ -425,6 +425,21 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
         proc.wait(timeout=30)
 
 
+def test_verify_rehashes_the_served_bytes(cluster):
+    store, agents, publisher, _ = cluster
+    trainer = FakeTrainer(9)
+    result = publisher.publish(trainer.state_dict()).result()
+    for server in agents.values():
+        assert server.agent.wait_for_version(result.version, WAIT_S)
+        status = AgentClient(server.address).status(verify=True)
+        assert status.served_digest == status.current_digest == result.manifest.digest
+    # Memory corrupted under a served version (a stray write, a bad DIMM): verify says so.
+    served = agents["east-1"].engine.served().weights["model.norm.weight"]
+    served.view(torch.int16)[0] ^= 1
+    status = AgentClient(agents["east-1"].address).status(verify=True)
+    assert status.served_digest and status.served_digest != status.current_digest
+
+
 def test_status_command_reports_the_ledger(cluster, capsys):
     from weightsync.cli import main
 
@@ -436,5 +451,6 @@ def test_status_command_reports_the_ledger(cluster, capsys):
     row = json.loads(capsys.readouterr().out)
     assert row["current_version"] == str(version) or row["current_version"] == version
     assert row["ledger"][0]["outcome"] == "served" and row["region"] == "west"
-    assert main(["status", "--agent", agents["west-2"].address]) == 0
-    assert f"v{version}" in capsys.readouterr().out
+    assert main(["status", "--agent", agents["west-2"].address, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"v{version}" in out and "bit-exact" in out

@@ -269,7 +269,7 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
     tls = TlsConfig(ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name) if args.ca else None
     client = AgentClient(args.agent, tls=tls, token=read_token(token_file=args.token_file))
     try:
-        reply = client.status(timeout_s=args.timeout_s)
+        reply = client.status(timeout_s=args.timeout_s, verify=args.verify)
     finally:
         client.close()
     row = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
@@ -277,6 +277,10 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         print(f"agent {reply.agent} ({reply.region}) serving {reply.model} v{reply.current_version} "
               f"[{reply.current_digest[:12]}], newest known v{reply.target_version}, engine {reply.engine}, "
               f"peers {list(reply.peers) or '-'}")
+        if args.verify:
+            same = reply.served_digest == reply.current_digest
+            print(f"served bytes re-hashed: {reply.served_digest or 'nothing to check'} "
+                  f"({'bit-exact' if same else 'MISMATCH'})")
         if reply.last_error:
             print(f"last error: {reply.last_error}")
         print(f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
@@ -287,6 +291,9 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_mb(e.bytes_pushed):>10} "
                   f"{_mb(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
                   f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}")
+    if args.verify and reply.served_digest != reply.current_digest:
+        raise _Failed(row, f"served bytes hash to {reply.served_digest!r}, v{reply.current_version} is "
+                           f"{reply.current_digest!r}")
     return row
 
 
@@ -438,6 +445,8 @@ def _add_status(sub) -> None:
     p.add_argument("--key", help="client key (PEM) for mTLS")
     p.add_argument("--server-name", help="name to check the agent's certificate against")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of the call (default 10)")
+    p.add_argument("--verify", action="store_true",
+                   help="have the agent re-hash the weights it serves; exit 1 unless they match the version's digest")
     p.set_defaults(handler=_cmd_status)
 
 

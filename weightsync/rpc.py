@@ -305,9 +305,10 @@ class AgentClient:
         """The push as a future (the caller feeds `frames` from a queue while it runs)."""
         return self._push.future(frames, timeout=timeout_s, metadata=self._metadata)
 
-    def status(self, timeout_s: float = STATUS_DEADLINE_S) -> sync_pb2.StatusReply:
+    def status(self, timeout_s: float = STATUS_DEADLINE_S, *, verify: bool = False) -> sync_pb2.StatusReply:
+        """The agent's status; with verify, also the digest of the bytes it serves (one hash pass)."""
         try:
-            return self._status(sync_pb2.StatusRequest(), timeout=timeout_s, metadata=self._metadata)
+            return self._status(sync_pb2.StatusRequest(verify=verify), timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"status of {self.target}") from None
 

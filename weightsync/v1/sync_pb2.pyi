@@ -66,8 +66,10 @@ class PushReply(_message.Message):
     def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("verify",)
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    verify: bool
+    def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
     __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest")
@@ -103,7 +105,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms")
+    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +117,7 @@ class StatusReply(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     agent: str
     region: str
     model: str
@@ -126,4 +129,5 @@ class StatusReply(_message.Message):
     engine: str
     peers: _containers.RepeatedScalarFieldContainer[str]
     started_unix_ms: int
-    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ...) -> None: ...
+    served_digest: str
+    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ...) -> None: ...
