@@ -285,12 +285,17 @@ class PublishConfig:
     """Model name in the store."""
     every_steps: int = 1
     """Publish after every this many steps (and after the last one)."""
+    commit_timeout_s: float = 600.0
+    """How long rank 0 waits for every rank's part of a version (and the others for its
+    commit) before that version fails; training goes on either way."""
     publisher: PublisherConfig = dataclasses.field(default_factory=PublisherConfig)
     """Settings of weightsync.publisher.Publisher ([train.publish.publisher] table)."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 1:
             raise ValueError(f"train.publish.every_steps must be >= 1, got {self.every_steps}")
+        if not self.commit_timeout_s > 0:
+            raise ValueError(f"train.publish.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

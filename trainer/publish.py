@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from weightsync import publisher as publisher_module
 from weightsync.errors import LayoutError, PublishError
+from weightsync.publisher import Placement, Publisher, ShardSpec
 from weightsync.store import open_store
 from weightsync.trainer.config import PublishConfig
 
@@ -131,20 +131,9 @@ class WeightPublisher:
         self.rank = rank
         self.session = make_session_id()
         store = open_store(config.store)
-        shard_spec = getattr(publisher_module, "ShardSpec", None)
-        if shard_spec is not None:
-            self._sharded = True
-            self._publisher = publisher_module.Publisher(
-                store, model=config.model, config=config.publisher,
-                shard=shard_spec(rank=rank, world_size=world_size, session=self.session),
-            )
-        elif world_size == 1:
-            # A publisher without sharded publishing still serves a world of one (whole tensors).
-            self._sharded = False
-            self._publisher = publisher_module.Publisher(store, model=config.model, config=config.publisher)
-        else:
-            raise PublishError("this weightsync build has no sharded publishing (publisher.ShardSpec); "
-                               "publish from a single rank or upgrade weightsync")
+        shard = ShardSpec(rank=rank, world_size=world_size, session=self.session,
+                          commit_timeout_s=config.commit_timeout_s)
+        self._publisher = Publisher(store, model=config.model, config=config.publisher, shard=shard)
         self._pending: collections.deque[tuple[int, cf.Future]] = collections.deque()
         self.last_version: int | None = None
         self.last_committed_step: int | None = None
@@ -160,12 +149,8 @@ class WeightPublisher:
         blocked (the snapshot copy, plus any wait for a free in-flight slot)."""
         t0 = time.perf_counter()
         tensors, ranges = collect_local_shards(state_dict, rank=self.rank)
-        if self._sharded:
-            placement = publisher_module.Placement
-            placements = {name: placement(global_shape=r.global_shape, start=r.start) for name, r in ranges.items()}
-            future = self._publisher.publish(tensors, step=step, placements=placements)
-        else:
-            future = self._publisher.publish(tensors, step=step)
+        placements = {name: Placement(global_shape=r.global_shape, start=r.start) for name, r in ranges.items()}
+        future = self._publisher.publish(tensors, step=step, placements=placements)
         self._pending.append((step, future))
         return time.perf_counter() - t0
 
