@@ -109,6 +109,11 @@ def test_hsdp_four_ranks_match_one_rank_and_publish(tmp_path, one_rank):
     assert_bit_equal(state.state_dict(), results["published_states"][6])
 
 
+def test_initial_weights_from_hf_directory(two_ranks):
+    _, results = two_ranks
+    assert losses(results["from_hf_dir"]) == losses(results["plain"])[:2]
+
+
 def test_checkpoints_keep_last(two_ranks):
     out, _ = two_ranks
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-00000003", "step-00000006"]

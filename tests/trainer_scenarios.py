@@ -8,7 +8,7 @@ on in OUT_DIR as torch.save files written by rank 0 (and a few per rank). Suites
 
 - two_ranks: plain SFT run with checkpoints and publishing (losses, gathered bf16 state after
   every publish, each rank's local shards and placements), resume from its middle checkpoint,
-  gradient accumulation, activation checkpointing, GRPO with KL, bf16 mixed precision with CPU
+  initial weights from an HF-style directory, gradient accumulation, activation checkpointing, GRPO with KL, bf16 mixed precision with CPU
   offload, NaN injection into the guard.
 - one_rank: the plain SFT and GRPO runs on one rank (the reference for the 2-rank losses), and
   a resume of the 2-rank job's checkpoint on 1 rank (argument 3: the two_ranks OUT_DIR).
@@ -21,6 +21,7 @@ on in OUT_DIR as torch.save files written by rank 0 (and a few per rank). Suites
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weightsync.trainer.config import parse_job_config
+from weightsync.model import build_model, save_pretrained
+from weightsync.trainer.config import ModelSpec, parse_job_config
 from weightsync.trainer.publish import collect_local_shards
 from weightsync.trainer.train import Trainer, configure_logging
 
@@ -179,6 +181,17 @@ def suite_two_ranks(out: Path) -> dict:
         shutil.copytree(ckpt / "step-00000003", resume_dir / "step-00000003")
     dist.barrier()
     _, results["resumed"], results["resumed_state"] = run(job(checkpoint={"dir": str(resume_dir), "every_steps": 3}))
+
+    # Initial weights from an HF-style directory (config.json + safetensors, fp32 here): the
+    # same weights as init_seed 3, so the same first steps as the plain run.
+    hf_dir = out / "hf-init"
+    base = job(steps=2)
+    if rank == 0:
+        architecture = base.train.model.architecture
+        save_pretrained(hf_dir, architecture, build_model(architecture, seed=3).state_dict(), dtype=None)
+    dist.barrier()
+    from_dir = dataclasses.replace(base, train=dataclasses.replace(base.train, model=ModelSpec(init_dir=str(hf_dir))))
+    _, results["from_hf_dir"], _ = run(from_dir)
 
     _, results["accum"], _ = run(job(data={"micro_batch_size": 2}))
     _, results["ac"], _ = run(job(parallel={"activation_checkpointing": True}))
