@@ -217,8 +217,7 @@ def test_train_entry_point_runs_the_example_config_on_two_ranks(tmp_path):
             "sys.exit(run_train(sys.argv[1], nproc=2, overrides=sys.argv[2:], log_level='WARNING'))")
     overrides = ["train.steps=3", "train.schedule.warmup_steps=1", "train.checkpoint.every_steps=2",
                  f"train.checkpoint.dir={tmp_path}/ckpt", f"train.publish.store={tmp_path}/store",
-                 f"train.metrics_path={tmp_path}/metrics.jsonl",
-                 "train.publish.publisher.rebase_chain_ratio=1e9"]  # see publish_to() in trainer_scenarios.py
+                 f"train.metrics_path={tmp_path}/metrics.jsonl"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     proc = subprocess.run([sys.executable, "-c", code, str(REPO / "trainer" / "configs" / "sft_tiny.toml"),
                            *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)

@@ -58,11 +58,8 @@ BASE = {
 
 
 def publish_to(store: str) -> dict:
-    """[train.publish] for store `store`, every step. The chain-ratio rebase is pinned off: in
-    this weightsync build each rank applies it from its own view of which versions committed,
-    so ranks can disagree on full vs delta and lose a version (reported in trainer/REQUESTS.md);
-    `rebase_every` (a plain count) stays on."""
-    return {"store": store, "model": "tiny", "every_steps": 1, "publisher": {"rebase_chain_ratio": 1e9}}
+    """[train.publish] for `store`, every step, default publisher settings."""
+    return {"store": store, "model": "tiny", "every_steps": 1}
 
 
 def job(**sections):
