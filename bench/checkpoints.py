@@ -11,7 +11,11 @@ The data is synthetic: token sequences from a fixed sparse Markov chain (each to
 likely successors), so the loss is learnable and the gradients have structure, like a real
 fine-tuning signal, instead of the near-uniform gradients that random tokens give.
 
-Not here: the trainer's real model (a later issue builds it elsewhere), any compression (see
+`make_lm_series` does the same for the project's own model (`weightsync.model.CausalLM`) at about
+0.1 / 0.5 / 1 GiB of bf16 (`LM_ARCHITECTURES`), writing each checkpoint to the cache as it is made,
+for the transfer benchmarks (`bench/sync_latency.py`), whose agents serve those checkpoints.
+
+Not here: the trainer (`trainer/`), any compression (see
 `bench/baselines.py` and `weightsync.codec`), and checkpoint *files* beyond the optional cache.
 Nothing here is imported by `weightsync`.
 
@@ -38,6 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from weightsync.model import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -441,6 +447,156 @@ def make_checkpoint_series(
 
 
 # --------------------------------------------------------------------------------------------
+# Series of the project's model (weightsync.model.CausalLM), streamed to disk
+# --------------------------------------------------------------------------------------------
+
+# Bump when anything that changes the tensors of an LM series changes (independent of _CACHE_FORMAT).
+_LM_CACHE_FORMAT = 1
+
+# Qwen3-style architectures of about 0.1 / 0.5 / 1 GiB of bf16 weights (54M / 269M / 545M parameters),
+# untied head, 32k vocabulary: the embedding/head share of a small real LLM.
+LM_ARCHITECTURES = {
+    0.1: dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=7, num_attention_heads=8,
+              num_key_value_heads=2),
+    0.5: dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=18, num_attention_heads=16,
+              num_key_value_heads=4),
+    1.0: dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=18, num_attention_heads=16,
+              num_key_value_heads=4),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMSeriesConfig:
+    """A series of bf16 checkpoints of `weightsync.model.CausalLM` (HF names, servable by the agents'
+    reference engine), trained like `CheckpointConfig` but sized for transfer benchmarks.
+
+    Large models train slowly on a CPU (a 545M model: ~10 s and ~9 GB per step), so the lrs run
+    one after another from the same warm model instead of each from a copy of the warm-up state
+    (a copy of the weights and moments would cost 3x the model in memory): lr i starts where
+    lr i-1 ended. Adam's moments stay warm throughout, which is what sets the changed fractions.
+    """
+
+    model: ModelConfig
+    seed: int = 0
+    batch_size: int = 2
+    seq_len: int = 64
+    markov_branching: int = 4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
+    warmup_lr: float = 1e-4
+    warmup_steps: int = 6
+    lrs: tuple[float, ...] = (1e-6, 3e-6, 1e-5)
+    steps_per_lr: int = 3  # base + 3 deltas per lr: two to reach the agents' steady state, one to measure
+
+    @property
+    def vocab_size(self) -> int:  # what MarkovTokens reads
+        return self.model.vocab_size
+
+    def cache_key(self) -> str:
+        blob = json.dumps({"format": _LM_CACHE_FORMAT, "config": dataclasses.asdict(self)}, sort_keys=True).encode()
+        return "lm-" + hashlib.sha256(blob).hexdigest()[:20]
+
+
+def lm_series_config(size_gib: float, **overrides) -> LMSeriesConfig:
+    """The series config of one of the LM_ARCHITECTURES sizes."""
+    if size_gib not in LM_ARCHITECTURES:
+        raise ValueError(f"no architecture for {size_gib} GiB; known sizes: {sorted(LM_ARCHITECTURES)}")
+    arch = ModelConfig(model_type="qwen3", vocab_size=32000, initializer_range=0.015, **LM_ARCHITECTURES[size_gib])
+    return LMSeriesConfig(model=arch, **overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSeries:
+    """A cached series: `files[i][j]` is checkpoint j of lr `config.lrs[i]` (a safetensors file)."""
+
+    config: LMSeriesConfig
+    path: Path
+    files: tuple[tuple[str, ...], ...]
+    names: tuple[str, ...]
+
+    def file(self, lr: float, j: int) -> Path:
+        return self.path / self.files[self.config.lrs.index(lr)][j]
+
+    def load(self, lr: float, j: int) -> dict[str, torch.Tensor]:
+        """Checkpoint j of `lr` as bf16 tensors in the model's parameter order."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(self.file(lr, j))
+        return {name: tensors[name] for name in self.names}
+
+
+def make_lm_series(config: LMSeriesConfig, *, cache_dir: str | os.PathLike[str]) -> LMSeries:
+    """The series from `cache_dir/<key>/`, trained and written there first if absent. Each checkpoint
+    is written as soon as it exists, so memory holds the training state and one bf16 copy only."""
+    path = Path(cache_dir) / config.cache_key()
+    series = _lm_series_open(path, config)
+    if series is None:
+        _lm_series_train(config, path)
+        series = _lm_series_open(path, config)
+        if series is None:
+            raise RuntimeError(f"the LM series just written to {path} cannot be read back")
+    return series
+
+
+def _lm_series_open(path: Path, config: LMSeriesConfig) -> LMSeries | None:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        if manifest["config"] != json.loads(json.dumps(dataclasses.asdict(config))):
+            return None
+        files = tuple(tuple(f) for f in manifest["files"])
+        if not all((path / f).is_file() for fs in files for f in fs):
+            return None
+        return LMSeries(config, path, files, tuple(manifest["names"]))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _lm_series_train(config: LMSeriesConfig, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from weightsync.model import build_model, num_parameters
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    try:
+        t0 = time.perf_counter()
+        model = build_model(config.model, seed=config.seed)
+        data = MarkovTokens(config)  # type: ignore[arg-type]  # reads only fields both configs have
+        opt = _make_optimizer(model, config, config.warmup_lr)  # type: ignore[arg-type]
+        loss = float("nan")
+        for _ in range(config.warmup_steps):
+            loss = _train_step(model, opt, data, config)  # type: ignore[arg-type]
+        logger.info("LM warm-up: %d steps, loss %.3f, %.1fs (%d params)", config.warmup_steps, loss,
+                    time.perf_counter() - t0, num_parameters(config.model))
+        files = []
+        names = [name for name, _ in model.named_parameters()]
+        for i, lr in enumerate(config.lrs):
+            t1 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr
+            lr_files = []
+            for j in range(config.steps_per_lr + 1):
+                if j:
+                    loss = _train_step(model, opt, data, config)  # type: ignore[arg-type]
+                file = f"lr{i}_{lr:g}_ckpt{j}.safetensors"
+                save_file(bf16_state_dict(model), tmp / file)
+                lr_files.append(file)
+            files.append(lr_files)
+            logger.info("LM lr %g: %d steps, loss %.3f, %.1fs", lr, config.steps_per_lr, loss, time.perf_counter() - t1)
+        manifest = {"config": dataclasses.asdict(config), "names": names, "files": files}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # a concurrent run stored it first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
 # Realism statistics
 # --------------------------------------------------------------------------------------------
 
@@ -511,8 +667,15 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=None, help="reuse/store the series here (e.g. bench/.cache)")
+    parser.add_argument("--lm-size", type=float, help="train the CausalLM series of this size (GiB) instead")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.lm_size is not None:
+        lm = make_lm_series(lm_series_config(args.lm_size), cache_dir=args.cache_dir or "bench/.cache")
+        for lr in lm.config.lrs:
+            old, new = lm.load(lr, lm.config.steps_per_lr - 1), lm.load(lr, lm.config.steps_per_lr)
+            print(f"lr {lr:g}: last pair {pair_stats(old, new).changed_fraction:.2%} changed ({lm.path})")
+        return
     config = CheckpointConfig()
     t0 = time.perf_counter()
     series = make_checkpoint_series(config, cache_dir=args.cache_dir)
