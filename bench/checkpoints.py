@@ -456,12 +456,12 @@ _LM_CACHE_FORMAT = 1
 # Qwen3-style architectures of about 0.1 / 0.5 / 1 GiB of bf16 weights (54M / 269M / 545M parameters),
 # untied head, 32k vocabulary: the embedding/head share of a small real LLM.
 LM_ARCHITECTURES = {
-    0.1: dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=7, num_attention_heads=8,
-              num_key_value_heads=2),
-    0.5: dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=18, num_attention_heads=16,
-              num_key_value_heads=4),
-    1.0: dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=18, num_attention_heads=16,
-              num_key_value_heads=4),
+    0.1: {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 7, "num_attention_heads": 8,
+          "num_key_value_heads": 2},
+    0.5: {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 18, "num_attention_heads": 16,
+          "num_key_value_heads": 4},
+    1.0: {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 18, "num_attention_heads": 16,
+          "num_key_value_heads": 4},
 }
 
 

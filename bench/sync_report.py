@@ -1,0 +1,176 @@
+"""sync_report: the sync latency benchmark's record as JSON, markdown tables per theme, and PNG plots.
+
+Reads only the record `bench/sync_latency.py` builds (see there for what each cell holds); writes
+`<dir>/sync-latency[-quick]-<cpus>cpu-<arch>-<date>.{json,md}` and `...-<plot>.png`. Not here:
+measuring anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+_BASELINES = (("full_store", "full safetensors via store"), ("shardcast", "shardcast"),
+              ("zstd_patch", "zstd --patch-from"))
+
+
+def machine_info() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next((int(line.split()[1]) / 1024**2 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), 0.0)
+    import torch
+
+    import weightsync
+
+    return {"hardware": {"cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu,
+                         "mem_total_gib": round(mem, 1), "python": platform.python_version(), "torch": torch.__version__,
+                         "weightsync": weightsync.__version__, "kernel": platform.release()}}
+
+
+def stem(record: dict, directory: Path) -> Path:
+    hw = record["hardware"]
+    kind = "sync-latency-quick" if record.get("quick") else "sync-latency"
+    return directory / f"{kind}-{hw['cpus']}cpu-{hw['machine']}-{record['date']}"
+
+
+def _done(record: dict) -> list[dict]:
+    return [c for c in record["cells"] if "ours" in c]
+
+
+def _s(value) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else "—"
+
+
+def _baseline_cell(cell: dict, name: str) -> str:
+    b = cell.get("baselines", {}).get(name, {})
+    if "all_s" in b:
+        return f"{b['all_s']:.2f} ({cell['speedup'][name]:.1f}x)"
+    return "skipped" if "skipped" in b else "error" if "error" in b else "—"
+
+
+def headline(record: dict) -> list[str]:
+    cells = _done(record)
+    if not cells:
+        return ["No cell finished yet."]
+    lr0, store0 = record["config"]["lrs"][0], record["config"]["stores"][0]
+    lines = []
+    big = max(c["size_gib"] for c in cells)
+    for c in sorted((c for c in cells if c["size_gib"] == big and c["lr"] == lr0 and c["store"] == store0),
+                    key=lambda c: c["agents"]):
+        sp = c.get("speedup", {})
+        parts = ", ".join(f"{sp[n]:.1f}x faster than {label} ({c['baselines'][n]['all_s']:.2f} s)"
+                          for n, label in _BASELINES if n in sp)
+        lines.append(f"- {big:g} GiB, lr {lr0:g} ({c['changed_fraction']:.2%} changed), {c['agents']} agent(s), "
+                     f"{store0} store: weightsync {c['ours']['steady']['all_agents_s']:.2f} s; {parts}. "
+                     f"Load avg {c['load_avg_start'][0]:.1f} -> {c['load_avg_end'][0]:.1f}.")
+    for size in sorted({c["size_gib"] for c in cells}, reverse=True):
+        by_n = {c["agents"]: c for c in cells if c["size_gib"] == size and c["lr"] == lr0 and c["store"] == store0}
+        if 1 in by_n and len(by_n) > 1:
+            most = max(by_n)
+            one, many = by_n[1]["ours"]["steady"]["all_agents_s"], by_n[most]["ours"]["steady"]["all_agents_s"]
+            lines.append(f"- {size:g} GiB: {most} agents take {many / one:.2f}x the time of 1 "
+                         f"({many:.2f} s vs {one:.2f} s).")
+    return lines
+
+
+def markdown(record: dict) -> str:
+    hw, net = record["hardware"], record.get("network", {})
+    lines = [f"# sync latency: publish() -> every agent serving, {record['date']}", "",
+             f"Machine: {hw['cpus']} CPUs ({hw['cpu']}, {hw['machine']}), {hw['mem_total_gib']} GiB RAM, shared with "
+             f"other work; load average per cell below. torch {hw['torch']}, weightsync {hw['weightsync']}; "
+             f"tools: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()) + ".", "",
+             "Network: " + ", ".join(f"{k}: {v}" for k, v in net.items()) + ".", "",
+             "Checkpoints: weightsync.model.CausalLM trained with AdamW on fp32 masters (bench/checkpoints.py); "
+             "the measured pair's changed fraction per size and lr: "
+             + "; ".join(f"{s} GiB " + ", ".join(f"lr {lr} {f:.2%}" for lr, f in c["changed_fraction"].items())
+                         for s, c in record["config"]["checkpoints"].items()) + ".", "",
+             ("Times are seconds from the trainer having the new bf16 weights (publish() call; for baselines the "
+              "start of writing the safetensors file) to the last receiver holding them (agents: serving, from the "
+              "ledgers; baselines: loaded as torch tensors). `ours` is the steady state (third delta); `first` the "
+              "base version. (Nx) = baseline time / ours."), "", "## Headline", "", *headline(record), ""]
+    for theme, title in (("agents", "agents (scaling with receivers)"), ("change", "change rate"),
+                         ("store", "store: local directory vs S3 (moto)")):
+        rows = [c for c in record["cells"] if theme in c["themes"]]
+        if not rows:
+            continue
+        lines += [f"## {title}", "", ("| size GiB | lr | changed | agents (regions) | store | ours s | first s | "
+                                      "commit s | delta MB | full via store s | shardcast s | zstd patch s | load avg |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in rows:
+            head = (f"| {c['size_gib']:g} | {c['lr']:g} | {c.get('changed_fraction', 0):.2%} | {c['agents']} "
+                    f"({c['regions']}) | {c['store']} |")
+            if "ours" not in c:
+                lines.append(head + f" {c.get('skipped') or c.get('error')} |" + " |" * 7)
+                continue
+            o, f = c["ours"]["steady"], c["ours"]["first"]
+            lines.append(head + f" **{o['all_agents_s']:.2f}** | {f['all_agents_s']:.2f} | {o['commit_s']:.2f} | "
+                         f"{o['stored_bytes'] / 1e6:.1f} | " + " | ".join(_baseline_cell(c, n) for n, _ in _BASELINES)
+                         + f" | {c['load_avg_start'][0]:.1f}-{c['load_avg_end'][0]:.1f} |")
+        lines.append("")
+    problems = [(c, n, b) for c in record["cells"] for n, b in c.get("baselines", {}).items()
+                if "error" in b or "skipped" in b]
+    if problems:
+        lines += ["## Baselines skipped or failed", ""]
+        lines += [f"- {c['size_gib']:g} GiB, {c['agents']} agents, {c['store']}: {n}: {b.get('skipped') or b['error']}"
+                  for c, n, b in problems]
+    return "\n".join(lines) + "\n"
+
+
+def plots(record: dict, base: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells, written = _done(record), []
+    if not cells:
+        return written
+    lr0, store0 = record["config"]["lrs"][0], record["config"]["stores"][0]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for size in sorted({c["size_gib"] for c in cells}):
+        rows = sorted((c for c in cells if c["size_gib"] == size and c["lr"] == lr0 and c["store"] == store0),
+                      key=lambda c: c["agents"])
+        if len(rows) < 2:
+            continue
+        n = [c["agents"] for c in rows]
+        line, = ax.plot(n, [c["ours"]["steady"]["all_agents_s"] for c in rows], "o-", label=f"weightsync {size:g} GiB")
+        for name, style in (("full_store", "s--"), ("shardcast", "^:")):
+            ys = [c["baselines"].get(name, {}).get("all_s") for c in rows]
+            if all(y is not None for y in ys):
+                ax.plot(n, ys, style, color=line.get_color(), alpha=0.6, label=f"{name} {size:g} GiB")
+    if ax.lines:
+        ax.set(xlabel="agents", ylabel="publish -> all serving (s)", yscale="log",
+               title=f"sync latency vs agents (lr {lr0:g}, {store0} store)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(f"{base}-agents.png", dpi=110)
+        written.append(f"{base.name}-agents.png")
+    plt.close(fig)
+
+    rows = [c for c in cells if c["store"] == store0]
+    fig, ax = plt.subplots(figsize=(max(7, 0.7 * len(rows)), 4.5))
+    labels = [f"{c['size_gib']:g}G {c['lr']:g}\n{c['agents']}a" for c in rows]
+    width = 0.2
+    series = [("weightsync", [c["ours"]["steady"]["all_agents_s"] for c in rows])]
+    series += [(label, [c["baselines"].get(n, {}).get("all_s", 0) or 0 for c in rows]) for n, label in _BASELINES]
+    for k, (label, ys) in enumerate(series):
+        ax.bar([i + (k - 1.5) * width for i in range(len(rows))], ys, width, label=label)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(ylabel="publish -> all serving (s)", yscale="log", title=f"weightsync vs baselines ({store0} store)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{base}-baselines.png", dpi=110)
+    written.append(f"{base.name}-baselines.png")
+    plt.close(fig)
+    return written
+
+
+def write_report(record: dict, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    base = stem(record, directory)
+    record["plots"] = plots(record, base)
+    base.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    base.with_suffix(".md").write_text(markdown(record))
