@@ -116,7 +116,8 @@ def write_safetensors(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(state_dict, max_shard_bytes)
-    metadata = {k: str(v) for k, v in (metadata or {}).items()}
+    # "format": "pt" is what HF transformers checks before it loads a safetensors file as torch.
+    metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-weightsync-", dir=out))
     try:
         written = []
