@@ -8,7 +8,10 @@ not) is the loop's overhead; the target is <= 1.05. The first step of each block
 it is a transition (after a publishing block it still overlaps the last version's encoding,
 the first publishing step overlaps none), so both sides are compared in steady state. On a
 shared machine other tenants' load swings step times by more than the effect measured: read the
-ratio with the load averages the record carries, and repeat runs.
+ratio with the load averages the record carries, and repeat runs. For a load-independent view the
+record also carries, over the publishing steps, the CPU seconds of rank 0's training thread and
+of its publisher threads (snapshot excluded: it runs on the training thread): their quotient is
+what publishing costs a rank whose cores training keeps busy.
 
 Memory: two more launches run the same job a few steps without publishing, with and without
 `parallel.cpu_offload`, and report each rank's peak RSS (and peak CUDA memory on GPUs). On a
@@ -35,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,8 +91,19 @@ def worker_timing(args: argparse.Namespace) -> dict:
         return step > warmup and (step - warmup - 1) % block == 0
 
     class BenchTrainer(Trainer):
+        cpu_marks = (time.thread_time(), _publisher_cpu_s())
+
         def publish(self):
             return super().publish() if mode_of(self.step) == "publish" else {}
+
+        def log_metrics(self, metrics, verdict, t0):
+            # CPU seconds of this step's training thread and of the publisher's threads: unlike
+            # wall time, they hardly move with other tenants' load.
+            marks = (time.thread_time(), _publisher_cpu_s())
+            metrics["bench/train_cpu_s"] = marks[0] - self.cpu_marks[0]
+            metrics["bench/publisher_cpu_s"] = marks[1] - self.cpu_marks[1]
+            self.cpu_marks = marks
+            super().log_metrics(metrics, verdict, t0)
 
     store = Path(args.store_dir) / "store"
     trainer = BenchTrainer(parse_job_config(job_doc(args, steps=steps, store=str(store), offload=False)))
@@ -110,6 +125,10 @@ def worker_timing(args: argparse.Namespace) -> dict:
         "step_s_plain": {"mean": statistics.mean(plain_s), "median": statistics.median(plain_s)},
         "ratio_mean": statistics.mean(publish_s) / statistics.mean(plain_s),
         "ratio_median": statistics.median(publish_s) / statistics.median(plain_s),
+        "train_thread_cpu_s_per_step": statistics.mean(m["bench/train_cpu_s"] for m in by_mode["publish"]),
+        "publisher_cpu_s_per_step": statistics.mean(m["bench/publisher_cpu_s"] for m in by_mode["publish"]),
+        "publisher_cpu_fraction": sum(m["bench/publisher_cpu_s"] for m in by_mode["publish"])
+        / sum(m["bench/train_cpu_s"] for m in by_mode["publish"]),
         "publish_wait_s_mean": statistics.mean(m.get("publish/wait_s", 0.0) for m in by_mode["publish"]),
         "publish_latency_s_mean": _mean(m.get("publish/latency_s") for m in by_mode["publish"]),
         "publish_ratio_mean": _mean(m.get("publish/ratio") for m in by_mode["publish"]),
@@ -140,6 +159,22 @@ def worker_memory(args: argparse.Namespace) -> dict:
     return {"offload": bool(args.offload), "peak_rss_MiB_per_rank": _gather_peak_rss(dist),
             "peak_cuda_MiB_rank0": peak_cuda,
             "step_s_mean": statistics.mean(m["step_s"] for m in history[1:] or history)}
+
+
+def _publisher_cpu_s() -> float:
+    """User + system CPU seconds of this process's publisher threads (named ws-*), from /proc."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("ws-") and thread.native_id is not None:
+            try:
+                fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread just ended
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def _peak_rss_mib() -> float:
