@@ -361,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-regions", type=int, default=2)
     parser.add_argument("--zstd-level", type=int, default=3, help="zstd --patch-from level (19 takes minutes per GiB)")
     parser.add_argument("--zstd-threads", type=int, default=0, help="zstd -T (0: one per core)")
+    parser.add_argument("--label", default="", help="names the result files sync-latency-LABEL-... (quick: 'quick')")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per version / per baseline transfer")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
                  {k: f"{v:.2%}" for k, v in changed[size].items()})
     cells = plan_cells(sizes, lrs, agents, stores)
     record = {
-        "bench": "sync_latency", "date": datetime.date.today().isoformat(), "quick": args.quick,
+        "bench": "sync_latency", "date": datetime.date.today().isoformat(), "quick": args.quick, "label": args.label,
         "config": {"sizes_gib": sizes, "lrs": lrs, "agents": agents, "stores": stores, "max_regions": args.max_regions,
                    "zstd_patch": bl.zstd_patch_args(args.zstd_level, args.zstd_threads), "chunk_bytes": 4 * 1024**2,
                    "engine": "reference (bf16, zero-copy, double-buffered)", "topology": "pipeline per region",

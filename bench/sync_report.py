@@ -32,7 +32,8 @@ def machine_info() -> dict:
 
 def stem(record: dict, directory: Path) -> Path:
     hw = record["hardware"]
-    kind = "sync-latency-quick" if record.get("quick") else "sync-latency"
+    label = record.get("label") or ("quick" if record.get("quick") else "")
+    kind = f"sync-latency-{label}" if label else "sync-latency"
     return directory / f"{kind}-{hw['cpus']}cpu-{hw['machine']}-{record['date']}"
 
 
@@ -110,6 +111,22 @@ def markdown(record: dict) -> str:
                          f"{o['stored_bytes'] / 1e6:.1f} | " + " | ".join(_baseline_cell(c, n) for n, _ in _BASELINES)
                          + f" | {c['load_avg_start'][0]:.1f}-{c['load_avg_end'][0]:.1f} |")
         lines.append("")
+    done = _done(record)
+    if done:
+        lines += ["## where weightsync's time goes (steady state, seconds)", "",
+                  ("snapshot = publish() copying the weights (the caller's wait); encode = encode + store writes; "
+                   "agents = commit -> last agent serving (offer, relay, verify + apply of two deltas into the spare "
+                   "buffer, swap); apply = the slowest agent's apply."), "",
+                  ("| size GiB | lr | agents | store | total | snapshot | encode | manifest | agents | apply | "
+                   "pushed MB | fetched MB |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in done:
+            o = c["ours"]["steady"]
+            apply = max((a.get("apply", 0.0) for a in o["per_agent"]), default=0.0)
+            lines.append(f"| {c['size_gib']:g} | {c['lr']:g} | {c['agents']} | {c['store']} | {o['all_agents_s']:.2f} | "
+                         f"{_s(o.get('snapshot_s'))} | {_s(o.get('encode_upload_s'))} | {_s(o.get('manifest_s'))} | "
+                         f"{o['all_agents_s'] - o['commit_s']:.2f} | {apply:.2f} | {o['pushed_bytes'] / 1e6:.1f} | "
+                         f"{o['fetched_bytes'] / 1e6:.1f} |")
+        lines.append("")
     problems = [(c, n, b) for c in record["cells"] for n, b in c.get("baselines", {}).items()
                 if "error" in b or "skipped" in b]
     if problems:
@@ -174,3 +191,10 @@ def write_report(record: dict, directory: Path) -> None:
     record["plots"] = plots(record, base)
     base.with_suffix(".json").write_text(json.dumps(record, indent=1))
     base.with_suffix(".md").write_text(markdown(record))
+
+
+if __name__ == "__main__":  # re-render a record: python -m bench.sync_report RESULT.json
+    import sys
+
+    doc = json.loads(Path(sys.argv[1]).read_text())
+    write_report(doc, Path(sys.argv[1]).resolve().parent)
