@@ -42,7 +42,8 @@ def test_loopback_network_leaves_addresses_and_commands_alone():
 
 
 def test_report_renders_a_finished_and_a_skipped_cell():
-    version = {"all_agents_s": 1.0, "commit_s": 0.5, "stored_bytes": 10**6}
+    version = {"all_agents_s": 1.0, "commit_s": 0.5, "stored_bytes": 10**6, "pushed_bytes": 10**6,
+               "fetched_bytes": 0, "per_agent": [{"apply": 0.2}]}
     done = {"size_gib": 1.0, "lr": 1e-6, "agents": 1, "regions": 1, "store": "local", "themes": ["agents"],
             "changed_fraction": 0.014, "load_avg_start": [1.0], "load_avg_end": [2.0],
             "ours": {"steady": version, "first": {**version, "all_agents_s": 5.0}},
@@ -58,3 +59,4 @@ def test_report_renders_a_finished_and_a_skipped_cell():
     text = markdown(record)
     assert "12.00 (12.0x)" in text and "needs 23 GiB" in text and "shardcast: no wget" in text
     assert "12.0x faster than full safetensors via store" in "\n".join(headline(record))
+    assert "| 1 | 1e-06 | 1 | local | 1.00 |" in text  # the time breakdown
