@@ -44,7 +44,7 @@ import torch
 from weightsync.agents.engine import SwapReport, register_engine
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.layout import MAX_VERSION
-from weightsync.model import ByteTokenizer, CausalLM, ModelConfig, load_pretrained
+from weightsync.model import ByteTokenizer, CausalLM, ModelConfig, load_pretrained, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -418,12 +418,7 @@ class ReferenceServer:
 def _replica(config: ModelConfig) -> CausalLM:
     with torch.device("meta"):
         module = CausalLM(config)
-    # The RoPE frequencies are the one real tensor a replica needs; model.py computes them from
-    # head_dim and rope_theta, so a one-layer model with the same head gives them without
-    # allocating the full architecture.
-    head = dataclasses.replace(config, vocab_size=1, hidden_size=config.head_dim, intermediate_size=1,
-                               num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)
-    module.inv_freq = CausalLM(head).inv_freq
+    module.inv_freq = rope_inv_freq(config)  # the one real tensor a replica needs
     return module.eval()
 
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from weightsync.model import CausalLM, ModelConfig
+from weightsync.model import CausalLM, ModelConfig, rope_inv_freq
 from weightsync.trainer.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,8 @@ def build_sharded_model(
 def reset_rope_buffer(model: CausalLM) -> None:
     """Recomputes the RoPE inverse frequencies, which `to_empty` left uninitialised (the
     buffer is not persistent, so no state dict carries it). Same formula as CausalLM.__init__."""
-    config = model.config
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     with torch.no_grad():
-        model.inv_freq.copy_(inv_freq.to(model.inv_freq.device))
+        model.inv_freq.copy_(rope_inv_freq(model.config, model.inv_freq.device))
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

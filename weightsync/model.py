@@ -88,6 +88,13 @@ class ModelConfig:
         return cls(**kwargs)
 
 
+def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:
+    """RoPE inverse frequencies (HF's default rotary embedding, no scaling), fp32. Models built
+    on the meta device (FSDP, the reference server's replicas) recompute them with this."""
+    d = config.head_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -210,9 +217,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not a weight: not published
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # not a weight: not published
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """HF's initialisation: normal(0, initializer_range) for matrices, zero biases, unit norms."""
