@@ -138,45 +138,23 @@ def test_large_objects_go_multipart_and_come_back_in_ranges(s3_store):
     assert store.get("big") == data
 
 
-def test_create_only_multipart_refuses_the_second_writer(s3_store):
+def test_large_create_only_writes_are_one_conditional_put(s3_store):
+    """put_new never goes multipart (see s3_store's docstring), whatever the threshold."""
     import os
 
     store = _like(s3_store, part_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB)
     first, second = os.urandom(11 * MiB), os.urandom(11 * MiB)
     store.put_new("versions/1.json", first)
+    assert "-" not in _raw_head(store, "versions/1.json")["ETag"]
     with pytest.raises(ObjectExists):
         store.put_new("versions/1.json", second)
     assert store.get("versions/1.json") == first
-    with pytest.raises(ObjectExists):  # a small create-only write over a multipart object, too
-        store.put_new("versions/1.json", b"small")
+    store.put("chunk", second)  # while a plain write of the same size is multipart
+    with pytest.raises(ObjectExists):
+        store.put_new("chunk", b"small")
+    assert store.get("chunk") == second
     listing = store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
-    assert listing.get("Uploads", []) == [], "the losing writer left its upload behind"
-
-
-@pytest.mark.slow
-def test_racing_multipart_creates_exactly_one_wins(s3_store):
-    import threading
-
-    store = _like(s3_store, part_bytes=5 * MiB, multipart_threshold_bytes=5 * MiB, io_concurrency=4)
-    payloads = [bytes([i]) * (6 * MiB) for i in range(4)]
-    outcomes = []
-    barrier = threading.Barrier(len(payloads))
-
-    def contender(data):
-        barrier.wait()
-        try:
-            store.put_new("race.json", data)
-            outcomes.append("won")
-        except ObjectExists:
-            outcomes.append("lost")
-
-    threads = [threading.Thread(target=contender, args=(p,)) for p in payloads]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(outcomes) == ["lost"] * 3 + ["won"]
-    assert store.get("race.json") in payloads
+    assert listing.get("Uploads", []) == [], "an upload was left behind"
 
 
 @pytest.mark.slow

@@ -138,25 +138,27 @@ def test_flipped_uploads_are_never_stored(proxy, bucket, s3_endpoint, server_che
     assert (counts.get(BAD_DIGEST, 0) > 0) == server_checks_md5
 
 
-@pytest.mark.parametrize("verify_md5", [True, False], ids=["store-checks-md5", "reader-checks-xxh3"])
-def test_a_corrupt_chunk_is_never_accepted(proxy, bucket, s3_endpoint, make_state_dict, verify_md5):
-    """Every object GET flipped: the read fails with a clear error; no weights come back."""
+@pytest.mark.parametrize("check", ["crc32", "md5", "xxh3"], ids=lambda c: f"caught-by-{c}")
+def test_a_corrupt_chunk_is_never_accepted(proxy, bucket, s3_endpoint, make_state_dict, check):
+    """Every object GET flipped: the read fails with a clear error; no weights come back. The
+    store catches it by the CRC32 the server returns, else by the ETag (MD5); with both checks off
+    the manifest parser or the reader's xxh3 check does."""
     sd = make_state_dict(1)
     with Publisher(_store(s3_endpoint, bucket), model="m", config=PublisherConfig(chunk_bytes=64 * 1024)) as pub:
         pub.publish(sd).result()
     proxy.set_plan(FaultPlan(rates={FLIP_RESPONSE: 1.0}, seed=3))
-    store = _store(proxy.endpoint, bucket, verify_md5=verify_md5, transfer_attempts=2)
+    store = _store(proxy.endpoint, bucket, crc32_checksums=check == "crc32", verify_md5=check == "md5",
+                   transfer_attempts=2)
     t0 = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
         Reader(store, model="m").read(1)
     assert time.monotonic() - t0 < BOUND_S
-    # With MD5 checks the store refuses every body (even the manifest's); without, the manifest
-    # parse or the reader's xxh3 check does.
     print(f"\n{type(info.value).__name__}: {info.value}")
-    if verify_md5:
-        assert isinstance(info.value, StoreError) and "does not match its ETag" in str(info.value)
-    else:
+    if check == "xxh3":
         assert isinstance(info.value, (IntegrityError, ValueError))
+    else:
+        assert isinstance(info.value, StoreError)
+        assert f"does not match its {'CRC32' if check == 'crc32' else 'ETag (MD5)'}" in str(info.value)
     _report(proxy, [FLIP_RESPONSE])
 
 
