@@ -161,10 +161,11 @@ class Meter:
         self.server = server
         self.samples: dict[str, list[dict]] = {}
 
-    def measure(self, name: str, fn, raw_bytes: int):
+    def measure(self, name: str, raw_bytes: int, fn, *args, **kwargs):
+        """fn(*args, **kwargs), timed; returns its result."""
         usage = resource.getrusage(resource.RUSAGE_SELF)
         server0, t0 = self.server.cpu_s(), time.perf_counter()
-        result = fn()
+        result = fn(*args, **kwargs)
         seconds = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_SELF)
         self.samples.setdefault(name, []).append({
@@ -225,24 +226,21 @@ def run(config: BenchConfig) -> dict:
             plain.create_bucket(Bucket=bucket)
             store = S3Store(bucket, f"run{repeat}", endpoint_url=server.endpoint, config=store_config)
 
-            meter.measure("boto3_upload_file", lambda: plain.upload_file(str(checkpoint), bucket, "plain/model.safetensors"),
-                          raw_bytes)
+            key, downloaded = "plain/model.safetensors", str(Path(tmp.name) / "downloaded.safetensors")
+            meter.measure("boto3_upload_file", raw_bytes, plain.upload_file, str(checkpoint), bucket, key)
             with Publisher(store, model="bench", config=PublisherConfig(parent_from_store=False)) as publisher:
-                full = meter.measure("ours_publish_full", lambda: publisher.publish(sd).result(), raw_bytes)
-                delta = meter.measure("ours_publish_delta", lambda: publisher.publish(sd2).result(), raw_bytes)
-            downloaded = Path(tmp.name) / "downloaded.safetensors"
-            meter.measure("boto3_download_file",
-                          lambda: plain.download_file(bucket, "plain/model.safetensors", str(downloaded)), raw_bytes)
-            downloaded.unlink()
+                full = meter.measure("ours_publish_full", raw_bytes, _publish, publisher, sd)
+                delta = meter.measure("ours_publish_delta", raw_bytes, _publish, publisher, sd2)
+            meter.measure("boto3_download_file", raw_bytes, plain.download_file, bucket, key, downloaded)
+            os.unlink(downloaded)
             # moto answers each ranged GET by copying the whole object, so download_file's 8 MiB
             # ranges cost it O(size) each; one stream is boto3's best case against this server.
-            meter.measure("boto3_download_file_one_stream",
-                          lambda: plain.download_file(bucket, "plain/model.safetensors", str(downloaded),
-                                                      Config=one_stream), raw_bytes)
-            downloaded.unlink()
+            meter.measure("boto3_download_file_one_stream", raw_bytes, plain.download_file, bucket, key, downloaded,
+                          Config=one_stream)
+            os.unlink(downloaded)
             reader = Reader(store, model="bench")
-            state = meter.measure("ours_pull_full", lambda: reader.read(full.version), raw_bytes)
-            meter.measure("ours_pull_delta", lambda: reader.advance(state, delta.version), raw_bytes)
+            state = meter.measure("ours_pull_full", raw_bytes, reader.read, full.version)
+            meter.measure("ours_pull_delta", raw_bytes, reader.advance, state, delta.version)
             if repeat == 0:  # bit-exact, or the numbers mean nothing
                 got = state.state_dict()
                 assert all(torch.equal(got[k].view(torch.int16), sd2[k].view(torch.int16)) for k in sd2)
@@ -283,19 +281,24 @@ def run(config: BenchConfig) -> dict:
             "pull_vs_download_file_default": t["boto3_download_file"] / t["ours_pull_full"],
             "publish_pull_vs_upload_download": (upload + download) / (t["ours_publish_full"] + t["ours_pull_full"]),
             "store_put_get_vs_upload_download": (upload + download) / (t["store_put_raw"] + t["store_get_raw"]),
-            "delta_step_vs_full_upload_download": (upload + download) / (t["ours_publish_delta"] + t["ours_pull_delta"]),
+            "delta_step_vs_full_upload_download":
+                (upload + download) / (t["ours_publish_delta"] + t["ours_pull_delta"]),
         },
     })
     tmp.cleanup()
     return record
 
 
+def _publish(publisher, state_dict: dict):
+    return publisher.publish(state_dict).result()
+
+
 def _measure_store_alone(meter: Meter, store, data: bytes, raw_bytes: int) -> None:
     """The checkpoint's bytes as 4 MiB objects through put/get on io_concurrency threads."""
-    pieces = {f"raw/{i:06d}": data[i * 4 * MiB : (i + 1) * 4 * MiB] for i in range((len(data) + 4 * MiB - 1) // (4 * MiB))}
+    pieces = {f"raw/{n:06d}": data[start : start + 4 * MiB] for n, start in enumerate(range(0, len(data), 4 * MiB))}
     with cf.ThreadPoolExecutor(store.io_concurrency) as pool:
-        meter.measure("store_put_raw", lambda: list(pool.map(lambda kv: store.put(*kv), pieces.items())), raw_bytes)
-        got = meter.measure("store_get_raw", lambda: list(pool.map(store.get, pieces)), raw_bytes)
+        meter.measure("store_put_raw", raw_bytes, lambda: list(pool.map(store.put, pieces, pieces.values())))
+        got = meter.measure("store_get_raw", raw_bytes, lambda: list(pool.map(store.get, pieces)))
     assert b"".join(got) == data
 
 
@@ -379,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 MiB model, one repeat")
     parser.add_argument("--size-mib", type=int, default=None, help="model size in MiB (default 512)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--io-concurrency", type=int, default=None, help="S3Store io_concurrency (default: the store's)")
+    parser.add_argument("--io-concurrency", type=int, default=None, help="S3Store io_concurrency (default: 32)")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")

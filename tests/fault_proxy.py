@@ -182,7 +182,7 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def handle_error(self, request, client_address) -> None:
         # A client that hung up, or an upstream that is gone (the test ended): not worth a traceback.
-        log.debug("proxy: connection from %s ended with an error", client_address, exc_info=True)
+        log.debug("proxy: connection from %s ended with an error", client_address)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -196,10 +196,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         with self.proxy._lock:
             self.proxy.connections += 1
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args) -> None:  # the base class's signature
         log.debug("proxy: " + format, *args)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server dispatches on do_<METHOD>
         self._proxy()
 
     do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
@@ -227,7 +227,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = _flip(body, proxy._flip_at(len(body)))
         if proxy.plan.check_content_md5 and self.command == "PUT" and not self._md5_matches(body):
             proxy._count(BAD_DIGEST)
-            return self._send_error_xml(400, "BadDigest", "The Content-MD5 you specified did not match what we received.")
+            return self._send_error_xml(400, "BadDigest", "The Content-MD5 you specified did not match the body.")
 
         try:
             status, reason, headers, response_body = self._forward(body)

@@ -18,14 +18,23 @@ import uuid
 
 import boto3
 import pytest
+from fault_proxy import (
+    BAD_DIGEST,
+    DELAY,
+    FAULT_KINDS,
+    FLIP_REQUEST,
+    FLIP_RESPONSE,
+    LOST_RESPONSE,
+    FaultPlan,
+    FaultProxy,
+)
 
-from fault_proxy import BAD_DIGEST, DELAY, FAULT_KINDS, FLIP_REQUEST, FLIP_RESPONSE, LOST_RESPONSE, FaultPlan, FaultProxy
 from weightsync.errors import IntegrityError, ObjectExists, StoreError, WeightsyncError
+from weightsync.layout import model_prefix
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
 from weightsync.retention import collect_garbage
 from weightsync.s3_store import S3Store, S3StoreConfig
-from weightsync.layout import model_prefix
 from weightsync.versions import list_versions, read_manifest
 
 pytestmark = pytest.mark.s3

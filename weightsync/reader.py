@@ -1,14 +1,16 @@
 """reader: reconstructs a committed version from its base and deltas, verifying every byte.
 
 `Reader.read(version)` applies the version's chain (base first) into one set of buffers, so
-memory is one model plus the objects in flight, however long the chain. Objects are fetched on
-an I/O pool of `store.io_concurrency` threads, ahead of the CPU pool (`workers`) that decodes
-and applies them, with at most 2 x io_concurrency objects fetched or in flight at once. An
-object whose size or hash is off is fetched again (corruption in flight is transient; a corrupt
-stored object is not) before the read fails with IntegrityError. `Reader.advance(state, version)` moves an existing state forward by applying only the
-deltas after it (what an agent or a resumed publisher does). Every object's hash is checked
-before decoding and every chunk's raw hash after applying; at the target version every byte is
+memory is one model plus the objects in flight, however long the chain.
+`Reader.advance(state, version)` moves an existing state forward by applying only the deltas
+after it (what an agent or a resumed publisher does). Every object's hash is checked before
+decoding and every chunk's raw hash after applying; at the target version every byte is
 covered by a checked raw hash, and the manifest's digest covers the raw hashes.
+
+Objects are fetched on an I/O pool of `store.io_concurrency` threads, ahead of the CPU pool
+(`workers`) that decodes and applies them, with at most 2 x io_concurrency objects fetched or
+in flight at once. An object whose size or hash is off is fetched again (corruption in flight is
+transient; a corrupt stored object is not) before the read fails with IntegrityError.
 
 A failure mid-apply leaves the buffers half-updated: the state is marked invalid (its
 manifest becomes None) and the caller reads again from a base. Not here: writing (`publisher.py`).
@@ -80,7 +82,9 @@ class Reader:
         self._apply_chain(state, chain, progress)
         return state
 
-    def advance(self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None) -> WeightsState:
+    def advance(
+        self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None
+    ) -> WeightsState:
         """Moves `state` to `version` in place, by deltas when its chain passes through it."""
         version = self.resolve(version)
         current = state.manifest
@@ -214,7 +218,9 @@ class Reader:
             try:
                 obj = self.store.get(key)
             except ObjectNotFound:
-                raise IntegrityError(f"chunk object {key} named by a manifest is missing from {self.store.uri}") from None
+                raise IntegrityError(
+                    f"chunk object {key} named by a manifest is missing from {self.store.uri}"
+                ) from None
             if len(obj) == ref.size and object_hash(obj) == ref.object:
                 return obj
             if attempt < FETCH_ATTEMPTS:

@@ -230,7 +230,7 @@ class S3Store:
         match = _CONTENT_RANGE.fullmatch(response.get("ContentRange") or "")
         size = int(match.group(3)) if match else length  # 200: the server sent it all
         if match and (int(match.group(1)) != 0 or length != min(part, size)):
-            raise StoreError(f"{self.uri}/{key}: server answered range {response['ContentRange']} to bytes=0-{part - 1}")
+            raise StoreError(f"{self.uri}/{key}: server answered {response['ContentRange']} to bytes=0-{part - 1}")
         buffer = bytearray(size)
         view = memoryview(buffer)
         self._read_body(response, view[:length], key, deadline)
@@ -406,8 +406,9 @@ class S3Store:
 
     def touch(self, key: str) -> None:
         full = self._key(key)
+        checksum = {"ChecksumAlgorithm": "CRC32"} if self.config.crc32_checksums else {}  # the copy keeps one
         self._call("touch", key, self._client.copy_object, Bucket=self.bucket, Key=full,
-                   CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE")
+                   CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **checksum)
 
     def delete(self, key: str) -> None:
         try:
@@ -486,9 +487,10 @@ class S3Store:
         crc = response.get("ChecksumCRC32")
         if crc and "-" not in crc:  # a full-object CRC32: botocore checked it while reading
             return
-        if self.config.verify_md5 and _etag_is_md5(response) and "-" not in response["ETag"]:
-            if hashlib.md5(data).hexdigest() != response["ETag"].strip('"').lower():
-                raise _Transient("body does not match its ETag (MD5)")
+        if not self.config.verify_md5 or not _etag_is_md5(response) or "-" in response["ETag"]:
+            return
+        if hashlib.md5(data).hexdigest() != response["ETag"].strip('"').lower():
+            raise _Transient("body does not match its ETag (MD5)")
 
 
 def _etag_is_md5(response: dict) -> bool:
