@@ -168,7 +168,7 @@ def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, stor
                 f'cache_dir = "{root / f"agent-{i}"}"\nstore = "{store_uri}"\nlisten = "{listen_host}:0"\n'
                 f"peers = {json.dumps(peers)}\npoll_interval_s = 30.0\npush_wait_s = 5.0\n"
                 f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n')
-            argv = [sys.executable, "-m", "weightsync.cli", "agent", "--config", str(config)]
+            argv = [sys.executable, "-m", "weightsync.cli", "agent", "--config", str(config), "-v"]
             with open(root / f"agent-{i}.log", "w") as errors:
                 proc = subprocess.Popen(net.command(region, argv), stdout=subprocess.PIPE, stderr=errors, text=True,
                                         env={**os.environ, **env_for.get(region, {})}, cwd=ROOT)
@@ -199,7 +199,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None,
-             timeout_s: float) -> dict:
+             timeout_s: float, push_buffer_mib: int = 0) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.push import PushConfig, Pusher
@@ -215,7 +215,10 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
         env_for = {r: {"AWS_ENDPOINT_URL": "http://" + net.out_of(r, moto.address)} for r in set(regions)}
     agents = _start_agents(net, regions, root, arch, store.uri, env_for)
     leaders = [next(a["push"] for a in agents if a["region"] == r) for r in sorted(set(regions))]
-    pusher = Pusher(PushConfig(targets=tuple(leaders), model=MODEL))
+    push_config = PushConfig(targets=tuple(leaders), model=MODEL)
+    if push_buffer_mib:
+        push_config = dataclasses.replace(push_config, max_buffered_bytes=push_buffer_mib * 1024**2)
+    pusher = Pusher(push_config)
     clients = [AgentClient(a["status"]) for a in agents]
     versions = []
     try:
@@ -277,7 +280,8 @@ def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
         moto = Moto(scratch / f"moto-{root.name}.log") if cell.store == "s3" else None
         log.info("cell %s GiB lr %g, %d agents in %d regions, %s store", cell.size, cell.lr, cell.agents,
                  len(set(regions)), cell.store)
-        out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s)
+        out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s,
+                               args.push_buffer_mib)
         log.info("  ours: steady %.2f s, first %.2f s", out["ours"]["steady"]["all_agents_s"],
                  out["ours"]["first"]["all_agents_s"])
         out["baselines"] = run_baselines(net, series, cell, regions, root / "baselines", moto, args)
@@ -289,6 +293,11 @@ def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
     finally:
         if moto is not None:
             moto.close()
+        if args.keep_logs:  # the agents' logs, to see what a slow cell did
+            dest = Path(args.keep_logs) / f"{cell.size:g}gib-{cell.lr:g}-{cell.agents}a-{cell.store}"
+            for log_file in (root / "ours").glob("*.log"):
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copy(log_file, dest / log_file.name)
         shutil.rmtree(root, ignore_errors=True)
         out["load_avg_end"] = os.getloadavg()
     return out
@@ -362,6 +371,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--zstd-level", type=int, default=3, help="zstd --patch-from level (19 takes minutes per GiB)")
     parser.add_argument("--zstd-threads", type=int, default=0, help="zstd -T (0: one per core)")
     parser.add_argument("--label", default="", help="names the result files sync-latency-LABEL-... (quick: 'quick')")
+    parser.add_argument("--push-buffer-mib", type=int, default=0,
+                        help="publisher Pusher max_buffered_bytes in MiB (0: PushConfig's default, 512)")
+    parser.add_argument("--keep-logs", help="copy each cell's agent logs into this directory")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per version / per baseline transfer")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -390,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "sync_latency", "date": datetime.date.today().isoformat(), "quick": args.quick, "label": args.label,
         "config": {"sizes_gib": sizes, "lrs": lrs, "agents": agents, "stores": stores, "max_regions": args.max_regions,
                    "zstd_patch": bl.zstd_patch_args(args.zstd_level, args.zstd_threads), "chunk_bytes": 4 * 1024**2,
-                   "engine": "reference (bf16, zero-copy, double-buffered)", "topology": "pipeline per region",
+                   "engine": "reference (bf16, zero-copy, double-buffered)",
+                   "publisher_push_buffer_mib": args.push_buffer_mib or "default", "topology": "pipeline per region",
                    "checkpoints": {f"{s:g}": {"arch": dataclasses.asdict(series[s].config.model),
                                               "cache": series[s].path.name, "changed_fraction": changed[s]}
                                    for s in sizes},
