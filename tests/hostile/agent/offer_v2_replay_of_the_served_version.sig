@@ -1,0 +1,1 @@
+{"alg":"ed25519","key_id":"1fb72dfba35e0627","sig":"e09264cda7bde1da9c9479a07bf3ee01a3f946bd86b49f617da4fcd8b610cafd6f1ddbebcf510f82f598bdc57e645b2a4eee806cef1e7514ff95f2b17a836a05"}
