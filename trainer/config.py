@@ -43,7 +43,7 @@ DEVICES = ("auto", "cpu", "cuda")
 MIXED_PRECISION = ("none", "bf16")
 LOSS_KINDS = ("sft", "grpo")
 DECAYS = ("constant", "linear", "cosine")
-SOURCE_TYPES = ("arithmetic", "reverse", "jsonl")
+SOURCE_TYPES = ("arithmetic", "reverse", "jsonl", "rollouts")
 GUARD_ACTIONS = ("skip", "rollback")
 GUARD_WATCH = ("loss", "loss/nll", "grad_norm")
 
@@ -158,8 +158,9 @@ class DataConfig:
     """Where examples come from and how many make one optimizer step."""
 
     source: str = "arithmetic"
-    """"arithmetic" (synthetic a+b=c SFT), "reverse" (synthetic string reversal SFT) or "jsonl"
-    (token ids and loss weights per line, see data.JsonlSource); the RL loop injects its own."""
+    """"arithmetic" (synthetic a+b=c SFT), "reverse" (synthetic string reversal SFT), "jsonl"
+    (token ids and loss weights per line, see data.JsonlSource) or "rollouts" (GRPO examples from a
+    rollout queue; only the RL job, weightsync.trainer.rl, builds that one)."""
     path: str | None = None
     """The JSONL file, for source = "jsonl"."""
     global_batch_size: int = 8
@@ -290,8 +291,21 @@ class PublishConfig:
     commit) before that version fails; training goes on either way."""
     publisher: PublisherConfig = dataclasses.field(default_factory=PublisherConfig)
     """Settings of weightsync.publisher.Publisher ([train.publish.publisher] table)."""
+    push: tuple[str, ...] = ()
+    """Sync agents (host:port) every rank pushes its objects to as they are encoded, and offers
+    each committed version to: one leader per region (weightsync.push). Empty: store only."""
+    push_token_file: str | None = None
+    """Bearer token the agents require (or $WEIGHTSYNC_TOKEN)."""
+    push_ca: str | None = None
+    """CA certificate (PEM) of TLS agents; None: plaintext (loopback only)."""
+    signing_key: str | None = None
+    """Ed25519 private key (PEM, `weightsync keygen`): rank 0 signs every manifest with it."""
+    log_path: str | None = None
+    """Rank 0 appends one JSON line per committed version (version, step, when publish() was
+    called, time to commit, bytes): what `weightsync demo` reports from."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "push", tuple(self.push))
         if self.every_steps < 1:
             raise ValueError(f"train.publish.every_steps must be >= 1, got {self.every_steps}")
         if not self.commit_timeout_s > 0:

@@ -281,4 +281,7 @@ def build_source(config: DataConfig, *, dp_rank: int, dp_size: int) -> ExampleSo
         return ReverseSource(dp_rank=dp_rank, dp_size=dp_size, seed=config.seed)
     if config.source == "jsonl":
         return JsonlSource(config.path, dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, shuffle=config.shuffle)
+    if config.source == "rollouts":
+        raise ValueError("train.data.source = \"rollouts\" is fed by the RL job (python -m weightsync.trainer.rl, "
+                         "what `weightsync demo` runs), not by the plain trainer")
     raise ValueError(f"unknown train.data.source {config.source!r}")

@@ -8,7 +8,9 @@ axis (HSDP replicas, plain buffers) are published by the ranks at coordinate 0 o
 only. The publisher commits the version once every rank's part is durable.
 
 `publish()` blocks only for the publisher's bf16 snapshot copy of the local shards; encode and
-upload overlap the following steps. Finished versions are collected without blocking and
+upload overlap the following steps. With `push` targets, every rank also streams its objects to
+the agents as they are encoded and offers each committed version (weightsync.push), and rank 0
+signs the manifests when a signing key is configured. Finished versions are collected without blocking and
 reported as metrics; a failed version is logged and counted, training goes on (the next
 version is a full one).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -32,6 +35,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from weightsync.errors import LayoutError, PublishError
 from weightsync.publisher import Placement, Publisher, ShardSpec
+from weightsync.push import PushConfig, Pusher
+from weightsync.rpc import TlsConfig, read_token
+from weightsync.signing import Signer
 from weightsync.store import open_store
 from weightsync.trainer.config import PublishConfig
 
@@ -133,8 +139,15 @@ class WeightPublisher:
         store = open_store(config.store)
         shard = ShardSpec(rank=rank, world_size=world_size, session=self.session,
                           commit_timeout_s=config.commit_timeout_s)
-        self._publisher = Publisher(store, model=config.model, config=config.publisher, shard=shard)
-        self._pending: collections.deque[tuple[int, cf.Future]] = collections.deque()
+        self._pusher = None
+        if config.push:
+            self._pusher = Pusher(PushConfig(
+                targets=config.push, model=config.model, token=read_token(token_file=config.push_token_file),
+                tls=TlsConfig(ca=config.push_ca) if config.push_ca else None, origin=f"trainer/rank-{rank}"))
+        signer = Signer.from_pem(config.signing_key) if config.signing_key and rank == 0 else None
+        self._publisher = Publisher(store, model=config.model, config=config.publisher, shard=shard, signer=signer,
+                                    listeners=[self._pusher] if self._pusher is not None else [])
+        self._pending: collections.deque[tuple[int, cf.Future, int]] = collections.deque()  # step, future, called at
         self.last_version: int | None = None
         self.last_committed_step: int | None = None
         self.failures = 0
@@ -148,17 +161,18 @@ class WeightPublisher:
         """Hands this rank's shards of `state_dict` to the publisher; returns the seconds it
         blocked (the snapshot copy, plus any wait for a free in-flight slot)."""
         t0 = time.perf_counter()
+        called_unix_ms = int(time.time() * 1000)
         tensors, ranges = collect_local_shards(state_dict, rank=self.rank)
         placements = {name: Placement(global_shape=r.global_shape, start=r.start) for name, r in ranges.items()}
         future = self._publisher.publish(tensors, step=step, placements=placements)
-        self._pending.append((step, future))
+        self._pending.append((step, future, called_unix_ms))
         return time.perf_counter() - t0
 
     def collect(self, *, wait: bool = False) -> dict[str, float]:
         """Settles the versions that finished (all of them with wait); returns their metrics."""
         metrics: dict[str, float] = {}
         while self._pending and (wait or self._pending[0][1].done()):
-            step, future = self._pending.popleft()
+            step, future, called_unix_ms = self._pending.popleft()
             try:
                 result = future.result()
             except (PublishError, OSError) as e:
@@ -166,6 +180,7 @@ class WeightPublisher:
                 log.error("publish of step %d failed (training goes on; the next version is full): %s", step, e)
                 continue
             self.last_version, self.last_committed_step = result.version, step
+            self._log(result, step, called_unix_ms)
             metrics.update({
                 "publish/version": result.version,
                 "publish/latency_s": result.total_s,
@@ -176,9 +191,20 @@ class WeightPublisher:
         metrics["publish/in_flight"] = len(self._pending)
         return metrics
 
+    def _log(self, result, step: int, called_unix_ms: int) -> None:
+        if self.config.log_path is None or self.rank != 0:
+            return
+        row = {"version": result.version, "step": step, "kind": result.manifest.kind,
+               "publish_call_unix_ms": called_unix_ms, "latency_s": result.total_s, "encode_s": result.encode_s,
+               "snapshot_s": result.snapshot_s, "stored_bytes": result.stored_bytes, "ratio": result.ratio}
+        with open(self.config.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def close(self) -> dict[str, float]:
-        """Waits for every version in flight; returns the metrics of those that finished."""
+        """Waits for every version in flight (and its push); returns the metrics of those that finished."""
         try:
             return self.collect(wait=True)
         finally:
             self._publisher.close()
+            if self._pusher is not None:
+                self._pusher.close(timeout_s=30)

@@ -1,0 +1,134 @@
+"""report: the demo's table per version, headline numbers and plot, from what the run left behind.
+
+Sources: the store (each version's manifest: kind, bytes stored, changed elements, step), the
+trainer's publish log (per version: when publish() was called and how long to commit), the
+trainer's metrics (staleness per step), the agents' ledgers (when each agent served each version,
+its swap pause) and the rollout workers' statistics (reward over time). Times are wall-clock on
+one machine, so comparing them across processes is meaningful. Not here: running anything.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, Any]:
+    from weightsync.versions import list_versions, read_manifest
+
+    publish_log = {row["version"]: row for row in _jsonl(root / "trainer" / "publish.jsonl")}
+    metrics = {row["step"]: row for row in _jsonl(root / "trainer" / "metrics.jsonl")}
+    served: dict[int, dict[str, dict]] = {}
+    for name, status in statuses.items():
+        for entry in status.ledger:
+            if entry.outcome == "served":
+                served.setdefault(entry.version, {})[name] = {
+                    "served_unix_ms": entry.served_unix_ms, "swap_pause_s": entry.timings_s.get("swap_pause"),
+                    "path": entry.path, "bytes_fetched": entry.bytes_fetched}
+    rows = []
+    for version in list_versions(store, config.model):
+        manifest = read_manifest(store, config.model, version)
+        published = publish_log.get(version, {})
+        call_ms = published.get("publish_call_unix_ms")
+        agents = served.get(version, {})
+        to_agents = {name: (a["served_unix_ms"] - call_ms) / 1000 for name, a in agents.items() if call_ms}
+        pauses = [a["swap_pause_s"] for a in agents.values() if a["swap_pause_s"] is not None]
+        stats = manifest.stats
+        stored = manifest.stored_bytes + len(manifest.to_bytes())
+        step = manifest.step or 0
+        rows.append({
+            "version": version, "step": step, "phase": "warm-up" if step <= config.warmup_steps else "grpo",
+            "kind": manifest.kind, "changed_fraction": stats.get("changed_elements", 0) / max(1, stats.get("total_elements", 1)),
+            "raw_bytes": manifest.raw_bytes, "stored_bytes": stored, "ratio": manifest.raw_bytes / stored,
+            "commit_s": published.get("latency_s"), "to_agents_s": to_agents,
+            "to_all_agents_s": max(to_agents.values()) if len(to_agents) == len(statuses) else None,
+            "swap_pause_ms_max": 1000 * max(pauses) if pauses else None,
+            "staleness_steps": metrics.get(step, {}).get("data/staleness_steps"),
+            "fetched_from_store": sum(a["bytes_fetched"] for a in agents.values()),
+        })
+    rewards = sorted((row for path in sorted((root / "rollouts").glob("stats-w*.jsonl")) for row in _jsonl(path)),
+                     key=lambda r: r["t"])
+    deltas = [r for r in rows if r["kind"] == "delta"]
+    synced = [r["to_all_agents_s"] for r in rows if r["to_all_agents_s"] is not None]
+    first, last = _reward_window(rewards, head=True), _reward_window(rewards, head=False)
+    counts = queue.counts()
+    headline = (
+        f"{len(rows)} versions ({len(deltas)} deltas, mean {statistics.fmean(r['ratio'] for r in deltas):.0f}x smaller "
+        f"than the model) reached all {len(statuses)} agents in median {statistics.median(synced):.2f} s after "
+        f"publish(); reward {first:.2f} -> {last:.2f} over {len(rewards)} sampled groups; rollouts used "
+        f"{counts['claimed']}, dropped as stale {counts['dropped']}"
+        if deltas and synced and rewards else f"{len(rows)} versions published"
+    )
+    return {"versions": rows, "rewards": rewards, "headline": headline, "table": _table(rows, list(statuses)),
+            "reward_first": first, "reward_last": last, "rollout_groups": counts}
+
+
+def _reward_window(rewards: list[dict], *, head: bool, size: int = 40) -> float:
+    window = rewards[:size] if head else rewards[-size:]
+    return statistics.fmean(r["reward"] for r in window) if window else float("nan")
+
+
+def _table(rows: list[dict], agents: list[str]) -> list[str]:
+    header = (f"{'version':>7} {'step':>4} {'phase':>7} {'kind':>5} {'changed':>8} {'stored':>9} {'ratio':>6} "
+              f"{'commit':>7} {'all agents':>10} {'pause':>8} {'stale':>5}")
+    lines = [header]
+    for r in rows:
+        def fmt(value, spec, unit=""):
+            return "-" if value is None else f"{value:{spec}}{unit}"
+
+        lines.append(
+            f"{r['version']:>7} {r['step']:>4} {r['phase']:>7} {r['kind']:>5} {100 * r['changed_fraction']:>7.2f}% "
+            f"{r['stored_bytes'] / 1e3:>7.1f}kB {r['ratio']:>5.1f}x {fmt(r['commit_s'], '.3f', 's'):>7} "
+            f"{fmt(r['to_all_agents_s'], '.3f', 's'):>10} {fmt(r['swap_pause_ms_max'], '.2f', 'ms'):>8} "
+            f"{fmt(r['staleness_steps'], '.1f'):>5}")
+    lines.append(f"(all agents: publish() call to the last of {len(agents)} agents serving it; pause: the longest "
+                 "swap pause any agent's clients saw; stale: mean staleness in steps of the rollouts trained on)")
+    return lines
+
+
+def write_plot(summary: dict, path: Path) -> Path | None:
+    """Reward over time, sync latency per version, stored bytes per version; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows, rewards = summary["versions"], summary["rewards"]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10))
+    if rewards:
+        t0 = rewards[0]["t"]
+        xs = [r["t"] - t0 for r in rewards]
+        window = 16
+        smooth = [statistics.fmean(r["reward"] for r in rewards[max(0, i - window + 1):i + 1]) for i in range(len(rewards))]
+        axes[0].plot(xs, [r["reward"] for r in rewards], ".", alpha=0.25, label="group mean reward")
+        axes[0].plot(xs, smooth, "-", label=f"moving mean ({window} groups)")
+        axes[0].set_xlabel("seconds since the first rollout")
+        axes[0].set_ylabel("reward (exact answers)")
+        axes[0].legend(loc="lower right")
+    versions = [r["version"] for r in rows]
+    axes[1].plot(versions, [r["to_all_agents_s"] for r in rows], "o-", label="publish() -> every agent serving")
+    axes[1].plot(versions, [r["commit_s"] for r in rows], "s--", label="publish() -> committed in the store")
+    axes[1].set_xlabel("version")
+    axes[1].set_ylabel("seconds")
+    axes[1].legend()
+    axes[2].bar(versions, [r["stored_bytes"] / 1e3 for r in rows],
+                color=["tab:orange" if r["kind"] == "full" else "tab:blue" for r in rows])
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("version (orange: full, blue: delta)")
+    axes[2].set_ylabel("kB stored")
+    fig.suptitle(f"weightsync demo: {summary['headline'][:110]}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,153 @@
+"""rollouts: a rollout worker — samples groups from the inference servers, scores them, queues them.
+
+The inference side of the RL loop. In a loop, it draws a prompt of the task, asks one of the
+reference servers (round robin over every region's agents) for `group_size` completions at
+temperature 1, scores each exactly, and turns the group into GRPO examples: advantage =
+(reward - group mean) / group std; a group whose rewards are all equal teaches nothing and is
+not queued (its rewards still count in the statistics). Every completion carries the weight
+version that produced it (the server reports it with each response) and that version's trainer
+step (from its manifest), so the trainer can bound staleness. It never waits for the trainer:
+it samples with whatever weights the servers serve now.
+
+Runs as a process: `python -m weightsync.demo.rollouts CONFIG_JSON` (what `weightsync demo`
+starts), until SIGTERM. Not here: the queue format (`rollout_queue.py`), training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from weightsync.demo.rollout_queue import Rollout, RolloutQueue
+from weightsync.demo.task import AdditionTask
+from weightsync.model import ByteTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    servers: tuple[str, ...]
+    """Base URLs of the reference inference servers to sample from."""
+    queue_dir: str
+    store: str
+    """Store URI, to read each version's trainer step from its manifest."""
+    model: str
+    worker: str = "w0"
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    """1.0: the servers' log-probs are then exactly the sampling distribution's."""
+    max_operand: int = 99
+    seed: int = 0
+    stats_path: str | None = None
+    """JSON lines, one per group: time, server, version, step, mean reward."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "servers", tuple(self.servers))
+        if not self.servers or self.group_size < 2:
+            raise ValueError("need at least one server and group_size >= 2")
+
+
+class RolloutWorker:
+    def __init__(self, config: RolloutConfig) -> None:
+        from weightsync.store import open_store
+
+        self.config = config
+        self.queue = RolloutQueue(config.queue_dir)
+        self.task = AdditionTask(max_operand=config.max_operand)
+        self.tokenizer = ByteTokenizer()
+        self.store = open_store(config.store)
+        self.rng = random.Random(f"rollouts/{config.seed}/{config.worker}")
+        self._steps: dict[int, int] = {}
+        self._next_server = self.rng.randrange(len(config.servers))
+        self.last_version: dict[str, int] = {}
+
+    def step_of(self, version: int) -> int:
+        """The trainer step that produced `version` (its manifest's step), cached."""
+        from weightsync.versions import read_manifest
+
+        if version not in self._steps:
+            self._steps[version] = read_manifest(self.store, self.config.model, version).step or 0
+        return self._steps[version]
+
+    def sample_group(self) -> dict | None:
+        """One prompt, `group_size` completions from one server; queued if it has a signal."""
+        server = self.config.servers[self._next_server]
+        self._next_server = (self._next_server + 1) % len(self.config.servers)
+        prompt, answer = self.task.sample(self.rng)
+        body = json.dumps({"prompts": [prompt] * self.config.group_size, "max_new_tokens": self.config.max_new_tokens,
+                           "temperature": self.config.temperature, "seed": self.rng.randrange(2**31)}).encode()
+        request = urllib.request.Request(server + "/v1/generate", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                doc = json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            if e.code == 503:  # no weights yet, or busy: come back later
+                return None
+            raise
+        version = int(doc["weight_version"])
+        if version < self.last_version.get(server, 0):
+            raise AssertionError(f"{server} went back from v{self.last_version[server]} to v{version}")
+        self.last_version[server] = version
+        completions = doc["completions"]
+        rewards = [self.task.reward(c["text"] or "", answer) for c in completions]
+        step = self.step_of(version) if version > 0 else 0
+        mean = statistics.fmean(rewards)
+        std = statistics.pstdev(rewards)
+        if std > 0:
+            prompt_ids = self.tokenizer.encode(prompt)
+            group = [
+                Rollout(tokens=prompt_ids + c["token_ids"], loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
+                        sampler_logprobs=[0.0] * len(prompt_ids) + c["logprobs"], advantage=(r - mean) / std,
+                        reward=r, weight_version=version, sampler_step=step)
+                for c, r in zip(completions, rewards)
+            ]
+            self.queue.put(group, worker=self.config.worker)
+        return {"t": time.time(), "server": server, "version": version, "step": step, "reward": mean,
+                "queued": std > 0, "worker": self.config.worker}
+
+    def run(self, stop: threading.Event) -> None:
+        stats = open(self.config.stats_path, "a") if self.config.stats_path else None
+        try:
+            while not stop.is_set():
+                try:
+                    row = self.sample_group()
+                except (OSError, ValueError, KeyError) as e:  # a server restarting: try the next one
+                    log.warning("%s: sampling failed: %s", self.config.worker, e)
+                    stop.wait(0.5)
+                    continue
+                if row is None:
+                    stop.wait(0.2)
+                elif stats is not None:
+                    stats.write(json.dumps(row) + "\n")
+                    stats.flush()
+        finally:
+            if stats is not None:
+                stats.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s [rollouts] %(name)s %(levelname)s: %(message)s")
+    config = RolloutConfig(**json.loads(argv[0]))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    RolloutWorker(config).run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""run: `weightsync demo` — starts the trainer, the agents and the rollout workers, watches, reports.
+
+Order of events:
+    agents     followers first (a leader needs its followers' addresses), each printing a ready
+               line with its gRPC address and its reference server's URL
+    trainer    torchrun, 2 ranks, SFT warm start then GRPO; publishes every step to the store and
+               pushes every version to each region's leader
+    workers    rollout workers, started as the warm start ends (earlier rollouts would be too stale)
+    watch      a progress line per second until the trainer exits
+    settle     every agent reaches the last version; each re-hashes what it serves
+    report     the table per version, summary.json, summary.png
+Every child is started in this module and stopped by PID (SIGTERM, then SIGKILL), in a
+finally: Ctrl-C included. Logs of every child go to <out_dir>/logs/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_ARCH = {  # ~0.8M parameters: learns two-digit addition on two CPU cores in a few minutes
+    "model_type": "qwen3", "vocab_size": 259, "hidden_size": 128, "intermediate_size": 384,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    out_dir: str = "weightsync-demo"
+    """Everything the demo writes: store (by default), agent caches, rollouts, logs, summary."""
+    store: str | None = None
+    """Store URI; default file://<out_dir>/store. s3://BUCKET/PREFIX works (AWS_ENDPOINT_URL etc.)."""
+    model: str = "demo-lm"
+    regions: int = 2
+    agents_per_region: int = 2
+    trainer_ranks: int = 2
+    warmup_steps: int = 60
+    """SFT steps before GRPO."""
+    rl_steps: int = 80
+    """GRPO steps."""
+    max_staleness_steps: int = 4
+    """Rollouts sampled by weights more than this many steps older than the trainer's are dropped."""
+    rollout_workers: int = 2
+    group_size: int = 8
+    """Completions per prompt (a GRPO group)."""
+    groups_per_step: int = 4
+    """Groups per optimizer step (global batch = groups_per_step x group_size)."""
+    max_operand: int = 9
+    """Operands of the addition task are drawn from [0, max_operand]: single digits by default, which
+    the model half-learns in the warm start and GRPO then improves on within a few minutes."""
+    warmup_lr: float = 3e-3
+    rl_lr: float = 1e-3
+    architecture: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(_ARCH))
+    seed: int = 0
+    timeout_s: float = 1800.0
+    """The whole run fails if it takes longer (a stuck child never hangs the demo)."""
+
+    def __post_init__(self) -> None:
+        if self.regions < 1 or self.agents_per_region < 1 or self.trainer_ranks < 1 or self.rollout_workers < 1:
+            raise ValueError("regions, agents_per_region, trainer_ranks and rollout_workers must be >= 1")
+        if self.rl_steps < 1 or self.warmup_steps < 0:
+            raise ValueError("rl_steps must be >= 1 and warmup_steps >= 0")
+        if (self.groups_per_step * self.group_size) % self.trainer_ranks:
+            raise ValueError("groups_per_step x group_size must split evenly over trainer_ranks")
+
+    @property
+    def store_uri(self) -> str:
+        return self.store or f"file://{Path(self.out_dir).resolve() / 'store'}"
+
+
+class _Children:
+    """Every process the demo starts, stopped by PID."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str], *, ready_line: bool = False) -> tuple[subprocess.Popen, dict | None]:
+        log_file = open(self.logs / f"{name}.log", "w")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
+                                text=True, start_new_session=True)  # its own group: Ctrl-C reaches us, we stop it
+        self.procs[name] = proc
+        if not ready_line:
+            return proc, None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{name} exited before it was ready; see {self.logs / (name + '.log')}")
+        return proc, json.loads(line)
+
+    def stop(self, name: str, timeout_s: float = 15.0) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # torchrun's ranks are in the group too
+            proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+
+def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: list[str]) -> Path:
+    arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.architecture.items())
+    path = root / "agents" / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f'[agent]\nmodel = "{config.model}"\nname = "{name}"\nregion = "{region}"\n'
+        f'cache_dir = "{root / "agents" / name}"\nstore = "{config.store_uri}"\npeers = {json.dumps(peers)}\n'
+        "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n"
+        '[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n'
+        f"[agent.engine.model]\n{arch}\n")
+    return path
+
+
+def _trainer_toml(config: DemoConfig, root: Path, leaders: list[str]) -> Path:
+    arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.architecture.items())
+    batch = config.groups_per_step * config.group_size
+    path = root / "trainer.toml"
+    path.write_text(f"""# Written by `weightsync demo`.
+[parallel]
+dp_shard = -1
+mixed_precision = "none"
+
+[train]
+steps = {config.warmup_steps + config.rl_steps}
+seed = {config.seed}
+metrics_path = "{root / 'trainer' / 'metrics.jsonl'}"
+
+[train.model]
+init_seed = {config.seed}
+{arch}
+
+[train.optimizer]
+lr = {config.warmup_lr}
+betas = [0.9, 0.95]
+weight_decay = 0.0
+max_grad_norm = 1.0
+
+[train.schedule]
+warmup_steps = 5
+decay = "constant"
+
+[train.data]
+source = "rollouts"
+global_batch_size = {batch}
+micro_batch_size = {batch // config.trainer_ranks}
+max_seq_len = 32
+seed = {config.seed}
+
+[train.loss]
+kind = "grpo"
+
+[train.guard]
+enabled = true
+action = "skip"
+watch = "loss/nll"              # a policy-gradient loss hovers around 0: judge the likelihood instead
+
+[train.publish]
+store = "{config.store_uri}"
+model = "{config.model}"
+every_steps = 1
+push = {json.dumps(leaders)}
+log_path = "{root / 'trainer' / 'publish.jsonl'}"
+
+[train.publish.publisher]
+max_in_flight = 2
+workers = 1
+rebase_every = 16
+""")
+    return path
+
+
+def _tail_json(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    from weightsync.demo.report import build_report, write_plot
+    from weightsync.demo.rollout_queue import RolloutQueue
+    from weightsync.rpc import AgentClient
+    from weightsync.store import open_store
+    from weightsync.versions import latest_version, read_manifest
+
+    root = Path(config.out_dir).resolve()
+    if root.exists():
+        shutil.rmtree(root)  # a demo run starts clean: no stale caches, checkpoints or rollouts
+    for sub in ("logs", "trainer", "rollouts", "agents"):
+        (root / sub).mkdir(parents=True)
+    store = open_store(config.store_uri)
+    children = _Children(root / "logs")
+    deadline = time.monotonic() + config.timeout_s
+    python = sys.executable
+    try:
+        # -- agents: per region, followers first so the leader knows where to relay
+        agents: dict[str, dict] = {}
+        leaders = []
+        for r in range(config.regions):
+            region = f"region-{chr(ord('a') + r)}"
+            downstream: list[str] = []
+            for i in reversed(range(config.agents_per_region)):
+                name = f"{region}-{i + 1}"
+                toml = _agent_toml(config, root, name, region, downstream)
+                _, ready = children.start(name, [python, "-m", "weightsync.cli", "agent", "--config", str(toml)],
+                                          ready_line=True)
+                agents[name] = {"region": region, "address": ready["address"], "engine_url": ready["engine_url"]}
+                downstream = [ready["address"]]
+            leaders.append(downstream[0])
+        echo(f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model}; "
+             f"store {config.store_uri}")
+
+        # -- trainer
+        trainer_argv = [python, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={config.trainer_ranks}", "-m", "weightsync.trainer.rl",
+                        "--config", str(_trainer_toml(config, root, leaders)), "--rollouts", str(root / "rollouts"),
+                        "--export-dir", str(root / "trainer" / "warm-start"),
+                        f"--warmup-steps={config.warmup_steps}", f"--rl-steps={config.rl_steps}",
+                        f"--rl-lr={config.rl_lr}", f"--max-staleness-steps={config.max_staleness_steps}",
+                        f"--max-operand={config.max_operand}", "--log-level=WARNING"]
+        trainer, _ = children.start("trainer", trainer_argv)
+        echo(f"trainer: {config.trainer_ranks} ranks (FSDP2, gloo), {config.warmup_steps} SFT warm-start steps "
+             f"then {config.rl_steps} GRPO steps, publishing every step")
+
+        # -- watch, starting the rollout workers as the warm start ends
+        queue = RolloutQueue(root / "rollouts")
+        clients = {name: AgentClient(a["address"]) for name, a in agents.items()}
+        workers_started = False
+        last_line = ""
+        while trainer.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the demo did not finish in {config.timeout_s:.0f} s; see {root / 'logs'}")
+            metrics = _tail_json(root / "trainer" / "metrics.jsonl")
+            step = metrics[-1]["step"] if metrics else 0
+            if not workers_started and step >= max(0, config.warmup_steps - config.max_staleness_steps):
+                _start_workers(config, root, agents, children)
+                workers_started = True
+            line = _progress_line(config, step, metrics, store, clients, queue, root)
+            if line != last_line:
+                echo(line)
+                last_line = line
+            time.sleep(1.0)
+        if trainer.returncode != 0:
+            raise RuntimeError(f"the trainer exited with code {trainer.returncode}; see {root / 'logs' / 'trainer.log'}")
+        for name in [n for n in children.procs if n.startswith("rollouts-")]:
+            children.stop(name)
+
+        # -- settle: every agent on the last version, serving exactly its bytes
+        latest = latest_version(store, config.model)
+        final = read_manifest(store, config.model, latest)
+        statuses = {}
+        for name, client in clients.items():
+            while client.status().current_version < latest:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not reach v{latest}")
+                time.sleep(0.2)
+            statuses[name] = client.status(verify=True)
+        bit_exact = {name: s.served_digest == s.current_digest == final.digest for name, s in statuses.items()}
+        report = build_report(config, root, store, statuses, queue)
+        summary = {
+            "config": dataclasses.asdict(config), "store": config.store_uri, "last_version": latest,
+            "agents": {name: {**agents[name], "version": int(s.current_version), "bit_exact": bit_exact[name]}
+                       for name, s in statuses.items()},
+            "all_bit_exact": all(bit_exact.values()), **report,
+        }
+        (root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        plot = write_plot(summary, root / "summary.png")
+        for line in summary["table"]:
+            echo(line)
+        echo(summary["headline"])
+        echo(f"every agent serves v{latest} bit for bit: {'yes' if summary['all_bit_exact'] else 'NO'} "
+             f"(each re-hashed the weights it serves). Summary: {root / 'summary.json'}"
+             + (f", plot: {plot}" if plot else ""))
+        for client in clients.values():
+            client.close()
+        return summary
+    finally:
+        children.stop_all()
+
+
+def _start_workers(config: DemoConfig, root: Path, agents: dict, children: _Children) -> None:
+    servers = [a["engine_url"] for a in agents.values()]
+    for w in range(config.rollout_workers):
+        worker = {"servers": servers, "queue_dir": str(root / "rollouts"), "store": config.store_uri,
+                  "model": config.model, "worker": f"w{w}", "group_size": config.group_size,
+                  "max_operand": config.max_operand, "seed": config.seed + w,
+                  "stats_path": str(root / "rollouts" / f"stats-w{w}.jsonl")}
+        children.start(f"rollouts-w{w}", [sys.executable, "-m", "weightsync.demo.rollouts", json.dumps(worker)])
+
+
+def _progress_line(config: DemoConfig, step: int, metrics: list[dict], store, clients: dict, queue, root: Path) -> str:
+    from weightsync.versions import latest_version
+
+    phase = "warm-up" if step <= config.warmup_steps else "grpo"
+    latest = latest_version(store, config.model) or 0
+    served = []
+    for name, client in clients.items():
+        try:
+            served.append(f"{name.split('-', 1)[1]} v{client.status(timeout_s=2).current_version}")
+        except Exception:  # an agent busy or restarting: the line says so instead of stopping the demo
+            served.append(f"{name.split('-', 1)[1]} ?")
+    stats = [row for w in range(config.rollout_workers) for row in _tail_json(root / "rollouts" / f"stats-w{w}.jsonl")]
+    recent = stats[-32:]
+    reward = f"reward {sum(r['reward'] for r in recent) / len(recent):.2f}" if recent else "reward -"
+    loss = f"loss {metrics[-1].get('loss', float('nan')):.3f}" if metrics else "loss -"
+    stale = metrics[-1].get("data/staleness_steps") if metrics else None
+    counts = queue.counts()
+    return (f"step {step:>3}/{config.warmup_steps + config.rl_steps} {phase:<7} {loss} | committed v{latest} | "
+            f"serving {', '.join(served)} | {reward} | rollouts queued {counts['pending']} used {counts['claimed']} "
+            f"dropped {counts['dropped']}" + (f" | staleness {stale:.1f}" if stale is not None else ""))
