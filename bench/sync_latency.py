@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--label", default="", help="names the result files sync-latency-LABEL-... (quick: 'quick')")
     parser.add_argument("--push-buffer-mib", type=int, default=0,
                         help="publisher Pusher max_buffered_bytes in MiB (0: PushConfig's default, 512)")
+    parser.add_argument("--repeat", type=int, default=1, help="run each cell this many times (the headline uses medians)")
     parser.add_argument("--keep-logs", help="copy each cell's agent logs into this directory")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per version / per baseline transfer")
     args = parser.parse_args(argv)
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
                          .changed_fraction for lr in lrs}
         log.info("%s GiB series ready in %.0f s; measured pair changed %s", size, time.perf_counter() - t0,
                  {k: f"{v:.2%}" for k, v in changed[size].items()})
-    cells = plan_cells(sizes, lrs, agents, stores)
+    cells = [cell for cell in plan_cells(sizes, lrs, agents, stores) for _ in range(args.repeat)]
     record = {
         "bench": "sync_latency", "date": datetime.date.today().isoformat(), "quick": args.quick, "label": args.label,
         "config": {"sizes_gib": sizes, "lrs": lrs, "agents": agents, "stores": stores, "max_regions": args.max_regions,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 _BASELINES = (("full_store", "full safetensors via store"), ("shardcast", "shardcast"),
@@ -59,20 +60,31 @@ def headline(record: dict) -> list[str]:
     lr0, store0 = record["config"]["lrs"][0], record["config"]["stores"][0]
     lines = []
     big = max(c["size_gib"] for c in cells)
-    for c in sorted((c for c in cells if c["size_gib"] == big and c["lr"] == lr0 and c["store"] == store0),
-                    key=lambda c: c["agents"]):
-        sp = c.get("speedup", {})
-        parts = ", ".join(f"{sp[n]:.1f}x faster than {label} ({c['baselines'][n]['all_s']:.2f} s)"
-                          for n, label in _BASELINES if n in sp)
-        lines.append(f"- {big:g} GiB, lr {lr0:g} ({c['changed_fraction']:.2%} changed), {c['agents']} agent(s), "
-                     f"{store0} store: weightsync {c['ours']['steady']['all_agents_s']:.2f} s; {parts}. "
-                     f"Load avg {c['load_avg_start'][0]:.1f} -> {c['load_avg_end'][0]:.1f}.")
+    ours = {}  # agents -> median steady time, per size (repeated cells count once, by their median)
     for size in sorted({c["size_gib"] for c in cells}, reverse=True):
-        by_n = {c["agents"]: c for c in cells if c["size_gib"] == size and c["lr"] == lr0 and c["store"] == store0}
-        if 1 in by_n and len(by_n) > 1:
-            most = max(by_n)
-            one, many = by_n[1]["ours"]["steady"]["all_agents_s"], by_n[most]["ours"]["steady"]["all_agents_s"]
-            lines.append(f"- {size:g} GiB: {most} agents take {many / one:.2f}x the time of 1 "
+        for n in sorted({c["agents"] for c in cells if c["size_gib"] == size}):
+            runs = [c for c in cells if (c["size_gib"], c["lr"], c["agents"], c["store"]) == (size, lr0, n, store0)]
+            if not runs:
+                continue
+            ours[size, n] = statistics.median(c["ours"]["steady"]["all_agents_s"] for c in runs)
+            if size != big:
+                continue
+            parts = []
+            for name, label in _BASELINES:
+                times = [c["baselines"][name]["all_s"] for c in runs if "all_s" in c.get("baselines", {}).get(name, {})]
+                if times:
+                    parts.append(f"{label} {statistics.median(times):.2f} s "
+                                 f"({statistics.median(times) / ours[size, n]:.1f}x)")
+            loads = ", ".join(f"{c['load_avg_start'][0]:.1f}->{c['load_avg_end'][0]:.1f}" for c in runs)
+            runs_note = f" (medians of {len(runs)} runs)" if len(runs) > 1 else ""
+            lines.append(f"- {big:g} GiB, lr {lr0:g} ({runs[0]['changed_fraction']:.2%} changed), {n} agent(s), "
+                         f"{store0} store{runs_note}: weightsync {ours[size, n]:.2f} s; {'; '.join(parts)}. "
+                         f"Load avg {loads}.")
+    for size in sorted({s for s, _ in ours}, reverse=True):
+        counts = sorted(n for s, n in ours if s == size)
+        if counts[0] == 1 and len(counts) > 1:
+            one, many = ours[size, 1], ours[size, counts[-1]]
+            lines.append(f"- {size:g} GiB: {counts[-1]} agents take {many / one:.2f}x the time of 1 "
                          f"({many:.2f} s vs {one:.2f} s).")
     return lines
 
@@ -133,6 +145,8 @@ def markdown(record: dict) -> str:
         lines += ["## Baselines skipped or failed", ""]
         lines += [f"- {c['size_gib']:g} GiB, {c['agents']} agents, {c['store']}: {n}: {b.get('skipped') or b['error']}"
                   for c, n, b in problems]
+    if record.get("notes"):  # added by hand after a run: what the numbers above need to be read with
+        lines += ["", "## Notes", "", *[f"- {note}" for note in record["notes"]]]
     return "\n".join(lines) + "\n"
 
 

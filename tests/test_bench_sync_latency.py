@@ -58,5 +58,5 @@ def test_report_renders_a_finished_and_a_skipped_cell():
               "cells": [done, skipped]}
     text = markdown(record)
     assert "12.00 (12.0x)" in text and "needs 23 GiB" in text and "shardcast: no wget" in text
-    assert "12.0x faster than full safetensors via store" in "\n".join(headline(record))
+    assert "full safetensors via store 12.00 s (12.0x)" in "\n".join(headline(record))
     assert "| 1 | 1e-06 | 1 | local | 1.00 |" in text  # the time breakdown
