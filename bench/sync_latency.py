@@ -20,8 +20,11 @@ every agent count), "change" (largest size, every lr, fewest agents), "store" (l
 Cells that would not fit in memory (agents double-buffer: ~2 models each) are skipped, with the
 reason. Network: `bench/netns.py` (namespaces, 1 Gbit/s and 40 ms RTT per region link) or loopback.
 
-Writes bench/results/sync-latency-<cpus>cpu-<arch>-<date>.{json,md} and -<plot>.png (rewritten
-after every cell, so a cut run keeps what it measured) and prints the JSON record. Not a test.
+Writes bench/results/sync-latency[-<label>]-<cpus>cpu-<arch>-<date>.{json,md} and -<plot>.png
+(rewritten after every cell, so a cut run keeps what it measured; `--label`, quick: "quick") and
+prints the JSON record; `python -m bench.sync_report FILE.json` re-renders one. `--repeat N` runs
+each cell N times (the headline then uses medians). Agents run as users get them (defaults), except
+what a flag changes: `--push-buffer-mib` sets the publisher Pusher's per-target buffer. Not a test.
 """
 
 from __future__ import annotations
