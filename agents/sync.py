@@ -81,6 +81,7 @@ class _Known:
     offered_unix_ms: int
     offered_at: float  # monotonic
     pushed: bool  # offered by a pusher (publisher or upstream agent)
+    failures: int = 0  # sync attempts that failed verification with this manifest on the path
 
 
 @dataclasses.dataclass
@@ -184,10 +185,8 @@ class SyncAgent:
             if version <= self._served_version:
                 return False, []
             return True, [a for a in objects if not self.cache.exists(self._prefix + layout.chunk_key(a))]
-        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True)
+        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
         self._last_push_offer = time.monotonic()
-        if version != known.manifest.version:
-            raise FormatError(f"offer says v{version} but its manifest is v{known.manifest.version}")
         with self._cond:
             if version <= self._served_version:
                 return False, []
@@ -231,10 +230,17 @@ class SyncAgent:
         if model != self.model:
             raise FormatError(f"this agent serves {self.model!r}, not {model!r}")
 
-    def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool) -> _Known:
-        """Parses and checks a manifest (signature, model, not older than served); records it."""
+    def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool,
+                expect_version: int | None = None) -> _Known:
+        """Parses and checks a manifest (signature, model, not older than served); records it.
+
+        The store is the source of truth: a manifest read from it replaces a different one that
+        was offered under the same version number (an offer that never committed, or a forgery
+        on an agent that does not require signatures). Two different offers are refused."""
         manifest = parse_manifest(data)
         self._check_model(manifest.model)
+        if expect_version is not None and manifest.version != expect_version:
+            raise FormatError(f"offer says v{expect_version} but its manifest is v{manifest.version}")
         if self.verifier is not None and (signature or self.config.require_signatures):
             self.verifier.verify(data, signature)
         with self._cond:
@@ -243,11 +249,14 @@ class SyncAgent:
             if manifest.version == self._served_version and manifest.digest != self._served_digest:
                 raise IntegrityError(f"v{manifest.version} differs from the one served (digest mismatch): a replay?")
             known = self._known.get(manifest.version)
-            if known is not None:
-                if known.manifest.digest != manifest.digest:
-                    raise IntegrityError(f"two different manifests offered as v{manifest.version}")
+            if known is not None and known.manifest.digest == manifest.digest:
                 known.pushed = known.pushed or pushed
                 return known
+            if known is not None and source != "store":
+                raise IntegrityError(f"two different manifests offered as v{manifest.version}")
+            if known is not None:
+                log.warning("%s: v%d in the store differs from the one offered by %s; the store's wins",
+                            self.config.name, manifest.version, known.source)
             known = _Known(manifest, data, signature, source, int(time.time() * 1000), time.monotonic(), pushed)
             if manifest.version > self._served_version:
                 self._known[manifest.version] = known
@@ -293,10 +302,18 @@ class SyncAgent:
     def _poll_store(self) -> None:
         try:
             latest = latest_version(self.upstream, self.model)
-            known = max(self._known, default=0)
-            if latest is None or latest <= max(known, self._served_version):
+            if latest is None or latest <= self._served_version:
+                return
+            with self._cond:
+                newest = max(self._known, default=0)
+                known = self._known.get(latest)
+            # Nothing new, unless what we hold for the store's latest did not come from the store:
+            # then read the store's (one GET) so that a bogus or uncommitted offer cannot hide it.
+            if latest < newest or (known is not None and known.source == "store"):
                 return
             _, data = read_manifest_bytes(self.upstream, self.model, latest)
+            if known is not None and data == known.data:
+                return
             known = self._accept(data, read_signature(self.upstream, self.model, latest, data), "store", pushed=False)
             if self.relay is not None:  # the peers get it from us, objects included, as we fetch them
                 self.relay.offer(latest, known.data, known.signature, hops=1)
@@ -316,7 +333,11 @@ class SyncAgent:
         entry = self._entry(version)
         t0 = time.monotonic()
         staging = self._staging()
-        chain = self._chain(target)
+        try:
+            chain = self._chain(target)
+        except (IntegrityError, FormatError):
+            self._forget_failed_path([target])  # a parent that exists nowhere, or bases that disagree
+            raise
         start = 0
         if staging.manifest is not None:
             for i, known in enumerate(chain):
@@ -325,13 +346,15 @@ class SyncAgent:
         path = chain[start:]
         entry.path = (f"deltas {staging.manifest.version}->{version}" if start else
                       f"base {chain[0].manifest.version} + {len(chain) - 1} deltas")
-        self._gather(target, path, entry)
-        t_apply = time.monotonic()
         try:
+            self._gather(target, path, entry)
+            self._repair_cached_chain(chain[:start])
+            t_apply = time.monotonic()
             self.reader.advance(staging, version)
-        except IntegrityError as e:
-            self._evict_corrupt(path)  # fetched again on the retry
-            raise IntegrityError(f"v{version} failed verification from the cache ({e}); refetching") from e
+        except (IntegrityError, FormatError) as e:
+            self._forget_failed_path(path)
+            raise type(e)(f"v{version} failed verification ({e}); its unverified parts are dropped and "
+                          "fetched again") from e
         t_swap = time.monotonic()
         report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest)
         self._write_state(version, target.manifest.digest)
@@ -428,6 +451,21 @@ class SyncAgent:
         for known in path:  # manifests after their objects: the cache stays a valid store
             self.cache.put(layout.manifest_key(self.model, known.manifest.version), known.data)
 
+    def _repair_cached_chain(self, applied: list[_Known]) -> None:
+        """The reader re-reads the whole chain's manifests from the cache, also those of versions
+        it does not apply again: a cached one that rotted (bit flip, torn disk write) is put back
+        from the good copy (the store's, or the one offered and checked)."""
+        for known in applied:
+            key = layout.manifest_key(self.model, known.manifest.version)
+            try:
+                cached = self.cache.get(key)
+            except ObjectNotFound:
+                continue  # not cached (its objects may be gone too): nothing reads it from the cache
+            if cached != known.data:
+                log.warning("%s: cached manifest of v%d is damaged; restoring it", self.config.name,
+                            known.manifest.version)
+                self.cache.put(key, known.data)
+
     def _missing(self, refs: dict[str, ChunkRef]) -> dict[str, ChunkRef]:
         return {key: ref for key, ref in refs.items() if not self.cache.exists(self._prefix + key)}
 
@@ -448,6 +486,25 @@ class SyncAgent:
         total = sum(self._fetch_pool.map(fetch, missing.values()))
         self.metrics.inc("agent/bytes_received", total, source="store")
         return total
+
+    def _forget_failed_path(self, path: list[_Known]) -> None:
+        """After a path failed verification: corrupt cached objects go (fetched again), the path's
+        manifests leave the cache (rewritten by the next attempt), and an offered manifest that
+        failed twice is forgotten (if it was real, the store or the next offer brings it back)."""
+        self._evict_corrupt(path)
+        for known in path:
+            version = known.manifest.version
+            if version > self._served_version:
+                self.cache.delete(layout.manifest_key(self.model, version))
+            if known.source == "store":
+                continue
+            known.failures += 1
+            if known.failures >= 2:
+                with self._cond:
+                    if self._known.get(version) is known:
+                        del self._known[version]
+                log.warning("%s: forgetting the v%d offered by %s: it failed verification twice", self.config.name,
+                            version, known.source)
 
     def _evict_corrupt(self, path: list[_Known]) -> None:
         for known in path:

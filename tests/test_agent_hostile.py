@@ -472,12 +472,6 @@ def _v6_objects(store: LocalStore) -> set[str]:
     return names(6) - names(3)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bit rot in a cached manifest below the served version wedges a running agent: the next delta's path "
-    "starts after its staging buffer's version, so _gather rewrites only the path's manifests, while "
-    "Reader(cache).advance -> resolve_chain re-reads the whole chain from the cache, fails to parse the rotten "
-    "one, and _forget_failed_path deletes only manifests above the served version; every retry fails the same "
-    "way until a full version is published (found by bench/chaos.py, flip_agent_cache)"))
 def test_a_flipped_byte_in_a_cached_manifest_does_not_wedge_the_agent(gen, start_agent):
     server, store_dir = start_agent("open")
     store = LocalStore(store_dir)

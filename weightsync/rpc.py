@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from weightsync import errors
 from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes
@@ -322,15 +323,33 @@ def agent_service_handler(
     get_status: Callable[[sync_pb2.StatusRequest, grpc.ServicerContext], sync_pb2.StatusReply],
 ) -> grpc.GenericRpcHandler:
     """The SyncAgent service with the fast ObjectFrame codec (instead of the generated
-    add_SyncAgentServicer_to_server, which would parse payloads with protobuf)."""
+    add_SyncAgentServicer_to_server, which would parse payloads with protobuf).
+
+    Requests arrive as bytes and are parsed here, in the handler, not by grpc's deserializer: a
+    request grpc fails to parse is answered INTERNAL ("Exception deserializing request!"),
+    while a malformed request is the client's fault and must get INVALID_ARGUMENT with a reason.
+    Push frames are parsed lazily as the stream is read; their FormatError reaches the servicer.
+    """
+
+    def parsed(parse, handler):
+        def call(raw: bytes, context: grpc.ServicerContext):
+            try:
+                request = parse(raw)
+            except (DecodeError, errors.FormatError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
+            return handler(request, context)
+
+        return call
+
+    def push(raw_frames: Iterator[bytes], context: grpc.ServicerContext) -> sync_pb2.PushReply:
+        return push_objects((decode_object_frame(raw) for raw in raw_frames), context)
+
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Offer": grpc.unary_unary_rpc_method_handler(
-            offer, request_deserializer=sync_pb2.OfferRequest.FromString,
-            response_serializer=sync_pb2.OfferReply.SerializeToString),
+            parsed(sync_pb2.OfferRequest.FromString, offer), response_serializer=sync_pb2.OfferReply.SerializeToString),
         "PushObjects": grpc.stream_unary_rpc_method_handler(
-            push_objects, request_deserializer=decode_object_frame,
-            response_serializer=sync_pb2.PushReply.SerializeToString),
+            push, response_serializer=sync_pb2.PushReply.SerializeToString),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
-            get_status, request_deserializer=sync_pb2.StatusRequest.FromString,
+            parsed(sync_pb2.StatusRequest.FromString, get_status),
             response_serializer=sync_pb2.StatusReply.SerializeToString),
     })

@@ -284,9 +284,7 @@ def build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
     name = "offer_version_field_differs_from_manifest"
     c.case(name, "guarded", "an offer whose version field contradicts its (signed) manifest",
            offer(7, c.manifest(name, v3), sig(name, v3_bytes), "INVALID_ARGUMENT", "offer says v7 but its manifest is v3",
-                 error="FormatError"),
-           xfail="SyncAgent.offer records the manifest (_accept) before it compares the version fields, so a "
-                 "refused offer leaves v3 behind as a sync target")
+                 error="FormatError"))
     name = "offer_relayed_too_often"
     c.case(name, "guarded", "a relay loop in the peer configuration",
            offer(3, c.manifest(name, v3), sig(name, v3_bytes), "INVALID_ARGUMENT", "relayed 17 times", hops=17,
@@ -361,16 +359,12 @@ def build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
     wire = request.SerializeToString()
     c.case("raw_offer_truncated_protobuf", "guarded", "offer bytes that are not a protobuf message",
            {"rpc": "raw_offer", "raw": c.file("raw_offer_truncated_protobuf.raw", wire[:40]), "code": "INVALID_ARGUMENT",
-            "error": "FormatError", "match": ""},
-           xfail="a request that fails to deserialize is answered INTERNAL 'Exception deserializing request!' by "
-                 "grpc itself: the servicer never sees it, so the error table is not applied")
+            "error": "FormatError", "match": "malformed request"})
     frame = encode_object_frame(ObjectFrame(MODEL, 3, good, o3[good]))
     c.case("raw_push_frame_with_a_bad_varint", "guarded", "object frame bytes that are not a protobuf message",
            {"rpc": "raw_push", "raw": [c.file("raw_push_frame_with_a_bad_varint.raw", b"\x0a\xff\xff\xff\xff\xff\xff"
                                                                                     b"\xff\xff\xff\xff\x01" + frame)],
-            "code": "INVALID_ARGUMENT", "error": "FormatError", "match": "malformed object frame"},
-           xfail="decode_object_frame raises FormatError inside grpc's deserializer, which answers INTERNAL "
-                 "'Exception deserializing request!'")
+            "code": "INVALID_ARGUMENT", "error": "FormatError", "match": "malformed object frame"})
 
     # ---- open agent: no signatures, so the offer is accepted; serving must still be refused
     def accepted_then_failed(name: str, threat: str, manifest: Manifest | bytes, objects: dict[str, bytes], error: str,
