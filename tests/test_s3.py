@@ -229,3 +229,14 @@ def test_client_pool_matches_io_concurrency(s3_store):
     assert store.io_concurrency == 12
     assert store._client.meta.config.max_pool_connections == 24
     assert store._client.meta.config.retries["mode"] == "standard"
+
+
+def test_cli_endpoint_url_flag(s3_store, s3_endpoint, tmp_path, capsys, monkeypatch):
+    """--endpoint-url alone (no AWS_ENDPOINT_URL) points every store command at the server."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    save_file({"w": torch.ones(64, 64)}, tmp_path / "m.safetensors")
+    uri, flag = s3_store.uri, ["--endpoint-url", s3_endpoint]
+    assert main(["publish", "--store", uri, *flag, "--model", "m", str(tmp_path / "m.safetensors"), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["ls", "--store", uri, *flag, "--model", "m", "--json"]) == 0
+    assert [v["version"] for v in json.loads(capsys.readouterr().out)["versions"]] == [1]

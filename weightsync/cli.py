@@ -47,6 +47,8 @@ class _Progress:
 def _store(args: argparse.Namespace):
     from weightsync.store import open_store
 
+    if getattr(args, "endpoint_url", None) and str(args.store).startswith("s3://"):
+        return open_store(args.store, endpoint_url=args.endpoint_url)
     return open_store(args.store)
 
 
@@ -336,7 +338,9 @@ class _Failed(Exception):
 
 def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool = True) -> None:
     if store:
-        parser.add_argument("--store", required=True, help="store URI: file://DIR or a directory path")
+        parser.add_argument("--store", required=True, help="store URI: file://DIR, a directory, or s3://BUCKET/PREFIX")
+        parser.add_argument("--endpoint-url", help="S3 endpoint (MinIO, R2, Ceph...); default: boto3's own "
+                                                    "settings ($AWS_ENDPOINT_URL, profile)")
     if model:
         parser.add_argument("--model", required=True, help="model name, e.g. qwen3-0.6b-grpo or org/name")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")

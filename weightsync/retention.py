@@ -141,6 +141,9 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
         for info in store.temp_files():
             if now - info.modified_unix_s >= grace_s:
                 store.delete_temp(info.key)
+    abort_stale_uploads = getattr(store, "abort_stale_uploads", None)
+    if abort_stale_uploads is not None:  # S3: multipart uploads a killed writer left open
+        abort_stale_uploads(older_than_s=grace_s)
     log.info(
         "gc %s: deleted %d versions, %d objects (%.1f MB); kept %s",
         plan.model, len(plan.delete_versions), len(plan.delete_objects), plan.delete_bytes / 1e6,
