@@ -21,6 +21,9 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from weightsync.agents.config import AgentConfig
+from weightsync.agents.engine import Engine, open_engine
+from weightsync.agents.sync import SyncAgent
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.push import PushConfig, Pusher
@@ -37,10 +40,6 @@ from weightsync.rpc import (
 from weightsync.signing import Verifier
 from weightsync.store import open_store
 from weightsync.v1 import sync_pb2
-
-from weightsync.agents.config import AgentConfig
-from weightsync.agents.engine import Engine, open_engine
-from weightsync.agents.sync import SyncAgent
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,10 @@ from collections import deque
 from pathlib import Path
 
 from weightsync import layout
+from weightsync.agents.config import AgentConfig
+from weightsync.agents.engine import Engine
 from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
+from weightsync.dtypes import dtype_by_name
 from weightsync.errors import (
     FormatError,
     IntegrityError,
@@ -48,9 +51,7 @@ from weightsync.errors import (
     StaleVersion,
     WeightsyncError,
 )
-from weightsync.dtypes import dtype_by_name
-from weightsync.hashing import is_hash_hex
-from weightsync.hashing import xxh3_hex
+from weightsync.hashing import is_hash_hex, xxh3_hex
 from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, compute_digest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.push import Pusher
@@ -59,9 +60,6 @@ from weightsync.retention import collect_garbage
 from weightsync.signing import Verifier
 from weightsync.store import LocalStore, Store
 from weightsync.versions import latest_version, read_manifest_bytes, read_signature
-
-from weightsync.agents.config import AgentConfig
-from weightsync.agents.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +203,8 @@ class SyncAgent:
             raise FormatError(f"object of {len(data)} bytes is over the format's limit")
         if object_hash(data) != address:
             self.metrics.inc("agent/objects_rejected", reason="hash")
-            raise IntegrityError(f"object {address} of v{version} does not match its content address (corrupt in flight)")
+            raise IntegrityError(f"object {address} of v{version} does not match its content address "
+                                 "(corrupt in flight)")
         if version <= self._served_version:
             return False  # stale: nothing can use it any more
         key = self._prefix + layout.chunk_key(address)
@@ -287,7 +286,9 @@ class SyncAgent:
             try:
                 self._sync_to(target)
                 backoff = _RETRY_S[0]
-            except WeightsyncError as e:
+            except Exception as e:  # never let the sync thread die: record, back off, retry
+                if not isinstance(e, WeightsyncError):
+                    log.exception("%s: unexpected error syncing v%d", self.config.name, target.manifest.version)
                 self._record_failure(target.manifest.version, e)
                 with self._cond:
                     self._cond.wait(timeout=backoff)
@@ -341,7 +342,8 @@ class SyncAgent:
         start = 0
         if staging.manifest is not None:
             for i, known in enumerate(chain):
-                if known.manifest.version == staging.manifest.version and known.manifest.digest == staging.manifest.digest:
+                same = known.manifest.version == staging.manifest.version
+                if same and known.manifest.digest == staging.manifest.digest:
                     start = i + 1
         path = chain[start:]
         entry.path = (f"deltas {staging.manifest.version}->{version}" if start else
@@ -360,7 +362,8 @@ class SyncAgent:
         self._write_state(version, target.manifest.digest)
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
-            entry.outcome, entry.digest, entry.served_unix_ms = "served", target.manifest.digest, int(time.time() * 1000)
+            entry.outcome, entry.digest = "served", target.manifest.digest
+            entry.served_unix_ms = int(time.time() * 1000)
             entry.timings_s.update(gather=t_apply - t0, apply=t_swap - t_apply, swap=report.total_s,
                                    swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
             for older in [v for v, e in self._ledger_by_version.items() if v < version and e.outcome == "pending"]:

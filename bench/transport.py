@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import multiprocessing as mp
 import os
 import platform

@@ -40,7 +40,8 @@ def make_certificates(directory: Path) -> dict[str, str]:
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+                   .not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
         if san:
             builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)

@@ -82,7 +82,8 @@ class ParallelConfig:
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1, or -1 for all remaining ranks; got {self.dp_shard}")
         if self.backend == "nccl" and self.device == "cpu":
-            raise ValueError("parallel.backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') with device 'cpu'")
+            raise ValueError("parallel.backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') "
+                             "with device 'cpu'")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for `world_size` ranks; raises ValueError if they do not fit."""

@@ -126,7 +126,8 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
         progress.close()
     files = write_safetensors(
         state.state_dict(), args.out,
-        metadata={"weightsync_model": args.model, "weightsync_version": str(version), "weightsync_digest": manifest.digest},
+        metadata={"weightsync_model": args.model, "weightsync_version": str(version),
+                  "weightsync_digest": manifest.digest},
     )
     row = {"model": args.model, "version": version, "digest": manifest.digest, "raw_bytes": manifest.raw_bytes,
            "files": [str(f) for f in files]}

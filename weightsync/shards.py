@@ -237,7 +237,8 @@ def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHea
                                f"of this session")
         headers.add(PartHeader(**{f.name: part.get(f.name) for f in dataclasses.fields(PartHeader)}))
     if len(headers) != 1:
-        raise PublishError(f"{model}: ranks disagree on the version's parent/base/kind/step: {sorted(map(str, headers))}")
+        raise PublishError(f"{model}: ranks disagree on the version's parent/base/kind/step: "
+                           f"{sorted(map(str, headers))}")
     header = headers.pop()
     merged: dict[str, dict] = {}
     stats = {"changed_elements": 0, "total_elements": 0}
@@ -251,7 +252,8 @@ def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHea
                                    f"vs {t['dtype']} {tuple(t['shape'])} (rank {part['rank']})")
             entry["chunks"].extend(ChunkRef(**c) for c in t["chunks"])
     tensors = [
-        TensorEntry(name=name, dtype=e["dtype"], shape=e["shape"], chunks=tuple(sorted(e["chunks"], key=lambda c: c.start)))
+        TensorEntry(name=name, dtype=e["dtype"], shape=e["shape"],
+                    chunks=tuple(sorted(e["chunks"], key=lambda c: c.start)))
         for name, e in sorted(merged.items())
     ]
     return header, tensors, stats

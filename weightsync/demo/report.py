@@ -47,7 +47,8 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
         step = manifest.step or 0
         rows.append({
             "version": version, "step": step, "phase": "warm-up" if step <= config.warmup_steps else "grpo",
-            "kind": manifest.kind, "changed_fraction": stats.get("changed_elements", 0) / max(1, stats.get("total_elements", 1)),
+            "kind": manifest.kind,
+            "changed_fraction": stats.get("changed_elements", 0) / max(1, stats.get("total_elements", 1)),
             "raw_bytes": manifest.raw_bytes, "stored_bytes": stored, "ratio": manifest.raw_bytes / stored,
             "commit_s": published.get("latency_s"), "to_agents_s": to_agents,
             "to_all_agents_s": max(to_agents.values()) if len(to_agents) == len(statuses) else None,
@@ -110,7 +111,8 @@ def write_plot(summary: dict, path: Path) -> Path | None:
         t0 = rewards[0]["t"]
         xs = [r["t"] - t0 for r in rewards]
         window = 16
-        smooth = [statistics.fmean(r["reward"] for r in rewards[max(0, i - window + 1):i + 1]) for i in range(len(rewards))]
+        smooth = [statistics.fmean(r["reward"] for r in rewards[max(0, i - window + 1):i + 1])
+                  for i in range(len(rewards))]
         axes[0].plot(xs, [r["reward"] for r in rewards], ".", alpha=0.25, label="group mean reward")
         axes[0].plot(xs, smooth, "-", label=f"moving mean ({window} groups)")
         axes[0].set_xlabel("seconds since the first rollout")

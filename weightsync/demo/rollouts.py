@@ -108,7 +108,8 @@ class RolloutWorker:
         if std > 0:
             prompt_ids = self.tokenizer.encode(prompt)
             group = [
-                Rollout(tokens=prompt_ids + c["token_ids"], loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
+                Rollout(tokens=prompt_ids + c["token_ids"],
+                        loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
                         sampler_logprobs=[0.0] * len(prompt_ids) + c["logprobs"], advantage=(r - mean) / std,
                         reward=r, weight_version=version, sampler_step=step)
                 for c, r in zip(completions, rewards)

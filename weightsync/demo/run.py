@@ -261,7 +261,8 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
                 last_line = line
             time.sleep(1.0)
         if trainer.returncode != 0:
-            raise RuntimeError(f"the trainer exited with code {trainer.returncode}; see {root / 'logs' / 'trainer.log'}")
+            raise RuntimeError(f"the trainer exited with code {trainer.returncode}; "
+                               f"see {root / 'logs' / 'trainer.log'}")
         for name in [n for n in children.procs if n.startswith("rollouts-")]:
             children.stop(name)
 
