@@ -902,8 +902,10 @@ class Run:
                 for kind, action in (("kill_publisher", self._kill_publisher), ("kill_agent", self._kill_agent),
                                      ("stall_agent", self._stall_agent), ("gc_during_publish", self._gc)):
                     if plan.get(kind):
+                        # Each action gets its own generator, drawn here: the plan stays a function
+                        # of the seed although actions run on timer threads.
                         timers.append(threading.Timer(self.rng.uniform(0, 1.5 * estimate_s), self._guarded,
-                                                      args=(action,)))
+                                                      args=(action, random.Random(self.rng.getrandbits(64)))))
             self._publishing = True
             self.details["publish_attempts"] += 1
             self.publisher.send({"step": step, "slow_s": self.config.slow_s, "skew_s": skew_s})
@@ -932,16 +934,16 @@ class Run:
 
     # ---------------------------------------------------------------- faults
 
-    def _kill_publisher(self) -> None:
+    def _kill_publisher(self, rng: random.Random) -> None:
         self.details["kill_publisher_" + ("mid_publish" if self._publishing else "idle")] += 1
         self.publisher.kill()
 
-    def _pick_agent(self) -> AgentProc | None:
+    def _pick_agent(self, rng: random.Random) -> AgentProc | None:
         candidates = [a for a in self.agents.values() if a.up.is_set() and not a.stopped]
-        return self.rng.choice(sorted(candidates, key=lambda a: a.name)) if candidates else None
+        return rng.choice(sorted(candidates, key=lambda a: a.name)) if candidates else None
 
-    def _kill_agent(self) -> None:
-        agent = self._pick_agent()
+    def _kill_agent(self, rng: random.Random) -> None:
+        agent = self._pick_agent(rng)
         if agent is None:
             return
         with self._lock:
@@ -952,14 +954,14 @@ class Run:
         self.monitor.agent_killed(agent)
         agent.kill()
         agent.stale = False
-        self._background(self._restart_later, agent, self.rng.uniform(0.2, 3.0))
+        self._background(self._restart_later, agent, rng.uniform(0.2, 3.0))
 
     def _restart_later(self, agent: AgentProc, delay_s: float) -> None:
         time.sleep(delay_s)
         agent.start(self.config.start_deadline_s)
 
-    def _stall_agent(self) -> None:
-        agent = self._pick_agent()
+    def _stall_agent(self, rng: random.Random) -> None:
+        agent = self._pick_agent(rng)
         if agent is None:
             return
         agent.stopped = True
@@ -971,9 +973,9 @@ class Run:
                 os.kill(agent.proc.pid, signal.SIGCONT)
             agent.stopped = False
 
-        self._background(resume, self.rng.uniform(1.0, 6.0))
+        self._background(resume, rng.uniform(1.0, 6.0))
 
-    def _gc(self) -> None:
+    def _gc(self, rng: random.Random) -> None:
         from weightsync.errors import WeightsyncError
         from weightsync.retention import collect_garbage
 
@@ -1039,7 +1041,7 @@ class Run:
             self.violation("readable", "store", f"v{version} verified with a flipped byte in {key}")
 
     def _flip_agent_cache(self) -> None:
-        agent = self._pick_agent()
+        agent = self._pick_agent(self.rng)
         if agent is None:
             return
         files = [p for p in agent.cache.rglob("*") if p.is_file() and not p.name.startswith(".tmp")]
@@ -1160,7 +1162,7 @@ class Run:
         except WeightsyncError as e:
             print(f"chaos: gc failed: {e}", file=sys.stderr, flush=True)
         if self.rng.random() < 0.35:  # a copy of some agent's cache, for a later stale-cache restart
-            agent = self._pick_agent()
+            agent = self._pick_agent(self.rng)
             if agent is not None:
                 target = self.work / "snapshots" / agent.name
                 shutil.rmtree(target, ignore_errors=True)
