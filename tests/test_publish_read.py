@@ -595,3 +595,18 @@ def test_racing_publishers_one_gets_version_conflict(tmp_path, make_state_dict, 
     assert read_manifest(fast_store, MODEL, 1) == won.manifest
     assert (again.version, again.manifest.kind) == (2, KIND_FULL)
     _assert_versions_read_back(fast_store, {1: published_view(sd_fast), 2: published_view(sd_again)}, assert_bit_equal)
+
+
+def test_publisher_metrics_reach_prometheus(tmp_store, make_state_dict, perturb):
+    from weightsync.metrics import PrometheusMetrics
+
+    metrics = PrometheusMetrics(model="m")
+    sd = make_state_dict(21)
+    with Publisher(tmp_store, model="m", config=PublisherConfig(chunk_bytes=16 * 1024), metrics=metrics) as p:
+        p.publish(sd).result()
+        p.publish(perturb(sd, 0.02, 1)).result()
+    text = metrics.exposition().decode()
+    assert 'weightsync_publish_versions_total{kind="full",model="m"} 1.0' in text
+    assert 'weightsync_publish_versions_total{kind="delta",model="m"} 1.0' in text
+    assert 'weightsync_publish_version{model="m"} 2.0' in text
+    assert "weightsync_publish_latency_s_count" in text and "weightsync_publish_ratio" in text

@@ -301,6 +301,9 @@ class PublishConfig:
     """CA certificate (PEM) of TLS agents; None: plaintext (loopback only)."""
     signing_key: str | None = None
     """Ed25519 private key (PEM, `weightsync keygen`): rank 0 signs every manifest with it."""
+    metrics_port: int | None = None
+    """Rank 0 serves the publisher's Prometheus metrics (weightsync_publish_*, weightsync_push_*) on
+    this port (0: any free port); None: off."""
     log_path: str | None = None
     """Rank 0 appends one JSON line per committed version (version, step, when publish() was
     called, time to commit, bytes): what `weightsync demo` reports from."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from weightsync.errors import LayoutError, PublishError
+from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.publisher import Placement, Publisher, ShardSpec
 from weightsync.push import PushConfig, Pusher
 from weightsync.rpc import TlsConfig, read_token
@@ -139,14 +140,20 @@ class WeightPublisher:
         store = open_store(config.store)
         shard = ShardSpec(rank=rank, world_size=world_size, session=self.session,
                           commit_timeout_s=config.commit_timeout_s)
+        self.metrics = NULL_METRICS
+        if config.metrics_port is not None and rank == 0:
+            self.metrics = PrometheusMetrics(model=config.model)
+            port = self.metrics.serve(config.metrics_port)
+            log.info("publisher metrics on http://127.0.0.1:%d/metrics", port)
         self._pusher = None
         if config.push:
             self._pusher = Pusher(PushConfig(
                 targets=config.push, model=config.model, token=read_token(token_file=config.push_token_file),
-                tls=TlsConfig(ca=config.push_ca) if config.push_ca else None, origin=f"trainer/rank-{rank}"))
+                tls=TlsConfig(ca=config.push_ca) if config.push_ca else None, origin=f"trainer/rank-{rank}"),
+                metrics=self.metrics)
         signer = Signer.from_pem(config.signing_key) if config.signing_key and rank == 0 else None
         self._publisher = Publisher(store, model=config.model, config=config.publisher, shard=shard, signer=signer,
-                                    listeners=[self._pusher] if self._pusher is not None else [])
+                                    listeners=[self._pusher] if self._pusher is not None else [], metrics=self.metrics)
         self._pending: collections.deque[tuple[int, cf.Future, int]] = collections.deque()  # step, future, called at
         self.last_version: int | None = None
         self.last_committed_step: int | None = None
@@ -208,3 +215,5 @@ class WeightPublisher:
             self._publisher.close()
             if self._pusher is not None:
                 self._pusher.close(timeout_s=30)
+            if isinstance(self.metrics, PrometheusMetrics):
+                self.metrics.close()

@@ -43,6 +43,7 @@ from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
+from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.manifest import (
     CODEC_SAME,
     KIND_DELTA,
@@ -191,7 +192,7 @@ class Publisher:
 
     def __init__(
         self, store: Store, *, model: str, config: PublisherConfig | None = None, shard: ShardSpec | None = None,
-        signer: Signer | None = None, listeners: Sequence[PublishListener] = (),
+        signer: Signer | None = None, listeners: Sequence[PublishListener] = (), metrics: Metrics = NULL_METRICS,
     ) -> None:
         self.store = store
         self.model = layout.check_model_name(model)
@@ -199,6 +200,7 @@ class Publisher:
         self.shard = shard
         self.signer = signer
         self.listeners = tuple(listeners)
+        self.metrics = metrics
         self._prefix = layout.model_prefix(model)
         self._encode_pool = cf.ThreadPoolExecutor(self.config.workers, thread_name_prefix="ws-encode")
         # Uploads wait on the network, not the CPU: their own pool, as wide as the store likes.
@@ -396,6 +398,7 @@ class Publisher:
             if isinstance(e, VersionConflict):
                 self._next_version = None  # someone else owns these numbers; re-read the store
         log.error("%s v%d failed: %s", self.model, job["version"], e)
+        self.metrics.inc("publish/failures")
         if self.shard is not None:  # any rank's failure fails the version for all: tell them now
             write_abort(self.store, self.model, job["version"], self.shard.session, f"rank {self.shard.rank}: {e}")
         self._notify("on_failure", job["version"], e)
@@ -473,6 +476,7 @@ class Publisher:
             commit_s=commit_s,
             total_s=time.perf_counter() - job["t0"],
         )
+        self._record(result)
         log.info(
             "%s v%d committed: %s, %.1f MB -> %.2f MB (%.1fx), %.2f s",
             self.model, version, manifest.kind, result.raw_bytes / 1e6,
@@ -510,6 +514,17 @@ class Publisher:
         manifest = self._commit(merged_header, merged, merged_stats)
         delete_parts(self.store, self.model, version, spec.session)
         return manifest
+
+    def _record(self, result: PublishResult) -> None:
+        m = self.metrics
+        m.inc("publish/versions", kind=result.manifest.kind)
+        m.set("publish/version", result.version)
+        m.observe("publish/latency_s", result.total_s)
+        m.observe("publish/snapshot_s", result.snapshot_s)
+        m.observe("publish/encode_s", result.encode_s)
+        m.inc("publish/stored_bytes", result.stored_bytes + result.manifest_bytes)
+        m.set("publish/ratio", result.ratio)
+        m.set("publish/changed_fraction", result.changed_elements / max(1, result.total_elements))
 
     def _notify(self, event: str, *args) -> None:
         for listener in self.listeners:
