@@ -489,3 +489,40 @@ def test_a_flipped_byte_in_a_cached_manifest_does_not_wedge_the_agent(gen, start
     for key, value in _signed_store_files(gen, manifest, objects).items():
         store.put(key, value)
     assert server.agent.wait_for_version(4, 30), f"v4 was never served: {server.agent.status()['last_error']}"
+
+
+def _wait_last_error(server: AgentServer, match: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while match not in server.agent.status()["last_error"]:
+        assert time.monotonic() < deadline, f"never refused ({match!r}): {server.agent.status()['last_error']!r}"
+        time.sleep(0.05)
+
+
+def test_a_compromised_bucket_cannot_make_a_signing_agent_serve_a_forgery(gen, start_agent):
+    """Someone who can write the bucket but has no signing key commits a v3 of their own: unsigned,
+    then signed by their own key, then with a genuine signature copied from another version. The
+    agent, which polls the store, refuses each (SignatureError), serves v2 throughout, then takes
+    the next genuinely signed version."""
+    server, store_dir = start_agent("guarded")
+    before = _snapshot(server, store_dir)
+    store = LocalStore(store_dir)
+    forged, objects = gen.encode_version(gen.weights(4), gen.weights(2), version=3, parent_version=2, base=1, step=3)
+    data = forged.to_bytes()
+    for address, obj in objects.items():
+        store.put(model_prefix(MODEL) + chunk_key(address), obj)
+    store.put(manifest_key(MODEL, 3), data)
+    _wait_last_error(server, "not signed")
+    signature = signature_key(MODEL, 3, xxh3_hex(data))
+    for document, match in [(gen.UNTRUSTED.sign(data), "which is not trusted"),
+                            (store.get(signature_key(MODEL, 2, xxh3_hex(store.get(manifest_key(MODEL, 2))))),
+                             "does not match the manifest")]:
+        store.put(signature, document)
+        _wait_last_error(server, match)
+        served = server.engine.served()
+        assert (served.version, served.digest) == (before.version, before.digest)
+    store.delete(signature)
+    store.delete(manifest_key(MODEL, 3))
+    for address in objects:
+        store.delete(model_prefix(MODEL) + chunk_key(address))
+    _assert_unchanged(server, store_dir, before, nothing_pending=True)
+    _assert_still_takes_a_good_version(server, store_dir)
