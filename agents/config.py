@@ -83,6 +83,8 @@ class AgentConfig:
     """Versions kept in the cache beyond the ones in use (their chains are kept too)."""
     cache_grace_s: float = 600.0
     """Unreferenced cached objects younger than this are kept (a version still arriving)."""
+    relay_buffer_bytes: int = 512 * 1024 * 1024
+    """Object bytes held per downstream peer for relaying; beyond it the peer fetches from the store."""
     max_hops: int = 16
     """Offers relayed more often than this are refused: a relay loop in the peer config."""
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)

@@ -99,7 +99,8 @@ class AgentServer:
         relay = None
         if config.peers:
             relay = Pusher(PushConfig(targets=config.peers, model=config.model, tls=config.client_tls, token=token,
-                                      origin=config.name, hops=1), metrics=self.metrics)
+                                      origin=config.name, hops=1, max_buffered_bytes=config.relay_buffer_bytes),
+                           metrics=self.metrics)
         self.agent = SyncAgent(
             config, self.engine,
             upstream=open_store(config.store) if config.store else None,

@@ -145,6 +145,28 @@ class CorruptingPusher(Pusher):
         super().on_object(version, object_xxh3, obj)
 
 
+def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
+    """Zero-copy engines double-buffer; once idle, the agent catches the spare up with the served
+    version, so the next version is one delta on the critical path, not two."""
+    store = LocalStore(tmp_path / "store")
+    agent = _agent(tmp_path, "a", store)
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL))
+    trainer = FakeTrainer(12)
+    with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher]) as publisher:
+        for step in range(3):
+            version = publisher.publish(trainer.state_dict(), step=step).result().version
+            _assert_serves(agent, version, trainer.published())
+            trainer.step()
+        deadline = time.monotonic() + WAIT_S
+        while agent.agent._spare.manifest.version != 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        version = publisher.publish(trainer.state_dict(), step=3).result().version
+        _assert_serves(agent, version, trainer.published())
+    assert agent.agent.status()["ledger"][0]["path"] == "deltas 3->4"
+    pusher.close(timeout_s=5)
+    agent.stop(0)
+
+
 def test_an_object_corrupted_in_flight_is_refused_and_fetched_from_the_store(tmp_path):
     store = LocalStore(tmp_path / "store")
     agent = _agent(tmp_path, "a", store)

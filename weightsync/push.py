@@ -31,7 +31,7 @@ import time
 from weightsync.errors import WeightsyncError
 from weightsync.manifest import Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
-from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig
+from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
 from weightsync.v1 import sync_pb2
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class _Target:
         self.client = AgentClient(address, tls=config.tls, token=config.token)
         self._cond = threading.Condition()
         self._versions: dict[int, _Version] = {}
+        self._finished = 0  # the newest version done with: later objects or offers for it are dropped
         self._buffered = 0
         self._closed = False
         self.sent_bytes = 0
@@ -102,6 +103,8 @@ class _Target:
 
     def add_object(self, version: int, address: str, obj: bytes) -> None:
         with self._cond:
+            if version <= self._finished:  # late (e.g. relayed after a store fetch): the agent has its path
+                return
             state = self._versions.setdefault(version, _Version(version, time.monotonic()))
             if state.failed or address in state.objects:
                 return
@@ -115,6 +118,8 @@ class _Target:
 
     def add_offer(self, offer: sync_pb2.OfferRequest) -> None:
         with self._cond:
+            if offer.version <= self._finished:
+                return
             state = self._versions.setdefault(offer.version, _Version(offer.version, time.monotonic()))
             state.offer = offer
             self._cond.notify()
@@ -207,23 +212,35 @@ class _Target:
                 state.unsent.extend(a for a in reply.missing if a in state.objects)
             state.resume = False
 
+    def _waiting_is_pointless(self, state: _Version) -> bool:
+        """Called under the lock: no offer will make this version worth more pushing — a newer
+        version's offer is queued (the agent goes straight there), or it is past its time."""
+        newer_offer = any(v > state.version and s.offer is not None for v, s in self._versions.items())
+        return newer_offer or time.monotonic() - state.started > self.config.give_up_after_s
+
     def _stream(self, state: _Version) -> None:
         """One PushObjects stream: sends unsent objects of `state` while more keep arriving,
-        until the version's offer is known and nothing is left to send."""
+        until the version's offer is known and nothing is left to send. Objects the stream's
+        reply confirms leave the buffer at once (the agent has them)."""
         frames: queue.Queue = queue.Queue()
         call = self.client.push_future(iter(frames.get, _END))
+        sent: list[str] = []
         try:
             while True:
                 with self._cond:
-                    while not state.unsent and state.offer is None and not state.failed and not self._closed:
+                    while (not state.unsent and state.offer is None and not state.failed and not self._closed
+                           and not self._waiting_is_pointless(state)):
                         self._cond.wait(timeout=0.5)
                     if not state.unsent:
+                        if state.offer is None and not state.failed and self._waiting_is_pointless(state):
+                            state.failed = True  # finished without an offer: the agent fetches what it lacks
                         break
                     address = state.unsent.popleft()
                     obj = state.objects[address]
                 if call.done():  # the stream broke; its error surfaces below
                     break
                 frames.put(ObjectFrame(self.config.model, state.version, address, obj))
+                sent.append(address)
                 self.sent_bytes += len(obj)
                 self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
         finally:
@@ -231,13 +248,18 @@ class _Target:
         try:
             call.result()
         except Exception as e:  # grpc.RpcError: map it like every other call failure
-            from weightsync.rpc import error_from_rpc
-
             raise error_from_rpc(e, f"push of v{state.version} to {self.address}") from None
+        with self._cond:
+            for address in sent:
+                obj = state.objects.pop(address, None)
+                if obj is not None:
+                    self._buffered -= len(obj)
+            self._cond.notify_all()
 
     def _finish(self, state: _Version) -> None:
         with self._cond:
             self._versions.pop(state.version, None)
+            self._finished = max(self._finished, state.version)
             self._buffered -= sum(len(o) for o in state.objects.values())
             state.objects.clear()
             self._cond.notify_all()

@@ -1,0 +1,58 @@
+"""The Pusher against a real agent (gRPC on 127.0.0.1): a late object for a version the pusher is
+done with does not stall the versions after it, and confirmed objects leave its buffer."""
+
+from __future__ import annotations
+
+import time
+
+from test_agents import MODEL, PUBLISH, WAIT_S, FakeTrainer, _agent, _assert_serves
+
+from weightsync.publisher import Publisher
+from weightsync.push import PushConfig, Pusher
+from weightsync.store import LocalStore
+
+
+class Recorder:
+    """A publish listener that keeps what the publisher made (to replay it late)."""
+
+    def __init__(self) -> None:
+        self.objects: list[tuple[int, str, bytes]] = []
+
+    def on_object(self, version, object_xxh3, obj):
+        self.objects.append((version, object_xxh3, obj))
+
+    def on_commit(self, manifest, manifest_bytes, signature):
+        pass
+
+    def on_failure(self, version, error):
+        pass
+
+
+def test_a_late_object_for_a_finished_version_does_not_stall_the_next(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    agent = _agent(tmp_path, "a", store, poll_interval_s=300)  # the push alone must carry it
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, give_up_after_s=300))
+    recorder = Recorder()
+    trainer = FakeTrainer(11)
+    try:
+        with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher, recorder]) as publisher:
+            publisher.publish(trainer.state_dict()).result()
+            _assert_serves(agent, 1, trainer.published())
+            deadline = time.monotonic() + WAIT_S
+            while not pusher.idle() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pusher.idle()
+            version, address, obj = recorder.objects[0]
+            pusher.on_object(version, address, obj)  # late: e.g. relayed after a store fetch
+            trainer.step()
+            result = publisher.publish(trainer.state_dict()).result()
+            _assert_serves(agent, result.version, trainer.published())
+        assert agent.agent.status()["ledger"][0]["bytes_fetched"] == 0, "v2 came by push, not from the store"
+        deadline = time.monotonic() + WAIT_S
+        while not pusher.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pusher.idle(), "the late object left a version behind that never finishes"
+        assert pusher._targets[0]._buffered == 0, "confirmed objects were released"
+    finally:
+        pusher.close(timeout_s=5)
+        agent.stop(0)
