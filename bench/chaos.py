@@ -1220,6 +1220,8 @@ def run_chaos(config: ChaosConfig) -> dict:
 def _machine() -> dict:
     import torch
 
+    import weightsync
+
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
@@ -1228,6 +1230,7 @@ def _machine() -> dict:
 
     return {"cpus": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
             "torch": torch.__version__, "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "code": str(Path(weightsync.__file__).resolve().parent.parent),
             "git_head": git("rev-parse", "--short", "HEAD"),
             "git_modified": git("status", "--short", "--untracked-files=no").splitlines()}
 
@@ -1248,6 +1251,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where processes keep caches and logs (default: a temp dir)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and caches (kept anyway on violations)")
     args = parser.parse_args(argv)
+
+    def stop(signum, frame):  # SIGTERM (and SIGINT, which background shells ignore): clean up, then exit
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     machine = _machine()
     results = {}
     for store in (["local", "s3"] if args.store == "both" else [args.store]):
