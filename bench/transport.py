@@ -1,6 +1,6 @@
 """transport: gRPC data-plane throughput against raw TCP, and relay scaling from 1 to N agents.
 
-    .venv/bin/python -m bench.transport            # 1 GiB model, 8 agents (~4 min on 2 cores)
+    .venv/bin/python -m bench.transport            # 1 GiB data plane; relay: 256 MiB model, 8 agents
     .venv/bin/python -m bench.transport --quick    # 128 MiB, 4 agents
 
 Part 1, the data plane, on loopback: the chunk objects of one full (base) version of a bf16
@@ -254,16 +254,20 @@ def bench_relay(n_agents: int, root: Path, arch: ModelConfig, versions: list[tup
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB model, 4 agents")
-    parser.add_argument("--model-mib", type=int, help="model size in MiB of bf16 (default 1024; quick 128)")
+    parser.add_argument("--model-mib", type=int, help="data plane: model size in MiB of bf16 (default 1024; quick 128)")
+    parser.add_argument("--relay-model-mib", type=int,
+                        help="relay: model size in MiB (default 256; quick 128): every agent holds ~2 copies")
     parser.add_argument("--agents", type=int, help="agents in the relay region (default 8; quick 4)")
     parser.add_argument("--changed", type=float, default=0.014, help="fraction of elements a delta changes")
     args = parser.parse_args(argv)
     model_mib = args.model_mib or (128 if args.quick else 1024)
+    relay_mib = args.relay_model_mib or (128 if args.quick else 256)
     n_agents = args.agents or (4 if args.quick else 8)
-    arch = _arch(model_mib)
+    arch, relay_arch = _arch(model_mib), _arch(relay_mib)
     load_start = os.getloadavg()
     base = _weights(arch)
-    versions = [("base", base)]
+    relay_base = _weights(relay_arch)
+    versions = [("base", relay_base)]
     for i in range(3):
         versions.append((f"delta{i + 1}", _step(versions[-1][1], args.changed, i + 1)))
     raw_bytes = sum(t.numel() * 2 for t in base.values())
@@ -283,14 +287,15 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(tempfile.mkdtemp(prefix="ws-bench-transport-"))
     try:
         data_plane = bench_data_plane(objects, root, arch)
-        relay_1 = bench_relay(1, root, arch, versions)
-        relay_n = bench_relay(n_agents, root, arch, versions)
+        relay_1 = bench_relay(1, root, relay_arch, versions)
+        relay_n = bench_relay(n_agents, root, relay_arch, versions)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     record = {
         "bench": "transport",
         "date": datetime.date.today().isoformat(),
-        "config": {"model_mib": model_mib, "raw_bytes": raw_bytes, "layers": arch.num_hidden_layers,
+        "config": {"model_mib": model_mib, "relay_model_mib": relay_mib, "raw_bytes": raw_bytes,
+                   "layers": arch.num_hidden_layers,
                    "agents": n_agents, "delta_changed_fraction": args.changed, "topology": "pipeline"},
         "hardware": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
                      "torch": torch.__version__},
@@ -311,7 +316,8 @@ def _write(record: dict) -> None:
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     d, r, n = record["data_plane"], record["relay"], record["config"]["agents"]
     lines = [
-        f"# transport: {record['config']['model_mib']} MiB bf16 model, {n} agents, {record['date']}",
+        f"# transport: {record['config']['model_mib']} MiB bf16 model (data plane), "
+        f"{record['config']['relay_model_mib']} MiB with {n} agents (relay), {record['date']}",
         "",
         f"Machine: {record['hardware']['cpus']} CPUs ({record['hardware']['machine']}), load avg at start "
         f"{record['load_avg_start'][0]:.2f}, at end {record['load_avg_end'][0]:.2f}.",
