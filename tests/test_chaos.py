@@ -4,17 +4,25 @@
 `python -m bench.chaos --rounds 100` is the long run; CI runs 10 rounds on a local store and 2 on S3
 (moto behind tests/fault_proxy.py). What the rounds do and which invariants they check is in the
 module docstring of bench/chaos.py. Every process the harness starts is stopped by PID when it ends.
+
+Below them, small deterministic tests for what the chaos runs found in the push path (fast, not slow).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 from bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos
+from weightsync.agents.config import AgentConfig
+from weightsync.agents.server import AgentServer
+from weightsync.push import PushConfig, Pusher
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+WAIT_S = 30  # liveness bound for the push-path tests (a tiny model on loopback)
 
 
 def _check(summary: dict, rounds: int) -> None:
@@ -30,15 +38,116 @@ def _check(summary: dict, rounds: int) -> None:
     assert checks["generation_checks"] >= 4 * rounds and checks["versions_verified"] >= rounds
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ten_chaos_rounds_on_a_local_store_violate_nothing(tmp_path):
     summary = run_chaos(ChaosConfig(rounds=10, seed=7, store="local", workdir=str(tmp_path / "chaos")))
     _check(summary, 10)
     assert len([k for k, n in summary["faults"].items() if n]) >= 6, summary["faults"]
 
 
+@pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.timeout(900)
 def test_chaos_rounds_on_s3_through_faults_violate_nothing(tmp_path):
     summary = run_chaos(ChaosConfig(rounds=2, seed=11, store="s3", workdir=str(tmp_path / "chaos")))
     _check(summary, 2)
     assert summary["faults"].get("s3_faults", 0) >= 1
     assert sum(summary["fault_details"]["s3_injected"].values()) > 0
+
+
+# ------------------------------------------------------------------------------ the push path
+
+
+@pytest.fixture(scope="module")
+def gen():
+    """Versions of a tiny model, from the agent hostile corpus's generator."""
+    path = Path(__file__).parent / "hostile" / "agent" / "make_agent_hostile.py"
+    spec = importlib.util.spec_from_file_location("make_agent_hostile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def push_only_agent(gen, tmp_path):
+    """An agent without a store: every version must reach it by push."""
+    config = AgentConfig(model=gen.MODEL, cache_dir=str(tmp_path / "cache"), name="push-only", workers=1,
+                         push_wait_s=0.5, engine={"type": "reference", "model": dataclasses.asdict(gen.ARCH),
+                                                  "port": 0, "torch_threads": 1})
+    server = AgentServer(config).start()
+    yield server
+    server.stop(0)
+
+
+def _publish(gen, pusher: Pusher, version: int, parent: int | None) -> str:
+    """What a publisher's listeners see for one version: its objects, then the commit."""
+    weights = gen.weights(version)
+    manifest, objects = gen.encode_version(weights, None if parent is None else gen.weights(parent), version=version,
+                                           parent_version=parent, base=1, step=version)
+    for address, obj in objects.items():
+        pusher.on_object(version, address, obj)
+    pusher.on_commit(manifest, manifest.to_bytes(), None)
+    return manifest.digest
+
+
+@pytest.fixture
+def pushers():
+    made = []
+
+    def make(agent: AgentServer, model: str) -> Pusher:
+        pusher = Pusher(PushConfig(targets=(agent.address,), model=model, give_up_after_s=600, retry_backoff_s=(0.1, 1.0)))
+        made.append(pusher)
+        return pusher
+
+    yield make
+    for pusher in made:
+        pusher.close(timeout_s=1)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Pusher retries an offer the agent refused as stale (FAILED_PRECONDITION, StaleVersion) like a transport "
+    "failure, for give_up_after_s, and a target works through its versions in order, so every later version "
+    "for that target waits behind it"))
+def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_agent, pushers):
+    """A relay that offers a version its peer already passed (the peer caught up from the store)
+    gets FAILED_PRECONDITION: that version is done for that peer, and the next one must follow.
+    (bench/chaos.py saw a leader retry such an offer until give_up_after_s, its follower getting
+    no pushes meanwhile.)"""
+    agent = push_only_agent
+    first = pushers(agent, gen.MODEL)
+    _publish(gen, first, 1, None)
+    _publish(gen, first, 2, 1)
+    assert agent.agent.wait_for_version(2, WAIT_S)
+    late = pushers(agent, gen.MODEL)  # a second sender that is behind: its v1 is stale
+    _publish(gen, late, 1, None)
+    digest = _publish(gen, late, 3, 2)
+    assert agent.agent.wait_for_version(3, WAIT_S), f"v3 stuck behind the stale v1: {late.stats()}"
+    assert agent.engine.served().digest == digest
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a Pusher target's worker thread dies on any exception that is not a WeightsyncError: _resume and _work "
+    "use AgentClient.offer's reply unchecked, and grpc-python returns None (status OK, no message) when a "
+    "reply's DATA frame is lost on a corrupting link; bench/chaos.py (flip_in_flight) logged "
+    "\"AttributeError: 'NoneType' object has no attribute 'decision'\" in push.py _resume, after which that "
+    "leader relayed nothing to its follower until restarted"))
+def test_a_pusher_survives_a_reply_lost_on_the_link(gen, push_only_agent, pushers):
+    agent = push_only_agent
+    pusher = pushers(agent, gen.MODEL)
+    target = pusher._targets[0]  # the one target's client: where a corrupting link would hand back None
+    real_offer, lost = target.client.offer, []
+
+    def offer_with_one_reply_lost(request, *args, **kwargs):
+        """Stands in for a link that drops one reply's DATA frame: grpc-python then returns None."""
+        reply = real_offer(request, *args, **kwargs)
+        if not lost:
+            lost.append(request.version)
+            return None
+        return reply
+
+    target.client.offer = offer_with_one_reply_lost
+    _publish(gen, pusher, 1, None)
+    digest = _publish(gen, pusher, 2, 1)
+    assert agent.agent.wait_for_version(2, WAIT_S), f"the pusher stopped after a lost reply: {pusher.stats()}"
+    assert lost and agent.engine.served().digest == digest
