@@ -44,7 +44,14 @@ import torch
 from weightsync.agents.engine import SwapReport, register_engine
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.layout import MAX_VERSION
-from weightsync.model import ByteTokenizer, CausalLM, ModelConfig, load_pretrained, rope_inv_freq
+from weightsync.model import (
+    ByteTokenizer,
+    CausalLM,
+    ModelConfig,
+    as_model_config,
+    load_pretrained,
+    rope_inv_freq,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +93,7 @@ class ReferenceServerConfig:
     def __post_init__(self) -> None:
         if (self.model is None) == (self.model_dir is None):
             raise ValueError("give exactly one of model (a ModelConfig or dict of its fields) and model_dir")
-        if isinstance(self.model, Mapping):
-            try:
-                object.__setattr__(self, "model", ModelConfig(**self.model))
-            except TypeError as e:
-                raise ValueError(f"model: {e}; use the field names of weightsync.model.ModelConfig") from None
-        elif self.model is not None and not isinstance(self.model, ModelConfig):
-            raise ValueError(f"model must be a ModelConfig or a dict of its fields, got {type(self.model).__name__}")
+        object.__setattr__(self, "model", as_model_config(self.model))
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

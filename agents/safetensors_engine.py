@@ -49,7 +49,7 @@ from weightsync.agents.engine import SwapReport, register_engine
 from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, write_safetensors
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.layout import MAX_VERSION, VERSION_DIGITS
-from weightsync.model import CONFIG_NAME, CausalLM, ModelConfig
+from weightsync.model import CONFIG_NAME, CausalLM, ModelConfig, as_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +103,7 @@ class SafetensorsDirConfig:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError("root must be a directory path for the snapshots")
         object.__setattr__(self, "root", str(self.root))
-        if isinstance(self.model, Mapping):
-            try:
-                object.__setattr__(self, "model", ModelConfig(**self.model))
-            except TypeError as e:
-                raise ValueError(f"model: {e}; use the field names of weightsync.model.ModelConfig") from None
-        elif self.model is not None and not isinstance(self.model, ModelConfig):
-            raise ValueError(f"model must be a ModelConfig or a dict of its fields, got {type(self.model).__name__}")
+        object.__setattr__(self, "model", as_model_config(self.model))
         if self.model is None and self.template_dir is None:
             raise ValueError("give template_dir (an HF model directory) and/or model, so snapshots get a config.json")
         if self.reload_url is not None and not re.match(r"https?://[^/]+", self.reload_url):

@@ -37,40 +37,29 @@ from weightsync.demo.rollout_queue import Rollout, RolloutQueue
 from weightsync.demo.task import AdditionTask
 from weightsync.model import ByteTokenizer, load_config, save_pretrained
 from weightsync.trainer.config import LossConfig, ModelSpec, load_job_config
-from weightsync.trainer.data import Example
+from weightsync.trainer.data import Example, _IndexedSource
 from weightsync.trainer.train import Trainer, configure_logging
 
 log = logging.getLogger(__name__)
 
 
-class TaskSource:
+class TaskSource(_IndexedSource):
     """SFT examples of the demo task (prompt -> answer + EOS), numbered globally like the trainer's
     synthetic sources: rank r of n takes the r-th slice of each draw."""
 
     kind = "task-sft"
 
     def __init__(self, task: AdditionTask, *, dp_rank: int, dp_size: int, seed: int) -> None:
-        self.task, self.dp_rank, self.dp_size, self.seed = task, dp_rank, dp_size, seed
+        super().__init__(dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+        self.task = task
         self.tokenizer = ByteTokenizer()
-        self.next_index = 0
 
-    def take(self, count: int) -> list[Example]:
-        start = self.next_index + self.dp_rank * count
-        self.next_index += count * self.dp_size
-        return [self._example(i) for i in range(start, start + count)]
-
-    def _example(self, index: int) -> Example:
+    def example(self, index: int) -> Example:
         prompt, answer = self.task.sample(random.Random(f"task-sft/{self.seed}/{index}"))
         prompt_ids = self.tokenizer.encode(prompt)
         answer_ids = self.tokenizer.encode(answer, bos=False) + [self.tokenizer.EOS]
         return Example(tokens=prompt_ids + answer_ids,
                        loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(answer_ids))
-
-    def state_dict(self) -> dict:
-        return {"kind": self.kind, "seed": self.seed, "next_index": self.next_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.next_index = int(state["next_index"])
 
 
 class RolloutSource:

@@ -88,6 +88,19 @@ class ModelConfig:
         return cls(**kwargs)
 
 
+def as_model_config(value: ModelConfig | Mapping[str, Any] | None, what: str = "model") -> ModelConfig | None:
+    """A ModelConfig from a ModelConfig, a dict of its fields (a config file's table) or None;
+    ValueError naming `what` for anything else."""
+    if value is None or isinstance(value, ModelConfig):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return ModelConfig(**value)
+        except TypeError as e:
+            raise ValueError(f"{what}: {e}; use the field names of weightsync.model.ModelConfig") from None
+    raise ValueError(f"{what} must be a ModelConfig or a dict of its fields, got {type(value).__name__}")
+
+
 def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> torch.Tensor:
     """RoPE inverse frequencies (HF's default rotary embedding, no scaling), fp32. Models built
     on the meta device (FSDP, the reference server's replicas) recompute them with this."""
