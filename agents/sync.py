@@ -49,6 +49,7 @@ from weightsync.errors import (
     ObjectNotFound,
     ResourceExhausted,
     StaleVersion,
+    VersionNotFound,
     WeightsyncError,
 )
 from weightsync.hashing import is_hash_hex, xxh3_hex
@@ -59,7 +60,7 @@ from weightsync.reader import Reader, WeightsState
 from weightsync.retention import collect_garbage
 from weightsync.signing import Verifier
 from weightsync.store import LocalStore, Store
-from weightsync.versions import latest_version, read_manifest_bytes, read_signature
+from weightsync.versions import latest_version, list_versions, read_manifest, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)
 
@@ -464,7 +465,7 @@ class SyncAgent:
                 seen = self._progress
             while missing and not self._closed:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._progress != seen or self._closed, timeout=self.config.push_wait_s)
+                    self._cond.wait_for(lambda seen=seen: self._progress != seen or self._closed, timeout=self.config.push_wait_s)
                     progressed, seen = self._progress != seen, self._progress
                 missing = self._missing(missing)
                 if not progressed:
@@ -591,11 +592,44 @@ class SyncAgent:
         protect = {self._served_version}
         if self._spare is not None and self._spare.manifest is not None:
             protect.add(self._spare.manifest.version)
-        try:
-            collect_garbage(self.cache, self.model, keep=self.config.cache_keep_versions, protect=protect,
-                            grace_s=self.config.cache_grace_s)
-        except WeightsyncError as e:
-            log.warning("%s: cache gc failed: %s", self.config.name, e)
+        for attempt in range(2):
+            try:
+                collect_garbage(self.cache, self.model, keep=self.config.cache_keep_versions, protect=protect,
+                                grace_s=self.config.cache_grace_s)
+                return
+            except (FormatError, IntegrityError) as e:  # gc will not plan over a manifest it cannot read
+                if attempt or not self._mend_cached_manifests():
+                    log.warning("%s: cache gc failed: %s", self.config.name, e)
+                    return
+            except WeightsyncError as e:
+                log.warning("%s: cache gc failed: %s", self.config.name, e)
+                return
+
+    def _mend_cached_manifests(self) -> bool:
+        """The cache is only a copy: a cached manifest that no longer reads (bit rot, a torn
+        write) is put back from a good copy (accepted in memory, or the store's, checked), or
+        dropped when there is none; left alone it would stop the cache gc for good. Returns
+        whether any was mended."""
+        mended = False
+        for version in list_versions(self.cache, self.model):
+            key = layout.manifest_key(self.model, version)
+            try:
+                read_manifest(self.cache, self.model, version)
+                continue
+            except VersionNotFound:  # gone meanwhile
+                continue
+            except (FormatError, IntegrityError):
+                pass
+            self.cache.delete(key)  # first, so that _manifest cannot read the damaged copy back
+            try:
+                good = self._manifest(version)
+                self.cache.put(key, good.data)
+                log.warning("%s: cached manifest of v%d is damaged; restored it", self.config.name, version)
+            except WeightsyncError:
+                log.warning("%s: cached manifest of v%d is damaged and no good copy is left; dropped it",
+                            self.config.name, version)
+            mended = True
+        return mended
 
     def _entry(self, version: int, **fields) -> LedgerEntry:
         with self._cond:

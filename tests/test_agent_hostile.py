@@ -530,11 +530,6 @@ def test_a_compromised_bucket_cannot_make_a_signing_agent_serve_a_forgery(gen, s
     _assert_still_takes_a_good_version(server, store_dir)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a damaged cached manifest of a version no chain needs any more stops the agent's cache gc for good: "
-    "retention.plan_gc refuses to plan over an unreadable manifest ('gc stopped, nothing deleted'), which is "
-    "right for the upstream store, but the cache is only a copy: SyncAgent._collect_cache logs a warning and "
-    "the cache grows by every version from then on (found by bench/chaos.py, flip_agent_cache)"))
 def test_a_damaged_old_cached_manifest_does_not_stop_cache_gc(gen, start_agent):
     server, store_dir = start_agent("open")
     store = LocalStore(store_dir)

@@ -94,10 +94,13 @@ def cluster(tmp_path):
     """A store, 2 regions x 2 agents (leader relays to follower), and a pushing publisher."""
     store = LocalStore(tmp_path / "store")
     agents = {}
+    # A generous push wait: some tests assert that nothing came from the store, and a loaded
+    # machine can stall a relay for more than a second.
     for region in ("east", "west"):
-        follower = _agent(tmp_path, f"{region}-2", store, region=region)
+        follower = _agent(tmp_path, f"{region}-2", store, region=region, push_wait_s=5.0)
         agents[f"{region}-2"] = follower
-        agents[f"{region}-1"] = _agent(tmp_path, f"{region}-1", store, region=region, peers=[follower.address])
+        agents[f"{region}-1"] = _agent(tmp_path, f"{region}-1", store, region=region, peers=[follower.address],
+                                       push_wait_s=5.0)
     pusher = Pusher(PushConfig(targets=(agents["east-1"].address, agents["west-1"].address), model=MODEL,
                                give_up_after_s=20))
     publisher = Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher])

@@ -105,10 +105,6 @@ def pushers():
         pusher.close(timeout_s=1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Pusher retries an offer the agent refused as stale (FAILED_PRECONDITION, StaleVersion) like a transport "
-    "failure, for give_up_after_s, and a target works through its versions in order, so every later version "
-    "for that target waits behind it"))
 def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_agent, pushers):
     """A relay that offers a version its peer already passed (the peer caught up from the store)
     gets FAILED_PRECONDITION: that version is done for that peer, and the next one must follow.
@@ -126,12 +122,6 @@ def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_a
     assert agent.engine.served().digest == digest
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a Pusher target's worker thread dies on any exception that is not a WeightsyncError: _resume and _work "
-    "use AgentClient.offer's reply unchecked, and grpc-python returns None (status OK, no message) when a "
-    "reply's DATA frame is lost on a corrupting link; bench/chaos.py (flip_in_flight) logged "
-    "\"AttributeError: 'NoneType' object has no attribute 'decision'\" in push.py _resume, after which that "
-    "leader relayed nothing to its follower until restarted"))
 def test_a_pusher_survives_a_reply_lost_on_the_link(gen, push_only_agent, pushers):
     agent = push_only_agent
     pusher = pushers(agent, gen.MODEL)

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 
-from weightsync.errors import WeightsyncError
+from weightsync.errors import RpcUnavailable, StaleVersion, WeightsyncError
 from weightsync.manifest import Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
@@ -159,8 +159,13 @@ class _Target:
             try:
                 self._work(state)
                 backoff = self.config.retry_backoff_s[0]
-            except WeightsyncError as e:
-                self.last_error = str(e)
+            except StaleVersion as e:  # the agent is past this version (it caught up elsewhere): next one
+                log.info("push to %s: v%d is stale there (%s); moving on", self.address, state.version, e)
+                self._finish(state)
+            except Exception as e:  # whatever goes wrong, the worker must live on and retry
+                if not isinstance(e, WeightsyncError):
+                    log.warning("push to %s: unexpected %s", self.address, type(e).__name__, exc_info=True)
+                self.last_error = str(e) or type(e).__name__
                 self.metrics.inc("push/errors", target=self.address)
                 state.resume = True
                 if time.monotonic() - state.started > self.config.give_up_after_s:
@@ -189,7 +194,7 @@ class _Target:
         with self._cond:
             offer = state.offer if not state.unsent else None
         if offer is not None:
-            reply = self.client.offer(offer)
+            reply = self._offer(offer)
             if reply.decision == sync_pb2.OfferReply.WANTED and reply.missing:
                 with self._cond:
                     state.unsent.extend(a for a in reply.missing if a in state.objects)
@@ -205,12 +210,18 @@ class _Target:
         if offer is None:
             offer = sync_pb2.OfferRequest(model=self.config.model, version=state.version, objects=addresses,
                                           origin=self.config.origin, hops=self.config.hops)
-        reply = self.client.offer(offer)
+        reply = self._offer(offer)
         with self._cond:
             state.unsent.clear()
             if reply.decision == sync_pb2.OfferReply.WANTED:
                 state.unsent.extend(a for a in reply.missing if a in state.objects)
             state.resume = False
+
+    def _offer(self, offer: sync_pb2.OfferRequest) -> sync_pb2.OfferReply:
+        reply = self.client.offer(offer)
+        if reply is None:  # grpc-python's answer when a corrupting link lost the reply: retry the offer
+            raise RpcUnavailable(f"offer of v{offer.version} to {self.address}: no reply message")
+        return reply
 
     def _waiting_is_pointless(self, state: _Version) -> bool:
         """Called under the lock: no offer will make this version worth more pushing — a newer
@@ -247,7 +258,7 @@ class _Target:
             frames.put(_END)
         try:
             call.result()
-        except Exception as e:  # grpc.RpcError: map it like every other call failure
+        except Exception as e:  # noqa: BLE001 - grpc.RpcError or a cancelled future: map it like any call failure
             raise error_from_rpc(e, f"push of v{state.version} to {self.address}") from None
         with self._cond:
             for address in sent:

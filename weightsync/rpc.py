@@ -274,6 +274,14 @@ def open_channel(target: str, tls: TlsConfig | None = None) -> grpc.Channel:
 # ------------------------------------------------------------------------------ client
 
 
+def _replied(reply, call: str, target: str):
+    """grpc-python hands back None (status OK, no message) when a corrupting link lost the
+    reply's DATA frame: that is a transport failure, not an answer."""
+    if reply is None:
+        raise errors.RpcUnavailable(f"{call} to {target}: the reply was lost on the link")
+    return reply
+
+
 class AgentClient:
     """Calls one agent's SyncAgent service; every call has a deadline and carries the token."""
 
@@ -292,13 +300,13 @@ class AgentClient:
 
     def offer(self, request: sync_pb2.OfferRequest, timeout_s: float = OFFER_DEADLINE_S) -> sync_pb2.OfferReply:
         try:
-            return self._offer(request, timeout=timeout_s, metadata=self._metadata)
+            return _replied(self._offer(request, timeout=timeout_s, metadata=self._metadata), "offer", self.target)
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"offer of v{request.version} to {self.target}") from None
 
     def push(self, frames: Iterator[ObjectFrame], timeout_s: float = PUSH_STREAM_DEADLINE_S) -> sync_pb2.PushReply:
         try:
-            return self._push(frames, timeout=timeout_s, metadata=self._metadata)
+            return _replied(self._push(frames, timeout=timeout_s, metadata=self._metadata), "push", self.target)
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"push to {self.target}") from None
 
@@ -309,7 +317,8 @@ class AgentClient:
     def status(self, timeout_s: float = STATUS_DEADLINE_S, *, verify: bool = False) -> sync_pb2.StatusReply:
         """The agent's status; with verify, also the digest of the bytes it serves (one hash pass)."""
         try:
-            return self._status(sync_pb2.StatusRequest(verify=verify), timeout=timeout_s, metadata=self._metadata)
+            reply = self._status(sync_pb2.StatusRequest(verify=verify), timeout=timeout_s, metadata=self._metadata)
+            return _replied(reply, "status", self.target)
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"status of {self.target}") from None
 
