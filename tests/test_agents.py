@@ -161,7 +161,10 @@ def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
             _assert_serves(agent, version, trainer.published())
             trainer.step()
         deadline = time.monotonic() + WAIT_S
-        while agent.agent._spare.manifest.version != 3 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            spare = agent.agent._spare.manifest  # None while the catch-up applies into it
+            if spare is not None and spare.version == 3:
+                break
             time.sleep(0.05)
         version = publisher.publish(trainer.state_dict(), step=3).result().version
         _assert_serves(agent, version, trainer.published())

@@ -25,6 +25,7 @@ from fault_proxy import (
     FLIP_REQUEST,
     FLIP_RESPONSE,
     LOST_RESPONSE,
+    RESET_BEFORE,
     FaultPlan,
     FaultProxy,
 )
@@ -182,6 +183,22 @@ def test_a_lost_success_response_is_not_a_conflict(proxy, bucket):
         store.put_new("versions/000000000001.json", b"theirs")
     assert store.get("versions/000000000001.json") == b"ours"
     assert proxy.counts() == {LOST_RESPONSE: 2}
+
+
+def test_connection_failures_botocore_gave_up_on_are_retried_by_the_store(proxy, bucket):
+    """botocore stops retrying when its attempts or its client-wide retry quota are spent (a
+    long-lived publisher on a flaky link drains the quota); the store's own bounded attempts then
+    carry every operation through connection resets. Here botocore gets one attempt."""
+    store = _store(proxy.endpoint, bucket, max_attempts=1, transfer_attempts=4)
+    operations = [("put", lambda: store.put("k", b"v")), ("get", lambda: store.get("k")),
+                  ("stat", lambda: store.exists("k")), ("touch", lambda: store.touch("k")),
+                  ("put_new", lambda: store.put_new("new", b"n")), ("delete", lambda: store.delete("new"))]
+    for name, operation in operations:
+        before = proxy.counts().get(RESET_BEFORE, 0)
+        proxy.set_plan(FaultPlan(rates={RESET_BEFORE: 1.0}, max_faults=2))
+        operation()
+        assert proxy.counts().get(RESET_BEFORE, 0) - before == 2, name
+    assert store.get("k") == b"v" and not store.exists("new")
 
 
 def test_a_stalled_server_fails_within_a_bound(proxy, bucket):

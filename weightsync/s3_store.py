@@ -20,9 +20,10 @@ the body against it while reading. A body that came without one is checked again
 instead. Every GET checks the length it was promised. A failed check is retried.
 
 Retries. botocore retries requests ("standard" mode: exponential backoff with jitter on 5xx,
-SlowDown/throttling, resets and timeouts, bounded by a retry quota), but not the streaming of a
-response body, nor a BadDigest. The store retries those itself: a body cut short or reset, a
-read timeout mid-body, a checksum mismatch, a BadDigest; at most `transfer_attempts` times and
+SlowDown/throttling, resets and timeouts, bounded by a client-wide retry quota), but not the
+streaming of a response body, nor a BadDigest, nor anything once the quota is spent. The store
+retries those itself: a body cut short or reset, a read timeout mid-body, a checksum mismatch, a
+BadDigest, a connection failure botocore gave up on; at most `transfer_attempts` times and
 no new attempt after `transfer_deadline_s`, then a StoreError saying what failed and how often.
 
 Create-only writes are one PutObject with `If-None-Match: *`, whatever their size (up to S3's 5
@@ -90,7 +91,8 @@ class S3StoreConfig:
     """Size of upload parts and of ranged GETs (S3 requires at least 5 MiB for parts)."""
     transfer_attempts: int = 5
     """Attempts of one transfer at what botocore does not retry (bodies cut short, checksum
-    mismatches, BadDigest); each attempt is itself retried by botocore per request."""
+    mismatches, BadDigest) or no longer retries (connection failures once its client-wide retry
+    quota is spent); each attempt is itself retried by botocore per request."""
     transfer_deadline_s: float = 300.0
     """No new attempt of a transfer starts after this many seconds; bodies are read against it."""
     crc32_checksums: bool = True
@@ -151,7 +153,8 @@ def _meaning(e: BaseException) -> str | None:
 
 
 class _Transient(StoreError):
-    """A transfer failure worth another attempt (body cut short, checksum mismatch, BadDigest)."""
+    """A transfer failure worth another attempt (body cut short, checksum mismatch, BadDigest,
+    a connection failure botocore gave up on)."""
 
 
 class _Replaced(StoreError):
@@ -202,6 +205,13 @@ class S3Store:
             urllib3.exceptions.HTTPError, ConnectionError, TimeoutError,
         )
         self._checksum_error = botocore.exceptions.FlexibleChecksumError
+        # A request that still fails at the connection after botocore's retries. botocore stops
+        # retrying at once when its client-wide retry quota is spent (a long-lived publisher on
+        # a flaky link drains it), so the store's own bounded attempts take these too.
+        self._connection_errors = (
+            botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+            urllib3.exceptions.HTTPError, ConnectionError, TimeoutError,
+        )
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -282,7 +292,8 @@ class S3Store:
 
     def exists(self, key: str) -> bool:
         try:
-            self._call("stat", key, self._client.head_object, Bucket=self.bucket, Key=self._key(key))
+            self._retrying(f"stat {self.uri}/{key}", lambda _: self._call(
+                "stat", key, self._client.head_object, Bucket=self.bucket, Key=self._key(key)))
             return True
         except ObjectNotFound:
             return False
@@ -407,12 +418,14 @@ class S3Store:
     def touch(self, key: str) -> None:
         full = self._key(key)
         checksum = {"ChecksumAlgorithm": "CRC32"} if self.config.crc32_checksums else {}  # the copy keeps one
-        self._call("touch", key, self._client.copy_object, Bucket=self.bucket, Key=full,
-                   CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **checksum)
+        self._retrying(f"touch {self.uri}/{key}", lambda _: self._call(
+            "touch", key, self._client.copy_object, Bucket=self.bucket, Key=full,
+            CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **checksum))
 
     def delete(self, key: str) -> None:
         try:
-            self._call("delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._key(key))
+            self._retrying(f"delete {self.uri}/{key}", lambda _: self._call(
+                "delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._key(key)))
         except ObjectNotFound:
             pass
 
@@ -430,6 +443,8 @@ class S3Store:
             return e
         meaning = _meaning(e)
         where = f"{self.uri}/{key}"
+        if isinstance(e, self._connection_errors):
+            return _Transient(f"cannot {action} {where}: {type(e).__name__}: {e}")
         if meaning == _MISSING:
             return ObjectNotFound(f"{where} does not exist")
         if meaning == _PRECONDITION:
