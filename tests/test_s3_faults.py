@@ -10,6 +10,7 @@ needs. Each test prints what the proxy injected and asserts every kind it enable
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import http.client
 import os
@@ -21,6 +22,7 @@ import pytest
 from fault_proxy import (
     BAD_DIGEST,
     DELAY,
+    ERROR_500,
     FAULT_KINDS,
     FLIP_REQUEST,
     FLIP_RESPONSE,
@@ -199,6 +201,29 @@ def test_connection_failures_botocore_gave_up_on_are_retried_by_the_store(proxy,
         operation()
         assert proxy.counts().get(RESET_BEFORE, 0) - before == 2, name
     assert store.get("k") == b"v" and not store.exists("new")
+
+
+def test_errors_left_unretried_once_botocores_retry_quota_is_spent_are_retried_by_the_store(proxy, bucket):
+    """botocore's client-wide retry quota (500 units, 14 a retry, 1 back per plain success) is
+    drained by a run of 500s; from then on it retries nothing, and a single 500 would fail a
+    publish. The store's own attempts take over."""
+    store = _store(proxy.endpoint, bucket, max_attempts=2, transfer_attempts=3)
+    proxy.set_plan(FaultPlan(rates={ERROR_500: 1.0}))
+
+    def refused(i: int) -> str:
+        with pytest.raises(StoreError) as info:
+            store.put(f"drain/{i}", b"x")
+        return str(info.value)
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        errors = list(pool.map(refused, range(60)))
+    assert any("retry quota is spent" in e for e in errors), "the run of 500s did not drain the quota"
+    proxy.set_plan(FaultPlan(rates={ERROR_500: 1.0}, max_faults=1))
+    before = proxy.counts()[ERROR_500]
+    store.put("k", b"v")  # one 500, which botocore no longer retries
+    assert proxy.counts()[ERROR_500] == before + 1
+    proxy.enabled = False
+    assert store.get("k") == b"v"
 
 
 def test_a_stalled_server_fails_within_a_bound(proxy, bucket):

@@ -23,7 +23,8 @@ Retries. botocore retries requests ("standard" mode: exponential backoff with ji
 SlowDown/throttling, resets and timeouts, bounded by a client-wide retry quota), but not the
 streaming of a response body, nor a BadDigest, nor anything once the quota is spent. The store
 retries those itself: a body cut short or reset, a read timeout mid-body, a checksum mismatch, a
-BadDigest, a connection failure botocore gave up on; at most `transfer_attempts` times and
+BadDigest, a connection failure botocore gave up on, any error botocore did not retry because
+its quota was spent; at most `transfer_attempts` times and
 no new attempt after `transfer_deadline_s`, then a StoreError saying what failed and how often.
 
 Create-only writes are one PutObject with `If-None-Match: *`, whatever their size (up to S3's 5
@@ -91,8 +92,8 @@ class S3StoreConfig:
     """Size of upload parts and of ranged GETs (S3 requires at least 5 MiB for parts)."""
     transfer_attempts: int = 5
     """Attempts of one transfer at what botocore does not retry (bodies cut short, checksum
-    mismatches, BadDigest) or no longer retries (connection failures once its client-wide retry
-    quota is spent); each attempt is itself retried by botocore per request."""
+    mismatches, BadDigest) or no longer retries (connection failures, and anything once its
+    client-wide retry quota is spent); each attempt is itself retried by botocore per request."""
     transfer_deadline_s: float = 300.0
     """No new attempt of a transfer starts after this many seconds; bodies are read against it."""
     crc32_checksums: bool = True
@@ -154,7 +155,7 @@ def _meaning(e: BaseException) -> str | None:
 
 class _Transient(StoreError):
     """A transfer failure worth another attempt (body cut short, checksum mismatch, BadDigest,
-    a connection failure botocore gave up on)."""
+    a connection failure botocore gave up on, an error it left unretried for want of quota)."""
 
 
 class _Replaced(StoreError):
@@ -445,6 +446,9 @@ class S3Store:
         where = f"{self.uri}/{key}"
         if isinstance(e, self._connection_errors):
             return _Transient(f"cannot {action} {where}: {type(e).__name__}: {e}")
+        if (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("RetryQuotaReached"):
+            # A 5xx or SlowDown botocore would have retried but for its spent retry quota.
+            return _Transient(f"cannot {action} {where}: {type(e).__name__}: {e} (botocore's retry quota is spent)")
         if meaning == _MISSING:
             return ObjectNotFound(f"{where} does not exist")
         if meaning == _PRECONDITION:
