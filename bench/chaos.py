@@ -529,6 +529,9 @@ class Monitor:
         self._stop.set()
         self._thread.join(timeout=30)
 
+        # agent.stale stays as it is: a cache copied in stale is the agent's own only once the
+        # monitor has seen it serve what it served before (round 84 of a 100-round S3 run killed
+        # an agent right after its stale restart, and its restart served the stale version).
     def agent_killed(self, agent: AgentProc) -> None:
         self.before_restart[agent.name] = max(self.before_restart.get(agent.name, 0), self.max_seen[agent.name])
 
@@ -572,8 +575,11 @@ class Monitor:
                 else:
                     self.run.violation("monotonic", name, f"restarted on its own cache serving v{version}, "
                                                           f"older than the v{before} it served before it died")
+            else:
+                agent.stale = False  # caught up before we looked: its cache is its own from here
         if name in self._stale_since and version >= self.before_restart.get(name, 0):
             self.stale_windows.append(time.monotonic() - self._stale_since.pop(name))
+            agent.stale = False
         self.last[name] = (incarnation, version)
         self.max_seen[name] = max(self.max_seen[name], version)
         if time.monotonic() >= self._next_verify[name]:
@@ -953,7 +959,9 @@ class Run:
         self.details[f"kill_agent_{phase}"] += 1
         self.monitor.agent_killed(agent)
         agent.kill()
-        agent.stale = False
+        # agent.stale stays as it is: a cache copied in stale is the agent's own only once the
+        # monitor has seen it serve what it served before (round 84 of a 100-round S3 run killed
+        # an agent right after its stale restart, and its restart served the stale version).
         self._background(self._restart_later, agent, rng.uniform(0.2, 3.0))
 
     def _restart_later(self, agent: AgentProc, delay_s: float) -> None:
