@@ -529,9 +529,6 @@ class Monitor:
         self._stop.set()
         self._thread.join(timeout=30)
 
-        # agent.stale stays as it is: a cache copied in stale is the agent's own only once the
-        # monitor has seen it serve what it served before (round 84 of a 100-round S3 run killed
-        # an agent right after its stale restart, and its restart served the stale version).
     def agent_killed(self, agent: AgentProc) -> None:
         self.before_restart[agent.name] = max(self.before_restart.get(agent.name, 0), self.max_seen[agent.name])
 
