@@ -24,7 +24,6 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import platform
@@ -39,6 +38,7 @@ import torch
 
 from bench.baselines import checkpoint_bytes, checkpoint_u16, ensure_tools, entropy_bound, run_baselines
 from bench.checkpoints import CheckpointConfig, make_checkpoint_series, pair_stats
+from bench.machine import cpu_model, write_results
 from weightsync import __version__
 from weightsync.chunk import apply_chunk, encode_chunk, object_hash
 from weightsync.codec import DEFAULT_ZSTD_LEVEL
@@ -281,15 +281,7 @@ def _versions() -> dict:
 
 
 def _hardware() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
             "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
@@ -348,14 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     config = BenchConfig(repeats=1, patch_levels=(3,)) if args.quick else BenchConfig()
     record = run(config, CheckpointConfig(steps_per_lr=args.steps_per_lr), Path(args.cache_dir))
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"codec-{record['hardware']['cores']}cpu-{record['hardware']['machine']}-{record['date'][:10]}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2))
-    (out_dir / f"{stem}.md").write_text(markdown(record))
-    json.dump(record, sys.stdout)
-    sys.stdout.write("\n")
-    log.info("wrote %s.{json,md}", out_dir / stem)
+    write_results(Path(args.out_dir) / stem, record, markdown(record))
     return 0
 
 

@@ -25,7 +25,6 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import platform
@@ -41,6 +40,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from bench.machine import cpu_model, write_results
 
 log = logging.getLogger("bench.store")
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,12 +312,7 @@ def _empty_bucket(client, bucket: str) -> None:
 
 
 def _hardware() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(),
             "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
@@ -394,16 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         io_concurrency=args.io_concurrency,
     )
     record = run(config)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"store-{record['hardware']['cores']}cpu-{record['hardware']['machine']}-{record['date'][:10]}"
     if args.quick:
         stem += "-quick"
-    (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2))
-    (out_dir / f"{stem}.md").write_text(markdown(record))
-    json.dump(record, sys.stdout)
-    sys.stdout.write("\n")
-    log.info("wrote %s.{json,md}", out_dir / stem)
+    write_results(Path(args.out_dir) / stem, record, markdown(record))
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.machine import cpu_model
 from weightsync import __version__
 from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
 from weightsync.model import CausalLM, ModelConfig
@@ -188,12 +189,7 @@ def bench_compute_dtype(config: ModelConfig, repeats: int) -> dict:
 
 
 def hardware() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(),
             "bf16_hardware": any(f in flags for f in ("avx512_bf16", "amx_bf16")),

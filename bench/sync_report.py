@@ -13,13 +13,14 @@ import platform
 import statistics
 from pathlib import Path
 
+from bench.machine import cpu_model
+
 _BASELINES = (("full_store", "full safetensors via store"), ("shardcast", "shardcast"),
               ("zstd_patch", "zstd --patch-from"))
 
 
 def machine_info() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_model()
     mem = next((int(line.split()[1]) / 1024**2 for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal:")), 0.0)
     import torch

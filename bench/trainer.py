@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.machine import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -252,12 +254,7 @@ def _load() -> dict:
 def _hardware() -> dict:
     import torch
 
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "gpu": gpu}
 
