@@ -70,6 +70,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from bench.moto import MotoServer
+
 MODEL = "chaos-lm"
 ARCH = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -670,7 +672,7 @@ class Run:
         self.agents: dict[str, AgentProc] = {}
         self._clients: dict[tuple[str, int], object] = {}
         self.monitor: Monitor | None = None
-        self.moto: subprocess.Popen | None = None
+        self.moto: MotoServer | None = None
         self.s3_proxy = None
         self.proxies: dict[str, TcpProxy] = {}
         self.checks: collections.Counter[str] = collections.Counter()
@@ -739,19 +741,8 @@ class Run:
         os.environ.update(creds)
         for name in [k for k in os.environ if k.startswith("AWS_") and k not in creds]:
             del os.environ[name]
-        port = _free_port()
-        self.moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if self.moto.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto did not start on {endpoint}") from None
-                time.sleep(0.2)
+        self.moto = MotoServer().start()
+        endpoint = self.moto.endpoint
         bucket = f"chaos-{uuid.uuid4().hex[:10]}"
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         self.s3_proxy = FaultProxy(endpoint)
@@ -773,12 +764,7 @@ class Run:
         if self.s3_proxy is not None:
             self.s3_proxy.stop()
         if self.moto is not None:
-            self.moto.terminate()
-            try:
-                self.moto.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.moto.kill()
-                self.moto.wait()
+            self.moto.stop()
         for client in self._clients.values():
             client.close()
         if not self.config.keep_workdir and not self.violations:

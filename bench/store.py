@@ -29,19 +29,17 @@ import logging
 import os
 import platform
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import torch
 
 from bench.machine import cpu_model, write_results
+from bench.moto import MotoServer
 
 log = logging.getLogger("bench.store")
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,40 +63,6 @@ class BenchConfig:
 
 
 # ---------------------------------------------------------------------------- the server
-
-
-class MotoServer:
-    """moto's S3 in server mode, in its own process on a free 127.0.0.1 port; stopped by PID."""
-
-    def __enter__(self) -> MotoServer:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.proc.kill()
-                    raise RuntimeError(f"moto server did not start on {self.endpoint}") from None
-                time.sleep(0.2)
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _scrub_aws_environment() -> None:

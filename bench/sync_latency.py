@@ -36,17 +36,16 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 import uuid
 from pathlib import Path
 
 from bench import sync_baselines as bl
+from bench.moto import MotoServer
 from bench.netns import Network
 
 log = logging.getLogger("bench.sync_latency")
@@ -113,33 +112,14 @@ class Moto:
     """A moto S3 server on 127.0.0.1 in its own process (as tests/conftest.py), stopped by PID."""
 
     def __init__(self, log_path: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        with open(log_path, "w") as errors:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=subprocess.DEVNULL, stderr=errors)
+        self.server = MotoServer(log_path).start()
+        self.port = self.server.port
         self.address = f"127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://{self.address}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"moto server did not start (see {log_path})") from None
-                time.sleep(0.2)
         self.bucket = f"wsb-{uuid.uuid4().hex[:10]}"
         bl._s3(f"http://{self.address}").create_bucket(Bucket=self.bucket)
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.server.stop()
 
 
 def _fake_aws_env() -> None:

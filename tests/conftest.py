@@ -10,16 +10,12 @@ are fixtures returning plain functions, so test modules never import conftest.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 
 import pytest
 import torch
 
+from bench.moto import MotoServer
 from weightsync.store import LocalStore
 
 STORE_KINDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
@@ -43,30 +39,8 @@ def _no_real_aws():
 @pytest.fixture(scope="session")
 def s3_endpoint(_no_real_aws) -> str:
     """A moto S3 server in its own process on 127.0.0.1, stopped (by PID) after the session."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start on {endpoint}") from None
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with MotoServer() as server:
+        yield server.endpoint
 
 
 @pytest.fixture
