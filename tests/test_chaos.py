@@ -125,8 +125,8 @@ def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_a
 def test_a_pusher_survives_a_reply_lost_on_the_link(gen, push_only_agent, pushers):
     agent = push_only_agent
     pusher = pushers(agent, gen.MODEL)
-    target = pusher._targets[0]  # the one target's client: where a corrupting link would hand back None
-    real_offer, lost = target.client.offer, []
+    target = pusher._targets[0]  # the one target's grpc call: where a corrupting link hands back None
+    real_offer, lost = target.client._offer, []
 
     def offer_with_one_reply_lost(request, *args, **kwargs):
         """Stands in for a link that drops one reply's DATA frame: grpc-python then returns None."""
@@ -136,7 +136,7 @@ def test_a_pusher_survives_a_reply_lost_on_the_link(gen, push_only_agent, pusher
             return None
         return reply
 
-    target.client.offer = offer_with_one_reply_lost
+    target.client._offer = offer_with_one_reply_lost
     _publish(gen, pusher, 1, None)
     digest = _publish(gen, pusher, 2, 1)
     assert agent.agent.wait_for_version(2, WAIT_S), f"the pusher stopped after a lost reply: {pusher.stats()}"

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 
-from weightsync.errors import RpcUnavailable, StaleVersion, WeightsyncError
+from weightsync.errors import StaleVersion, WeightsyncError
 from weightsync.manifest import Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
@@ -194,7 +194,7 @@ class _Target:
         with self._cond:
             offer = state.offer if not state.unsent else None
         if offer is not None:
-            reply = self._offer(offer)
+            reply = self.client.offer(offer)
             if reply.decision == sync_pb2.OfferReply.WANTED and reply.missing:
                 with self._cond:
                     state.unsent.extend(a for a in reply.missing if a in state.objects)
@@ -210,18 +210,12 @@ class _Target:
         if offer is None:
             offer = sync_pb2.OfferRequest(model=self.config.model, version=state.version, objects=addresses,
                                           origin=self.config.origin, hops=self.config.hops)
-        reply = self._offer(offer)
+        reply = self.client.offer(offer)
         with self._cond:
             state.unsent.clear()
             if reply.decision == sync_pb2.OfferReply.WANTED:
                 state.unsent.extend(a for a in reply.missing if a in state.objects)
             state.resume = False
-
-    def _offer(self, offer: sync_pb2.OfferRequest) -> sync_pb2.OfferReply:
-        reply = self.client.offer(offer)
-        if reply is None:  # grpc-python's answer when a corrupting link lost the reply: retry the offer
-            raise RpcUnavailable(f"offer of v{offer.version} to {self.address}: no reply message")
-        return reply
 
     def _waiting_is_pointless(self, state: _Version) -> bool:
         """Called under the lock: no offer will make this version worth more pushing — a newer
