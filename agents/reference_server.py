@@ -1,6 +1,6 @@
 """reference_server: the reference inference server, weightsync's embedded default engine.
 
-Serves a `weightsync.model.CausalLM` in-process over HTTP/JSON and implements the `Engine`
+Serves a `weightsync.models.CausalLM` in-process over HTTP/JSON and implements the `Engine`
 protocol (agents/engine.py) beside it. It is zero-copy: `swap` makes the agent's very tensors the
 served weights by flipping one reference to an immutable (version, digest, weights) record. Each
 request takes the record once when it starts and runs its whole generation on it (the model runs
@@ -44,7 +44,7 @@ import torch
 from weightsync.agents.engine import SwapReport, register_engine
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.layout import MAX_VERSION
-from weightsync.model import (
+from weightsync.models import (
     ByteTokenizer,
     CausalLM,
     ModelConfig,

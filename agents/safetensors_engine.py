@@ -49,7 +49,7 @@ from weightsync.agents.engine import SwapReport, register_engine
 from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, write_safetensors
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.layout import MAX_VERSION, VERSION_DIGITS
-from weightsync.model import CONFIG_NAME, CausalLM, ModelConfig, as_model_config
+from weightsync.models import CONFIG_NAME, CausalLM, ModelConfig, as_model_config
 
 logger = logging.getLogger(__name__)
 

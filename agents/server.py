@@ -7,7 +7,7 @@ standard gRPC health service (SERVING once the agent runs, NOT_SERVING while it 
 and Prometheus metrics when a metrics port is set. `AgentServer.stop` drains in-flight calls
 for a grace period before closing (what SIGTERM does in `run_agent`).
 
-Not here: what the agent does (`sync.py`), engines (`engine.py`), the CLI (weightsync/cli.py).
+Not here: what the agent does (`sync.py`), engines (`engine.py`), the CLI (app/cli.py).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class Trainer:
     def __init__(self, seed: int) -> None:
         import torch
 
-        from weightsync.model import ModelConfig, build_model
+        from weightsync.models import ModelConfig, build_model
 
         self._torch = torch
         self.seed = seed
@@ -384,7 +384,7 @@ class AgentProc:
         self.cache.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "weightsync.cli", "agent", "--config", str(self.config_path), "-v"],
+                [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(self.config_path), "-v"],
                 stdout=subprocess.PIPE, stderr=log, text=True, env=self.env, cwd=REPO)
         line = _readline(self.proc.stdout, deadline_s)
         if line is None:

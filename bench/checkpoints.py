@@ -11,7 +11,7 @@ The data is synthetic: token sequences from a fixed sparse Markov chain (each to
 likely successors), so the loss is learnable and the gradients have structure, like a real
 fine-tuning signal, instead of the near-uniform gradients that random tokens give.
 
-`make_lm_series` does the same for the project's own model (`weightsync.model.CausalLM`) at about
+`make_lm_series` does the same for the project's own model (`weightsync.models.CausalLM`) at about
 0.1 / 0.5 / 1 GiB of bf16 (`LM_ARCHITECTURES`), writing each checkpoint to the cache as it is made,
 for the transfer benchmarks (`bench/sync_latency.py`), whose agents serve those checkpoints.
 
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightsync.model import ModelConfig
+from weightsync.models import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ def make_checkpoint_series(
 
 
 # --------------------------------------------------------------------------------------------
-# Series of the project's model (weightsync.model.CausalLM), streamed to disk
+# Series of the project's model (weightsync.models.CausalLM), streamed to disk
 # --------------------------------------------------------------------------------------------
 
 # Bump when anything that changes the tensors of an LM series changes (independent of _CACHE_FORMAT).
@@ -467,7 +467,7 @@ LM_ARCHITECTURES = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LMSeriesConfig:
-    """A series of bf16 checkpoints of `weightsync.model.CausalLM` (HF names, servable by the agents'
+    """A series of bf16 checkpoints of `weightsync.models.CausalLM` (HF names, servable by the agents'
     reference engine), trained like `CheckpointConfig` but sized for transfer benchmarks.
 
     Large models train slowly on a CPU (a 545M model: ~10 s and ~9 GB per step), so the lrs run
@@ -556,7 +556,7 @@ def _lm_series_open(path: Path, config: LMSeriesConfig) -> LMSeries | None:
 def _lm_series_train(config: LMSeriesConfig, path: Path) -> None:
     from safetensors.torch import save_file
 
-    from weightsync.model import build_model, num_parameters
+    from weightsync.models import build_model, num_parameters
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))

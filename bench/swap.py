@@ -37,7 +37,7 @@ import torch
 from bench.machine import cpu_model
 from weightsync import __version__
 from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
-from weightsync.model import CausalLM, ModelConfig
+from weightsync.models import CausalLM, ModelConfig
 
 log = logging.getLogger("bench.swap")
 

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.sync_latency                # 0.1/0.5/1 GiB, 1-8 agents, local + S3
     .venv/bin/python -m bench.sync_latency --sizes 1 --agents 1,8 --stores local --network netns
 
-Checkpoints are real: `bench.checkpoints.make_lm_series` trains `weightsync.model.CausalLM` (fp32
+Checkpoints are real: `bench.checkpoints.make_lm_series` trains `weightsync.models.CausalLM` (fp32
 masters, AdamW, warm moments) and keeps base + 3 successive bf16 checkpoints per lr (1e-6, 3e-6,
 1e-5). Our path: a `Publisher` (+ `Pusher` to one leader per region) publishes the base and the
 three deltas to agent processes (`weightsync agent`, reference engine) that relay along a pipeline
@@ -151,7 +151,7 @@ def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, stor
                 f'cache_dir = "{root / f"agent-{i}"}"\nstore = "{store_uri}"\nlisten = "{listen_host}:0"\n'
                 f"peers = {json.dumps(peers)}\npoll_interval_s = 30.0\npush_wait_s = 5.0\n"
                 f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n')
-            argv = [sys.executable, "-m", "weightsync.cli", "agent", "--config", str(config), "-v"]
+            argv = [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config), "-v"]
             with open(root / f"agent-{i}.log", "w") as errors:
                 proc = subprocess.Popen(net.command(region, argv), stdout=subprocess.PIPE, stderr=errors, text=True,
                                         env={**os.environ, **env_for.get(region, {})}, cwd=ROOT)

@@ -97,7 +97,7 @@ def markdown(record: dict) -> str:
              f"other work; load average per cell below. torch {hw['torch']}, weightsync {hw['weightsync']}; "
              f"tools: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()) + ".", "",
              "Network: " + ", ".join(f"{k}: {v}" for k, v in net.items()) + ".", "",
-             "Checkpoints: weightsync.model.CausalLM trained with AdamW on fp32 masters (bench/checkpoints.py); "
+             "Checkpoints: weightsync.models.CausalLM trained with AdamW on fp32 masters (bench/checkpoints.py); "
              "the measured pair's changed fraction per size and lr: "
              + "; ".join(f"{s} GiB " + ", ".join(f"lr {lr} {f:.2%}" for lr, f in c["changed_fraction"].items())
                          for s, c in record["config"]["checkpoints"].items()) + ".", "",

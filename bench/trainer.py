@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from weightsync import __version__
-    from weightsync.model import ModelConfig, num_parameters
+    from weightsync.models import ModelConfig, num_parameters
 
     load_before = _load()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-", dir=args.store_parent) as tmp:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from weightsync.model import CausalLM, ModelConfig
+from weightsync.models import CausalLM, ModelConfig
 
 MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -136,7 +136,7 @@ def _agent_process(root: Path, name: str, arch: ModelConfig, store_uri: str, pee
         f'[agent]\nmodel = "{MODEL}"\nname = "{name}"\ncache_dir = "{root / name}"\nstore = "{store_uri}"\n'
         f"peers = {json.dumps(peers)}\npoll_interval_s = 30.0\npush_wait_s = 5.0\n"
         f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "agent", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
                             stdout=subprocess.PIPE, text=True)
     ready = json.loads(proc.stdout.readline())
     return proc, ready["address"]

@@ -34,7 +34,7 @@ from weightsync.errors import (
     SignatureError,
     StaleVersion,
 )
-from weightsync.model import ModelConfig, build_model
+from weightsync.models import ModelConfig, build_model
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.push import PushConfig, Pusher
 from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig
@@ -397,7 +397,7 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
     )
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "agent", "--config", str(config)],
+        proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
                                 stdout=subprocess.PIPE, text=True)
         ready = json.loads(proc.stdout.readline())
         assert ready["event"] == "ready"
@@ -469,7 +469,7 @@ def test_verify_rehashes_the_served_bytes(cluster):
 
 
 def test_status_command_reports_the_ledger(cluster, capsys):
-    from weightsync.cli import main
+    from weightsync.app.cli import main
 
     store, agents, publisher, _ = cluster
     trainer = FakeTrainer(8)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightsync.checkpoint_io import INDEX_NAME, open_checkpoint, write_safetensors
-from weightsync.cli import main
+from weightsync.app.cli import main
 
 
 def _checkpoints(tmp_path: Path) -> tuple[dict, dict, Path, Path]:
@@ -156,13 +156,13 @@ def test_every_subcommand_has_help(command, capsys):
 
 def test_real_subprocess_and_help_does_not_import_torch(tmp_path):
     _, second, _, c2 = _checkpoints(tmp_path)
-    script = "import sys, weightsync.cli; sys.exit('torch' in sys.modules)"
+    script = "import sys, weightsync.app.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", script]).returncode == 0
     store = str(tmp_path / "store")
-    done = subprocess.run([sys.executable, "-m", "weightsync.cli", "publish", "--store", store, "--model", "m",
+    done = subprocess.run([sys.executable, "-m", "weightsync.app.cli", "publish", "--store", store, "--model", "m",
                            str(c2), "--json"], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout)["version"] == 1
-    done = subprocess.run([sys.executable, "-m", "weightsync.cli", "pull", "--store", store, "--model", "m",
+    done = subprocess.run([sys.executable, "-m", "weightsync.app.cli", "pull", "--store", store, "--model", "m",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     _assert_equal_dicts(load_file(tmp_path / "out" / "model.safetensors"), _bf16(second))

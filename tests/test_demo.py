@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from weightsync.demo import DemoConfig, run_demo
+from weightsync.app.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

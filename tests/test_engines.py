@@ -21,7 +21,7 @@ import torch
 
 from weightsync.agents.engine import Engine, open_engine
 from weightsync.errors import LayoutError, WeightsyncError
-from weightsync.model import ModelConfig, build_model, load_pretrained, save_pretrained
+from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -414,7 +414,7 @@ def test_dir_reopen_cleans_leftovers_and_reuses_a_complete_snapshot(tmp_path):
 _CRASH_CHILD = """
 import sys, torch
 from weightsync.agents.engine import open_engine
-from weightsync.model import ModelConfig, build_model
+from weightsync.models import ModelConfig, build_model
 small = {small!r}
 engine = open_engine({{"type": "safetensors_dir", "root": sys.argv[1], "model": small, "keep_snapshots": 2}})
 for v in range(1, 100000):

@@ -1,4 +1,4 @@
-"""The shared decoder (weightsync/model.py): HF names per architecture, incremental decoding
+"""The shared decoder (models/decoder.py): HF names per architecture, incremental decoding
 equals full recomputation, weights handed in per call equal the module's own, and an HF-style
 directory round-trips config and bf16 weights bit for bit."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from weightsync.model import KVCache, ModelConfig, build_model, load_pretrained, save_pretrained
+from weightsync.models import KVCache, ModelConfig, build_model, load_pretrained, save_pretrained
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -93,7 +93,7 @@ def test_a_directory_that_does_not_fit_the_config_is_refused(tmp_path):
 
 
 def test_byte_tokenizer_round_trips_text_and_stops_at_eos():
-    from weightsync.model import ByteTokenizer
+    from weightsync.models import ByteTokenizer
 
     tok = ByteTokenizer()
     ids = tok.encode("12+30=42 é")

@@ -18,7 +18,7 @@ import torch
 from weightsync.agents.engine import open_engine
 from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
 from weightsync.errors import LayoutError
-from weightsync.model import ByteTokenizer, CausalLM, ModelConfig, build_model, save_pretrained
+from weightsync.models import ByteTokenizer, CausalLM, ModelConfig, build_model, save_pretrained
 
 # Byte-tokenizer vocabulary; a wide init so greedy choices have clear margins and differ per version.
 BYTE_MODEL = dict(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -295,7 +295,7 @@ def test_busy_slots_answer_503():
 
 def test_config_is_validated():
     for kwargs, message in [({}, "exactly one of model"), ({"model": BYTE_MODEL, "model_dir": "x"}, "exactly one"),
-                            ({"model": {"hidden": 3}}, "field names of weightsync.model.ModelConfig"),
+                            ({"model": {"hidden": 3}}, "field names of weightsync.models.ModelConfig"),
                             ({"model": BYTE_MODEL, "compute_dtype": "fp8"}, "compute_dtype must be one of"),
                             ({"model": BYTE_MODEL, "port": 70000}, "port must be"),
                             ({"model": BYTE_MODEL, "max_batch_size": 0}, "max_batch_size must be a positive int")]:

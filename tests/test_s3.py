@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightsync.cli import main
+from weightsync.app.cli import main
 from weightsync.errors import ObjectExists
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader

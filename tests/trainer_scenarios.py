@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weightsync.model import build_model, save_pretrained
+from weightsync.models import build_model, save_pretrained
 from weightsync.trainer.config import ModelSpec, parse_job_config
 from weightsync.trainer.publish import collect_local_shards
 from weightsync.trainer.train import Trainer, configure_logging

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from weightsync.model import ModelConfig
+from weightsync.models import ModelConfig
 from weightsync.publisher import PublisherConfig
 
 if sys.version_info >= (3, 11):
@@ -161,7 +161,7 @@ class DataConfig:
     source: str = "arithmetic"
     """"arithmetic" (synthetic a+b=c SFT), "reverse" (synthetic string reversal SFT), "jsonl"
     (token ids and loss weights per line, see data.JsonlSource) or "rollouts" (GRPO examples from a
-    rollout queue; only the RL job, weightsync.trainer.rl, builds that one)."""
+    rollout queue; only the RL job, weightsync.app.demo.rl, builds that one)."""
     path: str | None = None
     """The JSONL file, for source = "jsonl"."""
     global_batch_size: int = 8

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from weightsync.model import ByteTokenizer
+from weightsync.models import ByteTokenizer
 from weightsync.trainer.config import DataConfig
 
 PAD_ID = 0
@@ -282,6 +282,6 @@ def build_source(config: DataConfig, *, dp_rank: int, dp_size: int) -> ExampleSo
     if config.source == "jsonl":
         return JsonlSource(config.path, dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, shuffle=config.shuffle)
     if config.source == "rollouts":
-        raise ValueError("train.data.source = \"rollouts\" is fed by the RL job (python -m weightsync.trainer.rl, "
+        raise ValueError("train.data.source = \"rollouts\" is fed by the RL job (python -m weightsync.app.demo.rl, "
                          "what `weightsync demo` runs), not by the plain trainer")
     raise ValueError(f"unknown train.data.source {config.source!r}")

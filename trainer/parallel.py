@@ -6,7 +6,7 @@ degrees into a DeviceMesh once; `build_sharded_model` makes the model on the met
 applies activation checkpointing and `fully_shard` (each decoder layer, then the root),
 materialises only the local shards and loads the initial weights from rank 0.
 
-Not here: what the model computes (`weightsync.model`), the optimizer, checkpoints.
+Not here: what the model computes (`weightsync.models`), the optimizer, checkpoints.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from weightsync.model import CausalLM, ModelConfig, rope_inv_freq
+from weightsync.models import CausalLM, ModelConfig, rope_inv_freq
 from weightsync.trainer.config import ParallelConfig
 
 log = logging.getLogger(__name__)

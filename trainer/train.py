@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from weightsync.model import ModelConfig, build_model, load_config, load_pretrained, token_logprobs
+from weightsync.models import ModelConfig, build_model, load_config, load_pretrained, token_logprobs
 from weightsync.trainer.checkpoint import CheckpointManager
 from weightsync.trainer.config import JobConfig, ModelSpec, load_job_config
 from weightsync.trainer.data import ExampleSource, MicroBatch, build_source, collate

@@ -56,7 +56,7 @@ from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import xxh3_digest, xxh3_hex
 from weightsync.layout import chunk_key, manifest_key, model_prefix, signature_key
 from weightsync.manifest import CODEC_SAME, ChunkRef, Manifest, TensorEntry, compute_digest
-from weightsync.model import ModelConfig, build_model
+from weightsync.models import ModelConfig, build_model
 from weightsync.rpc import ObjectFrame, encode_object_frame
 from weightsync.signing import Signer
 from weightsync.tensors import dtype_of, raw_bytes

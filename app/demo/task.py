@@ -4,7 +4,7 @@ Small enough that a few-million-parameter model learns it on a CPU in minutes, v
 exactly (the reward is 1 for the right sum, 0 otherwise), and with a difficulty knob
 (`max_operand`) so that after a short SFT warm start the model is right only sometimes and
 reinforcement learning has room to show. Trainer (SFT warm start) and rollout workers (prompts,
-rewards) share it. Not here: tokens (`weightsync.model.ByteTokenizer`), sampling, training.
+rewards) share it. Not here: tokens (`weightsync.models.ByteTokenizer`), sampling, training.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("weightsync.cli")
+log = logging.getLogger("weightsync.app.cli")
 
 
 # ------------------------------------------------------------------------------ utilities
@@ -226,7 +226,7 @@ def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.demo import DemoConfig, run_demo
+    from weightsync.app.demo import DemoConfig, run_demo
 
     overrides = {k: getattr(args, k) for k in ("store", "out_dir", "warmup_steps", "rl_steps", "max_operand", "seed")
                  if getattr(args, k) is not None}

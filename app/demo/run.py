@@ -197,8 +197,8 @@ def _tail_json(path: Path) -> list[dict]:
 
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    from weightsync.demo.report import build_report, write_plot
-    from weightsync.demo.rollout_queue import RolloutQueue
+    from weightsync.app.demo.report import build_report, write_plot
+    from weightsync.app.demo.rollout_queue import RolloutQueue
     from weightsync.rpc import AgentClient
     from weightsync.store import open_store
     from weightsync.versions import latest_version, read_manifest
@@ -222,7 +222,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
             for i in reversed(range(config.agents_per_region)):
                 name = f"{region}-{i + 1}"
                 toml = _agent_toml(config, root, name, region, downstream)
-                _, ready = children.start(name, [python, "-m", "weightsync.cli", "agent", "--config", str(toml)],
+                _, ready = children.start(name, [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml)],
                                           ready_line=True)
                 agents[name] = {"region": region, "address": ready["address"], "engine_url": ready["engine_url"]}
                 downstream = [ready["address"]]
@@ -232,7 +232,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
 
         # -- trainer
         trainer_argv = [python, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={config.trainer_ranks}", "-m", "weightsync.trainer.rl",
+                        f"--nproc-per-node={config.trainer_ranks}", "-m", "weightsync.app.demo.rl",
                         "--config", str(_trainer_toml(config, root, leaders)), "--rollouts", str(root / "rollouts"),
                         "--export-dir", str(root / "trainer" / "warm-start"),
                         f"--warmup-steps={config.warmup_steps}", f"--rl-steps={config.rl_steps}",
@@ -306,7 +306,7 @@ def _start_workers(config: DemoConfig, root: Path, agents: dict, children: _Chil
                   "model": config.model, "worker": f"w{w}", "group_size": config.group_size,
                   "max_operand": config.max_operand, "seed": config.seed + w,
                   "stats_path": str(root / "rollouts" / f"stats-w{w}.jsonl")}
-        children.start(f"rollouts-w{w}", [sys.executable, "-m", "weightsync.demo.rollouts", json.dumps(worker)])
+        children.start(f"rollouts-w{w}", [sys.executable, "-m", "weightsync.app.demo.rollouts", json.dumps(worker)])
 
 
 def _progress_line(config: DemoConfig, step: int, metrics: list[dict], store, clients: dict, queue, root: Path) -> str:

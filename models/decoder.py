@@ -1,4 +1,4 @@
-"""model: a Llama / Qwen2 / Qwen3-style decoder in plain PyTorch, with Hugging Face tensor names.
+"""decoder: a Llama / Qwen2 / Qwen3-style decoder in plain PyTorch, with Hugging Face tensor names.
 
 The one model definition the project shares: the trainer (`weightsync.trainer`) trains it and
 the reference inference server (`weightsync.agents`) serves it, and its checkpoints load in HF
@@ -97,7 +97,7 @@ def as_model_config(value: ModelConfig | Mapping[str, Any] | None, what: str = "
         try:
             return ModelConfig(**value)
         except TypeError as e:
-            raise ValueError(f"{what}: {e}; use the field names of weightsync.model.ModelConfig") from None
+            raise ValueError(f"{what}: {e}; use the field names of weightsync.models.ModelConfig") from None
     raise ValueError(f"{what} must be a ModelConfig or a dict of its fields, got {type(value).__name__}")
 
 

@@ -2,7 +2,7 @@
 
 Two phases in one torchrun job, on one process group:
 
-    warm start -> SFT on the task (`weightsync.demo.task`) for `warmup_steps`, publishing every
+    warm start -> SFT on the task (`weightsync.app.demo.task`) for `warmup_steps`, publishing every
                   step like any run; rank 0 then exports the weights as an HF directory
     grpo       -> a new Trainer starts from that directory and trains on the rollouts that the
                   inference-side workers queue (`RolloutSource`), still publishing every step
@@ -12,10 +12,10 @@ It waits for rollouts only when the queue is empty, and it drops rollouts sample
 more than `max_staleness_steps` steps older than its own (the importance ratio in the GRPO loss
 corrects for the staleness it keeps).
 
-    torchrun --standalone --nproc-per-node 2 -m weightsync.trainer.rl --config FILE --rollouts DIR \
+    torchrun --standalone --nproc-per-node 2 -m weightsync.app.demo.rl --config FILE --rollouts DIR \
         --export-dir DIR --warmup-steps 40 --rl-steps 60
 
-Not here: sampling and rewards (`weightsync.demo.rollouts`), the orchestration (`weightsync.demo`).
+Not here: sampling and rewards (`weightsync.app.demo.rollouts`), the orchestration (`weightsync.app.demo`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from weightsync.demo.rollout_queue import Rollout, RolloutQueue
-from weightsync.demo.task import AdditionTask
-from weightsync.model import ByteTokenizer, load_config, save_pretrained
+from weightsync.app.demo.rollout_queue import Rollout, RolloutQueue
+from weightsync.app.demo.task import AdditionTask
+from weightsync.models import ByteTokenizer, load_config, save_pretrained
 from weightsync.trainer.config import LossConfig, ModelSpec, load_job_config
 from weightsync.trainer.data import Example, _IndexedSource
 from weightsync.trainer.train import Trainer, configure_logging
@@ -196,7 +196,7 @@ class _LazySource:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weightsync.trainer.rl", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m weightsync.app.demo.rl", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="trainer TOML (parallel, model, optimizer, data, publish)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--rollouts", required=True, help="rollout queue directory")

@@ -3,7 +3,7 @@
 `weightsync demo` starts, on embedded defaults (a local store under ./weightsync-demo, or S3
 when `--store s3://...` is given):
 
-    trainer          FSDP2, 2 ranks under torchrun (weightsync.trainer.rl): an SFT warm start on
+    trainer          FSDP2, 2 ranks under torchrun (weightsync.app.demo.rl): an SFT warm start on
                      a verifiable task (two-number addition), then GRPO on rollouts; every step
                      is published as a version, each rank its own shards, and pushed to one
                      agent per region
@@ -23,6 +23,6 @@ it starts it stops, also on Ctrl-C. Not here: any of those parts (their own modu
 
 from __future__ import annotations
 
-from weightsync.demo.run import DemoConfig, run_demo
+from weightsync.app.demo.run import DemoConfig, run_demo
 
 __all__ = ["DemoConfig", "run_demo"]

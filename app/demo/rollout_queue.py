@@ -8,7 +8,7 @@ crashes) and drops those sampled by weights older than its staleness bound into 
 Nothing here waits on the other side: workers never block on the trainer, and `claim` returns
 what is there.
 
-Not here: sampling (`rollouts.py`), training on rollouts (`weightsync.trainer.rl`).
+Not here: sampling (`rollouts.py`), training on rollouts (`weightsync.app.demo.rl`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ version that produced it (the server reports it with each response) and that ver
 step (from its manifest), so the trainer can bound staleness. It never waits for the trainer:
 it samples with whatever weights the servers serve now.
 
-Runs as a process: `python -m weightsync.demo.rollouts CONFIG_JSON` (what `weightsync demo`
+Runs as a process: `python -m weightsync.app.demo.rollouts CONFIG_JSON` (what `weightsync demo`
 starts), until SIGTERM. Not here: the queue format (`rollout_queue.py`), training.
 """
 
@@ -27,9 +27,9 @@ import time
 import urllib.error
 import urllib.request
 
-from weightsync.demo.rollout_queue import Rollout, RolloutQueue
-from weightsync.demo.task import AdditionTask
-from weightsync.model import ByteTokenizer
+from weightsync.app.demo.rollout_queue import Rollout, RolloutQueue
+from weightsync.app.demo.task import AdditionTask
+from weightsync.models import ByteTokenizer
 
 log = logging.getLogger(__name__)
 

