@@ -1,0 +1,423 @@
+"""vllm_engine: a copying engine that hot-swaps verified versions into a running vLLM server.
+
+The server is vLLM's OpenAI-compatible one, started with weightsync's worker extension and the
+dev routes (docs/vllm.md has the full command):
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
+        --worker-extension-cls weightsync.agents.vllm_worker.WeightsyncWorkerExtension
+
+A swap, in order (a failure at any step is handled as the last column says):
+
+    handoff  the version's tensors go to a safetensors file on tmpfs       -> nothing changed: raise
+             (`handoff_dir`, /dev/shm); each worker maps it, so no tensor
+             crosses the network
+    pause    POST /pause?mode=wait: running requests finish on the old     -> resume, raise
+             version, new ones wait (mode=abort/keep: see `pause_mode`)
+    load     POST /collective_rpc weightsync_load: each worker checks the  -> handoff damaged: the
+             file against the agent's per-tensor hashes, then reloads         model is untouched,
+             through vLLM's own load path (fusing, tensor parallelism)        resume on the old
+                                                                               version, raise
+    verify   each worker's digest of what it now holds (HF names, its     -> unknown weights: stay
+             tensor-parallel slices) equals the same slices of the            paused, unhealthy,
+             published tensors                                                raise; the next swap
+                                                                               reloads everything
+    commit   POST /reset_prefix_cache (KV of the old weights must not be  -> stay paused, raise
+             reused), POST /update_weight_version, POST /resume
+
+The server therefore serves either a verified version or nothing. A restarted agent finds the
+server as the last one left it (maybe paused mid-load) and swaps its cached version in again.
+
+Memory in the agent: the agent's one buffer (the engine keeps no reference to it); the handoff
+file lives on tmpfs only for the duration of the swap. The copy vLLM serves is the engine's copy.
+Not here: fetching or verifying versions (the agent), the worker side (`vllm_worker.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
+from weightsync.hashing import xxh3_hex
+from weightsync.layout import MAX_VERSION
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "weightsync.agents.vllm_worker.WeightsyncWorkerExtension"
+PROTOCOL = 1  # the worker extension's; see vllm_worker.PROTOCOL
+PAUSE_MODES = ("wait", "abort", "keep")
+# route -> how to get it, for the refusal message when a server lacks it
+REQUIRED_ROUTES = {
+    "/collective_rpc": "start vLLM with VLLM_SERVER_DEV_MODE=1",
+    "/pause": "start vLLM with VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.11 has /pause and /resume)",
+    "/resume": "start vLLM with VLLM_SERVER_DEV_MODE=1",
+    "/reset_prefix_cache": "start vLLM with VLLM_SERVER_DEV_MODE=1",
+}
+OPTIONAL_ROUTES = ("/update_weight_version", "/is_paused", "/weight_info")
+_REPLY_BYTES = 1024 * 1024
+
+
+class EngineUnhealthy(WeightsyncError, RuntimeError):
+    """The server may hold weights nobody verified; it stays paused until a swap succeeds."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VllmEngineConfig:
+    """How to reach the vLLM server and how swaps behave."""
+
+    url: str
+    """Base URL of the vLLM OpenAI-compatible server, e.g. "http://127.0.0.1:8000"."""
+    api_key: str | None = None
+    """Sent as "Authorization: Bearer ..." (a server started with --api-key); or $VLLM_API_KEY."""
+    pause_mode: str = "wait"
+    """How running requests meet a swap: "wait" (default: they finish on the old version, new ones
+    wait; every response comes from exactly one version), "abort" (they are cut), "keep" (they
+    are frozen and continue on the new weights after the swap)."""
+    handoff_dir: str | None = None
+    """A directory on tmpfs that the vLLM workers can read (the same host or pod); default
+    /dev/shm when it exists, else the system temp dir."""
+    request_timeout_s: float = 30.0
+    """Per HTTP call for the quick routes (pause waits up to drain_timeout_s instead)."""
+    drain_timeout_s: float = 600.0
+    """How long /pause?mode=wait may take for running requests to finish."""
+    load_timeout_s: float = 600.0
+    """How long the workers may take to check, load and digest one version."""
+    start_timeout_s: float = 0.0
+    """Wait this long for the server to answer /health at start (0: it must be up already)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not re.match(r"https?://[^/]+", self.url):
+            raise ValueError(f"url must be the vLLM server's http:// or https:// base URL, got {self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        for name in ("request_timeout_s", "drain_timeout_s", "load_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(self.start_timeout_s, bool) or not isinstance(self.start_timeout_s, (int, float)) \
+                or self.start_timeout_s < 0:
+            raise ValueError(f"start_timeout_s must be >= 0 seconds, got {self.start_timeout_s!r}")
+        if self.handoff_dir is not None and not Path(self.handoff_dir).is_dir():
+            raise ValueError(f"handoff_dir {self.handoff_dir} is not a directory")
+
+
+class VllmEngine:
+    """A copying `Engine` (name "vllm") driving a vLLM server through its dev routes and
+    weightsync's worker extension."""
+
+    name = "vllm"
+    zero_copy = False
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self._api_key = config.api_key or os.environ.get("VLLM_API_KEY")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._served: int | None = None
+        self._healthy = True
+        self._last_error: str | None = None
+        self._handoff_dir = Path(config.handoff_dir or ("/dev/shm" if Path("/dev/shm").is_dir()
+                                                        else tempfile.gettempdir()))
+        self._wait_until_up()
+        self.routes = self._probe_routes()
+        self.workers = self._probe_extension()
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
+        """Hands `weights` to the workers, has them load and digest them, and serves `version`
+        only once every worker holds exactly those bytes."""
+        started = time.perf_counter()
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
+        if not isinstance(digest, str):
+            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        with self._lock:
+            if self._closed:
+                raise WeightsyncError(f"the vllm engine for {self.config.url} is closed")
+            self._check_names(version, weights)
+            path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}.safetensors"
+            try:
+                hashes = self._write_handoff(path, weights)
+                t_pause = time.perf_counter()
+                self._post(f"/pause?mode={self.config.pause_mode}", timeout_s=self.config.drain_timeout_s)
+                paused = time.perf_counter()
+                try:
+                    reports = self._load(path, hashes)
+                except IntegrityError:
+                    self._resume_after_failed_check()  # the model was not touched
+                    raise
+                except BaseException as e:
+                    self._mark_unhealthy(f"v{version} failed while loading: {e}")
+                    raise
+                try:
+                    self._verify(version, weights, reports)
+                    self._post("/reset_prefix_cache")
+                    if "/update_weight_version" in self.routes:
+                        self._post("/update_weight_version", {"new_version": str(version)})
+                    self._post("/resume")
+                except BaseException as e:
+                    self._mark_unhealthy(f"v{version}: {e}")
+                    raise
+                resumed = time.perf_counter()
+            finally:
+                path.unlink(missing_ok=True)
+            self._served, self._healthy, self._last_error = version, True, None
+        timings = reports[0].get("timings_s", {})
+        logger.info("vllm %s serves v%d: pause %.1f ms (drain %.1f ms, load %.1f ms), swap %.2f s",
+                    self.config.url, version, 1000 * (resumed - t_pause), 1000 * (paused - t_pause),
+                    1000 * timings.get("load", 0.0), time.perf_counter() - started)
+        return SwapReport(version=version, pause_s=resumed - t_pause, total_s=time.perf_counter() - started)
+
+    def served_version(self) -> int | None:
+        return self._served if self._healthy else None
+
+    def wait_unused(self, version: int, timeout_s: float) -> bool:
+        return True  # the workers copied the tensors; nothing here refers to the agent's memory
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    # ------------------------------------------------------------------ inspection
+
+    def health(self) -> dict[str, Any]:
+        """{"healthy", "served_version", "last_error"}: unhealthy means the server is kept paused."""
+        return {"healthy": self._healthy, "served_version": self.served_version(), "last_error": self._last_error}
+
+    def served_weight_version(self) -> str | None:
+        """The weight version vLLM itself reports (GET /weight_info), where it has the route."""
+        if "/weight_info" not in self.routes:
+            return None
+        return self._get("/weight_info").get("weight_version")
+
+    def rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list[Any]:
+        """One collective RPC on every worker; their results in rank order."""
+        timeout_s = timeout_s or self.config.request_timeout_s
+        reply = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": timeout_s},
+                           timeout_s=timeout_s + 30)
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not results:
+            raise WeightsyncError(f"{self.config.url}/collective_rpc {method}: no results in {str(reply)[:200]}")
+        return results
+
+    # ------------------------------------------------------------------ steps
+
+    def _write_handoff(self, path: Path, weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+        """Writes a safetensors file tensor by tensor (no second copy of the model in memory) and
+        returns {name: xxh3 of its bytes}."""
+        hashes, header, offset = {}, {}, 0
+        contiguous = {}
+        for name in sorted(weights):
+            tensor = weights[name].detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            tensor = tensor.contiguous()
+            contiguous[name] = tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-aligned
+        free = os.statvfs(path.parent)
+        if offset > free.f_bavail * free.f_frsize:
+            raise WeightsyncError(f"handoff of {offset / 2**30:.2f} GiB does not fit in {path.parent}; "
+                                  "give handoff_dir a tmpfs with room for one model")
+        with open(path, "wb") as f:
+            f.write(len(header_bytes).to_bytes(8, "little"))
+            f.write(header_bytes)
+            for name, tensor in contiguous.items():
+                data = _raw_bytes(tensor)
+                hashes[name] = xxh3_hex(data)
+                f.write(data)
+        return hashes
+
+    def _load(self, path: Path, hashes: dict[str, str]) -> list[dict[str, Any]]:
+        try:
+            results = self.rpc("weightsync_load", str(path), json.dumps(hashes), timeout_s=self.config.load_timeout_s)
+        except WeightsyncError as e:
+            if "damaged between the agent and this worker" in str(e) or "does not hold the announced" in str(e):
+                raise IntegrityError(f"in-engine check of the handoff failed: {e}") from e
+            raise
+        for result in results:
+            if not isinstance(result, dict) or "tensors" not in result:
+                raise WeightsyncError(f"a worker answered weightsync_load with {str(result)[:300]}")
+        return results
+
+    def _verify(self, version: int, weights: Mapping[str, torch.Tensor], reports: list[dict[str, Any]]) -> None:
+        """Each worker's digest against the same slices of the published tensors."""
+        covered: set[str] = set()
+        for rank, report in enumerate(reports):
+            if report.get("unverifiable"):
+                raise IntegrityError(f"worker {rank} holds parameters no digest covers: {report['unverifiable'][:5]}")
+            for name, (dim, start, length, dtype, actual) in report["tensors"].items():
+                tensor = weights.get(name)
+                if tensor is None:
+                    raise LayoutError(f"worker {rank} holds {name}, which v{version} does not publish; the "
+                                      "served model's architecture does not match the published one")
+                expected = _slice_hash(tensor, dim, start, length, dtype)
+                if expected != actual:
+                    raise IntegrityError(f"worker {rank} holds {name} with digest {actual}, v{version} has "
+                                         f"{expected}: the engine does not serve what was published")
+                covered.add(name)
+        missing = sorted(set(weights) - covered)
+        if missing:
+            raise LayoutError(f"v{version} publishes {len(missing)} tensors no worker loaded, e.g. {missing[:5]}; "
+                              "the served model's architecture does not match the published one")
+
+    def _check_names(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Refuses, before the server is touched, a version whose tensor names are not the ones
+        the served model loads (another architecture, a renamed checkpoint)."""
+        for name, tensor in weights.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+        expected = set(self.workers[0].get("hf_names") or ())
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        if missing or unexpected:
+            raise LayoutError(f"v{version} does not fit the model vLLM serves ({self.workers[0].get('model_class')}): "
+                              f"{len(missing)} tensors missing {missing[:5]}, {len(unexpected)} unexpected "
+                              f"{unexpected[:5]}; the published model's architecture does not match")
+
+    def _resume_after_failed_check(self) -> None:
+        try:
+            self._post("/resume")
+        except WeightsyncError as e:
+            self._mark_unhealthy(f"could not resume after a refused handoff: {e}")
+
+    def _mark_unhealthy(self, reason: str) -> None:
+        self._healthy, self._last_error = False, reason
+        logger.error("vllm %s is kept paused and unhealthy: %s", self.config.url, reason)
+
+    # ------------------------------------------------------------------ start
+
+    def _wait_until_up(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            try:
+                self._request("GET", "/health", None, self.config.request_timeout_s)
+                return
+            except WeightsyncError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
+
+    def _probe_routes(self) -> set[str]:
+        spec = self._get("/openapi.json")
+        routes = set(spec.get("paths", {})) if isinstance(spec, dict) else set()
+        missing = [route for route in REQUIRED_ROUTES if route not in routes]
+        if missing:
+            how = "; ".join(f"{route}: {REQUIRED_ROUTES[route]}" for route in missing)
+            raise WeightsyncError(f"the vLLM server at {self.config.url} lacks {missing} ({how}), and "
+                                  f"pass --worker-extension-cls {EXTENSION}")
+        return routes
+
+    def _probe_extension(self) -> list[dict[str, Any]]:
+        try:
+            workers = self.rpc("weightsync_info")
+        except WeightsyncError as e:
+            raise WeightsyncError(f"the vLLM server at {self.config.url} has no weightsync worker extension "
+                                  f"({e}); start it with --worker-extension-cls {EXTENSION}") from None
+        for worker in workers:
+            if not isinstance(worker, dict) or worker.get("protocol") != PROTOCOL:
+                raise WeightsyncError(f"the vLLM workers run another weightsync worker extension ({worker}); "
+                                      f"install the same weightsync version beside vLLM as the agent's")
+        return workers
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _get(self, route: str) -> Any:
+        return self._request("GET", route, None, self.config.request_timeout_s)
+
+    def _post(self, route: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
+        return self._request("POST", route, body, timeout_s or self.config.request_timeout_s)
+
+    def _request(self, method: str, route: str, body: Any, timeout_s: float) -> Any:
+        url = self.config.url + route
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                text = reply.read(_REPLY_BYTES).decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            detail = e.read(_REPLY_BYTES).decode("utf-8", "replace")
+            raise WeightsyncError(f"{method} {url} answered {e.code}: {_error_text(detail)}") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise WeightsyncError(f"{method} {url}: {type(e).__name__}: {e}") from None
+        if not text:
+            return {}
+        try:
+            return json.loads(text)
+        except ValueError:
+            return {"text": text[:500]}
+
+
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32",
+                       torch.int64: "I64", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                       torch.float8_e5m2: "F8_E5M2"}
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS_DTYPES}
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _slice_hash(tensor: torch.Tensor, dim: int, start: int, length: int, dtype: str) -> str:
+    """xxh3 of the slice a worker reports it holds, in the dtype it holds it in."""
+    piece = tensor if dim < 0 else tensor.narrow(dim, start, length)
+    target = _TORCH_DTYPES.get(dtype)
+    if target is None:
+        raise LayoutError(f"a worker holds a tensor in {dtype}, which weightsync cannot compare")
+    if piece.dtype != target:
+        piece = piece.to(target)
+    return xxh3_hex(_raw_bytes(piece.contiguous()))
+
+
+def _error_text(detail: str) -> str:
+    try:
+        doc = json.loads(detail)
+    except ValueError:
+        return detail[:500]
+    if isinstance(doc, dict):
+        for key in ("error", "detail", "message"):
+            if key in doc:
+                value = doc[key]
+                return (value.get("message") if isinstance(value, dict) else str(value))[:2000]
+    return detail[:500]
+
+
+def open_vllm_engine(options: Mapping[str, Any]) -> VllmEngine:
+    """The `open_engine({"type": "vllm", ...})` factory."""
+    names = sorted(f.name for f in dataclasses.fields(VllmEngineConfig))
+    try:
+        config = VllmEngineConfig(**options)
+    except TypeError as e:
+        raise ValueError(f"vllm engine: {e}; options are {names}") from None
+    return VllmEngine(config)
+
+
+register_engine("vllm", open_vllm_engine)

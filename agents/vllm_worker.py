@@ -1,0 +1,222 @@
+"""vllm_worker: the worker extension weightsync's vLLM engine drives inside each vLLM worker.
+
+Start vLLM with `--worker-extension-cls weightsync.agents.vllm_worker.WeightsyncWorkerExtension`
+(and `VLLM_SERVER_DEV_MODE=1`, which exposes `/collective_rpc`); vLLM mixes these methods into
+every worker, and the agent's engine (`vllm_engine.py`) calls them through
+`POST /collective_rpc`. Arguments arrive as strings, results leave as JSON.
+
+A load, in each worker:
+    check    every tensor of the handoff file (safetensors on tmpfs, memory-mapped: no copy over
+             the network per tensor) is hashed and compared with the hashes the agent sent, before
+             the model is touched; a mismatch raises and the served weights stay as they were
+    load     vLLM's own in-place reload (`reload_weights`), which goes through the model's
+             `load_weights`: the model fuses (`qkv_proj`, `gate_up_proj`) and shards
+             (tensor parallel) the HF-named tensors itself
+    digest   what the worker now holds, split back into HF names: for each HF tensor the slice
+             this worker holds (dim, start, length), its dtype and the xxh3-128 of its bytes. The
+             agent hashes the same slices of the published tensors and compares.
+
+Where the digest is read: a parameter that still holds its data after loading is hashed as it is
+served. On CPU, vLLM repacks linear weights into a kernel format (oneDNN) after loading and frees
+the parameter; those are hashed inside the reload, right before the repack, the last point where
+they exist in checkpoint layout (after fusing and sharding). A parameter of neither kind cannot be
+verified, and the load says so rather than pass.
+
+This module is imported inside vLLM's workers: it depends on torch, safetensors and xxhash only.
+Not here: pausing, draining, comparing digests, deciding what is served (`vllm_engine.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+import xxhash
+from safetensors import safe_open
+
+PROTOCOL = 1  # bumped when the RPCs below change incompatibly; the engine checks it
+
+
+def _tensor_hash(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().contiguous().view(-1)
+    if flat.numel() == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    return xxhash.xxh3_128_hexdigest(flat.view(torch.uint8).cpu().numpy())
+
+
+class WeightsyncWorkerExtension:
+    """Methods vLLM adds to each worker (`--worker-extension-cls`). Names carry a `weightsync_`
+    prefix so they cannot clash with the worker's own."""
+
+    # ------------------------------------------------------------------ RPCs
+
+    def weightsync_info(self) -> dict[str, Any]:
+        """Who this worker is: protocol, model class, tensor-parallel rank/size, parameter count."""
+        model = self.model_runner.model
+        rank, size = _tp_rank_size(model)
+        return {"protocol": PROTOCOL, "model_class": type(model).__name__, "tp_rank": rank, "tp_size": size,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "hf_names": _hf_names(model)}
+
+    def weightsync_load(self, path: str, expected_json: str) -> dict[str, Any]:
+        """Checks the handoff file against `expected_json` ({hf_name: xxh3 of its bytes}), reloads
+        the model from it, and returns the digest of what this worker then holds."""
+        started = time.perf_counter()
+        expected = json.loads(expected_json)
+        with safe_open(path, framework="pt") as handoff:
+            names = list(handoff.keys())  # noqa: SIM118 - safe_open has no __iter__
+            if sorted(names) != sorted(expected):
+                missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+                raise ValueError(f"handoff {path} does not hold the announced tensors: missing {missing[:5]}, "
+                                 f"unexpected {extra[:5]}")
+            for name in names:
+                actual = _tensor_hash(handoff.get_tensor(name))
+                if actual != expected[name]:
+                    raise ValueError(f"handoff {path}: {name} hashes to {actual}, the agent sent {expected[name]}; "
+                                     "the handoff was damaged between the agent and this worker")
+            checked = time.perf_counter()
+            self._weightsync_hook_repacking()
+            self._weightsync_captured.clear()
+            self.reload_weights(weights_iterator=((n, handoff.get_tensor(n)) for n in names),
+                                is_checkpoint_format=True)
+        loaded = time.perf_counter()
+        digest = self.weightsync_digest()
+        digest["timings_s"] = {"check": checked - started, "load": loaded - checked,
+                               "digest": time.perf_counter() - loaded}
+        return digest
+
+    def weightsync_digest(self) -> dict[str, Any]:
+        """{"tensors": {hf_name: [dim, start, length, dtype, xxh3]}, "unverifiable": [...]} for
+        what this worker holds now (dim -1: the whole tensor)."""
+        model = self.model_runner.model
+        captured = getattr(self, "_weightsync_captured", {})
+        tensors: dict[str, list] = {}
+        unverifiable = []
+        for name, param in model.named_parameters():
+            if param.numel() > 0:
+                parts = _split_to_hf(model, name, param)
+            elif name in captured:
+                parts = captured[name]
+            else:
+                unverifiable.append(name)
+                continue
+            tensors.update(parts)
+        return {"tensors": tensors, "unverifiable": unverifiable, "tp_rank": _tp_rank_size(model)[0]}
+
+    def weightsync_save_params(self, path: str) -> int:
+        """Writes this worker's live parameters (vLLM names, fused) that still hold data to a
+        safetensors file, for tests and debugging; returns how many it wrote."""
+        from safetensors.torch import save_file
+
+        model = self.model_runner.model
+        live = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.numel() > 0}
+        save_file(live, path)
+        return len(live)
+
+    # ------------------------------------------------------------------ digest before repacking
+
+    def _weightsync_hook_repacking(self) -> None:
+        """Wraps each layer's `process_weights_after_loading` (once) so that the weights it is about
+        to repack are digested first, in HF names."""
+        if getattr(self, "_weightsync_hooked", False):
+            return
+        self._weightsync_captured: dict[str, dict[str, list]] = {}
+        model = self.model_runner.model
+        for module_name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            original = getattr(method, "process_weights_after_loading", None)
+            if original is None or getattr(original, "_weightsync_wrapped", False):
+                continue
+
+            def capture(layer, *args, _original=original, **kwargs):
+                prefix = _names_by_module(model).get(id(layer))
+                if prefix is not None:
+                    for pname, param in layer.named_parameters(recurse=False):
+                        if param.numel() > 0:
+                            full = f"{prefix}.{pname}" if prefix else pname
+                            self._weightsync_captured[full] = _split_to_hf(model, full, param, module=layer)
+                return _original(layer, *args, **kwargs)
+
+            capture._weightsync_wrapped = True
+            method.process_weights_after_loading = capture
+        self._weightsync_hooked = True
+
+
+_MODULE_NAMES: dict[int, dict[int, str]] = {}
+
+
+def _names_by_module(model: torch.nn.Module) -> dict[int, str]:
+    names = _MODULE_NAMES.get(id(model))
+    if names is None:
+        names = _MODULE_NAMES[id(model)] = {id(m): n for n, m in model.named_modules()}
+    return names
+
+
+def _hf_names(model: torch.nn.Module) -> list[str]:
+    """The HF tensor names the model's parameters are loaded from (fused ones split back)."""
+    packed = getattr(type(model), "packed_modules_mapping", None) or {}
+    names = []
+    for name, _ in model.named_parameters():
+        module_name, _, pname = name.rpartition(".")
+        parent, _, leaf = module_name.rpartition(".")
+        subs = packed.get(leaf) if len(packed.get(leaf) or ()) > 1 else None
+        names += [".".join(p for p in (parent, sub, pname) if p) for sub in subs] if subs else [name]
+    return sorted(names)
+
+
+def _tp_rank_size(model: torch.nn.Module) -> tuple[int, int]:
+    for module in model.modules():
+        if hasattr(module, "tp_rank") and hasattr(module, "tp_size"):
+            return int(module.tp_rank), int(module.tp_size)
+    return 0, 1
+
+
+def _split_to_hf(model: torch.nn.Module, name: str, param: torch.Tensor,
+                 module: torch.nn.Module | None = None) -> dict[str, list]:
+    """The HF tensors (or their slices) that vLLM parameter `name` holds, each with its hash.
+
+    Fused parameters (the model's `packed_modules_mapping`, e.g. qkv_proj <- q/k/v_proj) are split
+    along their output dim by the layer's partition sizes; tensor-parallel shards report the slice
+    of the HF tensor they hold; vocab-parallel embeddings drop their padding rows.
+    """
+    module_name, _, pname = name.rpartition(".")
+    if module is None:
+        module = model.get_submodule(module_name) if module_name else model
+    dtype = str(param.dtype).removeprefix("torch.")
+    tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
+    parent, _, leaf = module_name.rpartition(".")
+    packed = getattr(type(model), "packed_modules_mapping", None) or {}
+    if leaf in packed and len(packed[leaf]) > 1:
+        sizes = list(getattr(module, "output_partition_sizes", None) or [])
+        subs = packed[leaf]
+        if len(sizes) != len(subs):
+            raise ValueError(f"{name}: {len(subs)} packed modules {subs} but partition sizes {sizes}")
+        out = {}
+        dim = int(getattr(param, "output_dim", 0))
+        offset = 0
+        kv_replicas = int(getattr(module, "num_kv_head_replicas", 1))
+        for index, (sub, size) in enumerate(zip(subs, sizes)):
+            piece = param.narrow(dim, offset, size)
+            offset += size
+            # q (and every merged column part) is sharded by rank; k/v heads may be replicated
+            # over several ranks when there are fewer kv heads than ranks.
+            shard = tp_rank // kv_replicas if (leaf == "qkv_proj" and index > 0) else tp_rank
+            hf = ".".join(p for p in (parent, sub, pname) if p)
+            out[hf] = [dim if tp_size > 1 else -1, shard * size, size, dtype, _tensor_hash(piece)]
+        return out
+    if hasattr(module, "org_vocab_size") and hasattr(module, "shard_indices"):  # vocab-parallel embedding/head
+        indices = module.shard_indices
+        rows = indices.org_vocab_end_index - indices.org_vocab_start_index
+        whole = tp_size == 1 and rows == param.shape[0]
+        piece = param.narrow(0, 0, rows)
+        return {name: [-1 if whole else 0, indices.org_vocab_start_index, rows, dtype, _tensor_hash(piece)]}
+    if tp_size > 1 and hasattr(param, "input_dim") and type(module).__name__.startswith("RowParallel"):
+        dim = int(param.input_dim)
+        length = param.shape[dim]
+        return {name: [dim, tp_rank * length, length, dtype, _tensor_hash(param)]}
+    if tp_size > 1 and hasattr(param, "output_dim"):
+        dim = int(param.output_dim)
+        length = param.shape[dim]
+        return {name: [dim, tp_rank * length, length, dtype, _tensor_hash(param)]}
+    return {name: [-1, 0, param.shape[0] if param.dim() else 1, dtype, _tensor_hash(param)]}
