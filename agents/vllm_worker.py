@@ -104,15 +104,30 @@ class WeightsyncWorkerExtension:
             tensors.update(parts)
         return {"tensors": tensors, "unverifiable": unverifiable, "tp_rank": _tp_rank_size(model)[0]}
 
+    def weightsync_keep_loaded(self, keep: str) -> dict[str, bool]:
+        """keep == "1": from the next load on, also keep a copy of each parameter as it was right
+        before a repack, so that `weightsync_save_params` can show it (tests, debugging; costs a
+        second copy of the repacked weights)."""
+        self._weightsync_keep = keep == "1"
+        if not self._weightsync_keep:
+            self._weightsync_copies = {}
+        return {"keep_loaded": self._weightsync_keep}
+
     def weightsync_save_params(self, path: str) -> int:
-        """Writes this worker's live parameters (vLLM names, fused) that still hold data to a
-        safetensors file, for tests and debugging; returns how many it wrote."""
+        """Writes this worker's parameters (vLLM names, fused, its tensor-parallel shard) to a
+        safetensors file: live ones as served, repacked ones as they were loaded (needs
+        `weightsync_keep_loaded("1")` before the load); returns how many it wrote."""
         from safetensors.torch import save_file
 
         model = self.model_runner.model
-        live = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.numel() > 0}
-        save_file(live, path)
-        return len(live)
+        copies = getattr(self, "_weightsync_copies", {})
+        params = {}
+        for name, param in model.named_parameters():
+            tensor = param if param.numel() > 0 else copies.get(name)
+            if tensor is not None:
+                params[name] = tensor.detach().cpu().contiguous()
+        save_file(params, path)
+        return len(params)
 
     # ------------------------------------------------------------------ digest before repacking
 
@@ -122,6 +137,7 @@ class WeightsyncWorkerExtension:
         if getattr(self, "_weightsync_hooked", False):
             return
         self._weightsync_captured: dict[str, dict[str, list]] = {}
+        self._weightsync_copies: dict[str, torch.Tensor] = getattr(self, "_weightsync_copies", {})
         model = self.model_runner.model
         for module_name, module in model.named_modules():
             method = getattr(module, "quant_method", None)
@@ -136,6 +152,8 @@ class WeightsyncWorkerExtension:
                         if param.numel() > 0:
                             full = f"{prefix}.{pname}" if prefix else pname
                             self._weightsync_captured[full] = _split_to_hf(model, full, param, module=layer)
+                            if getattr(self, "_weightsync_keep", False):
+                                self._weightsync_copies[full] = param.detach().clone()
                 return _original(layer, *args, **kwargs)
 
             capture._weightsync_wrapped = True

@@ -1,0 +1,160 @@
+"""vllm: a real vLLM server for tests and benchmarks — find its venv, write a tiny model, start,
+wait, stop.
+
+vLLM runs from its own venv (`scripts/setup_vllm.sh` makes `.venv-vllm`; `WEIGHTSYNC_VLLM_PYTHON`
+names another interpreter). The server is vLLM's OpenAI-compatible one with the flags that work
+on a 2-core CPU machine (../shared/FACTS.md), in its own process group so that stopping it (by
+PID) stops its engine-core and worker processes too.
+
+Not here: the engine that drives it (`weightsync.agents.vllm_engine`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXTENSION = "weightsync.agents.vllm_worker.WeightsyncWorkerExtension"
+
+_WRITE_MODEL = r"""
+import json, sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+out, spec = sys.argv[1], json.loads(sys.argv[2])
+seed = spec.pop("seed")
+config = Qwen3Config(torch_dtype="bfloat16", tie_word_embeddings=False, **spec)
+torch.manual_seed(seed)
+model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+model.save_pretrained(out)
+print(sum(p.numel() for p in model.parameters()))
+"""
+
+TINY_QWEN3 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+
+
+def vllm_python() -> str | None:
+    """The interpreter that has vLLM, or None."""
+    explicit = os.environ.get("WEIGHTSYNC_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    candidate = REPO / ".venv-vllm" / "bin" / "python"
+    return str(candidate) if candidate.exists() else None
+
+
+def write_qwen3(directory: Path, *, seed: int = 0, **overrides) -> int:
+    """A random Qwen3 written by transformers (config.json + model.safetensors, bf16) in
+    `directory`; returns its parameter count. Runs in vLLM's venv, which has transformers."""
+    spec = {**TINY_QWEN3, **overrides, "seed": seed}
+    done = subprocess.run([vllm_python(), "-c", _WRITE_MODEL, str(directory), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"writing a Qwen3 model failed:\n{done.stderr[-3000:]}")
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """One `python -m vllm.entrypoints.openai.api_server` process group on 127.0.0.1."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, dev_mode: bool = True,
+                 max_model_len: int = 256, extra_args: tuple[str, ...] = ()) -> None:
+        self.model_dir, self.log_path = Path(model_dir), Path(log_path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        else:
+            env.pop("VLLM_SERVER_DEV_MODE", None)
+        argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
+                "--dtype", "bfloat16", "--served-model-name", "m", "--max-model-len", str(max_model_len), "--max-num-seqs", "4", *extra_args]
+        if extension:
+            argv += ["--worker-extension-cls", EXTENSION]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 1200.0) -> None:
+        """Until /health answers; raises with the log's tail if the server exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return
+            except (OSError, urllib.error.URLError):
+                time.sleep(1.0)
+        raise RuntimeError(f"vLLM did not answer /health within {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, nbytes: int = 4000) -> str:
+        data = self.log_path.read_bytes() if self.log_path.exists() else b""
+        return data[-nbytes:].decode("utf-8", "replace")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (the server dies mid-whatever)."""
+        self._signal(signal.SIGKILL)
+        self.process.wait(timeout=60)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait(timeout=30)
+        self._signal(signal.SIGKILL)  # stragglers of the group (engine core, workers)
+        self._log.close()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def complete(url: str, prompt: list[int], *, max_tokens: int = 8, timeout_s: float = 600.0, **extra) -> dict:
+    """POST /v1/completions with token ids, greedy; the first choice (with `token_ids`)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, **extra}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        doc = json.load(reply)
+    return doc["choices"][0]
+
+
+def post_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        text = reply.read()
+    return json.loads(text) if text else {}
+
+
+def get_json(url: str, timeout_s: float = 60.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        return json.load(reply)
