@@ -90,3 +90,4 @@ def _load_builtin_engines() -> None:
     # Imported for their register_engine calls; lazily, so `import engine` stays light.
     import weightsync.agents.reference_server  # noqa: F401
     import weightsync.agents.safetensors_engine  # noqa: F401
+    import weightsync.agents.sglang_engine  # noqa: F401
