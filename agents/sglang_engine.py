@@ -231,6 +231,7 @@ class SGLangEngine:
             plan = self._plan if self._plan is not None else _plan_files(weights, self.config.shard_bytes)
             if target.exists() and _read_meta(target).get("digest") == digest:
                 logger.info("snapshot %s already holds version %d (digest %s); reusing it", target, version, digest)
+                plan = _read_plan(target)[0] or plan  # its files, should it become the base
             else:
                 if target.exists():
                     if previous is not None and previous.name == target.name:
