@@ -259,6 +259,39 @@ def test_contract_drain_abort_pauses_aborts_and_continues(server, tmp_path, temp
         engine.close()
 
 
+def test_contract_a_failed_continue_is_loud(server, tmp_path, template):
+    engine = open_sglang(server, tmp_path, template, drain="abort")
+    try:
+        server.missing_routes = {"/continue_generation"}
+        with pytest.raises(SGLangError, match="continue after version 1 failed, the server stays paused"):
+            engine.swap(1, make_weights(1), digest="digest-1")
+    finally:
+        engine.close()
+
+
+def test_contract_open_removes_leftovers_of_an_interrupted_swap(server, tmp_path, template):
+    engine = open_sglang(server, tmp_path, template)
+    engine.swap(1, make_weights(1), digest="digest-1")
+    engine.close()
+    root = tmp_path / "snapshots"
+    (root / ".tmp-v000000000002-abc").mkdir()
+    (root / ".tmp-v000000000002-abc" / "model-00001-of-00005.safetensors").write_bytes(b"partial")
+    (root / ".trash-v000000000000-1234").mkdir()
+    os.symlink("v000000000002", root / ".current.tmp-xyz")
+    engine = open_sglang(server, tmp_path, template)
+    try:
+        assert sorted(p.name for p in root.iterdir()) == [".lock", "current", "v000000000001"]
+        assert engine.served_version() is None, "unknown until a swap succeeds in this process"
+        inode = (root / "v000000000001" / "config.json").stat().st_ino
+        engine.swap(1, make_weights(1), digest="digest-1")  # the agent re-applies its last version
+        assert (root / "v000000000001" / "config.json").stat().st_ino == inode, "the snapshot is reused"
+        assert engine.served_version() == 1 and server.weight_version == "1"
+        with pytest.raises(WeightsyncError, match="must not be reused"):
+            engine.swap(1, make_weights(5), digest="digest-5")
+    finally:
+        engine.close()
+
+
 def test_contract_requests_during_a_run_of_swaps_never_mix_versions(engine, server):
     engine.swap(1, make_weights(1), digest="digest-1")
     stop = threading.Event()
@@ -362,7 +395,7 @@ def test_real_sglang_gpu(tmp_path):
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(template), "--port", str(port),
          "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "bfloat16", "--mem-fraction-static", "0.2",
          "--disable-cuda-graph", "--context-length", "256", "--weight-version", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SGLANG_DISABLE_OPENAPI_DOC": "0"})
+        stdout=log, stderr=subprocess.STDOUT)
     engine = None
     try:
         deadline = time.monotonic() + 900
