@@ -434,7 +434,9 @@ class SGLangEngine:
             return f"reload of version {version} failed, the server still serves weight_version {now}: {said}"
         # Neither: the reply was lost and the server's state is not the one we left it in.
         served_before, self._served = self._served, None
-        if previous is None or not previous.is_dir() or self._server_version is None:
+        # Restored only when `previous` is what this engine had the server load: after a restart,
+        # `current` may be older than what the server was started on.
+        if served_before is None or previous is None or not previous.is_dir():
             return (f"reload of version {version} failed and the server reports weight_version {now!r}, "
                     f"not {expected!r}; no snapshot to restore: {said}")
         logger.error("reload of version %d: %s; server reports weight_version %r; restoring %s", version, said, now,

@@ -215,6 +215,21 @@ def test_contract_an_unknown_server_version_is_restored_to_the_previous_snapshot
     assert_same_tensors(server.weights, w1)
 
 
+def test_contract_an_unknown_server_version_after_a_restart_is_reported_not_guessed(server, tmp_path, template):
+    engine = open_sglang(server, tmp_path, template)
+    engine.swap(1, make_weights(1), digest="digest-1")
+    engine.close()
+    engine = open_sglang(server, tmp_path, template)  # served_version() None: v1 may not be what the server has
+    try:
+        server.weight_version = "someone-else"
+        server.fail_next_loads = ["disk full"]
+        with pytest.raises(SGLangError, match="reports weight_version 'someone-else'.*no snapshot to restore"):
+            engine.swap(2, make_weights(2), digest="digest-2")
+        assert engine.served_version() is None and server.weight_version == "someone-else"
+    finally:
+        engine.close()
+
+
 def test_contract_requests_in_flight_finish_on_their_version_drain_wait(engine, server):
     engine.swap(1, make_weights(1), digest="digest-1")
     held: list[dict] = []
