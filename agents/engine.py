@@ -91,3 +91,4 @@ def _load_builtin_engines() -> None:
     import weightsync.agents.reference_server  # noqa: F401
     import weightsync.agents.safetensors_engine  # noqa: F401
     import weightsync.agents.vllm_engine  # noqa: F401
+    import weightsync.agents.sglang_engine  # noqa: F401

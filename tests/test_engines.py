@@ -2,6 +2,7 @@
 safetensors directory engine does (reload failures and retries, snapshot layout, retention,
 crash leftovers). The reload target of the directory engine is a fake SGLang server that really
 loads the directory it is told about, so the tests compare what it loaded with what was swapped in.
+The sglang engine runs against tests/sglang_contract_server.py (its own tests: test_sglang_engine.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang_contract_server import SGLangContractServer
 from weightsync.agents.engine import Engine, open_engine
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
-ENGINES = ["reference", "safetensors_dir"]
+ENGINES = ["reference", "safetensors_dir", "sglang"]
 
 
 def make_weights(version: int) -> dict[str, torch.Tensor]:
@@ -82,8 +84,14 @@ class Kit:
     def __init__(self, kind: str, tmp_path: Path, **options) -> None:
         self.kind = kind
         self.fake = None
+        self.server = None
         if kind == "reference":
             self.engine = open_engine({"type": "reference", "model": SMALL, **options})
+        elif kind == "sglang":
+            save_pretrained(tmp_path / "template", ModelConfig(**SMALL), make_weights(0))
+            self.server = SGLangContractServer(tmp_path / "template")
+            self.engine = open_engine({"type": "sglang", "url": self.server.url, "root": str(tmp_path / "snapshots"),
+                                       "template_dir": str(tmp_path / "template"), "retry_backoff_s": 0.0, **options})
         else:
             self.fake = FakeReloadServer()
             options = {"root": str(tmp_path / "snapshots"), "reload_url": self.fake.url, "model": SMALL,
@@ -95,6 +103,9 @@ class Kit:
         if self.kind == "reference":
             served = self.engine.served()
             return served.version, dict(served.weights)
+        if self.kind == "sglang":
+            version = self.server.weight_version
+            return (int(version), self.server.weights) if version.isdigit() else (None, None)
         if not self.fake.loaded:
             return None, None
         path, weights = self.fake.loaded[-1]
@@ -119,6 +130,8 @@ class Kit:
         self.engine.close()
         if self.fake is not None:
             self.fake.close()
+        if self.server is not None:
+            self.server.close()
 
 
 @pytest.fixture(params=ENGINES)

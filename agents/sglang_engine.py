@@ -1,0 +1,587 @@
+"""sglang_engine: a copying engine that drives a running SGLang server over its HTTP routes.
+
+Each version becomes a complete HF-style snapshot directory under `root`, and the server is told
+to load it with `POST /update_weights_from_disk`. What SGLang does, read from its source
+(`entrypoints/http_server.py`, `managers/tokenizer_manager.py`), and what this engine relies on:
+
+- Every generate request holds the reader side of `model_update_lock` from tokenization to its
+  last token; `update_weights_from_disk` on a server that is not paused takes the writer side.
+  So the reload waits for in-flight requests, holds new ones, and no request runs on two
+  versions. That is drain "wait" (the default): no pause call at all.
+- `pause_generation` has modes "abort" (abort in-flight requests, then hold new ones), "in_place"
+  and "retract". While paused, the reload skips the lock, so in_place/retract would let paused
+  requests continue on the new weights (mixed versions): this engine offers "abort" only.
+- On a failed load SGLang reloads the weights of its previous model_path and answers 400
+  {"success": false, "message": ...}; on success it sets `weight_version` (if given), which
+  `GET /get_weight_version` and every response's meta_info report. `flush_cache=true` in the
+  reload body flushes the radix cache once the new weights are in (`/flush_cache` alone is
+  refused while requests are pending).
+
+Layout of `root`:
+
+    root/v000000000012/   config.json and other template files, model-0000i-of-0000n.safetensors,
+                          model.safetensors.index.json, weightsync.json (version, digest, per-file
+                          fingerprints). The grouping of tensors into files is fixed by the first
+                          snapshot, so a file whose tensors did not change is a hard link to the
+                          previous snapshot's file, not a copy.
+    root/current -> v000000000012    the snapshot last loaded successfully
+    root/.tmp-*, .trash-*            work in progress; removed on open
+
+`swap` states:
+    write     snapshot into root/.tmp-*, linking unchanged files; fsync; rename to v<version>
+    pause     drain "abort" only: POST /pause_generation {"mode": "abort"}
+    reload    POST /update_weights_from_disk (model_path, load_format, flush_cache=true,
+              weight_version=str(version)); timeouts and 5xx are retried (the same path twice
+              is harmless)
+    confirm   GET /get_weight_version: the reply alone is not trusted. The new version: served.
+              The previous one: failed, raise. Anything else: reload the previous snapshot,
+              confirm again, and raise (served_version() is None if even that fails)
+    continue  drain "abort" only: POST /continue_generation, also after a failure
+    point     `current` -> the new snapshot; prune older snapshots. Until the reload succeeds the
+              previous snapshot stays on disk: SGLang re-reads it when a load fails.
+
+It keeps no reference to the tensors it is handed (`zero_copy` is False). Not here: verifying
+versions (the agent), loading weights (SGLang), the generic reload hook (`safetensors_engine.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.agents.safetensors_engine import (
+    _DTYPES,
+    _WEIGHT_SUFFIXES,
+    CURRENT,
+    SNAPSHOT_META,
+    _fsync,
+    _read_meta,
+    _snapshot_name,
+)
+from weightsync.checkpoint_io import INDEX_NAME
+from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.hashing import xxh3_hex
+from weightsync.layout import MAX_VERSION
+from weightsync.models import CONFIG_NAME, ModelConfig, as_model_config
+from weightsync.tensors import raw_bytes
+
+logger = logging.getLogger(__name__)
+
+DRAINS = ("wait", "abort")
+_SNAPSHOT = re.compile(r"v(\d+)")
+_SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+_REPLY_BYTES = 64 * 1024  # enough of a reply to quote in an error
+
+
+class SGLangError(WeightsyncError, RuntimeError):
+    """The SGLang server refused, failed or could not be reached for a step of a swap."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGLangEngineConfig:
+    """Where the SGLang server is, where snapshots go and how swaps drain requests.
+
+    The snapshot's config.json comes from `template_dir` (the HF directory the server was started
+    with: SGLang reads config.json from every path it loads) or, failing that, from `model`.
+    """
+
+    url: str
+    """Base URL of the SGLang server, e.g. "http://127.0.0.1:30000"."""
+    root: str
+    """Directory for the snapshots and the `current` symlink (created if missing). The server
+    must read it under the same path (same machine or the same mount)."""
+    template_dir: str | None = None
+    """An HF model directory whose non-weight files (config.json, tokenizer, generation config)
+    are copied into every snapshot."""
+    model: ModelConfig | Mapping[str, Any] | None = None
+    """Architecture (ModelConfig or a dict of its fields): writes config.json when the template
+    has none."""
+    drain: str = "wait"
+    """"wait": in-flight requests finish on the old weights, new ones wait for the reload
+    (SGLang's update lock). "abort": in-flight requests are aborted (clients get finish_reason
+    abort) so the reload does not wait for long generations."""
+    load_format: str | None = None
+    """Sent as the reload's load_format; None leaves the server's own (--load-format)."""
+    shard_bytes: int = 512 * 2**20
+    """Target size of one safetensors file (a tensor larger than this gets a file of its own).
+    Smaller files let more of a snapshot be hard-linked when only some tensors change."""
+    keep_snapshots: int = 1
+    """Snapshots kept after a successful swap, newest first (at least the served one)."""
+    api_key: str | None = None
+    """The server's --api-key, sent as "Authorization: Bearer ..."."""
+    reload_timeout_s: float = 600.0
+    """Per reload attempt: loading a large model, and in drain "wait" the longest request in flight."""
+    request_timeout_s: float = 30.0
+    """Every other call (probe, version, pause, continue)."""
+    reload_retries: int = 1
+    """Further reload attempts after a connection error, timeout or 5xx reply."""
+    retry_backoff_s: float = 1.0
+    """Sleep before retry n is retry_backoff_s * 2**(n-1)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not re.fullmatch(r"https?://[^/\s]+/?", self.url):
+            raise ValueError(f"url must be the server's base URL like http://HOST:PORT, got {self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
+            raise ValueError("root must be a directory path for the snapshots")
+        object.__setattr__(self, "root", str(self.root))
+        object.__setattr__(self, "model", as_model_config(self.model))
+        if self.model is None and self.template_dir is None:
+            raise ValueError("give template_dir (the HF directory the server was started with) and/or model, "
+                             "so snapshots get a config.json")
+        if self.drain not in DRAINS:
+            raise ValueError(f"drain must be one of {DRAINS}, got {self.drain!r} (SGLang's in_place and retract "
+                             "pauses let paused requests continue on the new weights)")
+        if self.load_format is not None and not isinstance(self.load_format, str):
+            raise ValueError(f"load_format must be a string or None, got {self.load_format!r}")
+        if not self.reload_timeout_s > 0 or not self.request_timeout_s > 0 or self.retry_backoff_s < 0:
+            raise ValueError("reload_timeout_s and request_timeout_s must be > 0 and retry_backoff_s >= 0 seconds")
+        for name, least in (("reload_retries", 0), ("keep_snapshots", 1), ("shard_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """One HTTP exchange: status None when no reply came (refused, reset, timed out)."""
+
+    status: int | None
+    text: str
+    problem: str = ""
+
+    def doc(self) -> dict[str, Any]:
+        try:
+            doc = json.loads(self.text)
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+
+class SGLangEngine:
+    """A copying `Engine` (name "sglang"): snapshot directories loaded by a running SGLang server."""
+
+    name = "sglang"
+    zero_copy = False
+
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        self.config = config
+        self.root = Path(config.root).absolute()
+        self._template_files = self._find_template_files()
+        self._probe()  # before touching the disk: a wrong URL fails fast and leaves nothing behind
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.root / ".lock", "a")  # noqa: SIM115 - held for the engine's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise WeightsyncError(f"another engine is using {self.root}; give each engine its own root") from None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._remove_leftovers()
+        # The server may serve anything before our first swap (its --model-path, or a snapshot of
+        # an earlier run): nothing counts as served until a swap is confirmed.
+        self._served: int | None = None
+        self._server_version = self.weight_version()
+        # Grouping of tensors into files and their layout, fixed by the first snapshot.
+        self._plan: list[tuple[str, list[str]]] | None = None
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        self._base = self.current_dir()  # the snapshot new ones link against
+        if self._base is not None and self._base.is_dir():
+            self._plan, self._layout = _read_plan(self._base)
+        else:
+            self._base = None
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
+        """Writes snapshot `version` (linking unchanged files), has SGLang load it, confirms."""
+        started = time.perf_counter()
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
+        if not isinstance(digest, str):
+            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        with self._lock:
+            if self._closed:
+                raise WeightsyncError(f"the sglang engine on {self.root} is closed")
+            self._check_layout(weights)
+            target = self.root / _snapshot_name(version)
+            previous = self.current_dir()
+            created = False
+            plan = self._plan if self._plan is not None else _plan_files(weights, self.config.shard_bytes)
+            if target.exists() and _read_meta(target).get("digest") == digest:
+                logger.info("snapshot %s already holds version %d (digest %s); reusing it", target, version, digest)
+                plan = _read_plan(target)[0] or plan  # its files, should it become the base
+            else:
+                if target.exists():
+                    if previous is not None and previous.name == target.name:
+                        raise WeightsyncError(f"{target} is current and holds another digest than {digest}; "
+                                              "a version number must not be reused for other weights")
+                    self._discard(target)
+                self._write_snapshot(target, version, weights, digest, plan)
+                created = True
+            try:
+                pause_s = self._load(target, version, previous)
+            except BaseException:
+                if created:
+                    self._discard(target)  # a late load of it fails, and SGLang keeps the previous one
+                raise
+            self._point_current(target.name)
+            self._served, self._server_version = version, str(version)
+            self._base = target
+            self._plan, self._layout = plan, {n: (t.dtype, tuple(t.shape)) for n, t in weights.items()}
+            self._prune(keep=target.name)
+        total_s = time.perf_counter() - started
+        logger.info("sglang serves version %d from %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
+        return SwapReport(version=version, pause_s=pause_s, total_s=total_s)
+
+    def served_version(self) -> int | None:
+        return self._served
+
+    def wait_unused(self, version: int, timeout_s: float) -> bool:
+        return True  # swap wrote the tensors to disk; nothing here refers to the agent's memory
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock_file.close()  # releases the flock
+
+    # ------------------------------------------------------------------ inspection
+
+    def weight_version(self) -> str | None:
+        """The server's weight_version (GET /get_weight_version); SGLangError if it cannot be read."""
+        reply = self._call("GET", "/get_weight_version", None, self.config.request_timeout_s)
+        if reply.status != 200 or "weight_version" not in reply.doc():
+            raise SGLangError(f"GET {self.config.url}/get_weight_version: {_describe(reply)}")
+        value = reply.doc()["weight_version"]
+        return None if value is None else str(value)
+
+    def current_dir(self) -> Path | None:
+        """The snapshot `current` names (the last one the server loaded), or None."""
+        try:
+            return self.root / os.readlink(self.root / CURRENT)
+        except FileNotFoundError:
+            return None
+
+    def snapshots(self) -> list[int]:
+        """Versions with a snapshot on disk, ascending."""
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _SNAPSHOT.fullmatch(p.name)))
+
+    # ------------------------------------------------------------------ steps
+
+    def _probe(self) -> None:
+        """Refuses a server that lacks a route a swap needs, naming every missing one."""
+        missing = []
+        info = self._call("GET", "/get_model_info", None, self.config.request_timeout_s)
+        if info.status is None:
+            raise SGLangError(f"no SGLang server answers at {self.config.url}: {info.problem}")
+        if info.status != 200 or "weight_version" not in info.doc():
+            missing.append("GET /get_model_info with weight_version")
+        version = self._call("GET", "/get_weight_version", None, self.config.request_timeout_s)
+        if version.status != 200 or "weight_version" not in version.doc():
+            missing.append("GET /get_weight_version")
+        # POST-only routes answer a GET with 405 when they exist and 404 when not: a probe with no
+        # side effect (a POST to /continue_generation would un-pause someone else's pause).
+        routes = ["/update_weights_from_disk"] + (["/pause_generation", "/continue_generation"]
+                                                   if self.config.drain == "abort" else [])
+        for route in routes:
+            reply = self._call("GET", route, None, self.config.request_timeout_s)
+            if reply.status == 404 or reply.status is None:
+                missing.append(f"POST {route}")
+        if missing:
+            raise SGLangError(f"the server at {self.config.url} lacks {', '.join(missing)}; weightsync needs SGLang "
+                              f"with weight versions (>= 0.5) and drain {self.config.drain!r} (docs/sglang.md)")
+        logger.info("sglang server at %s: model_path %s, weight_version %s", self.config.url,
+                    info.doc().get("model_path"), info.doc().get("weight_version"))
+
+    def _check_layout(self, weights: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in weights.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+        if self._layout is None:
+            return  # the first snapshot fixes the layout
+        missing = sorted(set(self._layout) - set(weights))
+        unexpected = sorted(set(weights) - set(self._layout))
+        if missing or unexpected:
+            raise LayoutError(f"weights do not fit the served layout: {len(missing)} missing {missing[:5]}, "
+                              f"{len(unexpected)} unexpected {unexpected[:5]}")
+        for name, (dtype, shape) in self._layout.items():
+            tensor = weights[name]
+            if tuple(tensor.shape) != shape:
+                raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, the served layout has {shape}")
+            if tensor.dtype != dtype:
+                raise LayoutError(f"{name} is {tensor.dtype}, the served layout has {dtype}")
+
+    def _write_snapshot(self, target: Path, version: int, weights: Mapping[str, torch.Tensor], digest: str,
+                        plan: list[tuple[str, list[str]]]) -> None:
+        base_files = _read_meta(self._base).get("files", {}) if self._base is not None else {}
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        free = shutil.disk_usage(self.root).free
+        if nbytes > free:  # fail before writing rather than on ENOSPC halfway through
+            raise WeightsyncError(f"version {version} needs up to {nbytes / 2**30:.2f} GiB, {self.root} has "
+                                  f"{free / 2**30:.2f} GiB free; free space or lower keep_snapshots")
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=self.root))
+        try:
+            fingerprints, linked = {}, 0
+            for file, names in plan:
+                tensors = {n: weights[n].detach().to("cpu").contiguous() for n in names}
+                fingerprints[file] = _fingerprint(tensors)
+                if base_files.get(file) == fingerprints[file] and _link(self._base / file, tmp / file):
+                    linked += 1
+                    continue
+                # No per-version metadata in the file: its bytes depend on its tensors alone, so the
+                # next snapshot can link it.
+                save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+                _fsync(tmp / file)
+            weight_map = {n: file for file, names in plan for n in names}
+            (tmp / INDEX_NAME).write_text(json.dumps(
+                {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            for src in self._template_files:
+                shutil.copyfile(src, tmp / src.name)
+            if not (tmp / CONFIG_NAME).exists():
+                (tmp / CONFIG_NAME).write_text(json.dumps(self.config.model.to_hf(), indent=2, sort_keys=True))
+            (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest, "files": fingerprints}))
+            for path in tmp.iterdir():
+                if not path.name.endswith(".safetensors"):
+                    _fsync(path)
+            _fsync(tmp)
+            os.rename(tmp, target)
+            _fsync(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("snapshot %s: %d of %d files hard-linked from %s", target.name, linked, len(plan),
+                    self._base.name if self._base is not None else None)
+
+    def _load(self, target: Path, version: int, previous: Path | None) -> float:
+        """Has the server load `target` and confirms it; the seconds requests were held back.
+
+        Raises SGLangError when the server does not serve `version` afterwards."""
+        config = self.config
+        started = time.perf_counter()
+        if config.drain == "abort":
+            reply = self._call("POST", "/pause_generation", {"mode": "abort"}, config.request_timeout_s)
+            if reply.status != 200:
+                raise SGLangError(f"pause before version {version} failed: {_describe(reply)}; nothing changed")
+        try:
+            reply = self._reload(target, str(version))
+            problem = self._confirm(version, reply, previous)
+        finally:
+            if config.drain == "abort":
+                resumed = self._call("POST", "/continue_generation", {}, config.request_timeout_s)
+                if resumed.status != 200:
+                    # Loud: the server holds every new request until someone continues it.
+                    logger.error("POST %s/continue_generation failed: %s; the server stays paused",
+                                 config.url, _describe(resumed))
+                    raise SGLangError(f"continue after version {version} failed, the server stays paused: "
+                                      f"{_describe(resumed)}")
+        if problem:
+            raise SGLangError(problem)
+        return time.perf_counter() - started
+
+    def _reload(self, path: Path, weight_version: str) -> _Reply:
+        body = {"model_path": str(path), "flush_cache": True, "weight_version": weight_version,
+                "abort_all_requests": False}
+        if self.config.load_format is not None:
+            body["load_format"] = self.config.load_format
+        attempts = self.config.reload_retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+            reply = self._call("POST", "/update_weights_from_disk", body, self.config.reload_timeout_s)
+            if reply.status is not None and reply.status < 500:
+                return reply  # an answer: success, or a refusal that a retry would only repeat
+            logger.warning("reload of %s, attempt %d/%d: %s", path.name, attempt + 1, attempts, _describe(reply))
+        return reply
+
+    def _confirm(self, version: int, reply: _Reply, previous: Path | None) -> str:
+        """'' when the server serves `version`; else what went wrong, after making sure the server
+        serves a known version (the previous one) where it can."""
+        said = _describe(reply)
+        try:
+            now = self.weight_version()
+        except SGLangError as e:
+            now, said = None, f"{said}; then {e}"
+        if now == str(version):
+            if not (reply.status == 200 and reply.doc().get("success") is True):
+                logger.warning("reload of version %d: %s, yet the server reports weight_version %s", version,
+                               said, now)
+            return ""
+        expected = self._server_version
+        if now is not None and now == expected:
+            return f"reload of version {version} failed, the server still serves weight_version {now}: {said}"
+        # Neither: the reply was lost and the server's state is not the one we left it in.
+        served_before, self._served = self._served, None
+        # Restored only when `previous` is what this engine had the server load: after a restart,
+        # `current` may be older than what the server was started on.
+        if served_before is None or previous is None or not previous.is_dir():
+            return (f"reload of version {version} failed and the server reports weight_version {now!r}, "
+                    f"not {expected!r}; no snapshot to restore: {said}")
+        logger.error("reload of version %d: %s; server reports weight_version %r; restoring %s", version, said, now,
+                     previous.name)
+        restored = self._reload(previous, expected)
+        try:
+            now = self.weight_version()
+        except SGLangError:
+            now = None
+        if now == expected:
+            self._served = served_before
+            return f"reload of version {version} failed; restored weight_version {expected}: {said}"
+        return (f"reload of version {version} failed and restoring {previous.name} failed too "
+                f"({_describe(restored)}); the server reports weight_version {now!r}: {said}")
+
+    def _call(self, method: str, route: str, body: Any, timeout_s: float) -> _Reply:
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.config.url + route, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                return _Reply(answer.status, answer.read(_REPLY_BYTES).decode("utf-8", "replace"))
+        except urllib.error.HTTPError as e:
+            return _Reply(e.code, e.read(_REPLY_BYTES).decode("utf-8", "replace"))
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
+            return _Reply(None, "", f"{type(e).__name__}: {e}")
+
+    def _point_current(self, name: str) -> None:
+        tmp = self.root / f".current.tmp-{uuid.uuid4().hex}"
+        os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
+        os.replace(tmp, self.root / CURRENT)
+        _fsync(self.root)
+
+    def _prune(self, keep: str) -> None:
+        names = [_snapshot_name(v) for v in self.snapshots()]
+        kept = set(names[-self.config.keep_snapshots:]) | {keep}
+        for name in names:
+            if name not in kept:
+                self._discard(self.root / name)
+
+    def _discard(self, path: Path) -> None:
+        # Renamed away first: a crash mid-delete leaves a .trash-* dir, never a partial snapshot.
+        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        _fsync(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ open
+
+    def _find_template_files(self) -> list[Path]:
+        if self.config.template_dir is None:
+            return []
+        template = Path(self.config.template_dir)
+        if not template.is_dir():
+            raise WeightsyncError(f"template_dir {template} is not a directory")
+        files = [p for p in sorted(template.iterdir()) if p.is_file() and p.name != INDEX_NAME
+                 and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith(".")]
+        if self.config.model is None and not any(p.name == CONFIG_NAME for p in files):
+            raise WeightsyncError(f"template_dir {template} has no {CONFIG_NAME}; add one or give model")
+        return files
+
+    def _remove_leftovers(self) -> None:
+        for path in self.root.iterdir():
+            if path.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(path, ignore_errors=True)
+                logger.info("removed leftover %s", path)
+            elif path.name.startswith(".current.tmp-"):
+                path.unlink(missing_ok=True)
+
+
+def _plan_files(weights: Mapping[str, torch.Tensor], shard_bytes: int) -> list[tuple[str, list[str]]]:
+    """Tensors, in the order given, cut into files of about `shard_bytes`."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", names) for i, names in enumerate(groups)]
+
+
+def _read_plan(snapshot: Path) -> tuple[list[tuple[str, list[str]]] | None, dict | None]:
+    """The file plan and layout of a snapshot this engine wrote; (None, None) if it is not one."""
+    try:
+        weight_map = json.loads((snapshot / INDEX_NAME).read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        if not all(_SHARD.fullmatch(f) for f in files):
+            return None, None
+        plan, layout = [], {}
+        for file in sorted(files):
+            with safe_open(str(snapshot / file), framework="pt") as f:
+                names = list(f.keys())  # the file's own order, as written
+                for name in names:
+                    sl = f.get_slice(name)
+                    layout[name] = (_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+            plan.append((file, names))
+        return plan, layout
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("cannot reuse the file plan of %s (%s); the next snapshot starts a new one", snapshot, e)
+        return None, None
+
+
+def _fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """xxh3-128 over names, dtypes, shapes and bytes: equal fingerprints, equal file contents."""
+    parts = []
+    for name, t in sorted(tensors.items()):
+        parts.append(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        if t.numel():
+            parts.append(memoryview(raw_bytes(t)))
+    return xxh3_hex(*parts)
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-links src to dst; False (caller writes the file) where links are not possible."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError as e:  # the file went missing, or a filesystem without hard links
+        logger.warning("cannot hard-link %s (%s); writing a copy", src, e)
+        return False
+
+
+def _describe(reply: _Reply) -> str:
+    if reply.status is None:
+        return f"no reply ({reply.problem})"
+    doc = reply.doc()
+    text = doc.get("message") if isinstance(doc.get("message"), str) else reply.text
+    return f"HTTP {reply.status}: {text.strip()[:500]}"
+
+
+def open_sglang_engine(options: Mapping[str, Any]) -> SGLangEngine:
+    """The `open_engine({"type": "sglang", ...})` factory."""
+    names = sorted(f.name for f in dataclasses.fields(SGLangEngineConfig))
+    try:
+        config = SGLangEngineConfig(**options)
+    except TypeError as e:
+        raise ValueError(f"sglang engine: {e}; options are {names}") from None
+    return SGLangEngine(config)
+
+
+register_engine("sglang", open_sglang_engine)
