@@ -127,6 +127,7 @@ class VllmEngine:
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
+        self.url = config.url  # shown by the agent's ready line and status
         self._api_key = config.api_key or os.environ.get("VLLM_API_KEY")
         self._lock = threading.Lock()
         self._closed = False

@@ -228,7 +228,8 @@ def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.app.demo import DemoConfig, run_demo
 
-    overrides = {k: getattr(args, k) for k in ("store", "out_dir", "warmup_steps", "rl_steps", "max_operand", "seed")
+    overrides = {k: getattr(args, k) for k in ("store", "out_dir", "warmup_steps", "rl_steps", "max_operand", "seed",
+                                               "engine", "vllm_python", "regions", "agents_per_region")
                  if getattr(args, k) is not None}
     if args.quick:  # what the CI test runs: enough SFT that some samples are right (else no group teaches
         # anything and the trainer waits for rollouts), then a few GRPO steps
@@ -417,6 +418,13 @@ def _add_demo(sub) -> None:
     p.add_argument("--rl-steps", type=int, help="GRPO steps (default 80)")
     p.add_argument("--max-operand", type=int, help="the task's operands are drawn from [0, N] (default 9)")
     p.add_argument("--seed", type=int, help="seed of the model, data and sampling (default 0)")
+    p.add_argument("--engine", choices=("reference", "vllm"),
+                   help="inference engine beside each agent: the embedded reference server (default) or a real vLLM "
+                        "server per agent (needs vLLM: bash scripts/setup_vllm.sh; docs/vllm.md)")
+    p.add_argument("--vllm-python", help="--engine vllm: interpreter with vLLM and weightsync (default "
+                                         "$WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    p.add_argument("--regions", type=int, help="regions (default 2)")
+    p.add_argument("--agents-per-region", type=int, help="agents per region (default 2; each runs its own engine)")
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)
 

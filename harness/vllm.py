@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-EXTENSION = "weightsync.agents.vllm_worker.WeightsyncWorkerExtension"
+from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
 
 _WRITE_MODEL = r"""
 import json, sys, torch
@@ -42,11 +40,7 @@ TINY_QWEN3 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hi
 
 def vllm_python() -> str | None:
     """The interpreter that has vLLM, or None."""
-    explicit = os.environ.get("WEIGHTSYNC_VLLM_PYTHON")
-    if explicit:
-        return explicit
-    candidate = REPO / ".venv-vllm" / "bin" / "python"
-    return str(candidate) if candidate.exists() else None
+    return find_vllm_python()
 
 
 def write_qwen3(directory: Path, *, seed: int = 0, **overrides) -> int:
@@ -60,12 +54,6 @@ def write_qwen3(directory: Path, *, seed: int = 0, **overrides) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServer:
     """One `python -m vllm.entrypoints.openai.api_server` process group on 127.0.0.1."""
 
@@ -74,17 +62,9 @@ class VllmServer:
         self.model_dir, self.log_path = Path(model_dir), Path(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if dev_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        else:
-            env.pop("VLLM_SERVER_DEV_MODE", None)
-        argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
-                "--dtype", "bfloat16", "--served-model-name", "m", "--max-model-len", str(max_model_len), "--max-num-seqs", "4", *extra_args]
-        if extension:
-            argv += ["--worker-extension-cls", EXTENSION]
+        argv, env = vllm_server_command(vllm_python(), self.model_dir, self.port, extension=extension,
+                                        dev_mode=dev_mode, max_model_len=max_model_len, extra_args=extra_args)
+        env["VLLM_LOGGING_LEVEL"] = "WARNING"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)

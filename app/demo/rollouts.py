@@ -51,6 +51,8 @@ class RolloutConfig:
     seed: int = 0
     stats_path: str | None = None
     """JSON lines, one per group: time, server, version, step, mean reward."""
+    engine: str = "reference"
+    """What the servers are: "reference" (POST /v1/generate) or "vllm" (OpenAI /v1/completions)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -85,17 +87,10 @@ class RolloutWorker:
         server = self.config.servers[self._next_server]
         self._next_server = (self._next_server + 1) % len(self.config.servers)
         prompt, answer = self.task.sample(self.rng)
-        body = json.dumps({"prompts": [prompt] * self.config.group_size, "max_new_tokens": self.config.max_new_tokens,
-                           "temperature": self.config.temperature, "seed": self.rng.randrange(2**31)}).encode()
-        request = urllib.request.Request(server + "/v1/generate", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                doc = json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            if e.code == 503:  # no weights yet, or busy: come back later
-                return None
-            raise
+        sample = self._sample_vllm if self.config.engine == "vllm" else self._sample_reference
+        doc = sample(server, prompt)
+        if doc is None:
+            return None
         version = int(doc["weight_version"])
         if version < self.last_version.get(server, 0):
             raise AssertionError(f"{server} went back from v{self.last_version[server]} to v{version}")
@@ -118,6 +113,43 @@ class RolloutWorker:
         return {"t": time.time(), "server": server, "version": version, "step": step, "reward": mean,
                 "queued": std > 0, "worker": self.config.worker}
 
+    def _sample_reference(self, server: str, prompt: str) -> dict | None:
+        body = {"prompts": [prompt] * self.config.group_size, "max_new_tokens": self.config.max_new_tokens,
+                "temperature": self.config.temperature, "seed": self.rng.randrange(2**31)}
+        try:
+            return _post(server + "/v1/generate", body)
+        except urllib.error.HTTPError as e:
+            if e.code == 503:  # no weights yet, or busy: come back later
+                return None
+            raise
+
+    def _sample_vllm(self, server: str, prompt: str) -> dict | None:
+        """A group from vLLM, in the reference server's shape. vLLM reports no version per response
+        and, without a tokenizer, no sampling logprobs: the group is sampled, then scored (prompt
+        logprobs of prompt + completion, which at temperature 1 are the sampling distribution's),
+        and kept only if the server's weight version was the same before and after both calls —
+        with the drain swap policy both then ran on that one version."""
+        before = _get(server + "/weight_info").get("weight_version")
+        if before in (None, "", "None"):
+            return None  # no version swapped in yet
+        ids = self.tokenizer.encode(prompt)
+        sampled = _post(server + "/v1/completions", {
+            "model": "m", "prompt": ids, "n": self.config.group_size, "max_tokens": self.config.max_new_tokens,
+            "temperature": self.config.temperature, "seed": self.rng.randrange(2**31), "return_token_ids": True,
+            "stop_token_ids": [self.tokenizer.EOS]})
+        completions = [list(c["token_ids"]) for c in sampled["choices"]]
+        scored = _post(server + "/v1/completions", {
+            "model": "m", "prompt": [ids + c for c in completions], "max_tokens": 1, "temperature": 0.0,
+            "prompt_logprobs": 1})
+        if _get(server + "/weight_info").get("weight_version") != before:
+            return None  # a swap came between the calls: sample again
+        out = []
+        for tokens, choice in zip(completions, scored["choices"]):
+            positions = choice["prompt_logprobs"][len(ids):]
+            logprobs = [float(entry[str(token)]["logprob"]) for token, entry in zip(tokens, positions)]
+            out.append({"text": self.tokenizer.decode(tokens), "token_ids": tokens, "logprobs": logprobs})
+        return {"weight_version": int(before), "completions": out}
+
     def run(self, stop: threading.Event) -> None:
         stats = open(self.config.stats_path, "a") if self.config.stats_path else None
         try:
@@ -136,6 +168,17 @@ class RolloutWorker:
         finally:
             if stats is not None:
                 stats.close()
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read())
 
 
 def main(argv: list[str] | None = None) -> int:

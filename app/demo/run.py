@@ -63,6 +63,12 @@ class DemoConfig:
     warmup_lr: float = 3e-3
     rl_lr: float = 1e-3
     architecture: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(_ARCH))
+    engine: str = "reference"
+    """The inference engine beside each agent: "reference" (the embedded server) or "vllm" (a real
+    vLLM server per agent, started by the demo; needs vLLM, see docs/vllm.md)."""
+    vllm_python: str | None = None
+    """engine "vllm": the interpreter with vLLM and weightsync installed (default
+    $WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python as scripts/setup_vllm.sh makes it)."""
     seed: int = 0
     timeout_s: float = 1800.0
     """The whole run fails if it takes longer (a stuck child never hangs the demo)."""
@@ -74,6 +80,16 @@ class DemoConfig:
             raise ValueError("rl_steps must be >= 1 and warmup_steps >= 0")
         if (self.groups_per_step * self.group_size) % self.trainer_ranks:
             raise ValueError("groups_per_step x group_size must split evenly over trainer_ranks")
+        if self.engine not in ("reference", "vllm"):
+            raise ValueError(f'engine must be "reference" or "vllm", got {self.engine!r}')
+
+    @property
+    def model_architecture(self) -> dict[str, Any]:
+        """The architecture trained and served. vLLM gets untied embeddings: its Qwen3 drops a
+        separate lm_head tensor when they are tied, and every published tensor must be served."""
+        if self.engine == "vllm":
+            return {**self.architecture, "tie_word_embeddings": False}
+        return dict(self.architecture)
 
     @property
     def store_uri(self) -> str:
@@ -87,10 +103,11 @@ class _Children:
         self.logs = logs
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, argv: list[str], *, ready_line: bool = False) -> tuple[subprocess.Popen, dict | None]:
+    def start(self, name: str, argv: list[str], *, ready_line: bool = False,
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict | None]:
         log_file = open(self.logs / f"{name}.log", "w")
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
-                                text=True, start_new_session=True)  # its own group: Ctrl-C reaches us, we stop it
+                                text=True, start_new_session=True, env=env)  # own group: Ctrl-C reaches us, we stop it
         self.procs[name] = proc
         if not ready_line:
             return proc, None
@@ -118,21 +135,24 @@ class _Children:
             self.stop(name)
 
 
-def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: list[str]) -> Path:
-    arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.architecture.items())
+def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: list[str],
+                vllm_url: str | None = None) -> Path:
+    arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.model_architecture.items())
+    if vllm_url is None:
+        engine = f'[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n[agent.engine.model]\n{arch}\n'
+    else:  # the agent waits for its vLLM server to come up
+        engine = f'[agent.engine]\ntype = "vllm"\nurl = "{vllm_url}"\nstart_timeout_s = {config.timeout_s}\n'
     path = root / "agents" / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f'[agent]\nmodel = "{config.model}"\nname = "{name}"\nregion = "{region}"\n'
         f'cache_dir = "{root / "agents" / name}"\nstore = "{config.store_uri}"\npeers = {json.dumps(peers)}\n'
-        "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n"
-        '[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n'
-        f"[agent.engine.model]\n{arch}\n")
+        "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n" + engine)
     return path
 
 
 def _trainer_toml(config: DemoConfig, root: Path, leaders: list[str]) -> Path:
-    arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.architecture.items())
+    arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.model_architecture.items())
     batch = config.groups_per_step * config.group_size
     path = root / "trainer.toml"
     path.write_text(f"""# Written by `weightsync demo`.
@@ -213,6 +233,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     deadline = time.monotonic() + config.timeout_s
     python = sys.executable
     try:
+        vllm_urls = _start_vllm_servers(config, root, children) if config.engine == "vllm" else {}
         # -- agents: per region, followers first so the leader knows where to relay
         agents: dict[str, dict] = {}
         leaders = []
@@ -221,14 +242,14 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
             downstream: list[str] = []
             for i in reversed(range(config.agents_per_region)):
                 name = f"{region}-{i + 1}"
-                toml = _agent_toml(config, root, name, region, downstream)
+                toml = _agent_toml(config, root, name, region, downstream, vllm_urls.get(name))
                 _, ready = children.start(name, [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml)],
                                           ready_line=True)
                 agents[name] = {"region": region, "address": ready["address"], "engine_url": ready["engine_url"]}
                 downstream = [ready["address"]]
             leaders.append(downstream[0])
-        echo(f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model}; "
-             f"store {config.store_uri}")
+        echo(f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model} "
+             f"({config.engine} engines); store {config.store_uri}")
 
         # -- trainer
         trainer_argv = [python, "-m", "torch.distributed.run", "--standalone",
@@ -299,12 +320,38 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         children.stop_all()
 
 
+def _agent_names(config: DemoConfig) -> list[str]:
+    return [f"region-{chr(ord('a') + r)}-{i + 1}" for r in range(config.regions) for i in range(config.agents_per_region)]
+
+
+def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children) -> dict[str, str]:
+    """One vLLM server per agent, all starting at once on the initial weights of the architecture
+    (the agents swap the published versions in); {agent name: server URL}."""
+    from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
+    from weightsync.models import ModelConfig, build_model, save_pretrained
+
+    python = find_vllm_python(config.vllm_python)
+    if python is None:
+        raise RuntimeError("--engine vllm needs vLLM: run `bash scripts/setup_vllm.sh` (makes .venv-vllm) or give "
+                           "--vllm-python / $WEIGHTSYNC_VLLM_PYTHON, an interpreter with vLLM and weightsync")
+    model_config = ModelConfig(**config.model_architecture)
+    model_dir = root / "vllm-initial"
+    save_pretrained(model_dir, model_config, build_model(model_config, seed=config.seed).state_dict())  # bf16
+    urls = {}
+    for name in _agent_names(config):
+        port = free_port()
+        argv, env = vllm_server_command(python, model_dir, port, max_model_len=64)
+        children.start(f"{name}-vllm", argv, env=env)
+        urls[name] = f"http://127.0.0.1:{port}"
+    return urls
+
+
 def _start_workers(config: DemoConfig, root: Path, agents: dict, children: _Children) -> None:
     servers = [a["engine_url"] for a in agents.values()]
     for w in range(config.rollout_workers):
         worker = {"servers": servers, "queue_dir": str(root / "rollouts"), "store": config.store_uri,
                   "model": config.model, "worker": f"w{w}", "group_size": config.group_size,
-                  "max_operand": config.max_operand, "seed": config.seed + w,
+                  "max_operand": config.max_operand, "seed": config.seed + w, "engine": config.engine,
                   "stats_path": str(root / "rollouts" / f"stats-w{w}.jsonl")}
         children.start(f"rollouts-w{w}", [sys.executable, "-m", "weightsync.app.demo.rollouts", json.dumps(worker)])
 
