@@ -7,7 +7,7 @@ Also here: the parser corpus (tests/hostile/) replayed through an agent (every h
 offered, every hostile chunk delivered inside an otherwise valid version), inputs too big for
 files (oversized manifests and object frames, frames over the message limit), clock skew in
 manifests (must not matter), a compromised bucket, and regression tests for the agent bugs this
-corpus and bench/chaos.py found.
+corpus and bench/chaos found.
 
 Each case starts a fresh agent from a copy of a warmed cache (it serves v2 before its first
 call), so what one case leaves behind cannot change what the next one sees.
