@@ -70,7 +70,9 @@ PUSH_ONLY = {"poll_interval_s": 3600.0, "push_wait_s": float(WAIT_S)}
 """Agent settings for a test that asserts every version came by push: no store poll can see a commit
 before its push lands (an agent fetches at once what nobody has pushed to it yet), and a push or
 relay that a loaded machine stalls is waited for, not replaced by a store fetch. The store stays
-the fallback for objects whose push makes no progress for push_wait_s."""
+the fallback for objects whose push makes no progress for push_wait_s. Pair it with a pusher that
+does not give up on a slow version (PUSH_ONLY_GIVE_UP_S)."""
+PUSH_ONLY_GIVE_UP_S = 10.0 * WAIT_S
 
 
 @pytest.fixture
@@ -80,7 +82,13 @@ def agent_settings() -> dict:
 
 
 @pytest.fixture
-def cluster(tmp_path, agent_settings):
+def push_give_up_s() -> float:
+    """How long the cluster's pusher retries a version (then the agents catch up from the store)."""
+    return 20.0
+
+
+@pytest.fixture
+def cluster(tmp_path, agent_settings, push_give_up_s):
     """A store, 2 regions x 2 agents (leader relays to follower), and a pushing publisher."""
     store = LocalStore(tmp_path / "store")
     agents = {}
@@ -90,7 +98,7 @@ def cluster(tmp_path, agent_settings):
         agents[f"{region}-1"] = _agent(tmp_path, f"{region}-1", store, region=region, peers=[follower.address],
                                        **agent_settings)
     pusher = Pusher(PushConfig(targets=(agents["east-1"].address, agents["west-1"].address), model=MODEL,
-                               give_up_after_s=20))
+                               give_up_after_s=push_give_up_s))
     publisher = Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher])
     yield store, agents, publisher, pusher
     publisher.close()
@@ -99,7 +107,7 @@ def cluster(tmp_path, agent_settings):
         server.stop(0)
 
 
-@pytest.mark.parametrize("agent_settings", [PUSH_ONLY], ids=["push-only"])
+@pytest.mark.parametrize(("agent_settings", "push_give_up_s"), [(PUSH_ONLY, PUSH_ONLY_GIVE_UP_S)], ids=["push-only"])
 def test_every_agent_serves_every_version_bit_exactly(cluster):
     store, agents, publisher, pusher = cluster
     trainer = FakeTrainer()
@@ -321,7 +329,7 @@ def test_tls_and_mutual_tls(tmp_path):
     with pytest.raises(RpcUnavailable):
         AgentClient(target).status(timeout_s=5)  # plaintext to a TLS port
 
-    pusher = Pusher(PushConfig(targets=(target,), model=MODEL, tls=client_tls))
+    pusher = Pusher(PushConfig(targets=(target,), model=MODEL, tls=client_tls, give_up_after_s=PUSH_ONLY_GIVE_UP_S))
     trainer = FakeTrainer(5)
     with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher]) as publisher:
         version = publisher.publish(trainer.state_dict()).result().version

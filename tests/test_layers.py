@@ -6,6 +6,8 @@
     models/    (weightsync.models)   library only
     weightsync/ (the library)        itself only
 
+Beside them, tests/ and bench/ share only harness/ (never each other, never through sys.path).
+
 Imports are read from the source (every `import` and `from ... import`, lazy ones inside
 functions too), so a forbidden import cannot hide behind a code path the tests never run.
 """
