@@ -1,7 +1,7 @@
 """checkpoints: realistic successive bf16 checkpoints for the codec benchmarks.
 
-Trains a small Llama-like decoder (plain PyTorch, Hugging Face tensor names) the way an RL
-trainer does — fp32 master weights, AdamW with warm moments — and takes the bf16 cast of every
+Trains the project's decoder (`weightsync.models.CausalLM` as a Llama: Hugging Face tensor names,
+untied head) the way an RL trainer does — fp32 master weights, AdamW with warm moments — and takes the bf16 cast of every
 parameter after each optimizer step. What makes these pairs realistic for a delta codec is not
 the model's quality but the update statistics: a step at lr 1e-6..1e-5 moves each fp32 master
 weight by a tiny amount, and only the weights whose move crosses a bf16 rounding boundary change
@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightsync.models import ModelConfig
+from weightsync.models import CausalLM, ModelConfig, build_model, num_parameters
 
 logger = logging.getLogger(__name__)
 
 # Bump when anything that changes the produced tensors changes (model code, data, training
 # loop), so stale caches are never reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 1  # still 1: weightsync.models trains bit-identical series to the decoder this file had
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ class CheckpointConfig:
     what full-size RL runs show (see `series_stats`).
     """
 
-    # -- model (Llama-like; head_dim = hidden_size // num_heads) --
+    # -- model (a Llama, see model_config(); head_dim = hidden_size // num_heads) --
     vocab_size: int = 8192
     hidden_size: int = 512
     intermediate_size: int = 1536  # SwiGLU width
@@ -111,132 +111,13 @@ class CheckpointConfig:
         blob = json.dumps({"format": _CACHE_FORMAT, "config": dataclasses.asdict(self)}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:20]
 
-
-# --------------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    # HF's layout (halves, not interleaved pairs), so the q/k weights mean what they would in HF.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: CheckpointConfig) -> None:
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.num_kv_heads = c.num_kv_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * self.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: CheckpointConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, c: CheckpointConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _Backbone(nn.Module):
-    def __init__(self, c: CheckpointConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class LlamaLike(nn.Module):
-    """Llama-style causal LM whose parameter names match HF's LlamaForCausalLM (untied head)."""
-
-    def __init__(self, c: CheckpointConfig) -> None:
-        super().__init__()
-        self.config = c
-        self.model = _Backbone(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        head_dim = c.hidden_size // c.num_heads
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        # Buffers, not parameters: they must not show up in the checkpoints.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def reset_parameters(self, generator: torch.Generator) -> None:
-        std = self.config.init_std
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    module.weight.normal_(0.0, std, generator=generator)
-                elif isinstance(module, RMSNorm):
-                    module.weight.fill_(1.0)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
-
-
-def build_model(config: CheckpointConfig) -> LlamaLike:
-    """An fp32 model initialised deterministically from `config.seed`."""
-    model = LlamaLike(config)
-    gen = torch.Generator().manual_seed(config.seed)
-    model.reset_parameters(gen)
-    return model
-
-
-def num_parameters(config: CheckpointConfig) -> int:
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    kv = config.num_kv_heads * (h // config.num_heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return 2 * v * h + config.num_layers * per_layer + h
+    def model_config(self) -> ModelConfig:
+        """The decoder these fields describe: a Llama (no q/k norms, no biases) with an untied head."""
+        return ModelConfig(model_type="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                           max_position_embeddings=max(2048, self.seq_len), rope_theta=self.rope_theta,
+                           rms_norm_eps=self.rms_norm_eps, initializer_range=self.init_std)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +181,7 @@ def _make_optimizer(model: nn.Module, config: CheckpointConfig, lr: float) -> to
     )
 
 
-def _train_step(model: LlamaLike, opt: torch.optim.Optimizer, data: MarkovTokens, config: CheckpointConfig) -> float:
+def _train_step(model: CausalLM, opt: torch.optim.Optimizer, data: MarkovTokens, config: CheckpointConfig) -> float:
     batch = data.next_batch()
     logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
@@ -320,7 +201,7 @@ def bf16_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _train_series(config: CheckpointConfig) -> dict[float, list[dict[str, torch.Tensor]]]:
     t0 = time.perf_counter()
-    model = build_model(config)
+    model = build_model(config.model_config(), seed=config.seed)
     data = MarkovTokens(config)
     opt = _make_optimizer(model, config, config.warmup_lr)
     loss = float("nan")
@@ -332,7 +213,7 @@ def _train_series(config: CheckpointConfig) -> dict[float, list[dict[str, torch.
         config.warmup_lr,
         loss,
         time.perf_counter() - t0,
-        num_parameters(config),
+        num_parameters(config.model_config()),
     )
 
     # Each lr restarts from the same warmed-up weights, moments and batch stream, so the lrs
@@ -556,8 +437,6 @@ def _lm_series_open(path: Path, config: LMSeriesConfig) -> LMSeries | None:
 def _lm_series_train(config: LMSeriesConfig, path: Path) -> None:
     from safetensors.torch import save_file
 
-    from weightsync.models import build_model, num_parameters
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
     try:
@@ -679,7 +558,7 @@ def main() -> None:
     config = CheckpointConfig()
     t0 = time.perf_counter()
     series = make_checkpoint_series(config, cache_dir=args.cache_dir)
-    print(f"{num_parameters(config) / 1e6:.1f}M params; series in {time.perf_counter() - t0:.1f}s")
+    print(f"{num_parameters(config.model_config()) / 1e6:.1f}M params; series in {time.perf_counter() - t0:.1f}s")
     print(format_stats(series_stats(series)))
 
 

@@ -38,7 +38,8 @@ import torch
 
 from bench.baselines import checkpoint_bytes, checkpoint_u16, ensure_tools, entropy_bound, run_baselines
 from bench.checkpoints import CheckpointConfig, make_checkpoint_series, pair_stats
-from bench.machine import cpu_model, write_results
+from bench.output import write_results
+from harness.machine import describe_machine
 from weightsync import __version__
 from weightsync.chunk import apply_chunk, encode_chunk, object_hash
 from weightsync.codec import DEFAULT_ZSTD_LEVEL
@@ -241,7 +242,7 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
         "checkpoints": {**dataclasses.asdict(checkpoints), "parameters": sum(
             t.numel() for t in next(iter(series.values()))[0].values())},
         "versions": _versions(),
-        "hardware": _hardware(),
+        "hardware": describe_machine(),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
         "series_s": series_s,
@@ -278,11 +279,6 @@ def _versions() -> dict:
         "weightsync": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "numpy": np.__version__, "zstandard": zstandard.__version__, "xxhash": xxhash.VERSION,
     }
-
-
-def _hardware() -> dict:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
-            "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
 def markdown(record: dict) -> str:

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import cpu_model, write_results
-from bench.moto import MotoServer
+from bench.output import write_results
+from harness.machine import describe_machine
+from harness.moto import MotoServer
 
 log = logging.getLogger("bench.store")
 ROOT = Path(__file__).resolve().parent.parent
@@ -233,7 +234,7 @@ def run(config: BenchConfig) -> dict:
         },
         "versions": {"weightsync": __version__, "python": platform.python_version(), "boto3": boto3.__version__,
                      "botocore": botocore.__version__, "moto": moto.__version__, "torch": torch.__version__},
-        "hardware": _hardware(),
+        "hardware": describe_machine(),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
         "model": {"tensors": len(sd), "raw_bytes": raw_bytes, "safetensors_bytes": file_bytes},
@@ -273,12 +274,6 @@ def _empty_bucket(client, bucket: str) -> None:
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
         if keys:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
-
-
-def _hardware() -> dict:
-    cpu = cpu_model()
-    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(),
-            "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
 def markdown(record: dict) -> str:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import cpu_model
+from harness.machine import describe_machine
 from weightsync import __version__
 from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
 from weightsync.models import CausalLM, ModelConfig
@@ -188,15 +188,6 @@ def bench_compute_dtype(config: ModelConfig, repeats: int) -> dict:
     return out
 
 
-def hardware() -> dict:
-    cpu = cpu_model()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(),
-            "bf16_hardware": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
-            "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "torch_threads": torch.get_num_threads()}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer swaps (about 1 minute)")
@@ -220,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "target": "swap pause <= 10 ms",
         "versions": {"weightsync": __version__, "python": platform.python_version(), "torch": torch.__version__},
-        "hardware": hardware(),
+        "hardware": describe_machine(),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
         "results": results,

@@ -20,7 +20,7 @@ every agent count), "change" (largest size, every lr, fewest agents), "store" (l
 Cells that would not fit in memory (agents double-buffer: ~2 models each) are skipped, with the
 reason. Network: `bench/netns.py` (namespaces, 1 Gbit/s and 40 ms RTT per region link) or loopback.
 
-Writes bench/results/sync-latency[-<label>]-<cpus>cpu-<arch>-<date>.{json,md} and -<plot>.png
+Writes bench/results/sync-latency[-<label>]-<cores>cpu-<arch>-<date>.{json,md} and -<plot>.png
 (rewritten after every cell, so a cut run keeps what it measured; `--label`, quick: "quick") and
 prints the JSON record; `python -m bench.sync_report FILE.json` re-renders one. `--repeat N` runs
 each cell N times (the headline then uses medians). Agents run as users get them (defaults), except
@@ -45,8 +45,8 @@ import uuid
 from pathlib import Path
 
 from bench import sync_baselines as bl
-from bench.moto import MotoServer
 from bench.netns import Network
+from harness.moto import MotoServer
 
 log = logging.getLogger("bench.sync_latency")
 ROOT = Path(__file__).resolve().parent.parent
@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     _fake_aws_env()
 
     from bench.checkpoints import lm_series_config, make_lm_series, pair_stats
-    from bench.sync_report import machine_info, write_report
+    from bench.sync_report import write_report
+    from harness.machine import describe_machine
 
     series, changed = {}, {}
     for size in sizes:
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
                                               "cache": series[s].path.name, "changed_fraction": changed[s]}
                                    for s in sizes},
                    "cells_planned": len(cells)},
-        **machine_info(), "versions": bl.tool_versions(), "cells": [],
+        "hardware": describe_machine(), "versions": bl.tool_versions(), "cells": [],
     }
     scratch = Path(tempfile.mkdtemp(prefix="ws-bench-sync-"))
     try:

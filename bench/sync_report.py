@@ -1,42 +1,30 @@
 """sync_report: the sync latency benchmark's record as JSON, markdown tables per theme, and PNG plots.
 
 Reads only the record `bench/sync_latency.py` builds (see there for what each cell holds); writes
-`<dir>/sync-latency[-quick]-<cpus>cpu-<arch>-<date>.{json,md}` and `...-<plot>.png`. Not here:
+`<dir>/sync-latency[-quick]-<cores>cpu-<arch>-<date>.{json,md}` and `...-<plot>.png`. Not here:
 measuring anything.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 from pathlib import Path
-
-from bench.machine import cpu_model
 
 _BASELINES = (("full_store", "full safetensors via store"), ("shardcast", "shardcast"),
               ("zstd_patch", "zstd --patch-from"))
 
 
-def machine_info() -> dict:
-    cpu = cpu_model()
-    mem = next((int(line.split()[1]) / 1024**2 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), 0.0)
-    import torch
-
-    import weightsync
-
-    return {"hardware": {"cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu,
-                         "mem_total_gib": round(mem, 1), "python": platform.python_version(), "torch": torch.__version__,
-                         "weightsync": weightsync.__version__, "kernel": platform.release()}}
+def _cores(hardware: dict) -> int:
+    """Records written before harness.describe_machine() named the core count "cpus"; re-rendering them still works."""
+    return hardware.get("cores", hardware.get("cpus"))
 
 
 def stem(record: dict, directory: Path) -> Path:
     hw = record["hardware"]
     label = record.get("label") or ("quick" if record.get("quick") else "")
     kind = f"sync-latency-{label}" if label else "sync-latency"
-    return directory / f"{kind}-{hw['cpus']}cpu-{hw['machine']}-{record['date']}"
+    return directory / f"{kind}-{_cores(hw)}cpu-{hw['machine']}-{record['date']}"
 
 
 def _done(record: dict) -> list[dict]:
@@ -93,7 +81,8 @@ def headline(record: dict) -> list[str]:
 def markdown(record: dict) -> str:
     hw, net = record["hardware"], record.get("network", {})
     lines = [f"# sync latency: publish() -> every agent serving, {record['date']}", "",
-             f"Machine: {hw['cpus']} CPUs ({hw['cpu']}, {hw['machine']}), {hw['mem_total_gib']} GiB RAM, shared with "
+             f"Machine: {_cores(hw)} CPUs ({hw['cpu']}, {hw['machine']}), "
+             f"{hw.get('memory_GiB', hw.get('mem_total_gib'))} GiB RAM, shared with "
              f"other work; load average per cell below. torch {hw['torch']}, weightsync {hw['weightsync']}; "
              f"tools: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()) + ".", "",
              "Network: " + ", ".join(f"{k}: {v}" for k, v in net.items()) + ".", "",

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.machine import cpu_model
+from harness.machine import describe_machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
         "config": {**{k: v for k, v in vars(args).items() if k not in ("worker", "result", "save")},
                    "parameters": params, "bf16_MB": 2 * params / 1e6},
         "versions": {"weightsync": __version__, "torch": torch.__version__, "python": platform.python_version()},
-        "hardware": _hardware(),
+        "hardware": describe_machine(),
         "load_before": load_before,
         "load_after": _load(),
         "timing": timing,
@@ -249,14 +249,6 @@ def run(args: argparse.Namespace) -> dict:
 def _load() -> dict:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return {"loadavg": os.getloadavg(), "uptime": uptime}
-
-
-def _hardware() -> dict:
-    import torch
-
-    cpu = cpu_model()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "gpu": gpu}
 
 
 def main(argv: list[str] | None = None) -> int:

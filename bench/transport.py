@@ -16,7 +16,7 @@ for N = 1 and N = agents, each on a fresh region, in the same run. Agents serve 
 engine (zero-copy, double-buffered).
 
 Prints one JSON record (config, hardware, load, results) and writes JSON + markdown under
-bench/results/transport-<cpus>cpu-<arch>-<date>. Not a test: nothing here asserts.
+bench/results/transport-<cores>cpu-<arch>-<date>. Not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from harness.machine import describe_machine
 from weightsync.models import CausalLM, ModelConfig
 
 MiB = 1024 * 1024
@@ -297,8 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"model_mib": model_mib, "relay_model_mib": relay_mib, "raw_bytes": raw_bytes,
                    "layers": arch.num_hidden_layers,
                    "agents": n_agents, "delta_changed_fraction": args.changed, "topology": "pipeline"},
-        "hardware": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-                     "torch": torch.__version__},
+        "hardware": describe_machine(),
         "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
         "data_plane": data_plane,
         "relay": {"1": relay_1, str(n_agents): relay_n,
@@ -312,14 +311,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _write(record: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"transport-{record['hardware']['cpus']}cpu-{record['hardware']['machine']}-{record['date']}"
+    stem = RESULTS / f"transport-{record['hardware']['cores']}cpu-{record['hardware']['machine']}-{record['date']}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     d, r, n = record["data_plane"], record["relay"], record["config"]["agents"]
     lines = [
         f"# transport: {record['config']['model_mib']} MiB bf16 model (data plane), "
         f"{record['config']['relay_model_mib']} MiB with {n} agents (relay), {record['date']}",
         "",
-        f"Machine: {record['hardware']['cpus']} CPUs ({record['hardware']['machine']}), load avg at start "
+        f"Machine: {record['hardware']['cores']} CPUs ({record['hardware']['machine']}), load avg at start "
         f"{record['load_avg_start'][0]:.2f}, at end {record['load_avg_end'][0]:.2f}.",
         "",
         "| data plane (full version, loopback) | GB/s | vs raw TCP |",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import platform
@@ -39,9 +38,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.machine import cpu_model, write_results
+from bench.output import write_results
 from harness import vllm as vh
-from weightsync import Publisher, Reader, __version__
+from harness.machine import describe_machine
+from weightsync import Publisher
 from weightsync.push import PushConfig, Pusher
 from weightsync.store import LocalStore
 
@@ -117,9 +117,7 @@ def main() -> None:
         record = run(work, spec, versions, 4 if args.quick else args.swaps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record.update(machine={"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-                           "torch": torch.__version__, "weightsync": __version__,
-                           "load_before": load_before, "load_after": os.getloadavg()},
+    record.update(machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
                   date=datetime.date.today().isoformat())
     base = RESULTS / (args.out or f"vllm-sync-{os.cpu_count()}cpu-{platform.machine()}-{record['date']}")
     write_results(base, record, markdown(record))

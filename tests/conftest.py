@@ -15,7 +15,8 @@ import uuid
 import pytest
 import torch
 
-from bench.moto import MotoServer
+from harness.bits import assert_bit_equal as _assert_bit_equal
+from harness.moto import MotoServer
 from weightsync.store import LocalStore
 
 STORE_KINDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
@@ -108,16 +109,6 @@ def _published_view(state_dict: dict, cast_floats_to: torch.dtype | None = torch
         name: t.to(cast_floats_to) if cast_floats_to is not None and t.is_floating_point() else t.clone()
         for name, t in state_dict.items()
     }
-
-
-def _assert_bit_equal(actual: dict, expected: dict) -> None:
-    """Same names, dtypes, shapes and bit patterns (NaN payloads and -0.0 included)."""
-    assert sorted(actual) == sorted(expected)
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.dtype == want.dtype, name
-        assert tuple(got.shape) == tuple(want.shape), name
-        assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)), name
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ Also here: the parser corpus (tests/hostile/) replayed through an agent (every h
 offered, every hostile chunk delivered inside an otherwise valid version), inputs too big for
 files (oversized manifests and object frames, frames over the message limit), clock skew in
 manifests (must not matter), a compromised bucket, and regression tests for the agent bugs this
-corpus and bench/chaos.py found.
+corpus and bench/chaos found.
 
 Each case starts a fresh agent from a copy of a warmed cache (it serves v2 before its first
 call), so what one case leaves behind cannot change what the next one sees.
@@ -27,6 +27,7 @@ import grpc
 import pytest
 import torch
 
+from harness.bits import bits_equal
 from weightsync import errors
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
@@ -146,19 +147,13 @@ def _assert_unchanged(server: AgentServer, store_dir: Path, before: Snapshot, *,
     assert (served.version, served.digest) == (before.version, before.digest), "the served version changed"
     assert sorted(served.weights) == sorted(before.weights)
     for name, tensor in before.weights.items():
-        assert _bits_equal(served.weights[name], tensor), f"served {name} changed"
+        assert bits_equal(served.weights[name], tensor), f"served {name} changed"
     status = AgentClient(server.address, token=EXPECTED["agents"][_kind(server)].get("token")).status(verify=True)
     assert (status.current_version, status.current_digest) == (before.version, before.digest)
     assert status.served_digest == before.digest, "the served bytes no longer hash to the version's digest"
     if nothing_pending:  # a refused call leaves nothing behind that the agent would go on to sync
         assert status.target_version == before.version, f"a refused call left v{status.target_version} pending"
     assert _store_listing(store_dir) == before.store, "the store changed"
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal on bit patterns: v2's embedding holds NaN payloads, which torch.equal on values calls unequal."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                      b.reshape(-1).view(torch.uint8))
 
 
 def _kind(server: AgentServer) -> str:
@@ -174,7 +169,7 @@ def _assert_still_takes_a_good_version(server: AgentServer, store_dir: Path) -> 
     served = server.engine.served()
     assert served.version == 6 and served.digest == want.manifest.digest
     for name, tensor in want.state_dict().items():
-        assert _bits_equal(served.weights[name], tensor), name
+        assert bits_equal(served.weights[name], tensor), name
 
 
 # ------------------------------------------------------------------------------ calls
@@ -291,7 +286,7 @@ def test_corpus_store_holds_what_the_cases_assume(gen):
     make_hostile = _load(HOSTILE / "make_hostile.py", "make_hostile")
     assert v2.buffers[gen.EMBED].tobytes() == make_hostile.parent(0).tobytes()
     for name, tensor in gen.weights(2).items():
-        assert _bits_equal(v2.state_dict()[name], tensor), name
+        assert bits_equal(v2.state_dict()[name], tensor), name
 
 
 @pytest.mark.parametrize("name", [
@@ -419,7 +414,7 @@ def test_every_parser_corpus_chunk_delivered_in_a_version_is_refused(gen, start_
     assert server.agent.wait_for_version(version, WAIT_S), server.agent.status()["last_error"]
     served = server.engine.served()
     assert (served.version, served.digest) == (version, manifest.digest)
-    assert all(_bits_equal(served.weights[n], t) for n, t in gen.weights(6).items())
+    assert all(bits_equal(served.weights[n], t) for n, t in gen.weights(6).items())
 
 
 def _signed_store_files(gen, manifest, objects) -> dict[str, bytes]:
@@ -445,7 +440,7 @@ def test_clock_skew_in_manifests_does_not_matter(gen, start_agent):
         assert server.agent.wait_for_version(version, WAIT_S), server.agent.status()["last_error"]
         served = server.engine.served()
         assert (served.version, served.digest) == (version, manifest.digest)
-        assert all(_bits_equal(served.weights[n], t) for n, t in weights.items())
+        assert all(bits_equal(served.weights[n], t) for n, t in weights.items())
         previous = weights
 
 

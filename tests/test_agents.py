@@ -24,6 +24,8 @@ import urllib.request
 import pytest
 import torch
 
+from harness.bits import assert_bit_equal
+from harness.fake_trainer import TINY, FakeTrainer
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.errors import (
@@ -34,7 +36,6 @@ from weightsync.errors import (
     SignatureError,
     StaleVersion,
 )
-from weightsync.models import ModelConfig, build_model
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.push import PushConfig, Pusher
 from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig
@@ -44,32 +45,10 @@ from weightsync.v1 import sync_pb2
 from weightsync.versions import read_manifest_bytes
 
 MODEL = "agent-test-lm"
-ARCH = ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
+ARCH = TINY
 ENGINE = {"type": "reference", "model": dataclasses.asdict(ARCH), "port": 0}
 PUBLISH = PublisherConfig(chunk_bytes=16 * 1024, rebase_every=3, workers=2)
 WAIT_S = 60
-
-
-class FakeTrainer:
-    """Stands in for the trainer: fp32 master weights that each step nudges a few percent of,
-    so consecutive bf16 versions differ sparsely, as in RL."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.model = build_model(ARCH, seed=seed)
-        self.generator = torch.Generator().manual_seed(seed + 1)
-
-    def step(self) -> None:
-        with torch.no_grad():
-            for p in self.model.parameters():
-                mask = torch.rand(p.shape, generator=self.generator) < 0.05
-                p.add_(mask * torch.randn(p.shape, generator=self.generator) * 1e-2 * p.abs().mean())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
-
-    def published(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach().to(torch.bfloat16) for name, t in self.model.state_dict().items()}
 
 
 def _agent(tmp_path, name: str, store: LocalStore | None, *, region: str = "r", peers=(), **settings) -> AgentServer:
@@ -84,25 +63,42 @@ def _assert_serves(server: AgentServer, version: int, want: dict[str, torch.Tens
     assert server.agent.wait_for_version(version, WAIT_S), f"{server.config.name} never served v{version}"
     served = server.engine.served()
     assert served.version == version
-    assert sorted(served.weights) == sorted(want)
-    for name, tensor in want.items():
-        assert torch.equal(served.weights[name], tensor), f"{server.config.name} v{version} {name}"
+    assert_bit_equal(served.weights, want)
+
+
+PUSH_ONLY = {"poll_interval_s": 3600.0, "push_wait_s": float(WAIT_S)}
+"""Agent settings for a test that asserts every version came by push: no store poll can see a commit
+before its push lands (an agent fetches at once what nobody has pushed to it yet), and a push or
+relay that a loaded machine stalls is waited for, not replaced by a store fetch. The store stays
+the fallback for objects whose push makes no progress for push_wait_s. Pair it with a pusher that
+does not give up on a slow version (PUSH_ONLY_GIVE_UP_S)."""
+PUSH_ONLY_GIVE_UP_S = 10.0 * WAIT_S
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def agent_settings() -> dict:
+    """The cluster's agent settings; a test overrides them with @pytest.mark.parametrize."""
+    return {"push_wait_s": 5.0}
+
+
+@pytest.fixture
+def push_give_up_s() -> float:
+    """How long the cluster's pusher retries a version (then the agents catch up from the store)."""
+    return 20.0
+
+
+@pytest.fixture
+def cluster(tmp_path, agent_settings, push_give_up_s):
     """A store, 2 regions x 2 agents (leader relays to follower), and a pushing publisher."""
     store = LocalStore(tmp_path / "store")
     agents = {}
-    # A generous push wait: some tests assert that nothing came from the store, and a loaded
-    # machine can stall a relay for more than a second.
     for region in ("east", "west"):
-        follower = _agent(tmp_path, f"{region}-2", store, region=region, push_wait_s=5.0)
+        follower = _agent(tmp_path, f"{region}-2", store, region=region, **agent_settings)
         agents[f"{region}-2"] = follower
         agents[f"{region}-1"] = _agent(tmp_path, f"{region}-1", store, region=region, peers=[follower.address],
-                                       push_wait_s=5.0)
+                                       **agent_settings)
     pusher = Pusher(PushConfig(targets=(agents["east-1"].address, agents["west-1"].address), model=MODEL,
-                               give_up_after_s=20))
+                               give_up_after_s=push_give_up_s))
     publisher = Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher])
     yield store, agents, publisher, pusher
     publisher.close()
@@ -111,6 +107,7 @@ def cluster(tmp_path):
         server.stop(0)
 
 
+@pytest.mark.parametrize(("agent_settings", "push_give_up_s"), [(PUSH_ONLY, PUSH_ONLY_GIVE_UP_S)], ids=["push-only"])
 def test_every_agent_serves_every_version_bit_exactly(cluster):
     store, agents, publisher, pusher = cluster
     trainer = FakeTrainer()
@@ -124,10 +121,12 @@ def test_every_agent_serves_every_version_bit_exactly(cluster):
         ledger = server.agent.status()["ledger"]
         assert [e["version"] for e in ledger if e["outcome"] == "served"] == [6, 5, 4, 3, 2, 1], name
         assert all(e["bytes_fetched"] == 0 for e in ledger), f"{name} fetched from the store: the push missed"
-        # Who offered it first: the pusher, or a store poll that saw the commit before the push landed.
-        assert ledger[0]["source"] in ("publisher" if name.endswith("-1") else name.replace("-2", "-1"), "store"), name
+        # Leaders hear from the publisher, followers from their leader's relay (no store polls here).
+        sender = "publisher" if name.endswith("-1") else name.replace("-2", "-1")
+        assert [e["source"] for e in ledger if e["outcome"] == "served"] == [sender] * 6, name
         assert ledger[0]["path"].startswith(("deltas", "base"))
-        assert ledger[0]["timings_s"]["swap_pause"] >= 0
+        timings = ledger[0]["timings_s"]
+        assert 0 < timings["swap_pause"] <= timings["swap"] <= timings["total"], timings
     # The trainer sends each byte once per region, not once per agent: followers got theirs by relay.
     stored = sum(read_manifest_bytes(store, MODEL, v)[0].stored_bytes for v in range(1, 7))
     assert sum(s["sent_bytes"] for s in pusher.stats().values()) <= 2 * stored * 1.01
@@ -166,6 +165,7 @@ def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
             if spare is not None and spare.version == 3:
                 break
             time.sleep(0.05)
+        assert spare is not None and spare.version == 3, f"the spare buffer never caught up with v3 in {WAIT_S} s"
         version = publisher.publish(trainer.state_dict(), step=3).result().version
         _assert_serves(agent, version, trainer.published())
     assert agent.agent.status()["ledger"][0]["path"] == "deltas 3->4"
@@ -257,7 +257,7 @@ def _served_snapshot(agent: AgentServer):
 def _unchanged(agent: AgentServer, before) -> None:
     version, digest, weights = _served_snapshot(agent)
     assert (version, digest) == before[:2]
-    assert all(torch.equal(weights[k], before[2][k]) for k in weights)
+    assert_bit_equal(weights, before[2])
     assert agent.agent.status()["current_version"] == version
 
 
@@ -317,7 +317,7 @@ def test_tls_and_mutual_tls(tmp_path):
     certs = make_certificates(tmp_path)
     store = LocalStore(tmp_path / "store")
     server_tls = TlsConfig(cert=certs["server"], key=certs["server_key"], ca=certs["ca"], require_client_cert=True)
-    agent = _agent(tmp_path, "tls", store, tls=server_tls)
+    agent = _agent(tmp_path, "tls", store, tls=server_tls, **PUSH_ONLY)
     port = agent.address.rsplit(":", 1)[1]
     target = f"localhost:{port}"
     client_tls = TlsConfig(ca=certs["ca"], cert=certs["client"], key=certs["client_key"])
@@ -329,7 +329,7 @@ def test_tls_and_mutual_tls(tmp_path):
     with pytest.raises(RpcUnavailable):
         AgentClient(target).status(timeout_s=5)  # plaintext to a TLS port
 
-    pusher = Pusher(PushConfig(targets=(target,), model=MODEL, tls=client_tls))
+    pusher = Pusher(PushConfig(targets=(target,), model=MODEL, tls=client_tls, give_up_after_s=PUSH_ONLY_GIVE_UP_S))
     trainer = FakeTrainer(5)
     with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher]) as publisher:
         version = publisher.publish(trainer.state_dict()).result().version
@@ -348,7 +348,12 @@ def test_requests_during_continuous_swaps_see_one_version_each_never_going_backw
     url = leader.engine.url + "/v1/generate"
     stop = threading.Event()
     seen: dict[int, list[int]] = {i: [] for i in range(3)}
+    answered = threading.Condition()  # notified after each answer, so waits need no sleeps
     failures: list[str] = []
+
+    def wait_until_every_client_saw(version: int) -> bool:
+        with answered:
+            return answered.wait_for(lambda: failures or all(version in vs for vs in seen.values()), WAIT_S)
 
     def client(i: int) -> None:
         body = json.dumps({"prompts": ["12+30=", "abc"], "max_new_tokens": 4, "temperature": 0}).encode()
@@ -358,22 +363,30 @@ def test_requests_during_continuous_swaps_see_one_version_each_never_going_backw
                 with urllib.request.urlopen(request, timeout=30) as response:
                     doc = json.loads(response.read())
                     assert int(response.headers["X-Weight-Version"]) == doc["weight_version"]
-                seen[i].append(doc["weight_version"])
+                with answered:
+                    seen[i].append(doc["weight_version"])
+                    answered.notify_all()
             except Exception as e:  # any failure is a test failure, reported below
-                failures.append(f"{type(e).__name__}: {e}")
+                with answered:
+                    failures.append(f"{type(e).__name__}: {e}")
+                    answered.notify_all()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
+    # Every client is answered on v1 before the swaps start, and on the last version after them,
+    # however slowly a loaded machine runs the requests in between.
+    first_answers = wait_until_every_client_saw(1)
     for step in range(1, 8):
         trainer.step()
         version = publisher.publish(trainer.state_dict(), step=step).result().version
     assert leader.agent.wait_for_version(version, WAIT_S)
-    time.sleep(0.2)
+    last_answers = wait_until_every_client_saw(version)
     stop.set()
     for t in threads:
         t.join()
     assert not failures, failures[:3]
+    assert first_answers and last_answers, f"clients not answered within {WAIT_S} s: {seen}"
     for versions in seen.values():
         assert versions and all(isinstance(v, int) and 1 <= v <= version for v in versions)
         assert versions == sorted(versions), "a client saw the served version go backwards"
@@ -432,13 +445,14 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
             pending = publisher.publish(trainer.state_dict(), step=1)
             chunks = tmp_path / "cache" / "store" / "models" / MODEL / "chunks"
             count_before = sum(len(files) for _, _, files in os.walk(chunks))
+            deadline = time.monotonic() + WAIT_S
             while sum(len(files) for _, _, files in os.walk(chunks)) < count_before + 2:
+                assert time.monotonic() < deadline, f"no object of v2 reached the agent in {WAIT_S} s"
                 time.sleep(0.01)
             proc.send_signal(signal.SIGKILL)  # mid-stream: some objects of v2 arrived, most did not
             proc.wait()
             second = pending.result()
         proc, address, url = start()  # same cache: serves v1 at once, then catches up to v2
-        assert engine_version(url)["weight_version"] == 1, "a restarted agent serves its last good version first"
         deadline = time.monotonic() + WAIT_S
         while engine_version(url)["weight_version"] != 2 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -446,6 +460,10 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
         assert info["weight_version"] == 2 and info["weight_digest"] == second.manifest.digest
         status = AgentClient(address).status()
         assert status.current_version == 2 and status.current_digest == second.manifest.digest
+        # What it served first, in its ledger (polling the engine right after the restart would race
+        # the catch-up on a fast machine).
+        served = [(e.version, e.path) for e in reversed(status.ledger) if e.outcome == "served"]
+        assert served == [(1, "cache"), (2, served[-1][1])], "a restarted agent serves its last good version first"
         assert first.manifest.digest != second.manifest.digest
     finally:
         pusher.close(timeout_s=1)

@@ -1,9 +1,10 @@
-"""The chaos harness (bench/chaos.py) as a test: a few seeded rounds of faults against a real cluster
+"""The chaos benchmark (bench/chaos/) as a test: a few seeded rounds of faults against a real cluster
 (a publisher process, 2 regions x 2 agent processes, a store), with zero invariant violations.
 
 `python -m bench.chaos --rounds 100` is the long run; CI runs 10 rounds on a local store and 2 on S3
-(moto behind tests/fault_proxy.py). What the rounds do and which invariants they check is in the
-module docstring of bench/chaos.py. Every process the harness starts is stopped by PID when it ends.
+(moto behind harness/fault_proxy.py), through the same command line (tests never import bench/).
+What the rounds do and which invariants they check is in bench/chaos/__init__.py. Every process the
+harness starts is stopped by PID when it ends.
 
 Below them, small deterministic tests for what the chaos runs found in the push path (fast, not slow).
 """
@@ -13,15 +14,21 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.push import PushConfig, Pusher
 
+REPO = Path(__file__).resolve().parent.parent
+FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",
+               "flip_store_object", "flip_agent_cache", "stale_cache_restart", "s3_faults", "clock_skew",
+               "gc_during_publish")
+"""What bench/chaos injects (its config.FAULT_KINDS): a kind added there is added here."""
 WAIT_S = 30  # liveness bound for the push-path tests (a tiny model on loopback)
 
 
@@ -38,10 +45,23 @@ def _check(summary: dict, rounds: int) -> None:
     assert checks["generation_checks"] >= 4 * rounds and checks["versions_verified"] >= rounds
 
 
+def run_chaos(tmp_path: Path, *, rounds: int, seed: int, store: str) -> dict:
+    """`python -m bench.chaos` as a user runs it; the summary of its one store from the JSON record."""
+    command = [sys.executable, "-m", "bench.chaos", "--rounds", str(rounds), "--seed", str(seed), "--store", store,
+               "--workdir", str(tmp_path / "chaos")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=880, check=False)
+    try:
+        record = json.loads(done.stdout)
+    except ValueError:
+        pytest.fail(f"{' '.join(command[1:])} exited {done.returncode} without a JSON record:\n{done.stderr[-5000:]}")
+    assert done.returncode == (1 if record["violations"] else 0), done.stderr[-5000:]
+    return record["results"][store]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ten_chaos_rounds_on_a_local_store_violate_nothing(tmp_path):
-    summary = run_chaos(ChaosConfig(rounds=10, seed=7, store="local", workdir=str(tmp_path / "chaos")))
+    summary = run_chaos(tmp_path, rounds=10, seed=7, store="local")
     _check(summary, 10)
     assert len([k for k, n in summary["faults"].items() if n]) >= 6, summary["faults"]
 
@@ -50,7 +70,7 @@ def test_ten_chaos_rounds_on_a_local_store_violate_nothing(tmp_path):
 @pytest.mark.s3
 @pytest.mark.timeout(900)
 def test_chaos_rounds_on_s3_through_faults_violate_nothing(tmp_path):
-    summary = run_chaos(ChaosConfig(rounds=2, seed=11, store="s3", workdir=str(tmp_path / "chaos")))
+    summary = run_chaos(tmp_path, rounds=2, seed=11, store="s3")
     _check(summary, 2)
     assert summary["faults"].get("s3_faults", 0) >= 1
     assert sum(summary["fault_details"]["s3_injected"].values()) > 0
@@ -108,7 +128,7 @@ def pushers():
 def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_agent, pushers):
     """A relay that offers a version its peer already passed (the peer caught up from the store)
     gets FAILED_PRECONDITION: that version is done for that peer, and the next one must follow.
-    (bench/chaos.py saw a leader retry such an offer until give_up_after_s, its follower getting
+    (bench/chaos saw a leader retry such an offer until give_up_after_s, its follower getting
     no pushes meanwhile.)"""
     agent = push_only_agent
     first = pushers(agent, gen.MODEL)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from harness.bits import bits_equal
 from weightsync.checkpoint_io import INDEX_NAME, SINGLE_NAME, open_checkpoint, write_safetensors
 from weightsync.errors import FormatError, LayoutError, StoreError
 
@@ -30,12 +31,6 @@ def _sample() -> dict[str, torch.Tensor]:
     return out
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True
-
-
 def test_every_dtype_round_trips_bit_exactly(tmp_path):
     sd = _sample()
     files = write_safetensors(sd, tmp_path / "out", metadata={"weightsync_version": 3})
@@ -43,7 +38,7 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path):
     back = open_checkpoint(tmp_path / "out")
     assert set(back) == set(sd)
     for name, tensor in sd.items():
-        assert _bits_equal(back[name], tensor), name
+        assert bits_equal(back[name], tensor), name
 
 
 def test_sharded_write_has_an_index_and_reopens(tmp_path):

@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightsync.checkpoint_io import INDEX_NAME, open_checkpoint, write_safetensors
+from harness.bits import assert_bit_equal
 from weightsync.app.cli import main
+from weightsync.checkpoint_io import INDEX_NAME, open_checkpoint, write_safetensors
 
 
 def _checkpoints(tmp_path: Path) -> tuple[dict, dict, Path, Path]:
@@ -42,12 +43,6 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _assert_equal_dicts(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-
-
 def test_publish_ls_pull_verify_roundtrip(tmp_path, capsys):
     first, second, c1, c2 = _checkpoints(tmp_path)
     store = f"file://{tmp_path}/store"
@@ -69,7 +64,7 @@ def test_publish_ls_pull_verify_roundtrip(tmp_path, capsys):
         code, out, _ = _run(capsys, "pull", "--store", store, "--model", "org/m", "--version", str(version),
                             "--out", str(out_dir), "--json")
         assert code == 0 and json.loads(out)["version"] == version
-        _assert_equal_dicts(load_file(out_dir / "model.safetensors"), _bf16(expected))
+        assert_bit_equal(load_file(out_dir / "model.safetensors"), _bf16(expected))
 
     code, out, _ = _run(capsys, "verify", "--store", store, "--model", "org/m", "--all", "--json")
     assert code == 0 and json.loads(out)["ok"] is True
@@ -85,7 +80,7 @@ def test_keep_dtypes_and_hf_directory_with_index(tmp_path, capsys):
     assert code == 0
     code, _, _ = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(tmp_path / "out"))
     assert code == 0
-    _assert_equal_dicts(dict(open_checkpoint(tmp_path / "out")), first)
+    assert_bit_equal(dict(open_checkpoint(tmp_path / "out")), first)
 
 
 def test_verify_names_the_corrupt_version_and_fails(tmp_path, capsys):
@@ -165,7 +160,7 @@ def test_real_subprocess_and_help_does_not_import_torch(tmp_path):
     done = subprocess.run([sys.executable, "-m", "weightsync.app.cli", "pull", "--store", store, "--model", "m",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    _assert_equal_dicts(load_file(tmp_path / "out" / "model.safetensors"), _bf16(second))
+    assert_bit_equal(load_file(tmp_path / "out" / "model.safetensors"), _bf16(second))
 
 
 def test_usage_errors_exit_2(capsys):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.bits import assert_bit_equal
 from sglang_contract_server import SGLangContractServer
 from weightsync.agents.engine import Engine, open_engine
 from weightsync.errors import LayoutError, WeightsyncError
@@ -141,12 +142,6 @@ def kit(request, tmp_path):
     kit.close()
 
 
-def assert_same_tensors(actual: dict, expected: dict) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, want in expected.items():
-        assert actual[name].dtype == want.dtype and torch.equal(actual[name], want), name
-
-
 # ------------------------------------------------------------------ the contract, over every engine
 
 
@@ -160,11 +155,11 @@ def test_swap_makes_the_version_served(kit):
     assert engine.served_version() == 1
     version, served = kit.served()
     assert version == 1
-    assert_same_tensors(served, w1)
+    assert_bit_equal(served, w1)
     w2 = make_weights(2)
     engine.swap(2, w2, digest="digest-2")
     assert engine.served_version() == 2
-    assert_same_tensors(kit.served()[1], w2)
+    assert_bit_equal(kit.served()[1], w2)
 
 
 def test_zero_copy_engines_serve_the_tensors_copying_engines_keep_none(kit):
@@ -177,8 +172,8 @@ def test_zero_copy_engines_serve_the_tensors_copying_engines_keep_none(kit):
     else:
         for t in weights.values():  # the agent reuses its buffers as soon as swap returns
             t.fill_(float("nan"))
-        assert_same_tensors(kit.served()[1], originals)
-        assert_same_tensors(kit.observe()[1], originals)
+        assert_bit_equal(kit.served()[1], originals)
+        assert_bit_equal(kit.observe()[1], originals)
 
 
 @pytest.mark.parametrize("damage", ["missing", "unexpected", "shape", "not_a_tensor"])
@@ -198,7 +193,7 @@ def test_a_bad_swap_raises_and_the_previous_version_stays(kit, damage):
         kit.engine.swap(2, bad, digest="digest-2")
     assert kit.engine.served_version() == 1
     assert kit.served()[0] == 1
-    assert_same_tensors(kit.served()[1], w1)
+    assert_bit_equal(kit.served()[1], w1)
     assert kit.observe()[0] == 1
     if kit.kind == "safetensors_dir":
         assert kit.engine.snapshots() == [1]
@@ -321,7 +316,7 @@ def test_dir_failed_reload_keeps_the_previous_version(dir_kit, failure):
     assert engine.current_dir().name == "v000000000001"
     assert engine.snapshots() == [1]
     assert len(fake.loaded) == 1
-    assert_same_tensors(dir_kit.served()[1], w1)
+    assert_bit_equal(dir_kit.served()[1], w1)
 
 
 def test_dir_retries_a_server_error_then_succeeds(dir_kit):
@@ -329,7 +324,7 @@ def test_dir_retries_a_server_error_then_succeeds(dir_kit):
     w1 = make_weights(1)
     dir_kit.engine.swap(1, w1, digest="digest-1")
     assert len(dir_kit.fake.bodies) == 2
-    assert_same_tensors(dir_kit.served()[1], w1)
+    assert_bit_equal(dir_kit.served()[1], w1)
 
 
 def test_dir_unreachable_server_fails_after_retries(tmp_path):
@@ -363,7 +358,7 @@ def test_dir_snapshot_layout_body_template_and_retention(tmp_path):
         assert json.loads((snapshot / "weightsync.json").read_text()) == {"version": 4, "digest": "digest-4"}
         assert ModelConfig.from_hf(json.loads((snapshot / "config.json").read_text())) == ModelConfig(**SMALL)
         assert (snapshot / "model.safetensors.index.json").exists(), "20 kB shards: an HF-style index"
-        assert_same_tensors(fake.loaded[-1][1], make_weights(4))
+        assert_bit_equal(fake.loaded[-1][1], make_weights(4))
         assert sorted(p.name for p in root.iterdir()) == [".lock", "current", "v000000000003", "v000000000004"]
     finally:
         engine.close()
@@ -386,7 +381,7 @@ def test_dir_template_files_and_layout(tmp_path):
         snapshot = engine.current_dir()
         assert (snapshot / "tokenizer.json").read_text() == '{"model": "bytes"}'
         assert (snapshot / "config.json").read_text() == (template / "config.json").read_text()
-        assert_same_tensors(fake.loaded[-1][1], make_weights(1))
+        assert_bit_equal(fake.loaded[-1][1], make_weights(1))
     finally:
         engine.close()
         fake.close()
@@ -418,7 +413,7 @@ def test_dir_reopen_cleans_leftovers_and_reuses_a_complete_snapshot(tmp_path):
         assert engine.served_version() == 1 and len(fake.loaded) == 2
         with pytest.raises(WeightsyncError, match="must not be reused"):
             engine.swap(1, make_weights(5), digest="digest-5")
-        assert_same_tensors(load_pretrained(engine.current_dir())[1], make_weights(1))
+        assert_bit_equal(load_pretrained(engine.current_dir())[1], make_weights(1))
     finally:
         engine.close()
         fake.close()
@@ -455,7 +450,7 @@ def test_dir_sigkill_mid_swap_leaves_current_complete(tmp_path):
     version = json.loads((current / "weightsync.json").read_text())["version"]
     assert current.name == f"v{version:012d}" and version >= 15
     expected = build_model(ModelConfig(**SMALL), seed=version % 7).state_dict()
-    assert_same_tensors(load_pretrained(current)[1], {n: t.to(torch.bfloat16) for n, t in expected.items()})
+    assert_bit_equal(load_pretrained(current)[1], {n: t.to(torch.bfloat16) for n, t in expected.items()})
     engine = open_engine({"type": "safetensors_dir", "root": str(root), "model": SMALL})
     try:
         assert not [p for p in root.iterdir() if p.name.startswith((".tmp-", ".trash-", ".current.tmp-"))]

@@ -6,6 +6,8 @@
     models/    (weightsync.models)   library only
     weightsync/ (the library)        itself only
 
+Beside them, tests/ and bench/ share only harness/ (never each other, never through sys.path).
+
 Imports are read from the source (every `import` and `from ... import`, lazy ones inside
 functions too), so a forbidden import cannot hide behind a code path the tests never run.
 """
@@ -59,3 +61,62 @@ def test_the_check_sees_a_crossing(tmp_path):
     source.write_text("def f():\n    from weightsync.agents.sync import SyncAgent\n    import weightsync.app.cli\n")
     modules = {module for _, module in imported_modules(source)}
     assert "weightsync.agents.sync" in modules and "weightsync.app.cli" in modules
+
+
+# ------------------------------------------------------------------------------ tests, bench, harness
+
+# tests/ and bench/ stand on harness/ (servers, proxies, fakes, machine description), never on each
+# other: a test runs a benchmark through its command line (python -m bench.X), and nothing reaches
+# the other's modules by putting its folder on sys.path.
+HARNESS_USERS = {"tests": ("bench",), "bench": ("tests",), "harness": ("tests", "bench")}
+
+
+def top_level_modules(folder: str) -> set[str]:
+    """The names a folder's modules import as when it is on sys.path (tests/ is, under pytest)."""
+    root = REPO / folder
+    return {folder} | {p.stem for p in root.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+
+
+def sys_path_edits(path: Path) -> list[int]:
+    """Lines that change sys.path: sys.path.insert/append/extend(...), or sys.path assigned to."""
+    def is_sys_path(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+            and node.value.id == "sys"
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value) \
+                and node.func.attr in ("insert", "append", "extend"):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)) for t in targets):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("folder", sorted(HARNESS_USERS))
+def test_tests_and_bench_share_only_the_harness(folder):
+    files = sorted((REPO / folder).rglob("*.py"))
+    assert files, f"{folder}/ has no Python files: the layout changed, update this test"
+    forbidden = set().union(*(top_level_modules(other) for other in HARNESS_USERS[folder]))
+    own = top_level_modules(folder) - {folder}
+    problems = []
+    for path in files:
+        for line, module in imported_modules(path):
+            top = module.split(".")[0]
+            if top in forbidden and top not in own:  # tests/ may import its own test_agents, bench/ its own
+                problems.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+        problems += [f"{path.relative_to(REPO)}:{line} changes sys.path" for line in sys_path_edits(path)]
+    assert not problems, f"{folder}/ must use harness/, not these:\n" + "\n".join(problems)
+
+
+def test_the_sharing_check_sees_a_crossing(tmp_path):
+    """A sys.path edit and an import of a test module are both found: the rule cannot pass vacuously."""
+    source = tmp_path / "sneaky.py"
+    source.write_text("import sys\n\ndef f():\n    sys.path.insert(0, 'tests')\n    from fault_proxy import X\n"
+                      "    sys.path += ['bench']\n")
+    assert sorted(sys_path_edits(source)) == [4, 6]
+    assert "fault_proxy" in {module for _, module in imported_modules(source)}
+    assert {"bench", "chaos", "selftest"} <= top_level_modules("bench") and "test_agents" in top_level_modules("tests")

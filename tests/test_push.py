@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from test_agents import MODEL, PUBLISH, WAIT_S, FakeTrainer, _agent, _assert_serves
+from test_agents import MODEL, PUBLISH, PUSH_ONLY, PUSH_ONLY_GIVE_UP_S, WAIT_S, _agent, _assert_serves
 
+from harness.fake_trainer import FakeTrainer
 from weightsync.publisher import Publisher
 from weightsync.push import PushConfig, Pusher
 from weightsync.store import LocalStore
@@ -30,8 +31,8 @@ class Recorder:
 
 def test_a_late_object_for_a_finished_version_does_not_stall_the_next(tmp_path):
     store = LocalStore(tmp_path / "store")
-    agent = _agent(tmp_path, "a", store, poll_interval_s=300)  # the push alone must carry it
-    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, give_up_after_s=300))
+    agent = _agent(tmp_path, "a", store, **PUSH_ONLY)  # the push alone must carry it
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, give_up_after_s=PUSH_ONLY_GIVE_UP_S))
     recorder = Recorder()
     trainer = FakeTrainer(11)
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.bits import assert_bit_equal
 from weightsync.reader import Reader
 from weightsync.store import LocalStore
 from weightsync.versions import list_versions, read_manifest
@@ -55,13 +56,6 @@ def one_rank(tmp_path_factory, two_ranks):
 
 def losses(history):
     return [m["loss"] for m in history]
-
-
-def assert_bit_equal(actual: dict, expected: dict) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name in expected:
-        assert actual[name].dtype == expected[name].dtype, name
-        assert torch.equal(actual[name], expected[name]), name
 
 
 def test_two_ranks_match_one_rank(two_ranks, one_rank):

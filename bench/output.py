@@ -1,23 +1,17 @@
-"""What every benchmark records about the machine it ran on, and how it writes its results."""
+"""output: how a benchmark writes its result: JSON and markdown files beside each other, and one JSON
+line on stdout.
+
+Not here: what a result records about the machine (harness/machine.py).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import platform
 import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def write_results(base: Path, record: dict, markdown: str, *, indent: int = 2) -> None:

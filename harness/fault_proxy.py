@@ -20,7 +20,8 @@ a mismatch with 400 BadDigest). With `check_content_md5` the proxy makes that ch
 server's behalf, after any flip, so the reject-and-retry path can be tested; without it a
 flipped upload reaches moto's storage, as it would on a server that checks nothing.
 
-Not a general proxy: one upstream, no TLS, no CONNECT.
+Not a general proxy: one upstream, no TLS, no CONNECT. Not here: the S3 server (moto.py), faults on
+raw TCP links (tcp_relay.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""moto's S3 in server mode, for the tests and the benchmarks: a real S3-compatible HTTP server."""
+"""moto: moto's S3 in server mode, for the tests and the benchmarks: a real S3-compatible HTTP server.
+
+Not here: breaking its traffic on purpose (fault_proxy.py), buckets and stores (the callers make them)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,57 @@
+"""config: what a chaos run is: the model, the regions, the fault kinds and their odds, ChaosConfig.
+
+Not here: running it (run.py), the faults' actions (faults.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+MODEL = "chaos-lm"
+ARCH = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+REGIONS = ("east", "west")
+PROMPT = "weightsync chaos: "
+REPO = Path(__file__).resolve().parents[2]
+FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",
+               "flip_store_object", "flip_agent_cache", "stale_cache_restart", "s3_faults", "clock_skew",
+               "gc_during_publish")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    rounds: int = 10
+    seed: int = 0
+    store: str = "local"
+    """"local" (a directory) or "s3" (moto behind harness/fault_proxy.py)."""
+    versions_per_round: int = 3
+    convergence_bound_s: float = 60.0
+    publish_deadline_s: float = 180.0
+    """A publish (one attempt) that neither commits nor fails within this long is a hang."""
+    start_deadline_s: float = 180.0
+    chunk_bytes: int = 4096
+    rebase_every: int = 3
+    slow_s: float = 0.015
+    """Pause per encoded object in the publisher, so that kills land mid-upload, not after it."""
+    gc_keep: int = 3
+    gc_grace_s: float = 60.0
+    rss_growth_bound_mb: float = 160.0
+    """Allowed RSS growth of a process over its first sample once it serves (leaks, chain blow-ups)."""
+    fault_scale: float = 1.0
+    """Multiplies every fault's per-round probability (capped at 1)."""
+    workdir: str | None = None
+    keep_workdir: bool = False
+
+    def __post_init__(self) -> None:
+        if self.store not in ("local", "s3"):
+            raise ValueError(f"store must be local or s3, got {self.store!r}")
+        if self.rounds < 1 or self.versions_per_round < 1:
+            raise ValueError("rounds and versions_per_round must be >= 1")
+
+
+FAULT_PROBABILITY = {
+    "kill_publisher": 0.3, "kill_agent": 0.45, "stall_agent": 0.2, "partition_leader": 0.25, "flip_in_flight": 0.35,
+    "flip_store_object": 0.25, "flip_agent_cache": 0.3, "stale_cache_restart": 0.2, "s3_faults": 0.7,
+    "clock_skew": 0.4, "gc_during_publish": 0.3,
+}

@@ -1,0 +1,50 @@
+"""fake_trainer: the trainer's stand-in for tests and benchmarks that need versions of a model.
+
+fp32 master weights of a small decoder (weightsync.models); each step nudges ~5 % of them, so
+consecutive bf16 versions differ sparsely, as in RL. The weights of a step depend only on (seed,
+step), so a restarted publisher and a checker rebuild the same ones. Not here: the real trainer
+(weightsync.trainer), publishing (the callers own their Publisher).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.models import ModelConfig, build_model
+
+TINY = ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+"""A decoder small enough for many agents on 2 cores (a byte vocabulary plus specials)."""
+
+
+class FakeTrainer:
+    """Stands in for the trainer: fp32 master weights, nudged sparsely each step."""
+
+    def __init__(self, seed: int = 0, *, config: ModelConfig = TINY) -> None:
+        self.seed = seed
+        self.model = build_model(config, seed=seed)
+        self.step_count = 0
+        """The step the weights are at (0: as built)."""
+
+    def step(self) -> None:
+        """One optimizer step: ~5 % of each parameter moves by ~1 % of its mean magnitude."""
+        self.step_count += 1
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step_count)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                mask = torch.rand(p.shape, generator=g) < 0.05
+                p.add_(mask * torch.randn(p.shape, generator=g) * 1e-2 * p.abs().mean())
+
+    def advance_to(self, step: int) -> None:
+        if step < self.step_count:
+            raise ValueError(f"the trainer is at step {self.step_count}; it cannot go back to {step}")
+        while self.step_count < step:
+            self.step()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights, what a Publisher is handed."""
+        return self.model.state_dict()
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """What a publisher casting floats to bf16 publishes for the current step."""
+        return {name: t.detach().to(torch.bfloat16) for name, t in self.model.state_dict().items()}
