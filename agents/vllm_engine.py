@@ -11,12 +11,12 @@ A swap, in order (a failure at any step is handled as the last column says):
     handoff  the version's tensors go to a safetensors file on tmpfs       -> nothing changed: raise
              (`handoff_dir`, /dev/shm); each worker maps it, so no tensor
              crosses the network
-    pause    POST /pause?mode=wait: running requests finish on the old     -> resume, raise
+    check    POST /collective_rpc weightsync_check: each worker hashes the -> damaged: nothing
+             file against the agent's per-tensor hashes (still serving)       changed, raise
+    pause    POST /pause?mode=wait: running requests finish on the old     -> nothing changed: raise
              version, new ones wait (mode=abort/keep: see `pause_mode`)
-    load     POST /collective_rpc weightsync_load: each worker checks the  -> handoff damaged: the
-             file against the agent's per-tensor hashes, then reloads         model is untouched,
-             through vLLM's own load path (fusing, tensor parallelism)        resume on the old
-                                                                               version, raise
+    load     POST /collective_rpc weightsync_load: each worker reloads    -> unknown weights: stay
+             through vLLM's own load path (fusing, tensor parallelism)        paused, unhealthy, raise
     verify   each worker's digest of what it now holds (HF names, its     -> unknown weights: stay
              tensor-parallel slices) equals the same slices of the            paused, unhealthy,
              published tensors                                                raise; the next swap
@@ -134,6 +134,7 @@ class VllmEngine:
         self._served: int | None = None
         self._healthy = True
         self._last_error: str | None = None
+        self._slices: dict[int, dict[str, tuple]] = {}  # per worker: what it held at the last swap
         self._handoff_dir = Path(config.handoff_dir or ("/dev/shm" if Path("/dev/shm").is_dir()
                                                         else tempfile.gettempdir()))
         self._wait_until_up()
@@ -157,19 +158,18 @@ class VllmEngine:
             path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}.safetensors"
             try:
                 hashes = self._write_handoff(path, weights)
+                self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
+                expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
                 t_pause = time.perf_counter()
                 self._post(f"/pause?mode={self.config.pause_mode}", timeout_s=self.config.drain_timeout_s)
                 paused = time.perf_counter()
                 try:
-                    reports = self._load(path, hashes)
-                except IntegrityError:
-                    self._resume_after_failed_check()  # the model was not touched
-                    raise
+                    reports = self._load(path)
                 except BaseException as e:
                     self._mark_unhealthy(f"v{version} failed while loading: {e}")
                     raise
                 try:
-                    self._verify(version, weights, reports)
+                    self._verify(version, weights, reports, expected)
                     self._post("/reset_prefix_cache")
                     if "/update_weight_version" in self.routes:
                         self._post("/update_weight_version", {"new_version": str(version)})
@@ -251,20 +251,33 @@ class VllmEngine:
                 f.write(data)
         return hashes
 
-    def _load(self, path: Path, hashes: dict[str, str]) -> list[dict[str, Any]]:
+    def _check_handoff(self, path: Path, hashes: dict[str, str]) -> None:
+        """Every worker hashes the handoff file against the agent's hashes."""
         try:
-            results = self.rpc("weightsync_load", str(path), json.dumps(hashes), timeout_s=self.config.load_timeout_s)
+            self.rpc("weightsync_check", str(path), json.dumps(hashes), timeout_s=self.config.load_timeout_s)
         except WeightsyncError as e:
             if "damaged between the agent and this worker" in str(e) or "does not hold the announced" in str(e):
                 raise IntegrityError(f"in-engine check of the handoff failed: {e}") from e
             raise
+
+    def _expected_digests(self, weights: Mapping[str, torch.Tensor]) -> dict[tuple[int, str, tuple], str]:
+        """Hashes of the slices each worker reported holding at the last swap, computed before the
+        pause so that verifying after the load is a comparison of strings."""
+        return {(rank, name, tuple(spec)): _slice_hash(weights[name], *spec)
+                for rank, slices in self._slices.items() for name, spec in slices.items() if name in weights}
+
+    def _load(self, path: Path) -> list[dict[str, Any]]:
+        results = self.rpc("weightsync_load", str(path), timeout_s=self.config.load_timeout_s)
         for result in results:
             if not isinstance(result, dict) or "tensors" not in result:
                 raise WeightsyncError(f"a worker answered weightsync_load with {str(result)[:300]}")
         return results
 
-    def _verify(self, version: int, weights: Mapping[str, torch.Tensor], reports: list[dict[str, Any]]) -> None:
-        """Each worker's digest against the same slices of the published tensors."""
+    def _verify(self, version: int, weights: Mapping[str, torch.Tensor], reports: list[dict[str, Any]],
+                expected: Mapping[tuple[int, str, tuple], str] | None = None) -> None:
+        """Each worker's digest against the same slices of the published tensors (`expected`:
+        hashes computed beforehand, by rank, name and slice; the rest are computed here)."""
+        expected = expected or {}
         covered: set[str] = set()
         for rank, report in enumerate(reports):
             if report.get("unverifiable"):
@@ -274,15 +287,18 @@ class VllmEngine:
                 if tensor is None:
                     raise LayoutError(f"worker {rank} holds {name}, which v{version} does not publish; the "
                                       "served model's architecture does not match the published one")
-                expected = _slice_hash(tensor, dim, start, length, dtype)
-                if expected != actual:
+                spec = (dim, start, length, dtype)
+                want = expected.get((rank, name, spec)) or _slice_hash(tensor, *spec)
+                if want != actual:
                     raise IntegrityError(f"worker {rank} holds {name} with digest {actual}, v{version} has "
-                                         f"{expected}: the engine does not serve what was published")
+                                         f"{want}: the engine does not serve what was published")
                 covered.add(name)
         missing = sorted(set(weights) - covered)
         if missing:
             raise LayoutError(f"v{version} publishes {len(missing)} tensors no worker loaded, e.g. {missing[:5]}; "
                               "the served model's architecture does not match the published one")
+        self._slices = {rank: {name: tuple(entry[:4]) for name, entry in report["tensors"].items()}
+                        for rank, report in enumerate(reports)}
 
     def _check_names(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Refuses, before the server is touched, a version whose tensor names are not the ones
@@ -296,12 +312,6 @@ class VllmEngine:
             raise LayoutError(f"v{version} does not fit the model vLLM serves ({self.workers[0].get('model_class')}): "
                               f"{len(missing)} tensors missing {missing[:5]}, {len(unexpected)} unexpected "
                               f"{unexpected[:5]}; the published model's architecture does not match")
-
-    def _resume_after_failed_check(self) -> None:
-        try:
-            self._post("/resume")
-        except WeightsyncError as e:
-            self._mark_unhealthy(f"could not resume after a refused handoff: {e}")
 
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy, self._last_error = False, reason

@@ -5,11 +5,11 @@ Start vLLM with `--worker-extension-cls weightsync.agents.vllm_worker.Weightsync
 every worker, and the agent's engine (`vllm_engine.py`) calls them through
 `POST /collective_rpc`. Arguments arrive as strings, results leave as JSON.
 
-A load, in each worker:
+A swap, in each worker:
     check    every tensor of the handoff file (safetensors on tmpfs, memory-mapped: no copy over
-             the network per tensor) is hashed and compared with the hashes the agent sent, before
-             the model is touched; a mismatch raises and the served weights stay as they were
-    load     vLLM's own in-place reload (`reload_weights`), which goes through the model's
+             the network per tensor) is hashed and compared with the hashes the agent sent; this
+             touches nothing served (the engine runs it before pausing); a mismatch raises
+    load     (server paused) vLLM's own in-place reload (`reload_weights`), which goes through the model's
              `load_weights`: the model fuses (`qkv_proj`, `gate_up_proj`) and shards
              (tensor parallel) the HF-named tensors itself
     digest   what the worker now holds, split back into HF names: for each HF tensor the slice
@@ -59,9 +59,10 @@ class WeightsyncWorkerExtension:
         return {"protocol": PROTOCOL, "model_class": type(model).__name__, "tp_rank": rank, "tp_size": size,
                 "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "hf_names": _hf_names(model)}
 
-    def weightsync_load(self, path: str, expected_json: str) -> dict[str, Any]:
-        """Checks the handoff file against `expected_json` ({hf_name: xxh3 of its bytes}), reloads
-        the model from it, and returns the digest of what this worker then holds."""
+    def weightsync_check(self, path: str, expected_json: str) -> dict[str, Any]:
+        """Hashes every tensor of the handoff file and compares with `expected_json` ({hf_name:
+        xxh3 of its bytes}); raises on any difference. Touches nothing served, so the engine runs
+        it before pausing the server."""
         started = time.perf_counter()
         expected = json.loads(expected_json)
         with safe_open(path, framework="pt") as handoff:
@@ -75,15 +76,21 @@ class WeightsyncWorkerExtension:
                 if actual != expected[name]:
                     raise ValueError(f"handoff {path}: {name} hashes to {actual}, the agent sent {expected[name]}; "
                                      "the handoff was damaged between the agent and this worker")
-            checked = time.perf_counter()
+        return {"tensors": len(names), "check_s": time.perf_counter() - started}
+
+    def weightsync_load(self, path: str) -> dict[str, Any]:
+        """Reloads the model from the handoff file through vLLM's own load path and returns the
+        digest of what this worker then holds (`weightsync_digest`)."""
+        started = time.perf_counter()
+        with safe_open(path, framework="pt") as handoff:
+            names = list(handoff.keys())  # noqa: SIM118 - safe_open has no __iter__
             self._weightsync_hook_repacking()
             self._weightsync_captured.clear()
             self.reload_weights(weights_iterator=((n, handoff.get_tensor(n)) for n in names),
                                 is_checkpoint_format=True)
         loaded = time.perf_counter()
         digest = self.weightsync_digest()
-        digest["timings_s"] = {"check": checked - started, "load": loaded - checked,
-                               "digest": time.perf_counter() - loaded}
+        digest["timings_s"] = {"load": loaded - started, "digest": time.perf_counter() - loaded}
         return digest
 
     def weightsync_digest(self) -> dict[str, Any]:

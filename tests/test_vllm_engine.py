@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ if vh.vllm_python() is None:
         raise RuntimeError("WEIGHTSYNC_REQUIRE_VLLM=1 but no vLLM venv: run scripts/setup_vllm.sh")
     pytest.skip("no vLLM venv (bash scripts/setup_vllm.sh makes .venv-vllm)", allow_module_level=True)
 
-from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
+from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400]]
@@ -210,9 +209,9 @@ def test_a_worker_reporting_a_wrong_digest_keeps_the_server_paused_until_a_good_
     weights1, digest1 = read_version(store, 1)
     original = engine._load
 
-    def load_then_lie(path, hashes):
-        reports = original(path, hashes)
-        name = sorted(reports[0]["tensors"])[0]
+    def load_then_lie(path):
+        reports = original(path)
+        name = min(reports[0]["tensors"])
         reports[0]["tensors"][name][4] = "0" * 32
         return reports
 
@@ -258,7 +257,7 @@ url = "{server.url}"
 
     def start_agent():
         return subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
-                                stdout=open(tmp_path / "agent.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                                stdout=open(tmp_path / "agent.log", "ab"), stderr=subprocess.STDOUT)
 
     def wait_serving(version, timeout_s=900):
         deadline = time.monotonic() + timeout_s
@@ -303,7 +302,7 @@ class VllmWithoutDevModeContractServer(BaseHTTPRequestHandler):
     ROUTES = ["/health", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/tokenize",
               "/version", "/ping", "/load", "/invocations"]
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         body = b"" if self.path == "/health" else json.dumps({"paths": {r: {} for r in self.ROUTES}}).encode()
         self.send_response(200 if self.path in ("/health", "/openapi.json") else 404)
         self.send_header("Content-Length", str(len(body)))
@@ -332,9 +331,9 @@ def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine
     store, _ = published
     weights2, digest2 = read_version(store, 2)
 
-    def die_then_load(path, hashes):
+    def die_then_load(path):
         server.kill()
-        return VllmEngine._load(engine, path, hashes)
+        return VllmEngine._load(engine, path)
 
     monkeypatch.setattr(engine, "_load", die_then_load)
     with pytest.raises(WeightsyncError, match="collective_rpc"):
