@@ -2,8 +2,9 @@
 
 Thin: each subcommand parses its flags, calls the library, and prints either a human summary
 or (with --json) one JSON document on stdout. Exit code 0 only on success; errors print one line
-`weightsync: error: ...` on stderr and exit 1 (argparse's usage errors exit 2). Heavy modules
-(torch, numpy) are imported inside the handlers, so `--help` is instant.
+`weightsync: error: ...` on stderr and exit 1; usage errors (argparse's) and unusable config
+files (ConfigError) exit 2. Heavy modules (torch, numpy) are imported inside the handlers, so
+`--help` is instant.
 
 Adding a subcommand: write `_cmd_NAME(args) -> dict` and its `_add_NAME(subparsers)`, and list
 the latter in `_SUBCOMMANDS`.
@@ -241,7 +242,6 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.agents.config import load_agent_config
-    from weightsync.agents.server import run_agent
 
     engine = None
     if args.engine or args.model_dir:
@@ -257,6 +257,8 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         require_signatures=args.require_signatures or None, metrics_port=args.metrics_port,
         poll_interval_s=args.poll_interval_s,
     )
+    from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
+
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
@@ -506,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from weightsync.errors import WeightsyncError
+    from weightsync.errors import ConfigError, WeightsyncError
 
     try:
         row, code = args.handler(args), 0
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weightsync: error: {e}", file=sys.stderr)
         if args.json:
             print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         print("weightsync: interrupted", file=sys.stderr)
         return 130

@@ -28,6 +28,10 @@ class LayoutError(WeightsyncError, ValueError):
     """Tensors whose names, dtypes or shapes do not fit what the operation expects."""
 
 
+class ConfigError(WeightsyncError, ValueError):
+    """A configuration file or setting that cannot be used; the message names the key and the fix."""
+
+
 class StoreError(WeightsyncError, OSError):
     """A store could not do what was asked (I/O failure, bad key, bad URI)."""
 
