@@ -36,6 +36,10 @@ class StoreError(WeightsyncError, OSError):
     """A store could not do what was asked (I/O failure, bad key, bad URI)."""
 
 
+class UnsafeCommitError(StoreError):
+    """A store whose server ignores create-only writes (If-None-Match), so a commit could overwrite."""
+
+
 class ObjectNotFound(StoreError, KeyError):
     """A store key that does not exist."""
 
