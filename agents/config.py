@@ -59,6 +59,10 @@ class AgentConfig:
     region: str = "default"
     listen: str = "127.0.0.1:0"
     """host:port of the gRPC server (port 0: any free port, reported by the running agent)."""
+    health_listen: str | None = None
+    """host:port of a second, plaintext gRPC server that serves only the standard health service:
+    for probes that speak neither TLS nor tokens (Kubernetes `grpc` probes). None: health is
+    served on `listen` alone (behind its TLS; the token guard lets health checks through)."""
     store: str | None = None
     """URI of the store versions are committed to (file://, s3://): where missing, late or
     corrupt objects come from, and how a lagging or new agent catches up. None: push only."""
@@ -114,8 +118,10 @@ class AgentConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_pending_bytes < 0 or self.cache_keep_versions < 1 or self.max_hops < 1 or self.workers < 1:
             raise ValueError("max_pending_bytes >= 0, cache_keep_versions >= 1, max_hops >= 1, workers >= 1 needed")
-        if ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        for name in ("listen", "health_listen"):
+            value = getattr(self, name)
+            if value is not None and ":" not in value:
+                raise ValueError(f"{name} must be host:port, got {value!r}")
 
     @property
     def cache_path(self) -> Path:

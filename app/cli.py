@@ -252,8 +252,8 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
             engine["port"] = args.engine_port
     config = load_agent_config(
         args.config, model=args.model, cache_dir=args.cache_dir, name=args.name, region=args.region,
-        listen=args.listen, store=args.store, peers=tuple(args.peer) or None, engine=engine,
-        token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
+        listen=args.listen, health_listen=args.health_listen, store=args.store, peers=tuple(args.peer) or None,
+        engine=engine, token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
         require_signatures=args.require_signatures or None, metrics_port=args.metrics_port,
         poll_interval_s=args.poll_interval_s,
     )
@@ -435,6 +435,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--cache-dir", help="local cache directory (crash-safe; a restart serves from it)")
     p.add_argument("--store", help="store URI to fetch from and poll: file://DIR or s3://BUCKET/PREFIX")
     p.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:0)")
+    p.add_argument("--health-listen", help="plaintext host:port serving only gRPC health (Kubernetes grpc probes)")
     p.add_argument("--name", help="agent name (default: hostname)")
     p.add_argument("--region", help="region name (default 'default')")
     p.add_argument("--peer", action="append", default=[], help="downstream agent host:port to relay to (repeatable)")
