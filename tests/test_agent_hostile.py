@@ -301,6 +301,10 @@ FAST_CASES = {"offer_v3_tampered_after_signing", "offer_without_a_token", "open_
               "signed_delta_on_the_wrong_parent"}
 
 
+def test_fast_cases_are_cases():
+    assert FAST_CASES <= set(CASES), "a renamed case would silently leave the fast tier"
+
+
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=([pytest.mark.xfail(strict=True, reason=case["xfail"])] if "xfail" in case else [])
                  + ([] if name in FAST_CASES else [pytest.mark.slow]))
