@@ -145,8 +145,8 @@ def load_agent_config(path: str | os.PathLike | None = None, **overrides: Any) -
             raise ConfigError(f"cannot read agent config {path}: {e}") from None
         others = sorted(set(document) - {"agent"})
         if others:
-            raise ConfigError(f"{where}: unknown top-level table(s) or key(s) {others}; the agent reads only [agent] (and its "
-                              "[agent.engine], [agent.tls], [agent.client_tls] sub-tables)")
+            raise ConfigError(f"{where}: unknown top-level table(s) or key(s) {others}; the agent reads only "
+                              "[agent] (and its [agent.engine], [agent.tls], [agent.client_tls] sub-tables)")
         if not isinstance(document.get("agent"), dict):
             raise ConfigError(f"{where}: no [agent] table; start the file with [agent] and model = ..., "
                               "cache_dir = ... under it")
