@@ -20,18 +20,25 @@
     cert = "agent.pem"
     key = "agent.key"
 
+Every key is checked when the file is loaded (`load_agent_config`): unknown keys, wrong types
+and bad sub-tables raise ConfigError naming the key and the fix.
+
 Not here: what the agent does with it (`sync.py`, `server.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import socket
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
+from weightsync.errors import ConfigError
 from weightsync.layout import check_model_name
 from weightsync.rpc import TlsConfig
 
@@ -52,6 +59,10 @@ class AgentConfig:
     region: str = "default"
     listen: str = "127.0.0.1:0"
     """host:port of the gRPC server (port 0: any free port, reported by the running agent)."""
+    health_listen: str | None = None
+    """host:port of a second, plaintext gRPC server that serves only the standard health service:
+    for probes that speak neither TLS nor tokens (Kubernetes `grpc` probes). None: health is
+    served on `listen` alone (behind its TLS; the token guard lets health checks through)."""
     store: str | None = None
     """URI of the store versions are committed to (file://, s3://): where missing, late or
     corrupt objects come from, and how a lagging or new agent catches up. None: push only."""
@@ -107,8 +118,10 @@ class AgentConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_pending_bytes < 0 or self.cache_keep_versions < 1 or self.max_hops < 1 or self.workers < 1:
             raise ValueError("max_pending_bytes >= 0, cache_keep_versions >= 1, max_hops >= 1, workers >= 1 needed")
-        if ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        for name in ("listen", "health_listen"):
+            value = getattr(self, name)
+            if value is not None and ":" not in value:
+                raise ValueError(f"{name} must be host:port, got {value!r}")
 
     @property
     def cache_path(self) -> Path:
@@ -116,20 +129,135 @@ class AgentConfig:
 
 
 def load_agent_config(path: str | os.PathLike | None = None, **overrides: Any) -> AgentConfig:
-    """The [agent] table of a TOML file (if given), with `overrides` (None values ignored) on top."""
+    """The [agent] table of a TOML file (if given), with `overrides` (None values ignored) on top.
+
+    Every key is checked before the agent starts: unknown keys, wrong types, a bad engine or tls
+    table and missing required settings raise ConfigError naming the key and the fix (a typo
+    must not fall back to a default, nor a string surface as a TypeError deep in the agent).
+    """
+    where = f"agent config {path}" if path is not None else "agent settings"
     doc: dict[str, Any] = {}
     if path is not None:
         try:
             with open(path, "rb") as f:
-                doc = dict(tomllib.load(f).get("agent", {}))
+                document = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"cannot read agent config {path}: {e}") from None
+            raise ConfigError(f"cannot read agent config {path}: {e}") from None
+        others = sorted(set(document) - {"agent"})
+        if others:
+            raise ConfigError(f"{where}: unknown top-level table(s) or key(s) {others}; the agent reads only "
+                              "[agent] (and its [agent.engine], [agent.tls], [agent.client_tls] sub-tables)")
+        if not isinstance(document.get("agent"), dict):
+            raise ConfigError(f"{where}: no [agent] table; start the file with [agent] and model = ..., "
+                              "cache_dir = ... under it")
+        doc = dict(document["agent"])
     doc.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_agent_config(doc, where=where)
+
+
+_HOWTO_REQUIRED = {
+    "model": 'the model this agent serves, e.g. model = "qwen3-0.6b-grpo" (or --model)',
+    "cache_dir": 'the agent\'s local cache directory, e.g. cache_dir = "/var/lib/weightsync/agent" (or --cache-dir)',
+}
+
+
+def parse_agent_config(doc: dict[str, Any], *, where: str = "agent settings") -> AgentConfig:
+    """Builds an AgentConfig from the [agent] table of a parsed document; ConfigError if it is unusable."""
+    doc = dict(doc)
+    fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
+    for key in sorted(set(doc) - set(fields)):
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{where}: unknown key [agent] {key!r}; {hint}valid keys: {sorted(fields)}")
+    for key, howto in _HOWTO_REQUIRED.items():
+        if key not in doc:
+            raise ConfigError(f"{where}: [agent] {key} is missing: {howto}")
+    hints = typing.get_type_hints(AgentConfig)
+    for key, value in doc.items():
+        if key in ("engine", "tls", "client_tls"):
+            continue
+        _check_type(where, f"[agent] {key}", value, hints[key])
+    doc["engine"] = _check_engine_table(where, doc.get("engine", {"type": "reference"}))
     for key in ("tls", "client_tls"):
-        if isinstance(doc.get(key), dict):
-            doc[key] = TlsConfig(**doc[key])
-    known = {f.name for f in dataclasses.fields(AgentConfig)}
-    unknown = sorted(set(doc) - known)
+        if key in doc:
+            doc[key] = _build_tls(where, key, doc[key])
+    try:
+        config = AgentConfig(**doc)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    # Last: the engine registry imports torch (seconds), worth it only for an otherwise good file.
+    from weightsync.agents.engine import engine_types
+
+    known = engine_types()
+    if config.engine["type"] not in known:
+        raise ConfigError(f"{where}: [agent.engine] type {config.engine['type']!r} is not an engine; known: {known}")
+    return config
+
+
+def _check_type(where: str, name: str, value: Any, hint: Any) -> None:
+    """TOML gives ints, floats, strings, bools, arrays and tables; refuse the wrong one here with
+    the fix, e.g. a quoted number."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for kind in allowed:
+        origin = typing.get_origin(kind) or kind
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if origin in (bool, str) and type(value) is origin:
+            return
+        if origin is tuple and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return
+    wanted = {float: "a number", int: "an integer", bool: "true or false", str: "a string",
+              tuple: "an array of strings"}
+    names = " or ".join(wanted.get(typing.get_origin(k) or k, str(k)) for k in allowed if k is not type(None))
+    fix = ""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            fix = f"; write the number without quotes, e.g. {name.split()[-1]} = {value.strip()}"
+    if isinstance(value, (list, tuple)) and any(not isinstance(v, str) for v in value):
+        fix = '; every element must be a quoted string, e.g. ["10.0.0.2:7070"]'
+    raise ConfigError(f"{where}: {name} must be {names}, got {value!r} ({_toml_kind(value)}){fix}")
+
+
+def _toml_kind(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                       (dict, "a table"), ((list, tuple), "an array")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _check_engine_table(where: str, table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [agent] engine must be a table, got {table!r} ({_toml_kind(table)}); write "
+                          '[agent.engine] with type = "reference" (or another engine type) and its options')
+    if "type" not in table:
+        raise ConfigError(f'{where}: [agent.engine] needs a type, e.g. type = "reference"')
+    if not isinstance(table["type"], str):
+        raise ConfigError(f"{where}: [agent.engine] type must be a string, got {table['type']!r}")
+    return dict(table)
+
+
+def _build_tls(where: str, key: str, table: Any) -> TlsConfig:
+    if isinstance(table, TlsConfig):
+        return table
+    section = f"[agent.{key}]"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [agent] {key} must be a table, got {table!r} ({_toml_kind(table)}); write "
+                          f'{section} with cert = "agent.pem" and key = "agent.key" (ca = ... for mTLS)')
+    fields = {f.name for f in dataclasses.fields(TlsConfig)}
+    unknown = sorted(set(table) - fields)
     if unknown:
-        raise ValueError(f"unknown agent settings {unknown}; known: {sorted(known)}")
-    return AgentConfig(**doc)
+        raise ConfigError(f"{where}: unknown key(s) {unknown} in {section}; valid keys: {sorted(fields)}")
+    hints = typing.get_type_hints(TlsConfig)
+    for name, value in table.items():
+        _check_type(where, f"{section} {name}", value, hints[name])
+    try:
+        return TlsConfig(**table)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {section}: {e}") from None

@@ -86,6 +86,12 @@ def open_engine(config: Mapping[str, Any]) -> Engine:
     return factory(options)
 
 
+def engine_types() -> list[str]:
+    """The engine types `open_engine` knows (what a config's `type` may say), sorted."""
+    _load_builtin_engines()
+    return sorted(_FACTORIES)
+
+
 def _load_builtin_engines() -> None:
     # Imported for their register_engine calls; lazily, so `import engine` stays light.
     import weightsync.agents.reference_server  # noqa: F401

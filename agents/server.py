@@ -3,9 +3,10 @@
 The servicer is thin: it converts protobuf messages to the agent's calls and back, and maps
 errors to status codes with the one table in `weightsync.rpc`; it holds no logic. The server
 has explicit message limits, a bearer-token interceptor and TLS/mTLS when configured, the
-standard gRPC health service (SERVING once the agent runs, NOT_SERVING while it shuts down),
-and Prometheus metrics when a metrics port is set. `AgentServer.stop` drains in-flight calls
-for a grace period before closing (what SIGTERM does in `run_agent`).
+standard gRPC health service (SERVING once the agent runs, NOT_SERVING while it shuts down; also
+alone on a plaintext `health_listen` port for probes that cannot speak TLS), and Prometheus
+metrics when a metrics port is set. `AgentServer.stop` drains in-flight calls for a grace period
+before closing (what SIGTERM does in `run_agent`).
 
 Not here: what the agent does (`sync.py`), engines (`engine.py`), the CLI (app/cli.py).
 """
@@ -122,12 +123,25 @@ class AgentServer:
         if port == 0:
             raise OSError(f"cannot listen on {config.listen}")
         self.address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+        # Kubernetes grpc probes speak neither TLS nor tokens: the health service alone, in
+        # plaintext, on a port of its own (it tells only whether the agent runs).
+        self._health_server: grpc.Server | None = None
+        self.health_address: str | None = None
+        if config.health_listen is not None:
+            self._health_server = grpc.server(cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-health"))
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            health_port = self._health_server.add_insecure_port(config.health_listen)
+            if health_port == 0:
+                raise OSError(f"cannot listen on {config.health_listen}")
+            self.health_address = f"{config.health_listen.rsplit(':', 1)[0]}:{health_port}"
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
     def start(self) -> AgentServer:
         self.agent.start()  # serves the cached version before taking calls
         self._server.start()
+        if self._health_server is not None:
+            self._health_server.start()
         if isinstance(self.metrics, PrometheusMetrics):
             self.metrics_port = self.metrics.serve(self.config.metrics_port)
         for name in ("", SERVICE):
@@ -143,6 +157,8 @@ class AgentServer:
         self._stopped.set()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         self.agent.close()
         self.engine.close()
         if isinstance(self.metrics, PrometheusMetrics):

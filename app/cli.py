@@ -2,8 +2,9 @@
 
 Thin: each subcommand parses its flags, calls the library, and prints either a human summary
 or (with --json) one JSON document on stdout. Exit code 0 only on success; errors print one line
-`weightsync: error: ...` on stderr and exit 1 (argparse's usage errors exit 2). Heavy modules
-(torch, numpy) are imported inside the handlers, so `--help` is instant.
+`weightsync: error: ...` on stderr and exit 1; usage errors (argparse's) and unusable config
+files (ConfigError) exit 2. Heavy modules (torch, numpy) are imported inside the handlers, so
+`--help` is instant.
 
 Adding a subcommand: write `_cmd_NAME(args) -> dict` and its `_add_NAME(subparsers)`, and list
 the latter in `_SUBCOMMANDS`.
@@ -242,7 +243,6 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.agents.config import load_agent_config
-    from weightsync.agents.server import run_agent
 
     engine = None
     if args.engine or args.model_dir:
@@ -253,11 +253,13 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
             engine["port"] = args.engine_port
     config = load_agent_config(
         args.config, model=args.model, cache_dir=args.cache_dir, name=args.name, region=args.region,
-        listen=args.listen, store=args.store, peers=tuple(args.peer) or None, engine=engine,
-        token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
+        listen=args.listen, health_listen=args.health_listen, store=args.store, peers=tuple(args.peer) or None,
+        engine=engine, token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
         require_signatures=args.require_signatures or None, metrics_port=args.metrics_port,
         poll_interval_s=args.poll_interval_s,
     )
+    from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
+
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
@@ -441,6 +443,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--cache-dir", help="local cache directory (crash-safe; a restart serves from it)")
     p.add_argument("--store", help="store URI to fetch from and poll: file://DIR or s3://BUCKET/PREFIX")
     p.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:0)")
+    p.add_argument("--health-listen", help="plaintext host:port serving only gRPC health (Kubernetes grpc probes)")
     p.add_argument("--name", help="agent name (default: hostname)")
     p.add_argument("--region", help="region name (default 'default')")
     p.add_argument("--peer", action="append", default=[], help="downstream agent host:port to relay to (repeatable)")
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from weightsync.errors import WeightsyncError
+    from weightsync.errors import ConfigError, WeightsyncError
 
     try:
         row, code = args.handler(args), 0
@@ -525,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weightsync: error: {e}", file=sys.stderr)
         if args.json:
             print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         print("weightsync: interrupted", file=sys.stderr)
         return 130

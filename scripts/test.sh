@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Sets up .venv with the test extras and runs the whole test suite. Extra args go to pytest.
+# Sets up .venv with the test extras and runs the tests. Extra args go to pytest.
+#   bash scripts/test.sh           every test, every tier (what CI runs)
+#   bash scripts/test.sh --fast    the tier to run while working: deselects the marks slow,
+#                                  distributed and gpu (a few minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-exec .venv/bin/python -m pytest "$@"
+select=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  select=(-m "not slow and not distributed and not gpu")
+fi
+exec .venv/bin/python -m pytest ${select[@]+"${select[@]}"} "$@"

@@ -289,8 +289,20 @@ def test_corpus_store_holds_what_the_cases_assume(gen):
         assert bits_equal(v2.state_dict()[name], tensor), name
 
 
+# The fast tier (scripts/test.sh --fast) runs a few cases of each kind; every case is marked
+# slow otherwise (each starts an agent: ~1.5 s, ~75 s in all on 2 cores), and CI runs them all.
+FAST_CASES = {"offer_v3_tampered_after_signing", "offer_without_a_token", "open_delta_on_the_wrong_parent",
+              "open_full_with_a_zstd_bomb", "push_object_corrupted_in_flight", "raw_push_frame_with_a_bad_varint",
+              "signed_delta_on_the_wrong_parent"}
+
+
+def test_fast_cases_are_cases():
+    assert FAST_CASES <= set(CASES), "a renamed case would silently leave the fast tier"
+
+
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=case["xfail"])) if "xfail" in case else name
+    pytest.param(name, marks=([pytest.mark.xfail(strict=True, reason=case["xfail"])] if "xfail" in case else [])
+                 + ([] if name in FAST_CASES else [pytest.mark.slow]))
     for name, case in sorted(CASES.items())
 ])
 def test_hostile_conversation_is_refused_and_changes_nothing(name, start_agent):
@@ -356,6 +368,7 @@ def test_every_parser_corpus_manifest_offered_to_an_agent_is_refused(start_agent
     _assert_still_takes_a_good_version(server, store_dir)
 
 
+@pytest.mark.slow
 def test_every_parser_corpus_chunk_delivered_in_a_version_is_refused(gen, start_agent):
     """Each hostile chunk, pushed as the one changed chunk of a delta on v2 (v2's embedding holds
     exactly the bytes the chunk was built against), fails the way tests/test_hostile.py says it
@@ -525,6 +538,7 @@ def test_a_compromised_bucket_cannot_make_a_signing_agent_serve_a_forgery(gen, s
     _assert_still_takes_a_good_version(server, store_dir)
 
 
+@pytest.mark.slow
 def test_a_damaged_old_cached_manifest_does_not_stop_cache_gc(gen, start_agent):
     server, store_dir = start_agent("open")
     store = LocalStore(store_dir)

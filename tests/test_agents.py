@@ -213,6 +213,7 @@ def test_an_agent_offline_for_five_versions_catches_up(tmp_path, cluster):
     assert ledger[0]["version"] == 6 and ledger[0]["outcome"] == "served"
 
 
+@pytest.mark.slow
 def test_a_region_whose_leader_is_down_converges_from_the_store(cluster):
     store, agents, publisher, _ = cluster
     trainer = FakeTrainer(3)

@@ -14,6 +14,7 @@ Bounded for CI (a few hundred examples per test, no deadline).
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 
@@ -36,7 +37,9 @@ from weightsync.manifest import (
     parse_manifest,
 )
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# CI runs a bounded fuzz; WEIGHTSYNC_FUZZ_EXAMPLES=20000 runs a longer one.
+FUZZ = settings(max_examples=int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 HEADER_FIELDS = ["magic", "fmt", "codec", "level", "dtype", "flags", "hsize", "reserved", "count", "plen", "raw", "phash"]
 
 # ----------------------------------------------------------------------------------- manifests

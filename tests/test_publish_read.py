@@ -361,6 +361,7 @@ def test_publish_blocks_while_max_in_flight_versions_run(tmp_path, make_state_di
 # --------------------------------------------------------------------- parent_from_store
 
 
+@pytest.mark.slow
 def test_second_publisher_continues_from_store(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal):
     config = _config(rebase_every=2, rebase_chain_ratio=1e9)
     with Publisher(tmp_store, model=MODEL, config=config) as first:

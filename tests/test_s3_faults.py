@@ -131,6 +131,7 @@ def test_store_operations_survive_each_fault(proxy, bucket, s3_endpoint, kind):
     _report(proxy, [kind])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server_checks_md5", [True, False], ids=["server-checks-md5", "server-checks-nothing"])
 def test_flipped_uploads_are_never_stored(proxy, bucket, s3_endpoint, server_checks_md5):
     """A byte flipped on the way up is refused by the server (Content-MD5) or caught by the
@@ -226,6 +227,7 @@ def test_errors_left_unretried_once_botocores_retry_quota_is_spent_are_retried_b
     assert store.get("k") == b"v"
 
 
+@pytest.mark.slow
 def test_a_stalled_server_fails_within_a_bound(proxy, bucket):
     """Responses slower than the read timeout on every attempt: a StoreError, in bounded time."""
     store = _store(proxy.endpoint, bucket, read_timeout_s=0.5, max_attempts=2, transfer_attempts=2)

@@ -183,6 +183,7 @@ def test_a_missing_rank_times_out_and_a_new_session_resumes(tmp_store, make_stat
     assert_bit_equal(Reader(tmp_store, model="m").read(2).state_dict(), published_view(sd))
 
 
+@pytest.mark.slow
 def test_parts_of_another_session_are_never_merged(tmp_store, make_state_dict):
     sd = _state(4, make_state_dict)
     old = Publisher(tmp_store, model="m", config=CONFIG,

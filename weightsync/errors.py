@@ -28,8 +28,16 @@ class LayoutError(WeightsyncError, ValueError):
     """Tensors whose names, dtypes or shapes do not fit what the operation expects."""
 
 
+class ConfigError(WeightsyncError, ValueError):
+    """A configuration file or setting that cannot be used; the message names the key and the fix."""
+
+
 class StoreError(WeightsyncError, OSError):
     """A store could not do what was asked (I/O failure, bad key, bad URI)."""
+
+
+class UnsafeCommitError(StoreError):
+    """A store whose server ignores create-only writes (If-None-Match), so a commit could overwrite."""
 
 
 class ObjectNotFound(StoreError, KeyError):

@@ -33,7 +33,11 @@ gets ObjectExists. They are never multipart: CompleteMultipartUpload's If-None-M
 less widely implemented (a server that ignored it would overwrite), and moto 5.2 checks it
 before assembling the parts, without a lock, so racing completes there can both "win" (observed:
 2 of 4). A writer whose success response was lost and whose retry then hits 412 reads the object
-back: its own bytes mean it had won. `touch` copies an object onto itself (server side, no data transfer) to
+back: its own bytes mean it had won. Not every S3-compatible server honours the header (s3rver,
+older Ceph and gateways answer 200 and overwrite), and the result is silent, so before its first
+create-only write a store probes: it creates a probe key create-only twice; a second success
+means the header is ignored, and create-only writes (commits) are then refused with
+UnsafeCommitError unless `single_publisher` says only one publisher writes there. `touch` copies an object onto itself (server side, no data transfer) to
 refresh its LastModified.
 Not here: manifests or versions (stores are bytes in, bytes out).
 """
@@ -47,13 +51,16 @@ import hashlib
 import logging
 import random
 import re
+import os
 import threading
 import time
+import urllib.parse
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from weightsync.errors import ObjectExists, ObjectNotFound, StoreError
+from weightsync.errors import ObjectExists, ObjectNotFound, StoreError, UnsafeCommitError
 from weightsync.store import ObjectInfo, check_key
 
 log = logging.getLogger(__name__)
@@ -105,6 +112,13 @@ class S3StoreConfig:
     CRC32 (~0.7 GB/s a core). Turn off for servers whose ETags are not MD5s even for plain objects."""
     list_page_size: int = 1000
     """Keys per ListObjectsV2 page (S3's maximum is 1000)."""
+    single_publisher: bool = False
+    """Commit on a server that ignores `If-None-Match: *` (the store probes before its first
+    create-only write). Safe only while one publisher at a time writes each model: two publishers
+    racing for one version would overwrite each other's manifest, and agents could verify one and
+    read the other's chunks. Commits then check the key is free first (a restarted publisher still
+    cannot overwrite a committed version). Also `?single_publisher=1` on the URI, or
+    WEIGHTSYNC_S3_SINGLE_PUBLISHER=1. Reading never needs it."""
 
     def __post_init__(self) -> None:
         if self.io_concurrency < 1:
@@ -215,6 +229,8 @@ class S3Store:
         )
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._create_only_honoured: bool | None = None  # None: not probed yet
+        self._probe_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r})"
@@ -318,6 +334,18 @@ class S3Store:
         self._upload(key, data, create_only=False)
 
     def put_new(self, key: str, data: bytes | memoryview) -> None:
+        if not self.create_only_honoured():
+            if not self._single_publisher():
+                raise UnsafeCommitError(
+                    f"{self.uri}: the server ignores If-None-Match: * (a create-only write of a probe key "
+                    "succeeded twice), so a commit here is not atomic: two publishers racing for one version "
+                    "would overwrite each other's manifest. Use a server that supports conditional writes "
+                    "(AWS S3, MinIO, R2, recent Ceph), or, if exactly one publisher writes each model, opt in with "
+                    "S3StoreConfig(single_publisher=True), ?single_publisher=1 on the store URI or "
+                    "WEIGHTSYNC_S3_SINGLE_PUBLISHER=1. Reading needs none of this.")
+            # One publisher: nobody races us, but a restarted one must still not overwrite a commit.
+            if self.exists(key):
+                raise ObjectExists(f"{self.uri}/{key} already exists")
         try:
             self._upload(key, data, create_only=True)
         except _Precondition:
@@ -330,6 +358,36 @@ class S3Store:
             if not ours:
                 raise ObjectExists(f"{self.uri}/{key} already exists") from None
             log.info("%s/%s: create-only write had succeeded before its retry", self.uri, key)
+
+    def create_only_honoured(self) -> bool:
+        """Whether the server honours `If-None-Match: *`; probed once, on first use."""
+        with self._probe_lock:
+            if self._create_only_honoured is None:
+                self._create_only_honoured = self._probe_create_only()
+                if not self._create_only_honoured:
+                    log.warning("%s: the server ignores If-None-Match: *; commits are not atomic here%s", self.uri,
+                                " (single_publisher: allowed)" if self._single_publisher() else "")
+            return self._create_only_honoured
+
+    def _probe_create_only(self) -> bool:
+        # A fresh key each time: racing probes of two publishers cannot see each other's.
+        key = f"_weightsync/probe/if-none-match-{uuid.uuid4().hex}"
+        full = self._key(key)
+        try:
+            try:
+                for body in (b"first", b"second"):
+                    self._retrying(f"probe {self.uri}/{key}", lambda _: self._put_once(full, key, body, True))
+            except _Precondition:  # refused (or our first write's lost reply retried into itself)
+                return True
+            return False
+        finally:
+            try:
+                self.delete(key)
+            except StoreError as e:  # a probe key left behind is harmless (gc does not look there)
+                log.warning("%s: could not delete the probe key %s: %s", self.uri, key, e)
+
+    def _single_publisher(self) -> bool:
+        return self.config.single_publisher or _truthy(os.environ.get("WEIGHTSYNC_S3_SINGLE_PUBLISHER", ""))
 
     def _upload(self, key: str, data: bytes | memoryview, *, create_only: bool) -> None:
         full = self._key(key)
@@ -527,7 +585,19 @@ class _EmptyRange(StoreError):
     """A ranged GET of an empty object (S3 answers 416)."""
 
 
+def _truthy(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
 def open_s3(uri_rest: str, endpoint_url: str | None = None, config: S3StoreConfig | None = None) -> S3Store:
-    """`BUCKET/PREFIX` (the part after `s3://`) as a store."""
+    """`BUCKET/PREFIX[?single_publisher=1]` (the part after `s3://`) as a store."""
+    uri_rest, _, query = uri_rest.partition("?")
+    if query:
+        options = urllib.parse.parse_qs(query, keep_blank_values=True)
+        unknown = sorted(set(options) - {"single_publisher"})
+        value = options.get("single_publisher", [""])[-1].strip().lower()
+        if unknown or value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise StoreError(f"s3:// URI options: only single_publisher=1 (or 0) is known, got ?{query}")
+        config = dataclasses.replace(config or S3StoreConfig(), single_publisher=_truthy(value))
     bucket, _, prefix = uri_rest.partition("/")
     return S3Store(bucket, prefix, endpoint_url=endpoint_url, config=config)
