@@ -41,9 +41,8 @@ from typing import Any, NamedTuple
 import prometheus_client as prom
 import torch
 
-from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, register_engine
 from weightsync.errors import LayoutError, WeightsyncError
-from weightsync.layout import MAX_VERSION
 from weightsync.models import (
     ByteTokenizer,
     CausalLM,
@@ -181,7 +180,8 @@ class ReferenceServer:
         else:
             model_config = config.model
         self.model_config: ModelConfig = model_config
-        self._layout = {name: tuple(t.shape) for name, t in _replica(model_config).state_dict().items()}
+        # Any float dtype fits the architecture; _check_layout adds what this engine needs.
+        self._layout = {name: (None, tuple(t.shape)) for name, t in _replica(model_config).state_dict().items()}
         # functional_call swaps the weights into the module for the duration of a call, so a
         # module runs one request at a time: each running request borrows its own replica.
         # Replicas live on the meta device (no memory) apart from the RoPE frequencies.
@@ -210,10 +210,7 @@ class ReferenceServer:
         """Makes `weights` the served weights atomically; raises LayoutError (and keeps serving
         the previous version) when they do not fit the architecture."""
         started = time.perf_counter()
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
-            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
-        if not isinstance(digest, str):
-            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        check_swap_args(version, digest)
         with self._swap_lock:
             if self._closed:
                 raise WeightsyncError("the reference server is closed")
@@ -350,17 +347,8 @@ class ReferenceServer:
         return Completion(tokens, logprobs, text, finish)
 
     def _check_layout(self, weights: Mapping[str, torch.Tensor], *, strict_dtype: bool) -> None:
-        missing = sorted(set(self._layout) - set(weights))
-        unexpected = sorted(set(weights) - set(self._layout))
-        if missing or unexpected:
-            raise LayoutError(f"weights do not fit the served architecture: {len(missing)} missing {missing[:5]}, "
-                              f"{len(unexpected)} unexpected {unexpected[:5]}")
-        for name, shape in self._layout.items():
-            tensor = weights[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
-            if tuple(tensor.shape) != shape:
-                raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, the architecture needs {shape}")
+        check_layout(self._layout, weights, what="the architecture")
+        for name, tensor in weights.items():
             if tensor.device.type != "cpu":
                 raise LayoutError(f"{name} is on {tensor.device}; the reference server computes on the CPU")
             if not tensor.is_floating_point():
