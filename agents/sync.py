@@ -23,24 +23,22 @@ cached object is deleted so it is fetched again, and the version is retried.
 Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (served +
 staging, the staging one brought forward by deltas); copying engines use one buffer. Either
 way about one or two models, never a copy per version of a chain. Received objects live in the
-cache on disk, not in memory. Not here: the gRPC plumbing (`server.py`), engines (`engine.py`).
+cache on disk, not in memory. Not here: the gRPC plumbing (`server.py`), engines (`engine.py`),
+the cache, its state file, repairs and gc (`cache.py`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json
 import logging
-import os
 import threading
 import time
-from collections import deque
-from pathlib import Path
 
-from weightsync import layout
+from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.engine import Engine
+from weightsync.agents.ledger import Ledger, LedgerEntry
 from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import (
@@ -49,22 +47,19 @@ from weightsync.errors import (
     ObjectNotFound,
     ResourceExhausted,
     StaleVersion,
-    VersionNotFound,
     WeightsyncError,
 )
 from weightsync.hashing import is_hash_hex, xxh3_hex
 from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, compute_digest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.push import Pusher
-from weightsync.reader import Reader, WeightsState
-from weightsync.retention import collect_garbage
+from weightsync.reader import WeightsState
 from weightsync.signing import Verifier
-from weightsync.store import LocalStore, Store
-from weightsync.versions import latest_version, list_versions, read_manifest, read_manifest_bytes, read_signature
+from weightsync.store import Store
+from weightsync.versions import latest_version, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "agent-state.json"
 _DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
 _RETRY_S = (0.5, 10.0)
 
@@ -83,21 +78,6 @@ class _Known:
     failures: int = 0  # sync attempts that failed verification with this manifest on the path
 
 
-@dataclasses.dataclass
-class LedgerEntry:
-    version: int
-    outcome: str = "pending"  # served | failed | superseded
-    path: str = ""
-    source: str = ""
-    bytes_pushed: int = 0
-    bytes_fetched: int = 0
-    timings_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    error: str = ""
-    offered_unix_ms: int = 0
-    served_unix_ms: int = 0
-    digest: str = ""
-
-
 class SyncAgent:
     """Receives, verifies and serves versions of one model (see the module docstring)."""
 
@@ -111,13 +91,8 @@ class SyncAgent:
         self.relay = relay
         self.metrics = metrics
         self.model = config.model
-        config.cache_path.mkdir(parents=True, exist_ok=True)
-        # The cache is a store of its own, same layout as the upstream one. No fsync: a lost
-        # object after a power cut is caught by its hash and fetched again; the commit order
-        # (objects, then manifest, then state file) is what keeps it consistent.
-        self.cache = LocalStore(config.cache_path / "store", fsync=False)
-        self.reader = Reader(self.cache, model=config.model, workers=config.workers)
-        self._prefix = layout.model_prefix(config.model)
+        self.cache = AgentCache(config.cache_path, model=config.model, name=config.name, workers=config.workers)
+        self.reader = self.cache.reader
         self._cond = threading.Condition()
         self._known: dict[int, _Known] = {}
         self._served: WeightsState | None = None
@@ -130,8 +105,7 @@ class SyncAgent:
         self._pending_bytes = 0
         self._progress = 0  # objects received so far; the sync thread watches it to see pushes advance
         self._last_push_offer = float("-inf")  # monotonic time of the last offer that came by push
-        self._ledger: deque[LedgerEntry] = deque(maxlen=config.ledger_size)
-        self._ledger_by_version: dict[int, LedgerEntry] = {}
+        self.ledger = Ledger(config.ledger_size)
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
@@ -186,7 +160,7 @@ class SyncAgent:
                 raise FormatError("objects must be 32-character lowercase hex content addresses")
             if version <= self._served_version:
                 return False, []
-            return True, [a for a in objects if not self.cache.exists(self._prefix + layout.chunk_key(a))]
+            return True, [a for a in objects if not self.cache.has_object(a)]
         known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
         self._last_push_offer = time.monotonic()
         with self._cond:
@@ -195,7 +169,7 @@ class SyncAgent:
         if self.relay is not None:
             self.relay.offer(version, known.data, known.signature, hops=hops + 1)
         missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
-                          if c.object and not self.cache.exists(self._prefix + c.key)})
+                          if c.object and not self.cache.has_object(c.object)})
         return True, missing
 
     def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
@@ -211,8 +185,7 @@ class SyncAgent:
                                  "(corrupt in flight)")
         if version <= self._served_version:
             return False  # stale: nothing can use it any more
-        key = self._prefix + layout.chunk_key(address)
-        if self.cache.exists(key):
+        if self.cache.has_object(address):
             return False
         with self._cond:
             if self._pending_bytes + len(data) > self.config.max_pending_bytes:
@@ -220,7 +193,7 @@ class SyncAgent:
                 raise ResourceExhausted(f"{self._pending_bytes} pushed bytes await a version; "
                                         f"limit {self.config.max_pending_bytes}")
             self._pending_bytes += len(data)
-        self.cache.put(key, data)
+        self.cache.put_object(address, data)
         self.metrics.inc("agent/bytes_received", len(data), source="push")
         if self.relay is not None:
             self.relay.on_object(version, address, data)
@@ -263,7 +236,7 @@ class SyncAgent:
             known = _Known(manifest, data, signature, source, int(time.time() * 1000), time.monotonic(), pushed)
             if manifest.version > self._served_version:
                 self._known[manifest.version] = known
-                self._entry(manifest.version, source=source, offered_unix_ms=known.offered_unix_ms)
+                self.ledger.entry(manifest.version, source=source, offered_unix_ms=known.offered_unix_ms)
                 self._cond.notify_all()
             return known
 
@@ -336,7 +309,7 @@ class SyncAgent:
 
     def _sync_version(self, target: _Known) -> None:
         version = target.manifest.version
-        entry = self._entry(version)
+        entry = self.ledger.entry(version)
         t0 = time.monotonic()
         staging = self._staging()
         try:
@@ -355,7 +328,10 @@ class SyncAgent:
                       f"base {chain[0].manifest.version} + {len(chain) - 1} deltas")
         try:
             self._gather(target, path, entry)
-            self._repair_cached_chain(chain[:start])
+            # The reader re-reads the whole chain's manifests from the cache, also those of the
+            # versions it does not apply again: a cached one that rotted is put back first.
+            good = {known.manifest.version: known.data for known in chain[:start]}
+            self.cache.repair(good, good.get)
             t_apply = time.monotonic()
             self.reader.advance(staging, version)
         except (IntegrityError, FormatError) as e:
@@ -364,15 +340,14 @@ class SyncAgent:
                           "fetched again") from e
         t_swap = time.monotonic()
         report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest)
-        self._write_state(version, target.manifest.digest)
+        self.cache.write_state(version, target.manifest.digest)
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
             entry.served_unix_ms = int(time.time() * 1000)
             entry.timings_s.update(gather=t_apply - t0, apply=t_swap - t_apply, swap=report.total_s,
                                    swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
-            for older in [v for v, e in self._ledger_by_version.items() if v < version and e.outcome == "pending"]:
-                self._ledger_by_version[older].outcome = "superseded"
+            self.ledger.supersede(version)
             if self.engine.zero_copy:
                 self._spare, self._served = self._served, staging
                 self._spare_served_as = self._served_version
@@ -428,12 +403,13 @@ class SyncAgent:
         chain.reverse()
         return chain
 
-    def _manifest(self, version: int) -> _Known:
+    def _manifest(self, version: int, *, cached: bool = True) -> _Known:
+        """An accepted manifest, else the cache's (unless not `cached`), else the store's, checked."""
         with self._cond:
             known = self._known.get(version)
         if known is not None:
             return known
-        for store in (self.cache, self.upstream):
+        for store in (self.cache.store if cached else None, self.upstream):
             if store is None:
                 continue
             try:
@@ -455,7 +431,7 @@ class SyncAgent:
                 for ref in tensor.chunks:
                     if ref.key is not None:
                         refs[ref.key] = ref
-        missing = self._missing(refs)
+        missing = self.cache.missing(refs)
         # Wait for pushes while they make progress when they are expected: this version was
         # offered by push, or pushes arrived lately (a store poll can see a commit before the
         # push of it lands). An agent nobody pushes to fetches at once.
@@ -467,60 +443,37 @@ class SyncAgent:
                 with self._cond:
                     self._cond.wait_for(lambda seen=seen: self._progress != seen or self._closed, timeout=self.config.push_wait_s)
                     progressed, seen = self._progress != seen, self._progress
-                missing = self._missing(missing)
+                missing = self.cache.missing(missing)
                 if not progressed:
                     break
         fetched = self._fetch(missing, target.manifest.version) if missing else 0
         entry.bytes_fetched += fetched
         entry.bytes_pushed += sum(r.size for r in refs.values()) - fetched
         for known in path:  # manifests after their objects: the cache stays a valid store
-            self.cache.put(layout.manifest_key(self.model, known.manifest.version), known.data)
-
-    def _repair_cached_chain(self, applied: list[_Known]) -> None:
-        """The reader re-reads the whole chain's manifests from the cache, also those of versions
-        it does not apply again: a cached one that rotted (bit flip, torn disk write) is put back
-        from the good copy (the store's, or the one offered and checked)."""
-        for known in applied:
-            key = layout.manifest_key(self.model, known.manifest.version)
-            try:
-                cached = self.cache.get(key)
-            except ObjectNotFound:
-                continue  # not cached (its objects may be gone too): nothing reads it from the cache
-            if cached != known.data:
-                log.warning("%s: cached manifest of v%d is damaged; restoring it", self.config.name,
-                            known.manifest.version)
-                self.cache.put(key, known.data)
-
-    def _missing(self, refs: dict[str, ChunkRef]) -> dict[str, ChunkRef]:
-        return {key: ref for key, ref in refs.items() if not self.cache.exists(self._prefix + key)}
+            self.cache.put_manifest(known.manifest.version, known.data)
 
     def _fetch(self, missing: dict[str, ChunkRef], version: int) -> int:
         """Fetches objects from the store into the cache and relays them to the peers as part of
         `version` (the peers lack them too); returns the bytes fetched."""
         if self.upstream is None:
             raise ObjectNotFound(f"{len(missing)} objects never arrived and this agent has no store to fetch from")
-        reader = Reader(self.upstream, model=self.model)
-
-        def fetch(ref: ChunkRef) -> int:
-            obj = reader.fetch_object(ref)  # checks size and hash against the manifest
-            self.cache.put(self._prefix + ref.key, obj)
-            if self.relay is not None:
-                self.relay.on_object(version, ref.object, obj)
-            return len(obj)
-
-        total = sum(self._fetch_pool.map(fetch, missing.values()))
+        relay = self.relay
+        on_object = None if relay is None else lambda ref, obj: relay.on_object(version, ref.object, obj)
+        total = self.cache.fetch(self.upstream, missing, self._fetch_pool, on_object)
         self.metrics.inc("agent/bytes_received", total, source="store")
         return total
 
     def _forget_failed_path(self, path: list[_Known]) -> None:
         """After a path failed verification: corrupt cached objects go (fetched again), the path's
-        manifests leave the cache (rewritten by the next attempt), and an offered manifest that
-        failed twice is forgotten (if it was real, the store or the next offer brings it back)."""
-        self._evict_corrupt(path)
+        unserved manifests leave the cache (they have no good copy until the next attempt
+        rewrites them), and an offered manifest that failed twice is forgotten (if it was real,
+        the store or the next offer brings it back)."""
+        served = {known.manifest.version: known.data for known in path
+                  if known.manifest.version <= self._served_version}
+        self.cache.repair([known.manifest.version for known in path], served.get,
+                          objects_of=[known.manifest for known in path])
         for known in path:
             version = known.manifest.version
-            if version > self._served_version:
-                self.cache.delete(layout.manifest_key(self.model, version))
             if known.source == "store":
                 continue
             known.failures += 1
@@ -531,47 +484,14 @@ class SyncAgent:
                 log.warning("%s: forgetting the v%d offered by %s: it failed verification twice", self.config.name,
                             version, known.source)
 
-    def _evict_corrupt(self, path: list[_Known]) -> None:
-        for known in path:
-            for tensor in known.manifest.tensors:
-                for ref in tensor.chunks:
-                    if ref.key is None:
-                        continue
-                    key = self._prefix + ref.key
-                    try:
-                        ok = object_hash(self.cache.get(key)) == ref.object
-                    except ObjectNotFound:
-                        continue
-                    if not ok:
-                        log.warning("%s: cached object %s is corrupt; deleting it", self.config.name, ref.key)
-                        self.cache.delete(key)
-
     # --------------------------------------------------------------------- state and ledger
-
-    def _write_state(self, version: int, digest: str) -> None:
-        """Records the served version: what a restarted agent serves first (atomic replace)."""
-        path = self.config.cache_path / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        doc = {"model": self.model, "version": version, "digest": digest}
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def _restore(self) -> None:
         """After a restart: serve the last good version from the cache, verified again."""
-        path = self.config.cache_path / STATE_FILE
-        try:
-            doc = json.loads(Path(path).read_text())
-            version, digest = int(doc["version"]), str(doc["digest"])
-        except FileNotFoundError:
+        state_file = self.cache.read_state()
+        if state_file is None:
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("%s: unreadable %s (%s); starting empty", self.config.name, path, e)
-            return
-        if doc.get("model") != self.model or version < 1:
-            return
+        version, digest = state_file
         try:
             state = self.reader.read(version)
             if state.manifest.digest != digest:
@@ -582,7 +502,7 @@ class SyncAgent:
             log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.config.name, version, e)
             return
         self._served, self._served_version, self._served_digest = state, version, digest
-        entry = self._entry(version, source="cache")
+        entry = self.ledger.entry(version, source="cache")
         entry.outcome, entry.path, entry.digest = "served", "cache", digest
         entry.served_unix_ms = int(time.time() * 1000)
         self.metrics.set("agent/version", version)
@@ -592,61 +512,19 @@ class SyncAgent:
         protect = {self._served_version}
         if self._spare is not None and self._spare.manifest is not None:
             protect.add(self._spare.manifest.version)
-        for attempt in range(2):
-            try:
-                collect_garbage(self.cache, self.model, keep=self.config.cache_keep_versions, protect=protect,
-                                grace_s=self.config.cache_grace_s)
-                return
-            except (FormatError, IntegrityError) as e:  # gc will not plan over a manifest it cannot read
-                if attempt or not self._mend_cached_manifests():
-                    log.warning("%s: cache gc failed: %s", self.config.name, e)
-                    return
-            except WeightsyncError as e:
-                log.warning("%s: cache gc failed: %s", self.config.name, e)
-                return
+        self.cache.collect(keep=self.config.cache_keep_versions, protect=protect, grace_s=self.config.cache_grace_s,
+                           good_copy=self._good_copy)
 
-    def _mend_cached_manifests(self) -> bool:
-        """The cache is only a copy: a cached manifest that no longer reads (bit rot, a torn
-        write) is put back from a good copy (accepted in memory, or the store's, checked), or
-        dropped when there is none; left alone it would stop the cache gc for good. Returns
-        whether any was mended."""
-        mended = False
-        for version in list_versions(self.cache, self.model):
-            key = layout.manifest_key(self.model, version)
-            try:
-                read_manifest(self.cache, self.model, version)
-                continue
-            except VersionNotFound:  # gone meanwhile
-                continue
-            except (FormatError, IntegrityError):
-                pass
-            self.cache.delete(key)  # first, so that _manifest cannot read the damaged copy back
-            try:
-                good = self._manifest(version)
-                self.cache.put(key, good.data)
-                log.warning("%s: cached manifest of v%d is damaged; restored it", self.config.name, version)
-            except WeightsyncError:
-                log.warning("%s: cached manifest of v%d is damaged and no good copy is left; dropped it",
-                            self.config.name, version)
-            mended = True
-        return mended
-
-    def _entry(self, version: int, **fields) -> LedgerEntry:
-        with self._cond:
-            entry = self._ledger_by_version.get(version)
-            if entry is None:
-                entry = LedgerEntry(version=version)
-                self._ledger_by_version[version] = entry
-                self._ledger.appendleft(entry)
-                if len(self._ledger_by_version) > self.config.ledger_size:
-                    live = {e.version for e in self._ledger}
-                    self._ledger_by_version = {v: e for v, e in self._ledger_by_version.items() if v in live}
-            for key, value in fields.items():
-                setattr(entry, key, value)
-            return entry
+    def _good_copy(self, version: int) -> bytes | None:
+        """The manifest of `version` as accepted or as the store has it (checked), never the
+        cache's own copy: what a damaged cached one is put back from."""
+        try:
+            return self._manifest(version, cached=False).data
+        except WeightsyncError:
+            return None
 
     def _record_failure(self, version: int, error: BaseException) -> None:
-        entry = self._entry(version)
+        entry = self.ledger.entry(version)
         entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
         self.last_error = f"v{version}: {entry.error}"
         self.metrics.inc("agent/errors")
@@ -680,7 +558,7 @@ class SyncAgent:
                 "agent": self.config.name, "region": self.config.region, "model": self.model,
                 "current_version": self._served_version, "current_digest": self._served_digest,
                 "target_version": max(target, self._served_version),
-                "ledger": [dataclasses.asdict(e) for e in self._ledger],
+                "ledger": self.ledger.to_json(),
                 "last_error": self.last_error, "engine": getattr(self.engine, "name", type(self.engine).__name__),
                 "peers": list(self.config.peers), "started_unix_ms": self.started_unix_ms,
                 "served_digest": served_digest,
