@@ -69,8 +69,9 @@ class SafetensorsDirConfig:
     """Where snapshots go and how the inference server is told to reload.
 
     The snapshot's config.json comes from `template_dir` if it has one, else from `model`: give at
-    least one of them. Swaps are checked against the template's tensors when it has some. SGLang: reload_url="http://HOST:PORT/update_weights_from_disk" with the
-    default body. vLLM: the URL and body of the reload endpoint your deployment exposes.
+    least one of them. Swaps are checked against the template's tensors when it has some.
+    SGLang: reload_url="http://HOST:PORT/update_weights_from_disk" with the default body. vLLM:
+    the URL and body of the reload endpoint your deployment exposes.
     """
 
     root: str
