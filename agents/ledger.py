@@ -3,7 +3,8 @@
 One entry per version, newest first, bounded to `ledger_size` entries: where it came from, the
 path that reached it (deltas or base + deltas), bytes pushed and fetched, per-stage timings, the
 outcome and the last error. Entries are plain dataclasses, so `status()` serialises them as they
-are. Thread-safe: gRPC threads and the sync thread both write to it.
+are. Beside it, the broken versions: those newer than the served one that failed, each with its
+error and its own retry backoff. Thread-safe: gRPC threads and the sync thread both write here.
 
 Not here: deciding what to sync (`sync.py`), the crash-safe record of the served version (the
 state file, `cache.py`), metrics (`weightsync/metrics.py`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import deque
 
 
@@ -65,3 +67,66 @@ class Ledger:
     def to_json(self) -> list[dict]:
         with self._lock:
             return [dataclasses.asdict(e) for e in self._entries]
+
+
+@dataclasses.dataclass
+class BrokenVersion:
+    """A version the agent could not verify (or the engine refused): never served, retried."""
+
+    version: int
+    digest: str  # of the manifest that failed; another manifest for the version is tried at once
+    error: str
+    failures: int = 0
+    first_failed_unix_ms: int = 0
+    retry_at: float = 0.0  # monotonic
+
+
+class BrokenVersions:
+    """The versions newer than the served one that failed, each retried with its own backoff
+    (doubling from `retry_s[0]` up to `retry_s[1]`) while the agent serves the newest version
+    it can verify. Thread-safe."""
+
+    def __init__(self, retry_s: tuple[float, float]) -> None:
+        self._retry_s = retry_s
+        self._lock = threading.Lock()
+        self._versions: dict[int, BrokenVersion] = {}
+
+    def fail(self, version: int, digest: str, error: str, now: float) -> BrokenVersion:
+        with self._lock:
+            broken = self._versions.get(version)
+            if broken is None or broken.digest != digest:
+                broken = self._versions[version] = BrokenVersion(version, digest, error,
+                                                                 first_failed_unix_ms=int(time.time() * 1000))
+            broken.error = error
+            broken.failures += 1
+            broken.retry_at = now + min(self._retry_s[0] * 2 ** (broken.failures - 1), self._retry_s[1])
+            return broken
+
+    def waiting(self, version: int, digest: str, now: float) -> bool:
+        """Whether this manifest of `version` failed and its next retry is not due yet."""
+        with self._lock:
+            broken = self._versions.get(version)
+            return broken is not None and broken.digest == digest and now < broken.retry_at
+
+    def __contains__(self, version: int) -> bool:
+        with self._lock:
+            return version in self._versions
+
+    def forget_up_to(self, served: int) -> None:
+        """A version at or below the served one no longer matters."""
+        with self._lock:
+            self._versions = {v: b for v, b in self._versions.items() if v > served}
+
+    def newest(self) -> int:
+        with self._lock:
+            return max(self._versions, default=0)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._versions)
+
+    def to_json(self, now: float) -> list[dict]:
+        with self._lock:
+            return [{"version": b.version, "digest": b.digest, "error": b.error, "failures": b.failures,
+                     "first_failed_unix_ms": b.first_failed_unix_ms, "retry_in_s": max(0.0, b.retry_at - now)}
+                    for b in sorted(self._versions.values(), key=lambda b: -b.version)]

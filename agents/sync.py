@@ -4,21 +4,28 @@ gRPC threads only record what arrives: an offered manifest (parsed, signature ch
 checked against what is served) and pushed objects (each checked against its content address,
 then written to the local cache). One sync thread does the rest, one version at a time:
 
-    idle     -> nothing newer than the served version is known (the store is polled every
-                poll_interval_s for versions nobody pushed)
-    gather   -> the newest known version is the target. Its path is planned: the deltas after
-                the staging buffer's version when that version is on the target's chain, else
-                the target's base and its deltas. Every object of the path is brought into the
-                cache: by push, or from the store once pushes stall for push_wait_s (or at once
-                when nobody is pushing). Manifests enter the cache after their objects.
+    idle     -> nothing newer than the served version is known, or all of it is broken and
+                waiting for its retry (the store is polled every poll_interval_s for versions
+                nobody pushed)
+    gather   -> the newest known version that is not waiting for a retry is the target. Its
+                path is planned: the deltas after the staging buffer's version when that
+                version is on the target's chain, else the target's base and its deltas. Every
+                object of the path is brought into the cache: by push, or from the store once
+                pushes stall for push_wait_s (or at once when nobody is pushing). Manifests
+                enter the cache after their objects.
     apply    -> the Reader applies the path from the cache into the staging buffer, checking
                 each object's hash before decoding and each chunk's raw hash after; at the
                 target every byte is covered by a checked hash, and the raw hashes by the
                 version digest.
     swap     -> engine.swap; the state file records the served version (crash-safe), the
                 ledger its timings; old cache entries are collected.
-A failure in gather or apply leaves what the engine serves untouched; it is recorded, a corrupt
-cached object is deleted so it is fetched again, and the version is retried.
+A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
+corrupt cached object is deleted so it is fetched again, and the version is broken: retried with
+its own growing backoff (0.5 s doubling to 10 s) and reported in `status()["broken"]` and the
+`agent/broken_versions` metric. Meanwhile the agent serves the newest version it can verify: when
+every newer version it knows is broken, it takes the store's newest other one above the served
+one as a target (an older base and its deltas), going down one version per failure; a newer
+good version is taken as soon as it is known. Nothing unverified is ever served.
 
 Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (served +
 staging, the staging one brought forward by deltas); copying engines use one buffer. Either
@@ -38,7 +45,7 @@ import time
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.engine import Engine
-from weightsync.agents.ledger import Ledger, LedgerEntry
+from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
 from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import (
@@ -56,12 +63,12 @@ from weightsync.push import Pusher
 from weightsync.reader import WeightsState
 from weightsync.signing import Verifier
 from weightsync.store import Store
-from weightsync.versions import latest_version, read_manifest_bytes, read_signature
+from weightsync.versions import latest_version, list_versions, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)
 
 _DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
-_RETRY_S = (0.5, 10.0)
+_RETRY_S = (0.5, 10.0)  # a broken version's retry backoff: first, most
 
 
 @dataclasses.dataclass
@@ -106,6 +113,7 @@ class SyncAgent:
         self._progress = 0  # objects received so far; the sync thread watches it to see pushes advance
         self._last_push_offer = float("-inf")  # monotonic time of the last offer that came by push
         self.ledger = Ledger(config.ledger_size)
+        self.broken = BrokenVersions(_RETRY_S)
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
@@ -244,7 +252,6 @@ class SyncAgent:
 
     def _run(self) -> None:
         next_poll = 0.0
-        backoff = _RETRY_S[0]
         while True:
             with self._cond:
                 if self._closed:
@@ -263,20 +270,44 @@ class SyncAgent:
                 continue
             try:
                 self._sync_to(target)
-                backoff = _RETRY_S[0]
             except Exception as e:  # never let the sync thread die: record, back off, retry
                 if not isinstance(e, WeightsyncError):
                     log.exception("%s: unexpected error syncing v%d", self.config.name, target.manifest.version)
-                self._record_failure(target.manifest.version, e)
-                with self._cond:
-                    self._cond.wait(timeout=backoff)
-                backoff = min(2 * backoff, _RETRY_S[1])
+                self._record_failure(target.manifest, e)
+                if self._newest() is None:
+                    self._fall_back()
 
     def _newest(self) -> _Known | None:
+        """The newest accepted version that is not a broken one waiting for its retry."""
+        now = time.monotonic()
         with self._cond:
             for version in [v for v in self._known if v <= self._served_version]:
                 del self._known[version]
-            return self._known[max(self._known)] if self._known else None
+            ready = [v for v, k in self._known.items() if not self.broken.waiting(v, k.manifest.digest, now)]
+            return self._known[max(ready)] if ready else None
+
+    def _fall_back(self) -> None:
+        """While every newer version the agent knows is broken: the newest other version in the
+        store above the served one becomes a target, so that the agent serves the newest version
+        it can verify (an older base and its deltas) while the broken ones wait for their retry."""
+        if self.upstream is None:
+            return
+        version = None
+        try:
+            with self._cond:
+                skip = set(self._known) | {self._served_version}
+            candidates = [v for v in list_versions(self.upstream, self.model)
+                          if v > self._served_version and v not in skip and v not in self.broken]
+            if not candidates:
+                return
+            version = max(candidates)
+            _, data = read_manifest_bytes(self.upstream, self.model, version)
+            self._accept(data, read_signature(self.upstream, self.model, version, data), "store", pushed=False)
+            log.info("%s: falling back to v%d while newer versions are broken", self.config.name, version)
+        except WeightsyncError as e:
+            log.warning("%s: no fallback version from %s: %s", self.config.name, self.upstream.uri, e)
+            if version is not None:  # its manifest does not read: broken too, so the next try goes lower
+                self.broken.fail(version, "", f"{type(e).__name__}: {e}", time.monotonic())
 
     def _poll_store(self) -> None:
         try:
@@ -348,6 +379,7 @@ class SyncAgent:
             entry.timings_s.update(gather=t_apply - t0, apply=t_swap - t_apply, swap=report.total_s,
                                    swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
             self.ledger.supersede(version)
+            self.broken.forget_up_to(version)
             if self.engine.zero_copy:
                 self._spare, self._served = self._served, staging
                 self._spare_served_as = self._served_version
@@ -357,6 +389,7 @@ class SyncAgent:
             self._pending_bytes = 0
             self._cond.notify_all()
         self.metrics.set("agent/version", version)
+        self._report_broken()
         self.metrics.observe("agent/swap_pause_s", report.pause_s)
         self.metrics.observe("agent/sync_s", done - target.offered_at)
         self.metrics.inc("agent/versions_served", path="deltas" if start else "base")
@@ -523,12 +556,20 @@ class SyncAgent:
         except WeightsyncError:
             return None
 
-    def _record_failure(self, version: int, error: BaseException) -> None:
+    def _record_failure(self, manifest: Manifest, error: BaseException) -> None:
+        version = manifest.version
         entry = self.ledger.entry(version)
         entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
         self.last_error = f"v{version}: {entry.error}"
+        broken = self.broken.fail(version, manifest.digest, entry.error, time.monotonic())
         self.metrics.inc("agent/errors")
-        log.warning("%s: v%d failed: %s", self.config.name, version, entry.error)
+        self._report_broken()
+        log.warning("%s: v%d failed (%d times; next try in %.1f s): %s", self.config.name, version, broken.failures,
+                    broken.retry_at - time.monotonic(), entry.error)
+
+    def _report_broken(self) -> None:
+        self.metrics.set("agent/broken_versions", len(self.broken))
+        self.metrics.set("agent/newest_broken_version", self.broken.newest())
 
     def verify_served(self) -> str:
         """The version digest recomputed from the bytes served now (every chunk range of the
@@ -561,5 +602,5 @@ class SyncAgent:
                 "ledger": self.ledger.to_json(),
                 "last_error": self.last_error, "engine": getattr(self.engine, "name", type(self.engine).__name__),
                 "peers": list(self.config.peers), "started_unix_ms": self.started_unix_ms,
-                "served_digest": served_digest,
+                "served_digest": served_digest, "broken": self.broken.to_json(time.monotonic()),
             }
