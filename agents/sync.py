@@ -27,11 +27,12 @@ every newer version it knows is broken, it takes the store's newest other one ab
 one as a target (an older base and its deltas), going down one version per failure; a newer
 good version is taken as soon as it is known. Nothing unverified is ever served.
 
-Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (served +
-staging, the staging one brought forward by deltas); copying engines use one buffer. Either
-way about one or two models, never a copy per version of a chain. Received objects live in the
-cache on disk, not in memory. Not here: the gRPC plumbing (`server.py`), engines (`engine.py`),
-the cache, its state file, repairs and gc (`cache.py`).
+Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers; copying
+engines use one buffer. Received objects live in the cache on disk, not in memory.
+
+Not here: the gRPC plumbing (`server.py`), what pushers send (`intake.py`), the served and spare
+buffers (`buffers.py`), the cache, its state file, repairs and gc (`cache.py`), the ledger and
+broken versions (`ledger.py`), engines (`engine.py`).
 """
 
 from __future__ import annotations
@@ -42,32 +43,28 @@ import logging
 import threading
 import time
 
+from weightsync.agents.buffers import Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.engine import Engine
+from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
-from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
-from weightsync.dtypes import dtype_by_name
 from weightsync.errors import (
     FormatError,
     IntegrityError,
     ObjectNotFound,
-    ResourceExhausted,
     StaleVersion,
     WeightsyncError,
 )
-from weightsync.hashing import is_hash_hex, xxh3_hex
-from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, compute_digest, parse_manifest
+from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.push import Pusher
-from weightsync.reader import WeightsState
 from weightsync.signing import Verifier
 from weightsync.store import Store
 from weightsync.versions import latest_version, list_versions, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)
 
-_DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
 _RETRY_S = (0.5, 10.0)  # a broken version's retry backoff: first, most
 
 
@@ -102,22 +99,16 @@ class SyncAgent:
         self.reader = self.cache.reader
         self._cond = threading.Condition()
         self._known: dict[int, _Known] = {}
-        self._served: WeightsState | None = None
-        self._spare: WeightsState | None = None
-        # The version the spare's memory was last served as: what the engine must have stopped
-        # using before we write into it (its content may have moved on: see _catch_up_spare).
-        self._spare_served_as = 0
+        self.buffers = Buffers(engine, self._cond)
         self._served_version = 0
         self._served_digest = ""
-        self._pending_bytes = 0
-        self._progress = 0  # objects received so far; the sync thread watches it to see pushes advance
-        self._last_push_offer = float("-inf")  # monotonic time of the last offer that came by push
+        self.intake = PushIntake(config, self.cache, accept=self._accept, served_version=lambda: self._served_version,
+                                 relay=relay, metrics=metrics, cond=self._cond)
         self.ledger = Ledger(config.ledger_size)
         self.broken = BrokenVersions(_RETRY_S)
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
-        self._syncing = False  # the sync thread is rewriting a buffer
         self._thread: threading.Thread | None = None
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
@@ -160,59 +151,12 @@ class SyncAgent:
     def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
               origin: str, hops: int) -> tuple[bool, list[str]]:
         """An offer from a publisher or an upstream agent: (wanted, objects still missing)."""
-        self._check_model(model)
-        if hops > self.config.max_hops:
-            raise FormatError(f"offer of v{version} relayed {hops} times (max {self.config.max_hops}): a relay loop?")
-        if not manifest:  # objects-only: a version still being published
-            if any(not is_hash_hex(a) for a in objects):
-                raise FormatError("objects must be 32-character lowercase hex content addresses")
-            if version <= self._served_version:
-                return False, []
-            return True, [a for a in objects if not self.cache.has_object(a)]
-        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
-        self._last_push_offer = time.monotonic()
-        with self._cond:
-            if version <= self._served_version:
-                return False, []
-        if self.relay is not None:
-            self.relay.offer(version, known.data, known.signature, hops=hops + 1)
-        missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
-                          if c.object and not self.cache.has_object(c.object)})
-        return True, missing
+        return self.intake.offer(model=model, version=version, manifest=manifest, signature=signature,
+                                 objects=objects, origin=origin, hops=hops)
 
     def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
         """One pushed object: kept (True) if new, verified against its address first."""
-        self._check_model(model)
-        if not is_hash_hex(address):
-            raise FormatError(f"object address {address!r} is not 32 lowercase hex characters")
-        if len(data) > max_object_bytes(MAX_CHUNK_BYTES):
-            raise FormatError(f"object of {len(data)} bytes is over the format's limit")
-        if object_hash(data) != address:
-            self.metrics.inc("agent/objects_rejected", reason="hash")
-            raise IntegrityError(f"object {address} of v{version} does not match its content address "
-                                 "(corrupt in flight)")
-        if version <= self._served_version:
-            return False  # stale: nothing can use it any more
-        if self.cache.has_object(address):
-            return False
-        with self._cond:
-            if self._pending_bytes + len(data) > self.config.max_pending_bytes:
-                self.metrics.inc("agent/objects_rejected", reason="quota")
-                raise ResourceExhausted(f"{self._pending_bytes} pushed bytes await a version; "
-                                        f"limit {self.config.max_pending_bytes}")
-            self._pending_bytes += len(data)
-        self.cache.put_object(address, data)
-        self.metrics.inc("agent/bytes_received", len(data), source="push")
-        if self.relay is not None:
-            self.relay.on_object(version, address, data)
-        with self._cond:
-            self._progress += 1
-            self._cond.notify_all()
-        return True
-
-    def _check_model(self, model: str) -> None:
-        if model != self.model:
-            raise FormatError(f"this agent serves {self.model!r}, not {model!r}")
+        return self.intake.receive_object(model=model, version=version, address=address, data=data)
 
     def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool,
                 expect_version: int | None = None) -> _Known:
@@ -222,7 +166,7 @@ class SyncAgent:
         was offered under the same version number (an offer that never committed, or a forgery
         on an agent that does not require signatures). Two different offers are refused."""
         manifest = parse_manifest(data)
-        self._check_model(manifest.model)
+        check_model(self.model, manifest.model)
         if expect_version is not None and manifest.version != expect_version:
             raise FormatError(f"offer says v{expect_version} but its manifest is v{manifest.version}")
         if self.verifier is not None and (signature or self.config.require_signatures):
@@ -266,7 +210,7 @@ class SyncAgent:
                 self._poll_store()
             target = self._newest()
             if target is None:
-                self._catch_up_spare()
+                self.buffers.catch_up_spare(self.reader, self.config.name)
                 continue
             try:
                 self._sync_to(target)
@@ -332,17 +276,17 @@ class SyncAgent:
             log.warning("%s: polling %s failed: %s", self.config.name, self.upstream.uri, e)
 
     def _sync_to(self, target: _Known) -> None:
-        self._syncing = True
+        self.buffers.rewriting = True
         try:
             self._sync_version(target)
         finally:
-            self._syncing = False
+            self.buffers.rewriting = False
 
     def _sync_version(self, target: _Known) -> None:
         version = target.manifest.version
         entry = self.ledger.entry(version)
         t0 = time.monotonic()
-        staging = self._staging()
+        staging = self.buffers.staging()
         try:
             chain = self._chain(target)
         except (IntegrityError, FormatError):
@@ -380,13 +324,9 @@ class SyncAgent:
                                    swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
             self.ledger.supersede(version)
             self.broken.forget_up_to(version)
-            if self.engine.zero_copy:
-                self._spare, self._served = self._served, staging
-                self._spare_served_as = self._served_version
-            else:
-                self._served = staging
+            self.buffers.swapped(staging, self._served_version)
             self._served_version, self._served_digest = version, target.manifest.digest
-            self._pending_bytes = 0
+            self.intake.swapped()
             self._cond.notify_all()
         self.metrics.set("agent/version", version)
         self._report_broken()
@@ -396,34 +336,6 @@ class SyncAgent:
         log.info("%s: serving v%d (%s) %.3f s after the offer; swap pause %.2f ms", self.config.name, version,
                  entry.path, done - target.offered_at, 1000 * report.pause_s)
         self._collect_cache()
-
-    def _catch_up_spare(self) -> None:
-        """While idle, brings the spare buffer (zero-copy engines: the one swapped out, a version
-        behind) up to the served version, so that the next version costs one delta on the
-        critical path instead of two. Skipped while requests still run on it; on any failure the
-        spare is simply rebuilt by the next sync."""
-        spare, served = self._spare, self._served
-        if (spare is None or served is None or spare.manifest is None or served.manifest is None
-                or spare.manifest.version >= served.manifest.version):
-            return
-        if not self.engine.wait_unused(self._spare_served_as, 0.2):
-            return
-        try:
-            self.reader.advance(spare, served.manifest.version)
-        except WeightsyncError as e:
-            log.info("%s: spare buffer left for the next sync to rebuild (%s)", self.config.name, e)
-
-    def _staging(self) -> WeightsState:
-        """The buffer the next version is built in: the spare (zero-copy engines still serve the
-        current one), or the served one (copying engines keep their own copy)."""
-        if not self.engine.zero_copy:
-            return self._served or WeightsState(manifest=None, buffers={})
-        spare = self._spare
-        if spare is None:
-            return WeightsState(manifest=None, buffers={})
-        if not self.engine.wait_unused(self._spare_served_as, _DRAIN_TIMEOUT_S):
-            raise ResourceExhausted(f"requests still run on v{self._spare_served_as} after {_DRAIN_TIMEOUT_S} s")
-        return spare
 
     def _chain(self, target: _Known) -> list[_Known]:
         """The target's chain, base first, from accepted manifests, the cache or the store."""
@@ -465,20 +377,10 @@ class SyncAgent:
                     if ref.key is not None:
                         refs[ref.key] = ref
         missing = self.cache.missing(refs)
-        # Wait for pushes while they make progress when they are expected: this version was
-        # offered by push, or pushes arrived lately (a store poll can see a commit before the
-        # push of it lands). An agent nobody pushes to fetches at once.
-        expect_push = target.pushed or time.monotonic() - self._last_push_offer < 10 * self.config.poll_interval_s + 60
-        if missing and expect_push:
-            with self._cond:
-                seen = self._progress
-            while missing and not self._closed:
-                with self._cond:
-                    self._cond.wait_for(lambda seen=seen: self._progress != seen or self._closed, timeout=self.config.push_wait_s)
-                    progressed, seen = self._progress != seen, self._progress
-                missing = self.cache.missing(missing)
-                if not progressed:
-                    break
+        # Wait for pushes while they make progress when they are expected; an agent nobody
+        # pushes to fetches at once.
+        if missing and self.intake.expected(target.pushed):
+            missing = self.intake.wait(missing, lambda: self._closed)
         fetched = self._fetch(missing, target.manifest.version) if missing else 0
         entry.bytes_fetched += fetched
         entry.bytes_pushed += sum(r.size for r in refs.values()) - fetched
@@ -534,7 +436,7 @@ class SyncAgent:
             self.last_error = f"restore: {e}"
             log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.config.name, version, e)
             return
-        self._served, self._served_version, self._served_digest = state, version, digest
+        self.buffers.served, self._served_version, self._served_digest = state, version, digest
         entry = self.ledger.entry(version, source="cache")
         entry.outcome, entry.path, entry.digest = "served", "cache", digest
         entry.served_unix_ms = int(time.time() * 1000)
@@ -542,9 +444,7 @@ class SyncAgent:
         log.info("%s: restarted serving v%d from its cache", self.config.name, version)
 
     def _collect_cache(self) -> None:
-        protect = {self._served_version}
-        if self._spare is not None and self._spare.manifest is not None:
-            protect.add(self._spare.manifest.version)
+        protect = {self._served_version} | self.buffers.versions()
         self.cache.collect(keep=self.config.cache_keep_versions, protect=protect, grace_s=self.config.cache_grace_s,
                            good_copy=self._good_copy)
 
@@ -572,24 +472,8 @@ class SyncAgent:
         self.metrics.set("agent/newest_broken_version", self.broken.newest())
 
     def verify_served(self) -> str:
-        """The version digest recomputed from the bytes served now (every chunk range of the
-        served manifest re-hashed): equal to the manifest's digest iff they are the published
-        bytes. For a copying engine it checks the agent's own copy, and only between syncs
-        (during one that copy is being rewritten); "" when there is nothing to check."""
-        with self._cond:
-            state = self._served
-            manifest = state.manifest if state is not None else None
-            if manifest is None or (not self.engine.zero_copy and self._syncing):
-                return ""
-            buffers = dict(state.buffers)
-        rehashed = []
-        for tensor in manifest.tensors:
-            itemsize = dtype_by_name(tensor.dtype).itemsize
-            data = buffers[tensor.name]
-            chunks = tuple(dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize:c.stop * itemsize]))
-                           for c in tensor.chunks)
-            rehashed.append(dataclasses.replace(tensor, chunks=chunks))
-        return compute_digest(rehashed)
+        """The version digest of the bytes served now, re-hashed (see Buffers.served_digest)."""
+        return self.buffers.served_digest()
 
     def status(self, *, verify: bool = False) -> dict:
         served_digest = self.verify_served() if verify else ""
