@@ -102,15 +102,12 @@ class BrokenVersions:
             broken.retry_at = now + min(self._retry_s[0] * 2 ** (broken.failures - 1), self._retry_s[1])
             return broken
 
-    def waiting(self, version: int, digest: str, now: float) -> bool:
-        """Whether this manifest of `version` failed and its next retry is not due yet."""
+    def waiting(self, version: int, digest: str | None, now: float) -> bool:
+        """Whether this manifest of `version` (None: whichever failed) failed and its next retry
+        is not due yet."""
         with self._lock:
             broken = self._versions.get(version)
-            return broken is not None and broken.digest == digest and now < broken.retry_at
-
-    def __contains__(self, version: int) -> bool:
-        with self._lock:
-            return version in self._versions
+            return broken is not None and digest in (None, broken.digest) and now < broken.retry_at
 
     def forget_up_to(self, served: int) -> None:
         """A version at or below the served one no longer matters."""

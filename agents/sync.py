@@ -240,8 +240,9 @@ class SyncAgent:
         try:
             with self._cond:
                 skip = set(self._known) | {self._served_version}
+            now = time.monotonic()
             candidates = [v for v in list_versions(self.upstream, self.model)
-                          if v > self._served_version and v not in skip and v not in self.broken]
+                          if v > self._served_version and v not in skip and not self.broken.waiting(v, None, now)]
             if not candidates:
                 return
             version = max(candidates)
