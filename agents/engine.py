@@ -14,7 +14,10 @@ Two kinds of engine, told apart by `zero_copy`:
   returns.
 
 Native vLLM/SGLang adapters (update weights over NCCL or from tensors) implement the same
-protocol. Not here: verifying, staging or fetching versions (the agent does that).
+protocol. Every engine checks a swap's arguments with the shared `check_swap_args` and
+`check_layout` below, so that all refuse the same things with the same errors.
+
+Not here: verifying, staging or fetching versions (the agent does that).
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from weightsync.errors import LayoutError
+from weightsync.layout import MAX_VERSION
+
+Layout = Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
+"""Tensor name -> (dtype, shape) a swap must match; a dtype of None accepts any dtype."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +71,41 @@ class Engine(Protocol):
     def wait_unused(self, version: int, timeout_s: float) -> bool: ...
 
     def close(self) -> None: ...
+
+
+def check_swap_args(version: int, digest: str) -> None:
+    """The arguments every `swap` takes besides the weights: ValueError / TypeError if off."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
+    if not isinstance(digest, str):
+        raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+
+
+def check_layout(expected: Layout | None, weights: Mapping[str, torch.Tensor], *,
+                 what: str = "the served layout") -> None:
+    """LayoutError unless every value is a tensor and, when `expected` is given, the names are
+    exactly its names and each tensor has its shape (and its dtype, where one is given)."""
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+    if expected is None:
+        return
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise LayoutError(f"weights do not fit {what}: {len(missing)} missing {missing[:5]}, "
+                          f"{len(unexpected)} unexpected {unexpected[:5]}")
+    for name, (dtype, shape) in expected.items():
+        tensor = weights[name]
+        if tuple(tensor.shape) != tuple(shape):
+            raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, {what} needs {tuple(shape)}")
+        if dtype is not None and tensor.dtype != dtype:
+            raise LayoutError(f"{name} is {tensor.dtype}, {what} needs {dtype}")
+
+
+def layout_of(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The layout `weights` have (what later swaps are checked against)."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
 
 
 _FACTORIES: dict[str, Callable[[dict[str, Any]], Engine]] = {}

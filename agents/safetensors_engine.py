@@ -18,8 +18,11 @@ reload-from-disk hooks are driven. Layout of `root`:
             snapshot, removes the new one, and raises: the previous version stays served
     prune   keep the newest `keep_snapshots` snapshots (and always `current`)
 
-It keeps no reference to the tensors it is handed (`zero_copy` is False). Not here: verifying
-versions (the agent), loading weights (the inference server does that).
+It keeps no reference to the tensors it is handed (`zero_copy` is False). Swaps must fit the
+layout (names, shapes, dtypes) of the template's safetensors, else of the snapshot `current`
+names, else of the first swap; it never builds a model to learn one, so it fits any architecture
+an inference server loads. Not here: verifying versions (the agent), loading weights (the
+inference server does that), the swap checks every engine shares (`engine.py`).
 """
 
 from __future__ import annotations
@@ -45,15 +48,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.agents.engine import Layout, SwapReport, check_layout, check_swap_args, layout_of, register_engine
 from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, write_safetensors
-from weightsync.errors import LayoutError, WeightsyncError
-from weightsync.layout import MAX_VERSION, VERSION_DIGITS
-from weightsync.models import CONFIG_NAME, CausalLM, ModelConfig, as_model_config
+from weightsync.errors import WeightsyncError
+from weightsync.layout import VERSION_DIGITS
 
 logger = logging.getLogger(__name__)
 
 CURRENT = "current"
+CONFIG_NAME = "config.json"
 SNAPSHOT_META = "weightsync.json"
 _SNAPSHOT = re.compile(rf"v(\d{{{VERSION_DIGITS}}})")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
@@ -66,8 +69,9 @@ class SafetensorsDirConfig:
     """Where snapshots go and how the inference server is told to reload.
 
     The snapshot's config.json comes from `template_dir` if it has one, else from `model`: give at
-    least one of them. SGLang: reload_url="http://HOST:PORT/update_weights_from_disk" with the
-    default body. vLLM: the URL and body of the reload endpoint your deployment exposes.
+    least one of them. Swaps are checked against the template's tensors when it has some.
+    SGLang: reload_url="http://HOST:PORT/update_weights_from_disk" with the default body. vLLM:
+    the URL and body of the reload endpoint your deployment exposes.
     """
 
     root: str
@@ -91,9 +95,10 @@ class SafetensorsDirConfig:
     template_dir: str | None = None
     """An HF model directory whose non-weight files (config.json, tokenizer, generation config) are
     copied into every snapshot; its safetensors, if any, fix the expected tensor layout."""
-    model: ModelConfig | Mapping[str, Any] | None = None
-    """Architecture (ModelConfig or a dict of its fields): swaps are checked against its tensor
-    names and shapes, and it writes config.json when the template has none."""
+    model: Any = None
+    """The snapshot's config.json when the template has none: an HF config.json document (a dict
+    with "architectures"), or a `weightsync.models.ModelConfig` or a dict of its fields. Only
+    written out, never used to check swaps."""
     keep_snapshots: int = 2
     """Snapshots kept on disk, newest versions first (the one `current` names is always kept)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
@@ -103,7 +108,7 @@ class SafetensorsDirConfig:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError("root must be a directory path for the snapshots")
         object.__setattr__(self, "root", str(self.root))
-        object.__setattr__(self, "model", as_model_config(self.model))
+        object.__setattr__(self, "model", _as_config_source(self.model))
         if self.model is None and self.template_dir is None:
             raise ValueError("give template_dir (an HF model directory) and/or model, so snapshots get a config.json")
         if self.reload_url is not None and not re.match(r"https?://[^/]+", self.reload_url):
@@ -152,14 +157,11 @@ class SafetensorsDirEngine:
     def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
         """Writes, places and points at snapshot `version`, then has the server reload it."""
         started = time.perf_counter()
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
-            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
-        if not isinstance(digest, str):
-            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        check_swap_args(version, digest)
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the safetensors_dir engine on {self.root} is closed")
-            self._check_layout(weights)
+            check_layout(self._layout, weights)
             target = self.root / _snapshot_name(version)
             previous = self.current_dir()
             created = False
@@ -182,7 +184,7 @@ class SafetensorsDirEngine:
                     self._discard(target)
                 raise
             self._served = version
-            self._layout = {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
+            self._layout = layout_of(weights)
             self._prune(keep=target.name)
         total_s = time.perf_counter() - started
         logger.info("version %d in %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
@@ -216,25 +218,6 @@ class SafetensorsDirEngine:
 
     # ------------------------------------------------------------------ steps
 
-    def _check_layout(self, weights: Mapping[str, torch.Tensor]) -> None:
-        for name, tensor in weights.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
-        if self._layout is None:
-            return  # first version, no architecture given: any layout
-        strict_dtype = any(dtype is not None for dtype, _ in self._layout.values())
-        missing = sorted(set(self._layout) - set(weights))
-        unexpected = sorted(set(weights) - set(self._layout))
-        if missing or unexpected:
-            raise LayoutError(f"weights do not fit the served layout: {len(missing)} missing {missing[:5]}, "
-                              f"{len(unexpected)} unexpected {unexpected[:5]}")
-        for name, (dtype, shape) in self._layout.items():
-            tensor = weights[name]
-            if tuple(tensor.shape) != shape:
-                raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, the served layout has {shape}")
-            if strict_dtype and tensor.dtype != dtype:
-                raise LayoutError(f"{name} is {tensor.dtype}, the served layout has {dtype}")
-
     def _write_snapshot(self, target: Path, version: int, weights: Mapping[str, torch.Tensor], digest: str) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         free = shutil.disk_usage(self.root).free
@@ -250,7 +233,7 @@ class SafetensorsDirEngine:
             for src in self._template_files:
                 shutil.copyfile(src, tmp / src.name)
             if not (tmp / CONFIG_NAME).exists():
-                (tmp / CONFIG_NAME).write_text(json.dumps(self.config.model.to_hf(), indent=2, sort_keys=True))
+                (tmp / CONFIG_NAME).write_text(json.dumps(_config_json(self.config.model), indent=2, sort_keys=True))
             (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest}))
             for file in tmp.iterdir():
                 _fsync(file)
@@ -339,12 +322,9 @@ class SafetensorsDirEngine:
             raise WeightsyncError(f"template_dir {template} has no {CONFIG_NAME}; add one or give model")
         return files
 
-    def _initial_layout(self) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]] | None:
-        """What swaps must match: the architecture if given (any float dtype), else the template's
-        weights, else the snapshot `current` names, else nothing until the first swap."""
-        if self.config.model is not None:
-            meta = CausalLM(self.config.model).to("meta").state_dict()
-            return {name: (None, tuple(t.shape)) for name, t in meta.items()}
+    def _initial_layout(self) -> Layout | None:
+        """What swaps must match: the template's weights (their headers only), else the snapshot
+        `current` names, else nothing until the first swap (whose layout then holds)."""
         sources = [Path(self.config.template_dir)] if self.config.template_dir else []
         sources += [d for d in [self.current_dir()] if d is not None]
         for directory in sources:
@@ -374,6 +354,28 @@ class SafetensorsDirEngine:
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _as_config_source(value: Any) -> Any:
+    """`model` as given, checked: None, an HF config.json dict, or something with `to_hf()`."""
+    if value is None or hasattr(value, "to_hf"):
+        return value
+    if isinstance(value, Mapping) and "architectures" in value:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model (an HF config.json document) must be JSON: {e}") from None
+        return dict(value)
+    if isinstance(value, Mapping):  # the fields of our own ModelConfig (a config file's table)
+        from weightsync.models import as_model_config  # only then: the engine needs no model code
+
+        return as_model_config(value)
+    raise ValueError(f"model must be an HF config.json dict (with \"architectures\"), a ModelConfig or a dict "
+                     f"of its fields, got {type(value).__name__}")
+
+
+def _config_json(model: Any) -> dict[str, Any]:
+    return dict(model) if isinstance(model, Mapping) else model.to_hf()
 
 
 def _snapshot_name(version: int) -> str:

@@ -82,9 +82,11 @@ class _Servicer:
 
 
 def status_to_proto(status: dict) -> sync_pb2.StatusReply:
-    reply = sync_pb2.StatusReply(**{k: v for k, v in status.items() if k != "ledger"})
+    reply = sync_pb2.StatusReply(**{k: v for k, v in status.items() if k not in ("ledger", "broken")})
     for entry in status["ledger"]:
         reply.ledger.add(**entry)
+    for broken in status["broken"]:
+        reply.broken.add(**broken)
     return reply
 
 

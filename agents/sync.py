@@ -4,69 +4,68 @@ gRPC threads only record what arrives: an offered manifest (parsed, signature ch
 checked against what is served) and pushed objects (each checked against its content address,
 then written to the local cache). One sync thread does the rest, one version at a time:
 
-    idle     -> nothing newer than the served version is known (the store is polled every
-                poll_interval_s for versions nobody pushed)
-    gather   -> the newest known version is the target. Its path is planned: the deltas after
-                the staging buffer's version when that version is on the target's chain, else
-                the target's base and its deltas. Every object of the path is brought into the
-                cache: by push, or from the store once pushes stall for push_wait_s (or at once
-                when nobody is pushing). Manifests enter the cache after their objects.
+    idle     -> nothing newer than the served version is known, or all of it is broken and
+                waiting for its retry (the store is polled every poll_interval_s for versions
+                nobody pushed)
+    gather   -> the newest known version that is not waiting for a retry is the target. Its
+                path is planned: the deltas after the staging buffer's version when that
+                version is on the target's chain, else the target's base and its deltas. Every
+                object of the path is brought into the cache: by push, or from the store once
+                pushes stall for push_wait_s (or at once when nobody is pushing). Manifests
+                enter the cache after their objects.
     apply    -> the Reader applies the path from the cache into the staging buffer, checking
                 each object's hash before decoding and each chunk's raw hash after; at the
                 target every byte is covered by a checked hash, and the raw hashes by the
                 version digest.
     swap     -> engine.swap; the state file records the served version (crash-safe), the
                 ledger its timings; old cache entries are collected.
-A failure in gather or apply leaves what the engine serves untouched; it is recorded, a corrupt
-cached object is deleted so it is fetched again, and the version is retried.
+A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
+corrupt cached object is deleted so it is fetched again, and the version is broken: retried with
+its own growing backoff (0.5 s doubling to 10 s) and reported in `status()["broken"]` and the
+`agent/broken_versions` metric. Meanwhile the agent serves the newest version it can verify: when
+every newer version it knows is broken, it takes the store's newest other one above the served
+one as a target (an older base and its deltas), going down one version per failure; a newer
+good version is taken as soon as it is known. Nothing unverified is ever served.
 
-Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (served +
-staging, the staging one brought forward by deltas); copying engines use one buffer. Either
-way about one or two models, never a copy per version of a chain. Received objects live in the
-cache on disk, not in memory. Not here: the gRPC plumbing (`server.py`), engines (`engine.py`).
+Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers; copying
+engines use one buffer. Received objects live in the cache on disk, not in memory.
+
+Not here: the gRPC plumbing (`server.py`), what pushers send (`intake.py`), the served and spare
+buffers (`buffers.py`), the cache, its state file, repairs and gc (`cache.py`), the ledger and
+broken versions (`ledger.py`), engines (`engine.py`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json
 import logging
-import os
 import threading
 import time
-from collections import deque
-from pathlib import Path
 
-from weightsync import layout
+from weightsync.agents.buffers import Buffers
+from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.engine import Engine
-from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
-from weightsync.dtypes import dtype_by_name
+from weightsync.agents.intake import PushIntake, check_model
+from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
 from weightsync.errors import (
     FormatError,
     IntegrityError,
     ObjectNotFound,
-    ResourceExhausted,
     StaleVersion,
-    VersionNotFound,
     WeightsyncError,
 )
-from weightsync.hashing import is_hash_hex, xxh3_hex
-from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, compute_digest, parse_manifest
+from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.push import Pusher
-from weightsync.reader import Reader, WeightsState
-from weightsync.retention import collect_garbage
 from weightsync.signing import Verifier
-from weightsync.store import LocalStore, Store
-from weightsync.versions import latest_version, list_versions, read_manifest, read_manifest_bytes, read_signature
+from weightsync.store import Store
+from weightsync.versions import latest_version, list_versions, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "agent-state.json"
-_DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
-_RETRY_S = (0.5, 10.0)
+_RETRY_S = (0.5, 10.0)  # a broken version's retry backoff: first, most
 
 
 @dataclasses.dataclass
@@ -83,21 +82,6 @@ class _Known:
     failures: int = 0  # sync attempts that failed verification with this manifest on the path
 
 
-@dataclasses.dataclass
-class LedgerEntry:
-    version: int
-    outcome: str = "pending"  # served | failed | superseded
-    path: str = ""
-    source: str = ""
-    bytes_pushed: int = 0
-    bytes_fetched: int = 0
-    timings_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    error: str = ""
-    offered_unix_ms: int = 0
-    served_unix_ms: int = 0
-    digest: str = ""
-
-
 class SyncAgent:
     """Receives, verifies and serves versions of one model (see the module docstring)."""
 
@@ -111,31 +95,20 @@ class SyncAgent:
         self.relay = relay
         self.metrics = metrics
         self.model = config.model
-        config.cache_path.mkdir(parents=True, exist_ok=True)
-        # The cache is a store of its own, same layout as the upstream one. No fsync: a lost
-        # object after a power cut is caught by its hash and fetched again; the commit order
-        # (objects, then manifest, then state file) is what keeps it consistent.
-        self.cache = LocalStore(config.cache_path / "store", fsync=False)
-        self.reader = Reader(self.cache, model=config.model, workers=config.workers)
-        self._prefix = layout.model_prefix(config.model)
+        self.cache = AgentCache(config.cache_path, model=config.model, name=config.name, workers=config.workers)
+        self.reader = self.cache.reader
         self._cond = threading.Condition()
         self._known: dict[int, _Known] = {}
-        self._served: WeightsState | None = None
-        self._spare: WeightsState | None = None
-        # The version the spare's memory was last served as: what the engine must have stopped
-        # using before we write into it (its content may have moved on: see _catch_up_spare).
-        self._spare_served_as = 0
+        self.buffers = Buffers(engine, self._cond)
         self._served_version = 0
         self._served_digest = ""
-        self._pending_bytes = 0
-        self._progress = 0  # objects received so far; the sync thread watches it to see pushes advance
-        self._last_push_offer = float("-inf")  # monotonic time of the last offer that came by push
-        self._ledger: deque[LedgerEntry] = deque(maxlen=config.ledger_size)
-        self._ledger_by_version: dict[int, LedgerEntry] = {}
+        self.intake = PushIntake(config, self.cache, accept=self._accept, served_version=lambda: self._served_version,
+                                 relay=relay, metrics=metrics, cond=self._cond)
+        self.ledger = Ledger(config.ledger_size)
+        self.broken = BrokenVersions(_RETRY_S)
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
-        self._syncing = False  # the sync thread is rewriting a buffer
         self._thread: threading.Thread | None = None
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
@@ -178,60 +151,12 @@ class SyncAgent:
     def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
               origin: str, hops: int) -> tuple[bool, list[str]]:
         """An offer from a publisher or an upstream agent: (wanted, objects still missing)."""
-        self._check_model(model)
-        if hops > self.config.max_hops:
-            raise FormatError(f"offer of v{version} relayed {hops} times (max {self.config.max_hops}): a relay loop?")
-        if not manifest:  # objects-only: a version still being published
-            if any(not is_hash_hex(a) for a in objects):
-                raise FormatError("objects must be 32-character lowercase hex content addresses")
-            if version <= self._served_version:
-                return False, []
-            return True, [a for a in objects if not self.cache.exists(self._prefix + layout.chunk_key(a))]
-        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
-        self._last_push_offer = time.monotonic()
-        with self._cond:
-            if version <= self._served_version:
-                return False, []
-        if self.relay is not None:
-            self.relay.offer(version, known.data, known.signature, hops=hops + 1)
-        missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
-                          if c.object and not self.cache.exists(self._prefix + c.key)})
-        return True, missing
+        return self.intake.offer(model=model, version=version, manifest=manifest, signature=signature,
+                                 objects=objects, origin=origin, hops=hops)
 
     def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
         """One pushed object: kept (True) if new, verified against its address first."""
-        self._check_model(model)
-        if not is_hash_hex(address):
-            raise FormatError(f"object address {address!r} is not 32 lowercase hex characters")
-        if len(data) > max_object_bytes(MAX_CHUNK_BYTES):
-            raise FormatError(f"object of {len(data)} bytes is over the format's limit")
-        if object_hash(data) != address:
-            self.metrics.inc("agent/objects_rejected", reason="hash")
-            raise IntegrityError(f"object {address} of v{version} does not match its content address "
-                                 "(corrupt in flight)")
-        if version <= self._served_version:
-            return False  # stale: nothing can use it any more
-        key = self._prefix + layout.chunk_key(address)
-        if self.cache.exists(key):
-            return False
-        with self._cond:
-            if self._pending_bytes + len(data) > self.config.max_pending_bytes:
-                self.metrics.inc("agent/objects_rejected", reason="quota")
-                raise ResourceExhausted(f"{self._pending_bytes} pushed bytes await a version; "
-                                        f"limit {self.config.max_pending_bytes}")
-            self._pending_bytes += len(data)
-        self.cache.put(key, data)
-        self.metrics.inc("agent/bytes_received", len(data), source="push")
-        if self.relay is not None:
-            self.relay.on_object(version, address, data)
-        with self._cond:
-            self._progress += 1
-            self._cond.notify_all()
-        return True
-
-    def _check_model(self, model: str) -> None:
-        if model != self.model:
-            raise FormatError(f"this agent serves {self.model!r}, not {model!r}")
+        return self.intake.receive_object(model=model, version=version, address=address, data=data)
 
     def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool,
                 expect_version: int | None = None) -> _Known:
@@ -241,7 +166,7 @@ class SyncAgent:
         was offered under the same version number (an offer that never committed, or a forgery
         on an agent that does not require signatures). Two different offers are refused."""
         manifest = parse_manifest(data)
-        self._check_model(manifest.model)
+        check_model(self.model, manifest.model)
         if expect_version is not None and manifest.version != expect_version:
             raise FormatError(f"offer says v{expect_version} but its manifest is v{manifest.version}")
         if self.verifier is not None and (signature or self.config.require_signatures):
@@ -263,7 +188,7 @@ class SyncAgent:
             known = _Known(manifest, data, signature, source, int(time.time() * 1000), time.monotonic(), pushed)
             if manifest.version > self._served_version:
                 self._known[manifest.version] = known
-                self._entry(manifest.version, source=source, offered_unix_ms=known.offered_unix_ms)
+                self.ledger.entry(manifest.version, source=source, offered_unix_ms=known.offered_unix_ms)
                 self._cond.notify_all()
             return known
 
@@ -271,7 +196,6 @@ class SyncAgent:
 
     def _run(self) -> None:
         next_poll = 0.0
-        backoff = _RETRY_S[0]
         while True:
             with self._cond:
                 if self._closed:
@@ -286,24 +210,49 @@ class SyncAgent:
                 self._poll_store()
             target = self._newest()
             if target is None:
-                self._catch_up_spare()
+                self.buffers.catch_up_spare(self.reader, self.config.name)
                 continue
             try:
                 self._sync_to(target)
-                backoff = _RETRY_S[0]
             except Exception as e:  # never let the sync thread die: record, back off, retry
                 if not isinstance(e, WeightsyncError):
                     log.exception("%s: unexpected error syncing v%d", self.config.name, target.manifest.version)
-                self._record_failure(target.manifest.version, e)
-                with self._cond:
-                    self._cond.wait(timeout=backoff)
-                backoff = min(2 * backoff, _RETRY_S[1])
+                self._record_failure(target.manifest, e)
+                if self._newest() is None:
+                    self._fall_back()
 
     def _newest(self) -> _Known | None:
+        """The newest accepted version that is not a broken one waiting for its retry."""
+        now = time.monotonic()
         with self._cond:
             for version in [v for v in self._known if v <= self._served_version]:
                 del self._known[version]
-            return self._known[max(self._known)] if self._known else None
+            ready = [v for v, k in self._known.items() if not self.broken.waiting(v, k.manifest.digest, now)]
+            return self._known[max(ready)] if ready else None
+
+    def _fall_back(self) -> None:
+        """While every newer version the agent knows is broken: the newest other version in the
+        store above the served one becomes a target, so that the agent serves the newest version
+        it can verify (an older base and its deltas) while the broken ones wait for their retry."""
+        if self.upstream is None:
+            return
+        version = None
+        try:
+            with self._cond:
+                skip = set(self._known) | {self._served_version}
+            now = time.monotonic()
+            candidates = [v for v in list_versions(self.upstream, self.model)
+                          if v > self._served_version and v not in skip and not self.broken.waiting(v, None, now)]
+            if not candidates:
+                return
+            version = max(candidates)
+            _, data = read_manifest_bytes(self.upstream, self.model, version)
+            self._accept(data, read_signature(self.upstream, self.model, version, data), "store", pushed=False)
+            log.info("%s: falling back to v%d while newer versions are broken", self.config.name, version)
+        except WeightsyncError as e:
+            log.warning("%s: no fallback version from %s: %s", self.config.name, self.upstream.uri, e)
+            if version is not None:  # its manifest does not read: broken too, so the next try goes lower
+                self.broken.fail(version, "", f"{type(e).__name__}: {e}", time.monotonic())
 
     def _poll_store(self) -> None:
         try:
@@ -328,17 +277,17 @@ class SyncAgent:
             log.warning("%s: polling %s failed: %s", self.config.name, self.upstream.uri, e)
 
     def _sync_to(self, target: _Known) -> None:
-        self._syncing = True
+        self.buffers.rewriting = True
         try:
             self._sync_version(target)
         finally:
-            self._syncing = False
+            self.buffers.rewriting = False
 
     def _sync_version(self, target: _Known) -> None:
         version = target.manifest.version
-        entry = self._entry(version)
+        entry = self.ledger.entry(version)
         t0 = time.monotonic()
-        staging = self._staging()
+        staging = self.buffers.staging()
         try:
             chain = self._chain(target)
         except (IntegrityError, FormatError):
@@ -355,7 +304,10 @@ class SyncAgent:
                       f"base {chain[0].manifest.version} + {len(chain) - 1} deltas")
         try:
             self._gather(target, path, entry)
-            self._repair_cached_chain(chain[:start])
+            # The reader re-reads the whole chain's manifests from the cache, also those of the
+            # versions it does not apply again: a cached one that rotted is put back first.
+            good = {known.manifest.version: known.data for known in chain[:start]}
+            self.cache.repair(good, good.get)
             t_apply = time.monotonic()
             self.reader.advance(staging, version)
         except (IntegrityError, FormatError) as e:
@@ -364,58 +316,27 @@ class SyncAgent:
                           "fetched again") from e
         t_swap = time.monotonic()
         report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest)
-        self._write_state(version, target.manifest.digest)
+        self.cache.write_state(version, target.manifest.digest)
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
             entry.served_unix_ms = int(time.time() * 1000)
             entry.timings_s.update(gather=t_apply - t0, apply=t_swap - t_apply, swap=report.total_s,
                                    swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
-            for older in [v for v, e in self._ledger_by_version.items() if v < version and e.outcome == "pending"]:
-                self._ledger_by_version[older].outcome = "superseded"
-            if self.engine.zero_copy:
-                self._spare, self._served = self._served, staging
-                self._spare_served_as = self._served_version
-            else:
-                self._served = staging
+            self.ledger.supersede(version)
+            self.broken.forget_up_to(version)
+            self.buffers.swapped(staging, self._served_version)
             self._served_version, self._served_digest = version, target.manifest.digest
-            self._pending_bytes = 0
+            self.intake.swapped()
             self._cond.notify_all()
         self.metrics.set("agent/version", version)
+        self._report_broken()
         self.metrics.observe("agent/swap_pause_s", report.pause_s)
         self.metrics.observe("agent/sync_s", done - target.offered_at)
         self.metrics.inc("agent/versions_served", path="deltas" if start else "base")
         log.info("%s: serving v%d (%s) %.3f s after the offer; swap pause %.2f ms", self.config.name, version,
                  entry.path, done - target.offered_at, 1000 * report.pause_s)
         self._collect_cache()
-
-    def _catch_up_spare(self) -> None:
-        """While idle, brings the spare buffer (zero-copy engines: the one swapped out, a version
-        behind) up to the served version, so that the next version costs one delta on the
-        critical path instead of two. Skipped while requests still run on it; on any failure the
-        spare is simply rebuilt by the next sync."""
-        spare, served = self._spare, self._served
-        if (spare is None or served is None or spare.manifest is None or served.manifest is None
-                or spare.manifest.version >= served.manifest.version):
-            return
-        if not self.engine.wait_unused(self._spare_served_as, 0.2):
-            return
-        try:
-            self.reader.advance(spare, served.manifest.version)
-        except WeightsyncError as e:
-            log.info("%s: spare buffer left for the next sync to rebuild (%s)", self.config.name, e)
-
-    def _staging(self) -> WeightsState:
-        """The buffer the next version is built in: the spare (zero-copy engines still serve the
-        current one), or the served one (copying engines keep their own copy)."""
-        if not self.engine.zero_copy:
-            return self._served or WeightsState(manifest=None, buffers={})
-        spare = self._spare
-        if spare is None:
-            return WeightsState(manifest=None, buffers={})
-        if not self.engine.wait_unused(self._spare_served_as, _DRAIN_TIMEOUT_S):
-            raise ResourceExhausted(f"requests still run on v{self._spare_served_as} after {_DRAIN_TIMEOUT_S} s")
-        return spare
 
     def _chain(self, target: _Known) -> list[_Known]:
         """The target's chain, base first, from accepted manifests, the cache or the store."""
@@ -428,12 +349,13 @@ class SyncAgent:
         chain.reverse()
         return chain
 
-    def _manifest(self, version: int) -> _Known:
+    def _manifest(self, version: int, *, cached: bool = True) -> _Known:
+        """An accepted manifest, else the cache's (unless not `cached`), else the store's, checked."""
         with self._cond:
             known = self._known.get(version)
         if known is not None:
             return known
-        for store in (self.cache, self.upstream):
+        for store in (self.cache.store if cached else None, self.upstream):
             if store is None:
                 continue
             try:
@@ -455,72 +377,39 @@ class SyncAgent:
                 for ref in tensor.chunks:
                     if ref.key is not None:
                         refs[ref.key] = ref
-        missing = self._missing(refs)
-        # Wait for pushes while they make progress when they are expected: this version was
-        # offered by push, or pushes arrived lately (a store poll can see a commit before the
-        # push of it lands). An agent nobody pushes to fetches at once.
-        expect_push = target.pushed or time.monotonic() - self._last_push_offer < 10 * self.config.poll_interval_s + 60
-        if missing and expect_push:
-            with self._cond:
-                seen = self._progress
-            while missing and not self._closed:
-                with self._cond:
-                    self._cond.wait_for(lambda seen=seen: self._progress != seen or self._closed, timeout=self.config.push_wait_s)
-                    progressed, seen = self._progress != seen, self._progress
-                missing = self._missing(missing)
-                if not progressed:
-                    break
+        missing = self.cache.missing(refs)
+        # Wait for pushes while they make progress when they are expected; an agent nobody
+        # pushes to fetches at once.
+        if missing and self.intake.expected(target.pushed):
+            missing = self.intake.wait(missing, lambda: self._closed)
         fetched = self._fetch(missing, target.manifest.version) if missing else 0
         entry.bytes_fetched += fetched
         entry.bytes_pushed += sum(r.size for r in refs.values()) - fetched
         for known in path:  # manifests after their objects: the cache stays a valid store
-            self.cache.put(layout.manifest_key(self.model, known.manifest.version), known.data)
-
-    def _repair_cached_chain(self, applied: list[_Known]) -> None:
-        """The reader re-reads the whole chain's manifests from the cache, also those of versions
-        it does not apply again: a cached one that rotted (bit flip, torn disk write) is put back
-        from the good copy (the store's, or the one offered and checked)."""
-        for known in applied:
-            key = layout.manifest_key(self.model, known.manifest.version)
-            try:
-                cached = self.cache.get(key)
-            except ObjectNotFound:
-                continue  # not cached (its objects may be gone too): nothing reads it from the cache
-            if cached != known.data:
-                log.warning("%s: cached manifest of v%d is damaged; restoring it", self.config.name,
-                            known.manifest.version)
-                self.cache.put(key, known.data)
-
-    def _missing(self, refs: dict[str, ChunkRef]) -> dict[str, ChunkRef]:
-        return {key: ref for key, ref in refs.items() if not self.cache.exists(self._prefix + key)}
+            self.cache.put_manifest(known.manifest.version, known.data)
 
     def _fetch(self, missing: dict[str, ChunkRef], version: int) -> int:
         """Fetches objects from the store into the cache and relays them to the peers as part of
         `version` (the peers lack them too); returns the bytes fetched."""
         if self.upstream is None:
             raise ObjectNotFound(f"{len(missing)} objects never arrived and this agent has no store to fetch from")
-        reader = Reader(self.upstream, model=self.model)
-
-        def fetch(ref: ChunkRef) -> int:
-            obj = reader.fetch_object(ref)  # checks size and hash against the manifest
-            self.cache.put(self._prefix + ref.key, obj)
-            if self.relay is not None:
-                self.relay.on_object(version, ref.object, obj)
-            return len(obj)
-
-        total = sum(self._fetch_pool.map(fetch, missing.values()))
+        relay = self.relay
+        on_object = None if relay is None else lambda ref, obj: relay.on_object(version, ref.object, obj)
+        total = self.cache.fetch(self.upstream, missing, self._fetch_pool, on_object)
         self.metrics.inc("agent/bytes_received", total, source="store")
         return total
 
     def _forget_failed_path(self, path: list[_Known]) -> None:
         """After a path failed verification: corrupt cached objects go (fetched again), the path's
-        manifests leave the cache (rewritten by the next attempt), and an offered manifest that
-        failed twice is forgotten (if it was real, the store or the next offer brings it back)."""
-        self._evict_corrupt(path)
+        unserved manifests leave the cache (they have no good copy until the next attempt
+        rewrites them), and an offered manifest that failed twice is forgotten (if it was real,
+        the store or the next offer brings it back)."""
+        served = {known.manifest.version: known.data for known in path
+                  if known.manifest.version <= self._served_version}
+        self.cache.repair([known.manifest.version for known in path], served.get,
+                          objects_of=[known.manifest for known in path])
         for known in path:
             version = known.manifest.version
-            if version > self._served_version:
-                self.cache.delete(layout.manifest_key(self.model, version))
             if known.source == "store":
                 continue
             known.failures += 1
@@ -531,47 +420,14 @@ class SyncAgent:
                 log.warning("%s: forgetting the v%d offered by %s: it failed verification twice", self.config.name,
                             version, known.source)
 
-    def _evict_corrupt(self, path: list[_Known]) -> None:
-        for known in path:
-            for tensor in known.manifest.tensors:
-                for ref in tensor.chunks:
-                    if ref.key is None:
-                        continue
-                    key = self._prefix + ref.key
-                    try:
-                        ok = object_hash(self.cache.get(key)) == ref.object
-                    except ObjectNotFound:
-                        continue
-                    if not ok:
-                        log.warning("%s: cached object %s is corrupt; deleting it", self.config.name, ref.key)
-                        self.cache.delete(key)
-
     # --------------------------------------------------------------------- state and ledger
-
-    def _write_state(self, version: int, digest: str) -> None:
-        """Records the served version: what a restarted agent serves first (atomic replace)."""
-        path = self.config.cache_path / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        doc = {"model": self.model, "version": version, "digest": digest}
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def _restore(self) -> None:
         """After a restart: serve the last good version from the cache, verified again."""
-        path = self.config.cache_path / STATE_FILE
-        try:
-            doc = json.loads(Path(path).read_text())
-            version, digest = int(doc["version"]), str(doc["digest"])
-        except FileNotFoundError:
+        state_file = self.cache.read_state()
+        if state_file is None:
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("%s: unreadable %s (%s); starting empty", self.config.name, path, e)
-            return
-        if doc.get("model") != self.model or version < 1:
-            return
+        version, digest = state_file
         try:
             state = self.reader.read(version)
             if state.manifest.digest != digest:
@@ -581,96 +437,44 @@ class SyncAgent:
             self.last_error = f"restore: {e}"
             log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.config.name, version, e)
             return
-        self._served, self._served_version, self._served_digest = state, version, digest
-        entry = self._entry(version, source="cache")
+        self.buffers.served, self._served_version, self._served_digest = state, version, digest
+        entry = self.ledger.entry(version, source="cache")
         entry.outcome, entry.path, entry.digest = "served", "cache", digest
         entry.served_unix_ms = int(time.time() * 1000)
         self.metrics.set("agent/version", version)
         log.info("%s: restarted serving v%d from its cache", self.config.name, version)
 
     def _collect_cache(self) -> None:
-        protect = {self._served_version}
-        if self._spare is not None and self._spare.manifest is not None:
-            protect.add(self._spare.manifest.version)
-        for attempt in range(2):
-            try:
-                collect_garbage(self.cache, self.model, keep=self.config.cache_keep_versions, protect=protect,
-                                grace_s=self.config.cache_grace_s)
-                return
-            except (FormatError, IntegrityError) as e:  # gc will not plan over a manifest it cannot read
-                if attempt or not self._mend_cached_manifests():
-                    log.warning("%s: cache gc failed: %s", self.config.name, e)
-                    return
-            except WeightsyncError as e:
-                log.warning("%s: cache gc failed: %s", self.config.name, e)
-                return
+        protect = {self._served_version} | self.buffers.versions()
+        self.cache.collect(keep=self.config.cache_keep_versions, protect=protect, grace_s=self.config.cache_grace_s,
+                           good_copy=self._good_copy)
 
-    def _mend_cached_manifests(self) -> bool:
-        """The cache is only a copy: a cached manifest that no longer reads (bit rot, a torn
-        write) is put back from a good copy (accepted in memory, or the store's, checked), or
-        dropped when there is none; left alone it would stop the cache gc for good. Returns
-        whether any was mended."""
-        mended = False
-        for version in list_versions(self.cache, self.model):
-            key = layout.manifest_key(self.model, version)
-            try:
-                read_manifest(self.cache, self.model, version)
-                continue
-            except VersionNotFound:  # gone meanwhile
-                continue
-            except (FormatError, IntegrityError):
-                pass
-            self.cache.delete(key)  # first, so that _manifest cannot read the damaged copy back
-            try:
-                good = self._manifest(version)
-                self.cache.put(key, good.data)
-                log.warning("%s: cached manifest of v%d is damaged; restored it", self.config.name, version)
-            except WeightsyncError:
-                log.warning("%s: cached manifest of v%d is damaged and no good copy is left; dropped it",
-                            self.config.name, version)
-            mended = True
-        return mended
+    def _good_copy(self, version: int) -> bytes | None:
+        """The manifest of `version` as accepted or as the store has it (checked), never the
+        cache's own copy: what a damaged cached one is put back from."""
+        try:
+            return self._manifest(version, cached=False).data
+        except WeightsyncError:
+            return None
 
-    def _entry(self, version: int, **fields) -> LedgerEntry:
-        with self._cond:
-            entry = self._ledger_by_version.get(version)
-            if entry is None:
-                entry = LedgerEntry(version=version)
-                self._ledger_by_version[version] = entry
-                self._ledger.appendleft(entry)
-                if len(self._ledger_by_version) > self.config.ledger_size:
-                    live = {e.version for e in self._ledger}
-                    self._ledger_by_version = {v: e for v, e in self._ledger_by_version.items() if v in live}
-            for key, value in fields.items():
-                setattr(entry, key, value)
-            return entry
-
-    def _record_failure(self, version: int, error: BaseException) -> None:
-        entry = self._entry(version)
+    def _record_failure(self, manifest: Manifest, error: BaseException) -> None:
+        version = manifest.version
+        entry = self.ledger.entry(version)
         entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
         self.last_error = f"v{version}: {entry.error}"
+        broken = self.broken.fail(version, manifest.digest, entry.error, time.monotonic())
         self.metrics.inc("agent/errors")
-        log.warning("%s: v%d failed: %s", self.config.name, version, entry.error)
+        self._report_broken()
+        log.warning("%s: v%d failed (%d times; next try in %.1f s): %s", self.config.name, version, broken.failures,
+                    broken.retry_at - time.monotonic(), entry.error)
+
+    def _report_broken(self) -> None:
+        self.metrics.set("agent/broken_versions", len(self.broken))
+        self.metrics.set("agent/newest_broken_version", self.broken.newest())
 
     def verify_served(self) -> str:
-        """The version digest recomputed from the bytes served now (every chunk range of the
-        served manifest re-hashed): equal to the manifest's digest iff they are the published
-        bytes. For a copying engine it checks the agent's own copy, and only between syncs
-        (during one that copy is being rewritten); "" when there is nothing to check."""
-        with self._cond:
-            state = self._served
-            manifest = state.manifest if state is not None else None
-            if manifest is None or (not self.engine.zero_copy and self._syncing):
-                return ""
-            buffers = dict(state.buffers)
-        rehashed = []
-        for tensor in manifest.tensors:
-            itemsize = dtype_by_name(tensor.dtype).itemsize
-            data = buffers[tensor.name]
-            chunks = tuple(dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize:c.stop * itemsize]))
-                           for c in tensor.chunks)
-            rehashed.append(dataclasses.replace(tensor, chunks=chunks))
-        return compute_digest(rehashed)
+        """The version digest of the bytes served now, re-hashed (see Buffers.served_digest)."""
+        return self.buffers.served_digest()
 
     def status(self, *, verify: bool = False) -> dict:
         served_digest = self.verify_served() if verify else ""
@@ -680,8 +484,8 @@ class SyncAgent:
                 "agent": self.config.name, "region": self.config.region, "model": self.model,
                 "current_version": self._served_version, "current_digest": self._served_digest,
                 "target_version": max(target, self._served_version),
-                "ledger": [dataclasses.asdict(e) for e in self._ledger],
+                "ledger": self.ledger.to_json(),
                 "last_error": self.last_error, "engine": getattr(self.engine, "name", type(self.engine).__name__),
                 "peers": list(self.config.peers), "started_unix_ms": self.started_unix_ms,
-                "served_digest": served_digest,
+                "served_digest": served_digest, "broken": self.broken.to_json(time.monotonic()),
             }

@@ -293,6 +293,8 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
                   f"({'bit-exact' if same else 'MISMATCH'})")
         if reply.last_error:
             print(f"last error: {reply.last_error}")
+        for b in reply.broken:  # never served; retried while an older good version is served
+            print(f"broken v{b.version}: {b.failures} failed attempts, next in {b.retry_in_s:.1f}s: {b.error}")
         print(f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
               f"{'pause':>8}  path / error")
         for e in reply.ledger:

@@ -161,7 +161,7 @@ def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
             trainer.step()
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            spare = agent.agent._spare.manifest  # None while the catch-up applies into it
+            spare = agent.agent.buffers.spare.manifest  # None while the catch-up applies into it
             if spare is not None and spare.version == 3:
                 break
             time.sleep(0.05)

@@ -457,3 +457,27 @@ def test_dir_sigkill_mid_swap_leaves_current_complete(tmp_path):
         assert engine.current_dir() == current
     finally:
         engine.close()
+
+
+def test_dir_needs_no_model_code(tmp_path):
+    """A generic engine: an HF config.json dict as `model`, layout from the first swap, and the
+    decoder (weightsync.models) never imported (open_engine would import the reference server's)."""
+    hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32}
+    child = f"""
+import json, sys, torch
+from weightsync.agents.safetensors_engine import open_safetensors_dir_engine
+from weightsync.errors import LayoutError
+engine = open_safetensors_dir_engine({{"root": sys.argv[1], "model": {hf!r}}})
+engine.swap(1, {{"a": torch.zeros(2, 3, dtype=torch.bfloat16)}}, digest="d1")
+try:
+    engine.swap(2, {{"a": torch.zeros(3, 2, dtype=torch.bfloat16)}}, digest="d2")
+    raise SystemExit("a shape change was accepted")
+except LayoutError as e:
+    assert "needs (2, 3)" in str(e), e
+assert json.loads((engine.current_dir() / "config.json").read_text()) == {hf!r}
+assert "weightsync.models" not in sys.modules, "the engine imported the decoder"
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", child, str(tmp_path / "s")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -319,7 +319,7 @@ def test_model_dir_is_served_as_version_0(tmp_path):
 
 
 def test_replica_rope_matches_the_model():
-    from weightsync.agents.reference_server import _replica
+    from weightsync.agents.reference_engine import _replica
 
     config = ModelConfig(**{**BYTE_MODEL, "rope_theta": 500000.0, "head_dim": 16})
     assert torch.equal(_replica(config).inv_freq, CausalLM(config).inv_freq)

@@ -187,6 +187,28 @@ class _Chain:
     totals: _ChainTotals
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
+class _Job:
+    """One accepted publish, from `publish` (planned under the lock) to its settled future; it
+    travels from the caller's thread to a version worker, and the next job waits on it."""
+
+    version: int
+    parent: int | None  # None: a full version
+    base: int
+    step: int | None
+    placements: dict[str, Placement]
+    snapshot: Snapshot
+    parent_snapshot: Snapshot | None  # what the delta is taken against; None for a full version
+    totals: _ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
+    t0: float = 0.0  # perf_counter at publish()
+    snapshot_s: float = 0.0
+    previous: _Job | None = None  # the job accepted just before: commits wait for it
+    progress: Callable[[int], None] | None = None
+    future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set once this job and every earlier one has finished, committed or failed."""
+
+
 class Publisher:
     """Publishes versions of one model to one store. Thread-safe; use as a context manager."""
 
@@ -217,7 +239,7 @@ class Publisher:
         # A sharded job never diffs against the store: each rank would need its own ranges of a
         # version that other ranks wrote. Its first version is a full one.
         self._loaded_parent = not self.config.parent_from_store or shard is not None
-        self._last_job: dict | None = None
+        self._last_job: _Job | None = None
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
         self._closed = False
@@ -253,22 +275,19 @@ class Publisher:
             where = _placements(snapshot, placements or {})
             with self._lock:
                 job = self._plan(snapshot, where, step)
-                job.update(
-                    t0=t0, snapshot_s=snapshot_s, previous=self._last_job, progress=progress,
-                    future=cf.Future(), finished=threading.Event(),
-                )
+                job.t0, job.snapshot_s, job.previous, job.progress = t0, snapshot_s, self._last_job, progress
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
         except BaseException:
             self._slots.release()
             raise
         worker.add_done_callback(lambda w: self._worker_done(w, job))
-        return job["future"]
+        return job.future
 
-    def _worker_done(self, worker: cf.Future, job: dict) -> None:
+    def _worker_done(self, worker: cf.Future, job: _Job) -> None:
         if worker.cancelled():  # close(wait=False) dropped it before it ran
-            job["future"].set_exception(PublishError(f"publisher closed before version {job['version']} ran"))
-            job["finished"].set()
+            job.future.set_exception(PublishError(f"publisher closed before version {job.version} ran"))
+            job.finished.set()
         self._slots.release()
 
     def close(self, wait: bool = True) -> None:
@@ -286,7 +305,7 @@ class Publisher:
 
     # ----------------------------------------------------------------------------- planning
 
-    def _plan(self, snapshot: Snapshot, placements: dict[str, Placement], step: int | None) -> dict:
+    def _plan(self, snapshot: Snapshot, placements: dict[str, Placement], step: int | None) -> _Job:
         """Numbers the version and picks its parent; called under the lock, in publish order."""
         if self._next_version is None:
             latest = latest_version(self.store, self.model)
@@ -307,7 +326,7 @@ class Publisher:
         totals = _ChainTotals(base=version) if reason else chain.totals
         self._chain = _Chain(version, base, snapshot, placements, length, totals)
         self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
-        return dict(
+        return _Job(
             version=version, parent=parent, base=base, step=step, placements=placements,
             snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals,
         )
@@ -368,49 +387,49 @@ class Publisher:
 
     # ---------------------------------------------------------------------------- execution
 
-    def _run(self, job: dict) -> None:
+    def _run(self, job: _Job) -> None:
         """Drives one version; its caller's future settles as soon as the outcome is known."""
         try:
             result = self._encode_and_commit(job)
-            if job["parent_snapshot"] is not None:
+            if job.parent_snapshot is not None:
                 # The parent has now served both its own version and this delta: reuse it.
                 # (Before settling the future, so the caller's next publish can have it.)
                 with self._lock:
-                    self._spare = job["parent_snapshot"]
-            job["future"].set_result(result)
+                    self._spare = job.parent_snapshot
+            job.future.set_result(result)
         except BaseException as e:
-            job["future"].set_exception(self._fail(job, e))
+            job.future.set_exception(self._fail(job, e))
         finally:
             # `finished` is set only after the predecessor's, so waiting on the latest version's
             # means waiting on all earlier ones, failed or not: that is what keeps commit order.
-            if job["previous"] is not None:
-                job["previous"]["finished"].wait()
-            job["finished"].set()
+            if job.previous is not None:
+                job.previous.finished.wait()
+            job.finished.set()
 
-    def _fail(self, job: dict, e: BaseException) -> BaseException:
+    def _fail(self, job: _Job, e: BaseException) -> BaseException:
         with self._lock:
             # Anything planned on top of this version is doomed; a later publish rebases. Unsharded:
             # the very next one. Sharded: the first one planned past the horizon (see _horizon),
             # so that every rank rebases the same version.
-            self._failed.add(job["version"])
-            if self.shard is None and self._chain is not None and self._chain.version >= job["version"]:
+            self._failed.add(job.version)
+            if self.shard is None and self._chain is not None and self._chain.version >= job.version:
                 self._chain = None
             if isinstance(e, VersionConflict):
                 self._next_version = None  # someone else owns these numbers; re-read the store
-        log.error("%s v%d failed: %s", self.model, job["version"], e)
+        log.error("%s v%d failed: %s", self.model, job.version, e)
         self.metrics.inc("publish/failures")
         if self.shard is not None:  # any rank's failure fails the version for all: tell them now
-            write_abort(self.store, self.model, job["version"], self.shard.session, f"rank {self.shard.rank}: {e}")
-        self._notify("on_failure", job["version"], e)
+            write_abort(self.store, self.model, job.version, self.shard.session, f"rank {self.shard.rank}: {e}")
+        self._notify("on_failure", job.version, e)
         if isinstance(e, (PublishError, VersionConflict)):
             return e
-        error = PublishError(f"{self.model} version {job['version']} was not published: {e}")
+        error = PublishError(f"{self.model} version {job.version} was not published: {e}")
         error.__cause__ = e
         return error
 
-    def _encode_and_commit(self, job: dict) -> PublishResult:
-        version, snapshot, parent_snapshot = job["version"], job["snapshot"], job["parent_snapshot"]
-        placements = job["placements"]
+    def _encode_and_commit(self, job: _Job) -> PublishResult:
+        version, snapshot, parent_snapshot = job.version, job.snapshot, job.parent_snapshot
+        placements = job.placements
         t_encode = time.perf_counter()
         futures = {
             name: [
@@ -429,8 +448,8 @@ class Publisher:
                     ref, n_changed, upload = f.result()
                     if upload is not None:
                         upload.result()
-                    if job["progress"] is not None:
-                        job["progress"]((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
+                    if job.progress is not None:
+                        job.progress((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
                     refs.append(ref)
                     changed += n_changed
                 tensor = snapshot[name]
@@ -448,8 +467,8 @@ class Publisher:
         t_commit = time.perf_counter()
         self._wait_for_previous(job)
         header = PartHeader(
-            version=version, parent=job["parent"], base=job["base"],
-            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA, step=job["step"],
+            version=version, parent=job.parent, base=job.base,
+            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA, step=job.step,
         )
         stats = {"changed_elements": changed, "total_elements": total}
         if self.shard is None:
@@ -467,14 +486,14 @@ class Publisher:
         commit_s = time.perf_counter() - t_commit
         stored = manifest.stored_bytes
         with self._lock:
-            job["totals"].by_version[manifest.version] = stored
+            job.totals.by_version[manifest.version] = stored
         result = PublishResult(
             manifest=manifest,
             manifest_bytes=len(data),
-            snapshot_s=job["snapshot_s"],
+            snapshot_s=job.snapshot_s,
             encode_s=encode_s,
             commit_s=commit_s,
-            total_s=time.perf_counter() - job["t0"],
+            total_s=time.perf_counter() - job.t0,
         )
         self._record(result)
         log.info(
@@ -533,15 +552,15 @@ class Publisher:
             except Exception:  # a listener's bug must not fail the publish it observes
                 log.exception("%s: publish listener %r failed in %s", self.model, listener, event)
 
-    def _wait_for_previous(self, job: dict) -> None:
-        previous: dict | None = job["previous"]
+    def _wait_for_previous(self, job: _Job) -> None:
+        previous = job.previous
         if previous is None:
             return
-        previous["finished"].wait()
-        error = previous["future"].exception()
-        if error is not None and job["parent_snapshot"] is not None:
+        previous.finished.wait()
+        error = previous.future.exception()
+        if error is not None and job.parent_snapshot is not None:
             raise PublishError(
-                f"{self.model} version {job['version']} is a delta on version {job['parent']}, which failed: {error}"
+                f"{self.model} version {job.version} is a delta on version {job.parent}, which failed: {error}"
             ) from error
         # A full version does not need its predecessor; commit order is all we waited for.
 

@@ -104,8 +104,24 @@ class LedgerEntry(_message.Message):
     digest: str
     def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
+class BrokenVersion(_message.Message):
+    __slots__ = ("version", "digest", "error", "failures", "first_failed_unix_ms", "retry_in_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FAILED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_IN_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    digest: str
+    error: str
+    failures: int
+    first_failed_unix_ms: int
+    retry_in_s: float
+    def __init__(self, version: _Optional[int] = ..., digest: _Optional[str] = ..., error: _Optional[str] = ..., failures: _Optional[int] = ..., first_failed_unix_ms: _Optional[int] = ..., retry_in_s: _Optional[float] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest")
+    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +134,7 @@ class StatusReply(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SERVED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BROKEN_FIELD_NUMBER: _ClassVar[int]
     agent: str
     region: str
     model: str
@@ -130,4 +147,5 @@ class StatusReply(_message.Message):
     peers: _containers.RepeatedScalarFieldContainer[str]
     started_unix_ms: int
     served_digest: str
-    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ...) -> None: ...
+    broken: _containers.RepeatedCompositeFieldContainer[BrokenVersion]
+    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,105 @@
+"""buffers: a sync agent's weight buffers, the one served and the one the next version is built in.
+
+Zero-copy engines serve the agent's very tensors, so the agent double-buffers: the next version
+is built in the spare (once no request runs on it any more) and the two trade places at the
+swap; while idle, the spare is brought up to the served version so the next version costs one
+delta. Copying engines keep their own copy, so one buffer is rewritten in place. Either way
+about one or two models, never a copy per version of a chain.
+
+States of the spare (zero-copy): none (before the second swap) -> behind (it was served as an
+older version) -> caught up (advanced to the served version while idle) -> staging (rewritten
+for the next version) -> served (swapped in; the old served buffer becomes the spare).
+
+Not here: applying versions (the Reader), deciding what to build (`sync.py`), the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from weightsync.agents.engine import Engine
+from weightsync.dtypes import dtype_by_name
+from weightsync.errors import ResourceExhausted, WeightsyncError
+from weightsync.hashing import xxh3_hex
+from weightsync.manifest import compute_digest
+from weightsync.reader import Reader, WeightsState
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
+
+
+class Buffers:
+    """The served buffer and (zero-copy engines) the spare; `lock` guards the hand-over."""
+
+    def __init__(self, engine: Engine, lock: threading.Condition) -> None:
+        self.engine = engine
+        self._lock = lock
+        self.served: WeightsState | None = None
+        self.spare: WeightsState | None = None
+        # The version the spare's memory was last served as: what the engine must have stopped
+        # using before we write into it (its content may have moved on: see catch_up_spare).
+        self.spare_served_as = 0
+        self.rewriting = False  # a sync is rewriting a buffer (for copying engines: the served one)
+
+    def staging(self) -> WeightsState:
+        """The buffer the next version is built in: the spare (zero-copy engines still serve the
+        current one), or the served one (copying engines keep their own copy)."""
+        if not self.engine.zero_copy:
+            return self.served or WeightsState(manifest=None, buffers={})
+        spare = self.spare
+        if spare is None:
+            return WeightsState(manifest=None, buffers={})
+        if not self.engine.wait_unused(self.spare_served_as, DRAIN_TIMEOUT_S):
+            raise ResourceExhausted(f"requests still run on v{self.spare_served_as} after {DRAIN_TIMEOUT_S} s")
+        return spare
+
+    def swapped(self, staging: WeightsState, previous_version: int) -> None:
+        """After the engine swapped `staging` in (call under the lock): it is the served buffer."""
+        if self.engine.zero_copy:
+            self.spare, self.served = self.served, staging
+            self.spare_served_as = previous_version
+        else:
+            self.served = staging
+
+    def versions(self) -> set[int]:
+        """Versions the buffers hold: the cache must keep what brings them forward by deltas."""
+        return {s.manifest.version for s in (self.served, self.spare) if s is not None and s.manifest is not None}
+
+    def catch_up_spare(self, reader: Reader, name: str) -> None:
+        """While idle, brings the spare buffer (zero-copy engines: the one swapped out, a version
+        behind) up to the served version, so that the next version costs one delta on the
+        critical path instead of two. Skipped while requests still run on it; on any failure the
+        spare is simply rebuilt by the next sync."""
+        spare, served = self.spare, self.served
+        if (spare is None or served is None or spare.manifest is None or served.manifest is None
+                or spare.manifest.version >= served.manifest.version):
+            return
+        if not self.engine.wait_unused(self.spare_served_as, 0.2):
+            return
+        try:
+            reader.advance(spare, served.manifest.version)
+        except WeightsyncError as e:
+            log.info("%s: spare buffer left for the next sync to rebuild (%s)", name, e)
+
+    def served_digest(self) -> str:
+        """The version digest recomputed from the bytes served now (every chunk range of the
+        served manifest re-hashed): equal to the manifest's digest iff they are the published
+        bytes. For a copying engine it checks the agent's own copy, and only between syncs
+        (during one that copy is being rewritten); "" when there is nothing to check."""
+        with self._lock:
+            state = self.served
+            manifest = state.manifest if state is not None else None
+            if manifest is None or (not self.engine.zero_copy and self.rewriting):
+                return ""
+            buffers = dict(state.buffers)
+        rehashed = []
+        for tensor in manifest.tensors:
+            itemsize = dtype_by_name(tensor.dtype).itemsize
+            data = buffers[tensor.name]
+            chunks = tuple(dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize:c.stop * itemsize]))
+                           for c in tensor.chunks)
+            rehashed.append(dataclasses.replace(tensor, chunks=chunks))
+        return compute_digest(rehashed)

@@ -1,0 +1,124 @@
+"""intake: what pushers send a sync agent (a publisher, or the agent upstream of it in a relay).
+
+Runs on gRPC threads and only records: an offered manifest goes to the agent's `accept` (parsed,
+signature checked, version checked against what is served) and is relayed to the peers; a pushed
+object is checked against its content address and the pending-bytes quota, written to the cache
+and relayed. The sync thread asks it whether pushes are expected and waits while they make
+progress before it fetches the rest from the store.
+
+Not here: choosing, verifying and applying versions (`sync.py`), the gRPC plumbing (`server.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from weightsync.agents.cache import AgentCache
+from weightsync.agents.config import AgentConfig
+from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
+from weightsync.errors import FormatError, IntegrityError, ResourceExhausted
+from weightsync.hashing import is_hash_hex
+from weightsync.manifest import ChunkRef
+from weightsync.metrics import Metrics
+from weightsync.push import Pusher
+
+
+def check_model(serves: str, model: str) -> None:
+    if model != serves:
+        raise FormatError(f"this agent serves {serves!r}, not {model!r}")
+
+
+class PushIntake:
+    """Offers and objects pushed to one agent; `cond` is the agent's (progress is announced on it)."""
+
+    def __init__(self, config: AgentConfig, cache: AgentCache, *, accept: Callable, served_version: Callable[[], int],
+                 relay: Pusher | None, metrics: Metrics, cond: threading.Condition) -> None:
+        self.config = config
+        self.model = config.model
+        self.cache = cache
+        self._accept = accept
+        self._served_version = served_version
+        self.relay = relay
+        self.metrics = metrics
+        self._cond = cond
+        self.pending_bytes = 0  # pushed since the last swap: bounded by config.max_pending_bytes
+        self.progress = 0  # objects received so far; the sync thread watches it to see pushes advance
+        self.last_offer = float("-inf")  # monotonic time of the last offer that came by push
+
+    def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
+              origin: str, hops: int) -> tuple[bool, list[str]]:
+        """An offer from a publisher or an upstream agent: (wanted, objects still missing)."""
+        check_model(self.model, model)
+        if hops > self.config.max_hops:
+            raise FormatError(f"offer of v{version} relayed {hops} times (max {self.config.max_hops}): a relay loop?")
+        if not manifest:  # objects-only: a version still being published
+            if any(not is_hash_hex(a) for a in objects):
+                raise FormatError("objects must be 32-character lowercase hex content addresses")
+            if version <= self._served_version():
+                return False, []
+            return True, [a for a in objects if not self.cache.has_object(a)]
+        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
+        self.last_offer = time.monotonic()
+        with self._cond:
+            if version <= self._served_version():
+                return False, []
+        if self.relay is not None:
+            self.relay.offer(version, known.data, known.signature, hops=hops + 1)
+        missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
+                          if c.object and not self.cache.has_object(c.object)})
+        return True, missing
+
+    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
+        """One pushed object: kept (True) if new, verified against its address first."""
+        check_model(self.model, model)
+        if not is_hash_hex(address):
+            raise FormatError(f"object address {address!r} is not 32 lowercase hex characters")
+        if len(data) > max_object_bytes(MAX_CHUNK_BYTES):
+            raise FormatError(f"object of {len(data)} bytes is over the format's limit")
+        if object_hash(data) != address:
+            self.metrics.inc("agent/objects_rejected", reason="hash")
+            raise IntegrityError(f"object {address} of v{version} does not match its content address "
+                                 "(corrupt in flight)")
+        if version <= self._served_version():
+            return False  # stale: nothing can use it any more
+        if self.cache.has_object(address):
+            return False
+        with self._cond:
+            if self.pending_bytes + len(data) > self.config.max_pending_bytes:
+                self.metrics.inc("agent/objects_rejected", reason="quota")
+                raise ResourceExhausted(f"{self.pending_bytes} pushed bytes await a version; "
+                                        f"limit {self.config.max_pending_bytes}")
+            self.pending_bytes += len(data)
+        self.cache.put_object(address, data)
+        self.metrics.inc("agent/bytes_received", len(data), source="push")
+        if self.relay is not None:
+            self.relay.on_object(version, address, data)
+        with self._cond:
+            self.progress += 1
+            self._cond.notify_all()
+        return True
+
+    def expected(self, pushed: bool) -> bool:
+        """Whether to wait for pushes before fetching: the version was offered by push, or pushes
+        arrived lately (a store poll can see a commit before the push of it lands)."""
+        return pushed or time.monotonic() - self.last_offer < 10 * self.config.poll_interval_s + 60
+
+    def wait(self, missing: dict[str, ChunkRef], closed: Callable[[], bool]) -> dict[str, ChunkRef]:
+        """Waits while pushes make progress (each step up to push_wait_s); what is still missing."""
+        with self._cond:
+            seen = self.progress
+        while missing and not closed():
+            with self._cond:
+                self._cond.wait_for(lambda seen=seen: self.progress != seen or closed(),
+                                    timeout=self.config.push_wait_s)
+                progressed, seen = self.progress != seen, self.progress
+            missing = self.cache.missing(missing)
+            if not progressed:
+                break
+        return missing
+
+    def swapped(self) -> None:
+        """A version was served: what was pushed for it no longer counts against the quota."""
+        self.pending_bytes = 0

@@ -1,0 +1,339 @@
+"""reference_engine: the reference inference engine, weightsync's embedded default.
+
+Runs a `weightsync.models.CausalLM` in-process and implements the `Engine` protocol
+(agents/engine.py). It is zero-copy: `swap` makes the agent's very tensors the served weights by
+flipping one reference to an immutable (version, digest, weights) record. Each request takes the
+record once when it starts and runs its whole generation on it (the model runs on per-call
+weights via `functional_call`), so a request never sees two versions; requests in flight are
+counted per version so that `wait_unused` can tell the agent when a replaced version's memory is
+free again. Nothing is copied or converted while new requests are held back.
+
+Which compute_dtype: "bfloat16" (default) serves the published bf16 tensors as they are: no copy,
+no extra memory, the pause is a reference flip; use it on CPUs with bf16 instructions
+(AVX512-BF16, AMX), where it is also the faster one. "float32" converts each version to fp32
+before the flip (outside the pause) and generates in fp32: use it on CPUs without bf16
+instructions, where bf16 matmuls are emulated and slow, if 2x the memory and a conversion per swap
+are affordable. It keeps no reference to the agent's tensors (`zero_copy` is False).
+`python -m bench.swap` measures both on the machine at hand.
+
+Not here: the HTTP/JSON front end, request validation and the "reference" engine type
+(`reference_server.py`), verifying or fetching versions (the agent), continuous batching across
+requests (each request is its own batch, prompts grouped by length), GPUs, tokenizers beyond
+`ByteTokenizer`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import prometheus_client as prom
+import torch
+
+from weightsync.agents.engine import SwapReport, check_layout, check_swap_args
+from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.models import (
+    ByteTokenizer,
+    CausalLM,
+    ModelConfig,
+    as_model_config,
+    load_pretrained,
+    rope_inv_freq,
+)
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+TOKENIZER = ByteTokenizer()
+_PAUSE_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceEngineConfig:
+    """How to run the reference engine. Give exactly one of `model` and `model_dir`."""
+
+    model: ModelConfig | Mapping[str, Any] | None = None
+    """The architecture (a ModelConfig or a dict of its fields); no weights until the first swap."""
+    model_dir: str | None = None
+    """An HF-style directory (config.json + safetensors): its weights are served as version 0."""
+    compute_dtype: str = "bfloat16"
+    """"bfloat16": serve the swapped-in tensors as they are (zero-copy). "float32": convert each
+    version before the flip; faster on CPUs without bf16 instructions, 2x memory, not zero-copy."""
+    torch_threads: int | None = None
+    """torch.set_num_threads for this process (a process-wide setting); None leaves torch's default."""
+    max_concurrent_requests: int = 4
+    """Generations running at once; later requests wait up to `queue_timeout_s`, then get NotReady."""
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.model_dir is None):
+            raise ValueError("give exactly one of model (a ModelConfig or dict of its fields) and model_dir")
+        object.__setattr__(self, "model", as_model_config(self.model))
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1, or None for torch's default")
+        value = self.max_concurrent_requests
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"max_concurrent_requests must be a positive int, got {value!r}")
+        if not self.queue_timeout_s > 0:
+            raise ValueError("queue_timeout_s must be > 0 seconds")
+
+
+class Served(NamedTuple):
+    """One version as served: what `served()` returns and what a request runs on."""
+
+    version: int
+    digest: str | None
+    """The version digest the agent verified; None for weights loaded from `model_dir` at start."""
+    weights: Mapping[str, torch.Tensor]
+    """Read-only mapping of HF names to the served tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    served: Served
+    swapped_at: float  # unix seconds
+
+
+class Completion(NamedTuple):
+    token_ids: list[int]
+    """New tokens, up to and including the stop token if one was produced."""
+    logprobs: list[float]
+    """log p(token) under the model at temperature 1 (what a policy-gradient loss needs)."""
+    text: str | None
+    """Byte-tokenizer decoding (up to EOS); None when the vocabulary is not the byte tokenizer's."""
+    finish_reason: str
+    """"stop" (the stop token was produced) or "length" (max_new_tokens reached)."""
+
+
+class NotReady(WeightsyncError, RuntimeError):
+    """No weights are served yet, or all generation slots stayed busy past the queue timeout."""
+
+
+class _Metrics:
+    """Prometheus metrics of one server, in its own registry (several servers may share a process)."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        kw = {"registry": self.registry}
+        self.requests = prom.Counter("weightsync_engine_requests", "Generate requests by outcome", ["outcome"], **kw)
+        self.prompt_tokens = prom.Counter("weightsync_engine_prompt_tokens", "Prompt tokens processed", **kw)
+        self.generated_tokens = prom.Counter("weightsync_engine_generated_tokens", "Tokens generated", **kw)
+        self.request_seconds = prom.Histogram("weightsync_engine_request_seconds", "Generate request duration", **kw)
+        self.in_flight = prom.Gauge("weightsync_engine_requests_in_flight", "Generations running", **kw)
+        self.swaps = prom.Counter("weightsync_engine_swaps", "Swaps by outcome", ["outcome"], **kw)
+        self.swap_pause = prom.Histogram("weightsync_engine_swap_pause_seconds", "Time new requests were held back"
+                                         " by a swap", buckets=_PAUSE_BUCKETS_S, **kw)
+        self.swap_total = prom.Histogram("weightsync_engine_swap_seconds", "Whole swap call (validation, "
+                                         "conversion, flip)", **kw)
+        self.version = prom.Gauge("weightsync_engine_weight_version", "Version new requests get (-1: none)", **kw)
+        self.version.set(-1)
+
+
+class ReferenceEngine:
+    """The reference inference engine, in-process (name "reference"); `ReferenceServer` adds HTTP."""
+
+    name = "reference"
+
+    def __init__(self, config: ReferenceEngineConfig) -> None:
+        self.config = config
+        self.zero_copy = config.compute_dtype == "bfloat16"
+        self._dtype = COMPUTE_DTYPES[config.compute_dtype]
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        initial = None
+        if config.model_dir is not None:
+            model_config, initial = load_pretrained(config.model_dir)
+        else:
+            model_config = config.model
+        self.model_config: ModelConfig = model_config
+        # Any float dtype fits the architecture; _check_layout adds what this engine needs.
+        self._layout = {name: (None, tuple(t.shape)) for name, t in _replica(model_config).state_dict().items()}
+        # functional_call swaps the weights into the module for the duration of a call, so a
+        # module runs one request at a time: each running request borrows its own replica.
+        # Replicas live on the meta device (no memory) apart from the RoPE frequencies.
+        self._replicas: queue.SimpleQueue[CausalLM] = queue.SimpleQueue()
+        for _ in range(config.max_concurrent_requests):
+            self._replicas.put(_replica(model_config))
+        self._cond = threading.Condition()
+        self._current: _Record | None = None
+        self._last_pause_s: float | None = None
+        self._in_flight: collections.Counter[int] = collections.Counter()
+        self._swap_lock = threading.Lock()
+        self.metrics = _Metrics()
+        self._closed = False
+        if initial is not None:
+            self._check_layout(initial, strict_dtype=False)
+            tensors = {n: t.to(self._dtype) if t.is_floating_point() else t for n, t in initial.items()}
+            self._current = _Record(Served(0, None, MappingProxyType(tensors)), time.time())
+            self.metrics.version.set(0)
+            logger.info("serving version 0 from %s", config.model_dir)
+
+    # ------------------------------------------------------------------ Engine protocol
+
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
+        """Makes `weights` the served weights atomically; raises LayoutError (and keeps serving
+        the previous version) when they do not fit the architecture."""
+        started = time.perf_counter()
+        check_swap_args(version, digest)
+        with self._swap_lock:
+            if self._closed:
+                raise WeightsyncError("the reference engine is closed")
+            try:
+                self._check_layout(weights, strict_dtype=self.zero_copy)
+            except LayoutError:
+                self.metrics.swaps.labels("refused").inc()
+                raise
+            tensors = dict(weights)
+            if not self.zero_copy:  # converted before the flip: the pause never includes it
+                tensors = {n: t.to(self._dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+            served = Served(version, digest, MappingProxyType(tensors))
+            flip = time.perf_counter()
+            with self._cond:
+                self._current = _Record(served, time.time())
+                self._cond.notify_all()
+            pause_s = self._last_pause_s = time.perf_counter() - flip
+            total_s = time.perf_counter() - started
+        self.metrics.swaps.labels("ok").inc()
+        self.metrics.swap_pause.observe(pause_s)
+        self.metrics.swap_total.observe(total_s)
+        self.metrics.version.set(version)
+        logger.info("swapped to version %d (pause %.1f us, swap %.1f ms)", version, pause_s * 1e6, total_s * 1e3)
+        return SwapReport(version=version, pause_s=pause_s, total_s=total_s)
+
+    def served_version(self) -> int | None:
+        record = self._current
+        return None if record is None else record.served.version
+
+    def wait_unused(self, version: int, timeout_s: float) -> bool:
+        """True once no request runs on `version` and new requests get another version. A
+        float32 server converted the agent's tensors, so it never holds them: True at once."""
+        if not self.zero_copy:
+            return True
+
+        def unused() -> bool:
+            current = self._current
+            return (current is None or current.served.version != version) and not self._in_flight[version]
+
+        with self._cond:
+            return self._cond.wait_for(unused, timeout=max(0.0, timeout_s))
+
+    def close(self) -> None:
+        """Refuses further swaps (running generations finish on their own threads); idempotent."""
+        self._close_engine()
+
+    def _close_engine(self) -> bool:
+        """Marks the engine closed; whether this call did (False when it already was)."""
+        with self._swap_lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    # ------------------------------------------------------------------ in-process API
+
+    def requests_in_flight(self) -> int:
+        """Generations running now, over all versions."""
+        with self._cond:
+            return sum(self._in_flight.values())
+
+    def served(self) -> Served:
+        """What new requests get now: (version, digest, weights). Raises NotReady before any weights."""
+        record = self._current
+        if record is None:
+            raise NotReady("no weights yet: the agent has not swapped in a version")
+        return record.served
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Served]:
+        """Holds the current version for the duration of the block, as a request does: its
+        tensors stay served to the holder, and `wait_unused(version)` waits for the block to end."""
+        with self._cond:
+            record = self._current
+            if record is None:
+                raise NotReady("no weights yet: the agent has not swapped in a version")
+            self._in_flight[record.served.version] += 1
+        try:
+            yield record.served
+        finally:
+            with self._cond:
+                self._in_flight[record.served.version] -= 1
+                if not self._in_flight[record.served.version]:
+                    del self._in_flight[record.served.version]
+                    self._cond.notify_all()
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, seed: int | None = None, stop: int | None = ByteTokenizer.EOS,
+                 ) -> tuple[Served, list[Completion]]:
+        """Continuations of `prompt_ids` (any lengths), all from one version; returns that version.
+
+        Prompts are grouped by length and each group decoded as one batch. Inputs are trusted
+        (the HTTP layer validates them). Raises NotReady without weights or when every generation
+        slot stays busy for `queue_timeout_s`.
+        """
+        try:
+            replica = self._replicas.get(timeout=self.config.queue_timeout_s)
+        except queue.Empty:
+            raise NotReady(f"all {self.config.max_concurrent_requests} generation slots stayed busy for "
+                           f"{self.config.queue_timeout_s}s; retry later") from None
+        self.metrics.in_flight.inc()
+        try:
+            with self.lease() as served:
+                generator = torch.Generator()
+                if seed is None:
+                    generator.seed()  # a default Generator has a fixed seed: every request would sample alike
+                else:
+                    generator.manual_seed(seed)
+                by_length: dict[int, list[int]] = collections.defaultdict(list)
+                for i, ids in enumerate(prompt_ids):
+                    by_length[len(ids)].append(i)
+                completions: list[Completion | None] = [None] * len(prompt_ids)
+                for length in sorted(by_length):
+                    rows = by_length[length]
+                    batch = torch.tensor([list(prompt_ids[i]) for i in rows], dtype=torch.long)
+                    tokens, logprobs = replica.generate(
+                        batch, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        stop_token=stop, generator=generator, weights=served.weights)
+                    for row, i in enumerate(rows):
+                        completions[i] = self._completion(tokens[row].tolist(), logprobs[row].tolist(), stop)
+        finally:
+            self.metrics.in_flight.dec()
+            self._replicas.put(replica)
+        self.metrics.prompt_tokens.inc(sum(map(len, prompt_ids)))
+        self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in completions))
+        return served, completions
+
+    def _completion(self, tokens: list[int], logprobs: list[float], stop: int | None) -> Completion:
+        finish = "length"
+        if stop is not None and stop in tokens:  # rows that stopped keep emitting the stop token
+            end = tokens.index(stop) + 1
+            tokens, logprobs, finish = tokens[:end], logprobs[:end], "stop"
+        text = TOKENIZER.decode(tokens) if self.model_config.vocab_size >= TOKENIZER.vocab_size else None
+        return Completion(tokens, logprobs, text, finish)
+
+    def _check_layout(self, weights: Mapping[str, torch.Tensor], *, strict_dtype: bool) -> None:
+        check_layout(self._layout, weights, what="the architecture")
+        for name, tensor in weights.items():
+            if tensor.device.type != "cpu":
+                raise LayoutError(f"{name} is on {tensor.device}; the reference server computes on the CPU")
+            if not tensor.is_floating_point():
+                raise LayoutError(f"{name} is {tensor.dtype}; the model's weights are floating point")
+            if strict_dtype and tensor.dtype != self._dtype:
+                raise LayoutError(f"{name} is {tensor.dtype}; compute_dtype {self.config.compute_dtype} serves "
+                                  f"{self._dtype} tensors as they are (use compute_dtype float32 to convert)")
+
+
+def _replica(config: ModelConfig) -> CausalLM:
+    with torch.device("meta"):
+        module = CausalLM(config)
+    module.inv_freq = rope_inv_freq(config)  # the one real tensor a replica needs
+    return module.eval()
