@@ -68,21 +68,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, register_engine
 from weightsync.agents.safetensors_engine import (
     _DTYPES,
     _WEIGHT_SUFFIXES,
+    CONFIG_NAME,
     CURRENT,
     SNAPSHOT_META,
+    _as_config_source,
+    _config_json,
     _fsync,
     _read_meta,
     _snapshot_name,
 )
 from weightsync.checkpoint_io import INDEX_NAME
-from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.errors import WeightsyncError
 from weightsync.hashing import xxh3_hex
-from weightsync.layout import MAX_VERSION
-from weightsync.models import CONFIG_NAME, ModelConfig, as_model_config
 from weightsync.tensors import raw_bytes
 
 logger = logging.getLogger(__name__)
@@ -113,9 +114,9 @@ class SGLangEngineConfig:
     template_dir: str | None = None
     """An HF model directory whose non-weight files (config.json, tokenizer, generation config)
     are copied into every snapshot."""
-    model: ModelConfig | Mapping[str, Any] | None = None
-    """Architecture (ModelConfig or a dict of its fields): writes config.json when the template
-    has none."""
+    model: Any = None
+    """An HF config.json dict, a `weightsync.models.ModelConfig` or a dict of its fields: written
+    as config.json when the template has none."""
     drain: str = "wait"
     """"wait": in-flight requests finish on the old weights, new ones wait for the reload
     (SGLang's update lock). "abort": in-flight requests are aborted (clients get finish_reason
@@ -145,7 +146,7 @@ class SGLangEngineConfig:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError("root must be a directory path for the snapshots")
         object.__setattr__(self, "root", str(self.root))
-        object.__setattr__(self, "model", as_model_config(self.model))
+        object.__setattr__(self, "model", _as_config_source(self.model))
         if self.model is None and self.template_dir is None:
             raise ValueError("give template_dir (the HF directory the server was started with) and/or model, "
                              "so snapshots get a config.json")
@@ -217,14 +218,11 @@ class SGLangEngine:
     def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
         """Writes snapshot `version` (linking unchanged files), has SGLang load it, confirms."""
         started = time.perf_counter()
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
-            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
-        if not isinstance(digest, str):
-            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        check_swap_args(version, digest)
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the sglang engine on {self.root} is closed")
-            self._check_layout(weights)
+            check_layout(self._layout, weights)  # the first snapshot fixes the layout
             target = self.root / _snapshot_name(version)
             previous = self.current_dir()
             created = False
@@ -316,24 +314,6 @@ class SGLangEngine:
         logger.info("sglang server at %s: model_path %s, weight_version %s", self.config.url,
                     info.doc().get("model_path"), info.doc().get("weight_version"))
 
-    def _check_layout(self, weights: Mapping[str, torch.Tensor]) -> None:
-        for name, tensor in weights.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
-        if self._layout is None:
-            return  # the first snapshot fixes the layout
-        missing = sorted(set(self._layout) - set(weights))
-        unexpected = sorted(set(weights) - set(self._layout))
-        if missing or unexpected:
-            raise LayoutError(f"weights do not fit the served layout: {len(missing)} missing {missing[:5]}, "
-                              f"{len(unexpected)} unexpected {unexpected[:5]}")
-        for name, (dtype, shape) in self._layout.items():
-            tensor = weights[name]
-            if tuple(tensor.shape) != shape:
-                raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, the served layout has {shape}")
-            if tensor.dtype != dtype:
-                raise LayoutError(f"{name} is {tensor.dtype}, the served layout has {dtype}")
-
     def _write_snapshot(self, target: Path, version: int, weights: Mapping[str, torch.Tensor], digest: str,
                         plan: list[tuple[str, list[str]]]) -> None:
         base_files = _read_meta(self._base).get("files", {}) if self._base is not None else {}
@@ -361,7 +341,7 @@ class SGLangEngine:
             for src in self._template_files:
                 shutil.copyfile(src, tmp / src.name)
             if not (tmp / CONFIG_NAME).exists():
-                (tmp / CONFIG_NAME).write_text(json.dumps(self.config.model.to_hf(), indent=2, sort_keys=True))
+                (tmp / CONFIG_NAME).write_text(json.dumps(_config_json(self.config.model), indent=2, sort_keys=True))
             (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest, "files": fingerprints}))
             for path in tmp.iterdir():
                 if not path.name.endswith(".safetensors"):

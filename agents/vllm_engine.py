@@ -52,10 +52,9 @@ from typing import Any
 
 import torch
 
-from weightsync.agents.engine import SwapReport, register_engine
+from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, register_engine
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.hashing import xxh3_hex
-from weightsync.layout import MAX_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +146,7 @@ class VllmEngine:
         """Hands `weights` to the workers, has them load and digest them, and serves `version`
         only once every worker holds exactly those bytes."""
         started = time.perf_counter()
-        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
-            raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
-        if not isinstance(digest, str):
-            raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+        check_swap_args(version, digest)
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the vllm engine for {self.config.url} is closed")
@@ -303,9 +299,7 @@ class VllmEngine:
     def _check_names(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Refuses, before the server is touched, a version whose tensor names are not the ones
         the served model loads (another architecture, a renamed checkpoint)."""
-        for name, tensor in weights.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+        check_layout(None, weights)  # tensors, whatever their shapes: vLLM's loader checks those
         expected = set(self.workers[0].get("hf_names") or ())
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or unexpected:
