@@ -260,7 +260,8 @@ def markdown(r: dict) -> str:
         f"| vLLM restart on the new checkpoint | {med(r['restart_s']):.2f} "
         f"| {', '.join(f'{x:.2f}' for x in r['restart_s'])} |",
         "",
-        f"Speed-up: **{r['speedup_vs_disk_reload']:.1f}x** vs disk reload, **{r['speedup_vs_restart']:.1f}x** vs restart.",
+        f"Speed-up: **{r['speedup_vs_disk_reload']:.1f}x** vs disk reload, "
+        f"**{r['speedup_vs_restart']:.1f}x** vs restart.",
         "",
         f"Swap pause (engine, pause -> resume, {p['engine_pause_s'].get('n')} swaps under client load): "
         f"p50 {1000 * p['engine_pause_s']['p50']:.0f} ms, p99 {1000 * p['engine_pause_s']['p99']:.0f} ms, "

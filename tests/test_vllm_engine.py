@@ -265,7 +265,8 @@ url = "{server.url}"
             if engine.served_weight_version() == str(version) and not is_paused(server):
                 return
             time.sleep(0.2)
-        raise AssertionError(f"vLLM never served v{version}; agent log:\n{(tmp_path / 'agent.log').read_text()[-3000:]}")
+        log = (tmp_path / "agent.log").read_text()[-3000:]
+        raise AssertionError(f"vLLM never served v{version}; agent log:\n{log}")
 
     agent = start_agent()
     try:

@@ -139,7 +139,8 @@ def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: l
                 vllm_url: str | None = None) -> Path:
     arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.model_architecture.items())
     if vllm_url is None:
-        engine = f'[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n[agent.engine.model]\n{arch}\n'
+        engine = ('[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n'
+                  f"[agent.engine.model]\n{arch}\n")
     else:  # the agent waits for its vLLM server to come up
         engine = f'[agent.engine]\ntype = "vllm"\nurl = "{vllm_url}"\nstart_timeout_s = {config.timeout_s}\n'
     path = root / "agents" / f"{name}.toml"
@@ -321,7 +322,8 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
 
 
 def _agent_names(config: DemoConfig) -> list[str]:
-    return [f"region-{chr(ord('a') + r)}-{i + 1}" for r in range(config.regions) for i in range(config.agents_per_region)]
+    return [f"region-{chr(ord('a') + r)}-{i + 1}"
+            for r in range(config.regions) for i in range(config.agents_per_region)]
 
 
 def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children) -> dict[str, str]:
