@@ -8,7 +8,7 @@ reload-from-disk hooks are driven. Layout of `root`:
                              index), config.json and the other non-weight files of the template,
                              weightsync.json (version, digest)
     root/current -> v000000000012    the version last handed to the server
-    root/.tmp-*, .trash-*    work in progress; removed on open
+    (the directory's mechanics, crash safety and lock: `snapshot_dir.py`)
 
 `swap` states (a crash in any of them leaves `current` naming a complete snapshot):
     write   snapshot into root/.tmp-*, fsync files and directory
@@ -28,7 +28,6 @@ inference server does that), the swap checks every engine shares (`engine.py`).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import http.client
 import json
 import logging
@@ -40,7 +39,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,17 +47,20 @@ import torch
 from safetensors import safe_open
 
 from weightsync.agents.engine import Layout, SwapReport, check_layout, check_swap_args, layout_of, register_engine
-from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, write_safetensors
+from weightsync.agents.snapshot_dir import (
+    CONFIG_NAME,
+    SNAPSHOT_META,
+    SnapshotDir,
+    find_template_files,
+    fsync,
+    read_meta,
+    snapshot_name,
+)
+from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, write_safetensors
 from weightsync.errors import WeightsyncError
-from weightsync.layout import VERSION_DIGITS
 
 logger = logging.getLogger(__name__)
 
-CURRENT = "current"
-CONFIG_NAME = "config.json"
-SNAPSHOT_META = "weightsync.json"
-_SNAPSHOT = re.compile(rf"v(\d{{{VERSION_DIGITS}}})")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _PLACEHOLDERS = ("{path}", "{version}", "{digest}")
 _REPLY_BYTES = 64 * 1024  # enough of the server's reply to quote in an error
 
@@ -135,22 +136,16 @@ class SafetensorsDirEngine:
 
     def __init__(self, config: SafetensorsDirConfig) -> None:
         self.config = config
-        self.root = Path(config.root).absolute()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.root / ".lock", "a")  # noqa: SIM115 - held for the engine's life
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock_file.close()
-            raise WeightsyncError(f"another engine is using {self.root}; give each engine its own root") from None
+        self.dir = SnapshotDir(config.root)
+        self.root = self.dir.root
         self._lock = threading.Lock()
         self._closed = False
         # The server's state before our first swap is unknown (a crash may have come between
         # re-pointing `current` and the reload), so nothing counts as served until a swap succeeds.
         self._served: int | None = None
-        self._template_files = self._find_template_files()
+        self._template_files = find_template_files(config.template_dir, need_config=config.model is None)
         self._layout = self._initial_layout()
-        self._remove_leftovers()
+        self.dir.remove_leftovers()
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -162,30 +157,31 @@ class SafetensorsDirEngine:
             if self._closed:
                 raise WeightsyncError(f"the safetensors_dir engine on {self.root} is closed")
             check_layout(self._layout, weights)
-            target = self.root / _snapshot_name(version)
+            target = self.root / snapshot_name(version)
             previous = self.current_dir()
             created = False
-            if target.exists() and _read_meta(target).get("digest") == digest:
+            if target.exists() and read_meta(target).get("digest") == digest:
                 logger.info("snapshot %s already holds version %d (digest %s); reusing it", target, version, digest)
             else:
                 if target.exists():
                     if previous is not None and previous.name == target.name:
                         raise WeightsyncError(f"{target} is current and holds another digest than {digest}; "
                                               "a version number must not be reused for other weights")
-                    self._discard(target)
+                    self.dir.discard(target)
                 self._write_snapshot(target, version, weights, digest)
                 created = True
-            self._point_current(target.name)
+            self.dir.point_current(target.name)
             try:
                 pause_s = self._reload(target, version, digest)
             except BaseException:
-                self._point_current(previous.name if previous is not None else None)
+                self.dir.point_current(previous.name if previous is not None else None)
                 if created:
-                    self._discard(target)
+                    self.dir.discard(target)
                 raise
             self._served = version
             self._layout = layout_of(weights)
-            self._prune(keep=target.name)
+            current = self.current_dir()
+            self.dir.prune(self.config.keep_snapshots, {target.name} | ({current.name} if current else set()))
         total_s = time.perf_counter() - started
         logger.info("version %d in %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
         return SwapReport(version=version, pause_s=pause_s, total_s=total_s)
@@ -201,20 +197,17 @@ class SafetensorsDirEngine:
             if self._closed:
                 return
             self._closed = True
-            self._lock_file.close()  # releases the flock
+            self.dir.close()
 
     # ------------------------------------------------------------------ inspection
 
     def current_dir(self) -> Path | None:
         """The snapshot `current` names, or None."""
-        try:
-            return self.root / os.readlink(self.root / CURRENT)
-        except FileNotFoundError:
-            return None
+        return self.dir.current()
 
     def snapshots(self) -> list[int]:
         """Versions with a snapshot on disk, ascending."""
-        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _SNAPSHOT.fullmatch(p.name)))
+        return self.dir.versions()
 
     # ------------------------------------------------------------------ steps
 
@@ -236,23 +229,13 @@ class SafetensorsDirEngine:
                 (tmp / CONFIG_NAME).write_text(json.dumps(_config_json(self.config.model), indent=2, sort_keys=True))
             (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest}))
             for file in tmp.iterdir():
-                _fsync(file)
-            _fsync(tmp)
+                fsync(file)
+            fsync(tmp)
             os.rename(tmp, target)
-            _fsync(self.root)
+            fsync(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-    def _point_current(self, name: str | None) -> None:
-        link = self.root / CURRENT
-        if name is None:
-            link.unlink(missing_ok=True)
-        else:
-            tmp = self.root / f".current.tmp-{uuid.uuid4().hex}"
-            os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
-            os.replace(tmp, link)
-        _fsync(self.root)
 
     def _reload(self, path: Path, version: int, digest: str) -> float:
         """Seconds spent in reload attempts; WeightsyncError when the server did not reload."""
@@ -293,34 +276,7 @@ class SafetensorsDirEngine:
             logger.warning("reload of version %d, attempt %d/%d: %s", version, attempt + 1, attempts, problem)
         raise WeightsyncError(f"reload of version {version} failed after {attempts} attempts: {problem}")
 
-    def _prune(self, keep: str) -> None:
-        current = self.current_dir()
-        names = [_snapshot_name(v) for v in self.snapshots()]
-        kept = set(names[-self.config.keep_snapshots:]) | {keep} | ({current.name} if current else set())
-        for name in names:
-            if name not in kept:
-                self._discard(self.root / name)
-
-    def _discard(self, path: Path) -> None:
-        # Renamed away first: a crash mid-delete leaves a .trash-* dir, never a partial snapshot.
-        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, trash)
-        _fsync(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
-
     # ------------------------------------------------------------------ open
-
-    def _find_template_files(self) -> list[Path]:
-        if self.config.template_dir is None:
-            return []
-        template = Path(self.config.template_dir)
-        if not template.is_dir():
-            raise WeightsyncError(f"template_dir {template} is not a directory")
-        files = [p for p in sorted(template.iterdir()) if p.is_file() and p.name != INDEX_NAME
-                 and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith(".")]
-        if self.config.model is None and not any(p.name == CONFIG_NAME for p in files):
-            raise WeightsyncError(f"template_dir {template} has no {CONFIG_NAME}; add one or give model")
-        return files
 
     def _initial_layout(self) -> Layout | None:
         """What swaps must match: the template's weights (their headers only), else the snapshot
@@ -338,17 +294,6 @@ class SafetensorsDirEngine:
                             layout[name] = (_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape()))
                 return layout
         return None
-
-    def _remove_leftovers(self) -> None:
-        for path in self.root.iterdir():
-            if path.name.startswith((".tmp-", ".trash-")):
-                shutil.rmtree(path, ignore_errors=True)
-                logger.info("removed leftover %s", path)
-            elif path.name.startswith(".current.tmp-"):
-                path.unlink(missing_ok=True)
-        current = self.current_dir()
-        if current is not None and not current.is_dir():
-            logger.warning("%s/%s points at missing %s; the next swap re-points it", self.root, CURRENT, current)
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -378,18 +323,6 @@ def _config_json(model: Any) -> dict[str, Any]:
     return dict(model) if isinstance(model, Mapping) else model.to_hf()
 
 
-def _snapshot_name(version: int) -> str:
-    return f"v{version:0{VERSION_DIGITS}d}"
-
-
-def _read_meta(directory: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads((directory / SNAPSHOT_META).read_text())
-        return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def _fill(template: Any, values: dict[str, str]) -> Any:
     if isinstance(template, str):
         for placeholder in _PLACEHOLDERS:
@@ -408,14 +341,6 @@ def _reports_failure(text: str) -> bool:
     except ValueError:
         return False
     return isinstance(doc, dict) and doc.get("success") is False
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_safetensors_dir_engine(options: Mapping[str, Any]) -> SafetensorsDirEngine:

@@ -47,7 +47,6 @@ versions (the agent), loading weights (SGLang), the generic reload hook (`safete
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import http.client
 import json
 import logging
@@ -59,7 +58,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,17 +67,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, register_engine
-from weightsync.agents.safetensors_engine import (
-    _DTYPES,
-    _WEIGHT_SUFFIXES,
+from weightsync.agents.safetensors_engine import _DTYPES, _as_config_source, _config_json
+from weightsync.agents.snapshot_dir import (
     CONFIG_NAME,
-    CURRENT,
     SNAPSHOT_META,
-    _as_config_source,
-    _config_json,
-    _fsync,
-    _read_meta,
-    _snapshot_name,
+    SnapshotDir,
+    find_template_files,
+    fsync,
+    read_meta,
+    snapshot_name,
 )
 from weightsync.checkpoint_io import INDEX_NAME
 from weightsync.errors import WeightsyncError
@@ -89,7 +85,6 @@ from weightsync.tensors import raw_bytes
 logger = logging.getLogger(__name__)
 
 DRAINS = ("wait", "abort")
-_SNAPSHOT = re.compile(r"v(\d+)")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 _REPLY_BYTES = 64 * 1024  # enough of a reply to quote in an error
 
@@ -187,19 +182,13 @@ class SGLangEngine:
 
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
-        self.root = Path(config.root).absolute()
-        self._template_files = self._find_template_files()
+        self._template_files = find_template_files(config.template_dir, need_config=config.model is None)
         self._probe()  # before touching the disk: a wrong URL fails fast and leaves nothing behind
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.root / ".lock", "a")  # noqa: SIM115 - held for the engine's life
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock_file.close()
-            raise WeightsyncError(f"another engine is using {self.root}; give each engine its own root") from None
+        self.dir = SnapshotDir(config.root)
+        self.root = self.dir.root
         self._lock = threading.Lock()
         self._closed = False
-        self._remove_leftovers()
+        self.dir.remove_leftovers()
         # The server may serve anything before our first swap (its --model-path, or a snapshot of
         # an earlier run): nothing counts as served until a swap is confirmed.
         self._served: int | None = None
@@ -223,11 +212,11 @@ class SGLangEngine:
             if self._closed:
                 raise WeightsyncError(f"the sglang engine on {self.root} is closed")
             check_layout(self._layout, weights)  # the first snapshot fixes the layout
-            target = self.root / _snapshot_name(version)
+            target = self.root / snapshot_name(version)
             previous = self.current_dir()
             created = False
             plan = self._plan if self._plan is not None else _plan_files(weights, self.config.shard_bytes)
-            if target.exists() and _read_meta(target).get("digest") == digest:
+            if target.exists() and read_meta(target).get("digest") == digest:
                 logger.info("snapshot %s already holds version %d (digest %s); reusing it", target, version, digest)
                 plan = _read_plan(target)[0] or plan  # its files, should it become the base
             else:
@@ -235,20 +224,20 @@ class SGLangEngine:
                     if previous is not None and previous.name == target.name:
                         raise WeightsyncError(f"{target} is current and holds another digest than {digest}; "
                                               "a version number must not be reused for other weights")
-                    self._discard(target)
+                    self.dir.discard(target)
                 self._write_snapshot(target, version, weights, digest, plan)
                 created = True
             try:
                 pause_s = self._load(target, version, previous)
             except BaseException:
                 if created:
-                    self._discard(target)  # a late load of it fails, and SGLang keeps the previous one
+                    self.dir.discard(target)  # a late load of it fails, and SGLang keeps the previous one
                 raise
-            self._point_current(target.name)
+            self.dir.point_current(target.name)
             self._served, self._server_version = version, str(version)
             self._base = target
             self._plan, self._layout = plan, {n: (t.dtype, tuple(t.shape)) for n, t in weights.items()}
-            self._prune(keep=target.name)
+            self.dir.prune(self.config.keep_snapshots, {target.name})
         total_s = time.perf_counter() - started
         logger.info("sglang serves version %d from %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
         return SwapReport(version=version, pause_s=pause_s, total_s=total_s)
@@ -264,7 +253,7 @@ class SGLangEngine:
             if self._closed:
                 return
             self._closed = True
-            self._lock_file.close()  # releases the flock
+            self.dir.close()
 
     # ------------------------------------------------------------------ inspection
 
@@ -278,14 +267,11 @@ class SGLangEngine:
 
     def current_dir(self) -> Path | None:
         """The snapshot `current` names (the last one the server loaded), or None."""
-        try:
-            return self.root / os.readlink(self.root / CURRENT)
-        except FileNotFoundError:
-            return None
+        return self.dir.current()
 
     def snapshots(self) -> list[int]:
         """Versions with a snapshot on disk, ascending."""
-        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _SNAPSHOT.fullmatch(p.name)))
+        return self.dir.versions()
 
     # ------------------------------------------------------------------ steps
 
@@ -316,7 +302,7 @@ class SGLangEngine:
 
     def _write_snapshot(self, target: Path, version: int, weights: Mapping[str, torch.Tensor], digest: str,
                         plan: list[tuple[str, list[str]]]) -> None:
-        base_files = _read_meta(self._base).get("files", {}) if self._base is not None else {}
+        base_files = read_meta(self._base).get("files", {}) if self._base is not None else {}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         free = shutil.disk_usage(self.root).free
         if nbytes > free:  # fail before writing rather than on ENOSPC halfway through
@@ -334,7 +320,7 @@ class SGLangEngine:
                 # No per-version metadata in the file: its bytes depend on its tensors alone, so the
                 # next snapshot can link it.
                 save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-                _fsync(tmp / file)
+                fsync(tmp / file)
             weight_map = {n: file for file, names in plan for n in names}
             (tmp / INDEX_NAME).write_text(json.dumps(
                 {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
@@ -345,10 +331,10 @@ class SGLangEngine:
             (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest, "files": fingerprints}))
             for path in tmp.iterdir():
                 if not path.name.endswith(".safetensors"):
-                    _fsync(path)
-            _fsync(tmp)
+                    fsync(path)
+            fsync(tmp)
             os.rename(tmp, target)
-            _fsync(self.root)
+            fsync(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -445,48 +431,6 @@ class SGLangEngine:
             return _Reply(e.code, e.read(_REPLY_BYTES).decode("utf-8", "replace"))
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
             return _Reply(None, "", f"{type(e).__name__}: {e}")
-
-    def _point_current(self, name: str) -> None:
-        tmp = self.root / f".current.tmp-{uuid.uuid4().hex}"
-        os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
-        os.replace(tmp, self.root / CURRENT)
-        _fsync(self.root)
-
-    def _prune(self, keep: str) -> None:
-        names = [_snapshot_name(v) for v in self.snapshots()]
-        kept = set(names[-self.config.keep_snapshots:]) | {keep}
-        for name in names:
-            if name not in kept:
-                self._discard(self.root / name)
-
-    def _discard(self, path: Path) -> None:
-        # Renamed away first: a crash mid-delete leaves a .trash-* dir, never a partial snapshot.
-        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, trash)
-        _fsync(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
-
-    # ------------------------------------------------------------------ open
-
-    def _find_template_files(self) -> list[Path]:
-        if self.config.template_dir is None:
-            return []
-        template = Path(self.config.template_dir)
-        if not template.is_dir():
-            raise WeightsyncError(f"template_dir {template} is not a directory")
-        files = [p for p in sorted(template.iterdir()) if p.is_file() and p.name != INDEX_NAME
-                 and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith(".")]
-        if self.config.model is None and not any(p.name == CONFIG_NAME for p in files):
-            raise WeightsyncError(f"template_dir {template} has no {CONFIG_NAME}; add one or give model")
-        return files
-
-    def _remove_leftovers(self) -> None:
-        for path in self.root.iterdir():
-            if path.name.startswith((".tmp-", ".trash-")):
-                shutil.rmtree(path, ignore_errors=True)
-                logger.info("removed leftover %s", path)
-            elif path.name.startswith(".current.tmp-"):
-                path.unlink(missing_ok=True)
 
 
 def _plan_files(weights: Mapping[str, torch.Tensor], shard_bytes: int) -> list[tuple[str, list[str]]]:
