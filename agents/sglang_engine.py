@@ -66,7 +66,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, register_engine
+from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, layout_of, register_engine
 from weightsync.agents.safetensors_engine import _DTYPES, _as_config_source, _config_json
 from weightsync.agents.snapshot_dir import (
     CONFIG_NAME,
@@ -236,7 +236,7 @@ class SGLangEngine:
             self.dir.point_current(target.name)
             self._served, self._server_version = version, str(version)
             self._base = target
-            self._plan, self._layout = plan, {n: (t.dtype, tuple(t.shape)) for n, t in weights.items()}
+            self._plan, self._layout = plan, layout_of(weights)
             self.dir.prune(self.config.keep_snapshots, {target.name})
         total_s = time.perf_counter() - started
         logger.info("sglang serves version %d from %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
