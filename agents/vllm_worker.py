@@ -53,7 +53,8 @@ class WeightsyncWorkerExtension:
     # ------------------------------------------------------------------ RPCs
 
     def weightsync_info(self) -> dict[str, Any]:
-        """Who this worker is: protocol, model class, tensor-parallel rank/size, parameter count."""
+        """Who this worker is: protocol, model class, tensor-parallel rank/size, dtype, and the HF
+        tensor names its model loads (what the engine checks a version's names against)."""
         model = self.model_runner.model
         rank, size = _tp_rank_size(model)
         return {"protocol": PROTOCOL, "model_class": type(model).__name__, "tp_rank": rank, "tp_size": size,
@@ -146,7 +147,7 @@ class WeightsyncWorkerExtension:
         self._weightsync_captured: dict[str, dict[str, list]] = {}
         self._weightsync_copies: dict[str, torch.Tensor] = getattr(self, "_weightsync_copies", {})
         model = self.model_runner.model
-        for module_name, module in model.named_modules():
+        for module in model.modules():
             method = getattr(module, "quant_method", None)
             original = getattr(method, "process_weights_after_loading", None)
             if original is None or getattr(original, "_weightsync_wrapped", False):
