@@ -164,7 +164,9 @@ def offers(draw) -> sync_pb2.OfferRequest:
     manifest = draw(manifests)
     try:  # mostly the version the manifest says, so that offers get past that check to the signature
         claimed = json.loads(manifest)["version"]
-        version = claimed if isinstance(claimed, int) and 0 <= claimed < 2**64 and draw(st.integers(0, 3)) else None
+        # bool is an int to Python but not to protobuf: a mutated manifest may claim "version": true
+        usable = isinstance(claimed, int) and not isinstance(claimed, bool) and 0 <= claimed < 2**64
+        version = claimed if usable and draw(st.integers(0, 3)) else None
     except (ValueError, KeyError, TypeError):
         version = None
     return sync_pb2.OfferRequest(
