@@ -61,6 +61,38 @@ def test_get_missing_raises_object_not_found(store):
     assert "nothing/here" in str(info.value)
 
 
+@pytest.mark.parametrize("start,length", [(0, 1), (0, 9000), (1234, 100), (8999, 1), (5, 8994)])
+def test_get_range_returns_exactly_the_range(store, start, length):
+    data = os.urandom(9000)
+    store.put("objects/ranged", data)
+    assert store.get_range("objects/ranged", start, length) == data[start : start + length]
+
+
+def test_get_range_spanning_several_transfer_parts(store):
+    data = os.urandom(8 * MiB + 4097)  # past S3's part size: read as parallel ranged GETs
+    store.put("objects/big", data)
+    assert store.get_range("objects/big", 3, len(data) - 4) == data[3:-1]
+
+
+def test_get_range_missing_object_raises_object_not_found(store):
+    with pytest.raises(ObjectNotFound):
+        store.get_range("nothing/here", 0, 10)
+
+
+@pytest.mark.parametrize("start,length", [(90, 11), (100, 1), (500, 5)])
+def test_get_range_past_the_end_is_a_clear_error(store, start, length):
+    store.put("objects/short", os.urandom(100))
+    with pytest.raises(StoreError, match="past the object's end"):
+        store.get_range("objects/short", start, length)
+
+
+@pytest.mark.parametrize("start,length", [(-1, 5), (0, 0), (0, -3), (True, 1)])
+def test_get_range_invalid_range_raises_store_error(store, start, length):
+    store.put("objects/x", b"0123456789")
+    with pytest.raises(StoreError, match="invalid byte range"):
+        store.get_range("objects/x", start, length)
+
+
 def test_put_overwrites(store):
     store.put("k", b"first version")
     store.put("k", b"second")

@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from weightsync.errors import ObjectExists, ObjectNotFound, StoreError, UnsafeCommitError
-from weightsync.store import ObjectInfo, check_key
+from weightsync.store import ObjectInfo, check_key, check_range
 
 log = logging.getLogger(__name__)
 
@@ -273,13 +273,43 @@ class S3Store:
         self._check_md5(response, buffer)
         return bytes(buffer)
 
-    def _get_range(self, full: str, key: str, etag: str, start: int, out: memoryview, deadline: float) -> None:
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Bytes [start, start + length) in one ranged GET per `part_bytes` (parallel beyond one).
+        No If-Match between the pieces: ranges are read from immutable objects (packs), whose
+        members are checked against their own hashes by the caller."""
+        check_range(start, length)
+        full = self._key(key)
+        buffer = bytearray(length)
+        view = memoryview(buffer)
+        part = self.config.part_bytes
+        pieces = [(offset, min(offset + part, length)) for offset in range(0, length, part)]
+
+        def read(piece: tuple[int, int]) -> None:
+            lo, hi = piece
+            self._retrying(f"read {self.uri}/{key} bytes {start + lo}-{start + hi - 1}",
+                           lambda d: self._get_range(full, key, None, start + lo, view[lo:hi], d))
+
+        if len(pieces) == 1:
+            read(pieces[0])
+        else:
+            self._parallel(read, pieces)
+        return bytes(buffer)
+
+    def _get_range(self, full: str, key: str, etag: str | None, start: int, out: memoryview, deadline: float) -> None:
+        condition = {"IfMatch": etag} if etag is not None else {}
         try:
             response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full,
-                                  Range=f"bytes={start}-{start + len(out) - 1}", IfMatch=etag)
+                                  Range=f"bytes={start}-{start + len(out) - 1}", **condition)
         except _Precondition:
             raise _Replaced(f"{self.uri}/{key} was replaced while being read") from None
+        except _EmptyRange:  # the range starts at or past the end
+            raise StoreError(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end") from None
         expected = f"bytes {start}-{start + len(out) - 1}/"
+        match = _CONTENT_RANGE.fullmatch(response.get("ContentRange") or "")
+        if match and int(match.group(1)) == start and int(match.group(3)) < start + len(out):
+            response["Body"].close()
+            raise StoreError(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end "
+                             f"({match.group(3)} bytes)")
         if not (response.get("ContentRange") or "").startswith(expected) or response["ContentLength"] != len(out):
             raise _Transient(f"asked for {expected}, got {response.get('ContentRange')}")
         self._read_body(response, out, key, deadline)

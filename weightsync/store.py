@@ -37,6 +37,9 @@ class Store(Protocol):
 
     - Keys are relative POSIX paths of `[A-Za-z0-9._-]` segments; no `..`, no leading `/`.
     - `get` returns the whole object or raises ObjectNotFound.
+    - `get_range` returns exactly `length` bytes from byte `start` of an object (one request on
+      an object store: how pack members are read); ObjectNotFound if the object is missing,
+      StoreError if the range runs past its end.
     - `put` makes the object durable before returning; concurrent or repeated puts of the same
       bytes are harmless. Readers never see a partially written object.
     - `put_new` is create-only: it raises ObjectExists if the key exists, atomically with
@@ -53,6 +56,8 @@ class Store(Protocol):
     io_concurrency: int
 
     def get(self, key: str) -> bytes: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
 
     def put(self, key: str, data: bytes | memoryview) -> None: ...
 
@@ -76,6 +81,12 @@ def check_key(key: str) -> str:
             f"invalid store key {key!r}: segments must be [A-Za-z0-9._-], not '.', '..' or '{_TEMP_PREFIX}*'"
         )
     return key
+
+
+def check_range(start: int, length: int) -> None:
+    if (not isinstance(start, int) or not isinstance(length, int) or isinstance(start, bool)
+            or isinstance(length, bool) or start < 0 or length < 1):
+        raise StoreError(f"invalid byte range: start {start!r}, length {length!r} (need start >= 0, length >= 1)")
 
 
 class LocalStore:
@@ -109,6 +120,22 @@ class LocalStore:
             raise ObjectNotFound(f"{self.uri}/{key} does not exist") from None
         except OSError as e:
             raise StoreError(f"cannot read {self.uri}/{key}: {e}") from e
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(start, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(length)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(f"{self.uri}/{key} does not exist") from None
+        except OSError as e:
+            raise StoreError(f"cannot read {self.uri}/{key}: {e}") from e
+        if len(data) != length:
+            raise StoreError(f"{self.uri}/{key}: bytes {start}..{start + length} run past the object's end "
+                             f"({start + len(data)} bytes)")
+        return data
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
