@@ -53,7 +53,8 @@ class AgentCache:
         self.path.mkdir(parents=True, exist_ok=True)
         # No fsync: see the module docstring.
         self.store = LocalStore(self.path / "store", fsync=False)
-        self.reader = Reader(self.store, model=model, workers=workers)
+        # Objects are kept by their own address, also those that upstream keeps in packs.
+        self.reader = Reader(self.store, model=model, workers=workers, objects_by_address=True)
         self._prefix = layout.model_prefix(model)
 
     # ----------------------------------------------------------------- objects and manifests
@@ -66,7 +67,7 @@ class AgentCache:
         self.store.put(self._prefix + layout.chunk_key(address), data)
 
     def missing(self, refs: Mapping[str, ChunkRef]) -> dict[str, ChunkRef]:
-        """The refs (by chunk key) whose objects are not cached."""
+        """The refs (by their objects' own keys, `ChunkRef.address_key`) whose objects are not cached."""
         return {key: ref for key, ref in refs.items() if not self.store.exists(self._prefix + key)}
 
     def put_manifest(self, version: int, data: bytes) -> None:
@@ -76,17 +77,20 @@ class AgentCache:
     def fetch(self, upstream: Store, missing: Mapping[str, ChunkRef], pool: cf.Executor,
               on_object: Callable[[ChunkRef, bytes], None] | None = None) -> int:
         """Fetches objects from `upstream` into the cache (each checked against its ref's size
-        and hash); `on_object` sees each one as it arrives. Returns the bytes fetched."""
+        and hash; members of one pack in few ranged reads); `on_object` sees each one as it
+        arrives. Returns the bytes fetched."""
         reader = Reader(upstream, model=self.model)
 
-        def fetch(ref: ChunkRef) -> int:
-            obj = reader.fetch_object(ref)
-            self.store.put(self._prefix + ref.key, obj)
-            if on_object is not None:
-                on_object(ref, obj)
-            return len(obj)
+        def fetch(group: list[ChunkRef]) -> int:
+            done = 0
+            for ref, obj in zip(group, reader.fetch_group(group)):
+                self.store.put(self._prefix + ref.address_key, obj)
+                if on_object is not None:
+                    on_object(ref, obj)
+                done += len(obj)
+            return done
 
-        return sum(pool.map(fetch, missing.values()))
+        return sum(pool.map(fetch, reader.plan_reads(list(missing.values()))))
 
     # ----------------------------------------------------------------------------- repair
 
@@ -102,15 +106,15 @@ class AgentCache:
         for manifest in objects_of:
             for tensor in manifest.tensors:
                 for ref in tensor.chunks:
-                    if ref.key is None:
+                    if ref.object is None:
                         continue
-                    key = self._prefix + ref.key
+                    key = self._prefix + ref.address_key
                     try:
                         ok = object_hash(self.store.get(key)) == ref.object
                     except ObjectNotFound:
                         continue
                     if not ok:
-                        log.warning("%s: cached object %s is corrupt; deleting it", self.name, ref.key)
+                        log.warning("%s: cached object %s is corrupt; deleting it", self.name, ref.address_key)
                         self.store.delete(key)
                         changed += 1
         for version in versions:

@@ -375,8 +375,8 @@ class SyncAgent:
         for known in path:
             for tensor in known.manifest.tensors:
                 for ref in tensor.chunks:
-                    if ref.key is not None:
-                        refs[ref.key] = ref
+                    if ref.object is not None:
+                        refs[ref.address_key] = ref  # the cache keeps objects by address, packed or not
         missing = self.cache.missing(refs)
         # Wait for pushes while they make progress when they are expected; an agent nobody
         # pushes to fetches at once.

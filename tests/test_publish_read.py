@@ -23,7 +23,7 @@ from weightsync.errors import (
     VersionConflict,
     VersionNotFound,
 )
-from weightsync.layout import chunks_prefix, manifest_key
+from weightsync.layout import chunks_prefix, manifest_key, packs_prefix
 from weightsync.manifest import CODEC_SAME, KIND_DELTA, KIND_FULL
 from weightsync.publisher import Publisher, PublisherConfig, PublishResult
 from weightsync.reader import Reader
@@ -41,9 +41,9 @@ class ScriptedStore(LocalStore):
 
     def __init__(self, root, **kwargs) -> None:
         super().__init__(root, **kwargs)
-        self.fail_chunk_puts = 0  # the next N chunk-object puts raise StoreError
+        self.fail_chunk_puts = 0  # the next N chunk-object or pack puts raise StoreError
         self.failed_keys: list[str] = []
-        self.chunk_puts_open = threading.Event()  # chunk-object puts wait until this is set
+        self.chunk_puts_open = threading.Event()  # chunk-object and pack puts wait until this is set
         self.chunk_puts_open.set()
         self.held_put_new: dict[str, threading.Event] = {}  # key -> put_new of it waits for the event
         self._entered: dict[str, threading.Event] = {}
@@ -53,7 +53,7 @@ class ScriptedStore(LocalStore):
         self._mutex = threading.Lock()
 
     def put(self, key, data) -> None:
-        if "/chunks/" in key:
+        if "/chunks/" in key or "/packs/" in key:
             with self._mutex:
                 fail = self.fail_chunk_puts > 0
                 if fail:
@@ -84,6 +84,16 @@ class ScriptedStore(LocalStore):
         with self._mutex:
             self.gets.append(key)
         return super().get(key)
+
+    def get_range(self, key, start, length) -> bytes:
+        with self._mutex:
+            self.gets.append(key)
+        return super().get_range(key, start, length)
+
+
+def _stored_objects(store) -> list:
+    """Every chunk object and pack of MODEL in `store`."""
+    return [*store.list(chunks_prefix(MODEL)), *store.list(packs_prefix(MODEL))]
 
 
 def _config(**overrides) -> PublisherConfig:
@@ -158,7 +168,7 @@ def test_unchanged_chunks_store_no_objects(tmp_store, make_state_dict, published
     sd = make_state_dict(1)
     with Publisher(tmp_store, model=MODEL, config=_config()) as publisher:
         publisher.publish(sd).result(timeout=WAIT_S)
-        objects_before = list(tmp_store.list(chunks_prefix(MODEL)))
+        objects_before = _stored_objects(tmp_store)
         changed = dict(sd)
         changed["layers.0.mlp.up.weight"] = sd["layers.0.mlp.up.weight"].clone()
         changed["layers.0.mlp.up.weight"][10, :] += 1.0  # 256 elements, all inside the first chunk
@@ -170,7 +180,7 @@ def test_unchanged_chunks_store_no_objects(tmp_store, make_state_dict, published
     assert stored == [("layers.0.mlp.up.weight", 0)]
     assert result.changed_elements == 256
     assert len(manifest.objects()) == 1
-    assert len(list(tmp_store.list(chunks_prefix(MODEL)))) == len(objects_before) + 1
+    assert len(_stored_objects(tmp_store)) == len(objects_before) + 1  # one pack, holding the one chunk
     _assert_versions_read_back(tmp_store, {1: published_view(sd), 2: published_view(changed)}, assert_bit_equal)
 
 
@@ -405,7 +415,7 @@ def test_advance_applies_only_the_newer_deltas(tmp_path, make_state_dict, pertur
 
     assert reader.advance(state, 5) is state
     prefix = f"models/{MODEL}/"
-    fetched = {k.removeprefix(prefix) for k in store.gets if "/chunks/" in k}
+    fetched = {k.removeprefix(prefix) for k in store.gets if "/chunks/" in k or "/packs/" in k}
     assert state.manifest.version == 5
     assert_bit_equal(state.state_dict(), expected[5])
     assert_bit_equal(reader.read(5).state_dict(), state.state_dict())

@@ -47,7 +47,7 @@ def test_keeps_newest_versions_with_their_chains(tmp_path):
     reader = Reader(store, model=MODEL)
     for version in (5, 6, 7, 8):
         reader.read(version)
-    remaining = {info.key for info in store.list(model_prefix(MODEL) + "chunks/")}
+    remaining = {info.key for kind in ("chunks/", "packs/") for info in store.list(model_prefix(MODEL) + kind)}
     needed = set()
     for version in (5, 6, 7, 8):
         needed |= {model_prefix(MODEL) + k for k in reader.read(version).manifest.objects()}

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from weightsync.errors import ObjectExists, ObjectNotFound, StoreError, WeightsyncError
+from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError, WeightsyncError
 from weightsync.store import LocalStore, ObjectInfo, Store, open_store
 
 MiB = 1024 * 1024
@@ -82,7 +82,7 @@ def test_get_range_missing_object_raises_object_not_found(store):
 @pytest.mark.parametrize("start,length", [(90, 11), (100, 1), (500, 5)])
 def test_get_range_past_the_end_is_a_clear_error(store, start, length):
     store.put("objects/short", os.urandom(100))
-    with pytest.raises(StoreError, match="past the object's end"):
+    with pytest.raises(ObjectTooShort, match="past the object.s end"):
         store.get_range("objects/short", start, length)
 
 

@@ -47,6 +47,10 @@ class ObjectNotFound(StoreError, KeyError):
         return str(self.args[0]) if self.args else "object not found"
 
 
+class ObjectTooShort(StoreError):
+    """A ranged read that runs past the end of its object (a truncated pack, or a bad index)."""
+
+
 class ObjectExists(StoreError, FileExistsError):
     """A create-only write found the key already present (another writer won)."""
 

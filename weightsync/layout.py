@@ -3,6 +3,7 @@
     models/<model>/versions/<version, 12 digits>.json   one manifest per committed version
     models/<model>/signatures/<version>-<manifest xxh3>.sig  the publisher's signature of a manifest
     models/<model>/chunks/<2 hex>/<32 hex>             content-addressed chunk objects
+    models/<model>/packs/<2 hex>/<32 hex>              content-addressed packs of chunk objects
     models/<model>/parts/<version>/<session>/<rank>.json  a sharded publish's per-rank parts,
                                                         before the one manifest commits
 
@@ -21,6 +22,8 @@ MAX_VERSION = 10**VERSION_DIGITS - 1
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
 _VERSION_FILE = re.compile(rf"(\d{{{VERSION_DIGITS}}})\.json")
 _CHUNK_KEY = re.compile(r"chunks/([0-9a-f]{2})/([0-9a-f]{32})")
+_PACK_KEY = re.compile(r"packs/([0-9a-f]{2})/([0-9a-f]{32})")
+MAX_PACK_BYTES = 1 << 32  # 4 GiB: far above what a publisher writes (PublisherConfig.pack_bytes)
 
 
 def check_model_name(model: object) -> str:
@@ -119,4 +122,20 @@ def is_chunk_key(key: object) -> bool:
     if not isinstance(key, str):
         return False
     match = _CHUNK_KEY.fullmatch(key)
+    return match is not None and match.group(2).startswith(match.group(1))
+
+
+def packs_prefix(model: str) -> str:
+    return f"{model_prefix(model)}packs/"
+
+
+def pack_key(pack_xxh3: str) -> str:
+    """The key of a pack relative to its model's prefix (as written in manifests)."""
+    return f"packs/{pack_xxh3[:2]}/{pack_xxh3}"
+
+
+def is_pack_key(key: object) -> bool:
+    if not isinstance(key, str):
+        return False
+    match = _PACK_KEY.fullmatch(key)
     return match is not None and match.group(2).startswith(match.group(1))

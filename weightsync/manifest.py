@@ -19,11 +19,14 @@ from weightsync.codec import CODEC_IDS
 from weightsync.dtypes import DType, dtype_by_name
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.hashing import is_hash_hex, xxh3_hex
-from weightsync.layout import MAX_VERSION, check_model_name, chunk_key, is_chunk_key
+from weightsync.layout import MAX_PACK_BYTES, MAX_VERSION, check_model_name, chunk_key, is_chunk_key, is_pack_key
 
-# Manifest format versions this build reads. 1: first release.
+# Manifest format versions this build reads. 1: first release. 2: chunk objects may live in
+# packs (a chunk names its pack's key and its byte `offset` there); publishers write 2 only for a
+# version that has packed chunks, so versions without packs stay readable by format-1 readers.
 FORMAT_VERSION = 1
-SUPPORTED_FORMATS = (1,)
+FORMAT_PACKS = 2
+SUPPORTED_FORMATS = (1, 2)
 
 CODEC_SAME = "same"  # an unchanged chunk: no object, bytes equal to the parent's
 KIND_FULL = "full"
@@ -45,6 +48,7 @@ _TOP_KEYS = {
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "chunks"}
 _CHUNK_KEYS = {"start", "stop", "codec", "raw", "object", "key", "size"}
+_PACKED_CHUNK_KEYS = _CHUNK_KEYS | {"offset"}
 _SAME_CHUNK_KEYS = {"start", "stop", "codec", "raw"}
 
 
@@ -57,13 +61,26 @@ class ChunkRef:
     codec: str  # "full", "xor", "sparse" or "same" (no object)
     raw: str  # xxh3-128 hex of the chunk's raw bytes in this version
     object: str | None = None  # xxh3-128 hex of the object bytes (its content address)
-    key: str | None = None  # object key relative to the model prefix
+    key: str | None = None  # key relative to the model prefix: the object's own, or its pack's
     size: int = 0  # object bytes
+    offset: int | None = None  # where the object starts in its pack (None: not packed)
+
+    @property
+    def packed(self) -> bool:
+        return self.offset is not None
+
+    @property
+    def address_key(self) -> str | None:
+        """The object's own content-addressed key (`chunks/..`), packed or not: where caches
+        that keep objects unpacked (agents) hold it."""
+        return None if self.object is None else chunk_key(self.object)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"start": self.start, "stop": self.stop, "codec": self.codec, "raw": self.raw}
         if self.codec != CODEC_SAME:
             doc.update(object=self.object, key=self.key, size=self.size)
+            if self.offset is not None:
+                doc["offset"] = self.offset
         return doc
 
 
@@ -144,8 +161,13 @@ class Manifest:
         return sum(c.size for t in self.tensors for c in t.chunks)
 
     def objects(self) -> set[str]:
-        """Keys (relative to the model prefix) of every chunk object this version needs."""
+        """Keys (relative to the model prefix) of every store object this version needs: chunk
+        objects and packs."""
         return {c.key for t in self.tensors for c in t.chunks if c.key is not None}
+
+    @property
+    def has_packs(self) -> bool:
+        return any(c.packed for t in self.tensors for c in t.chunks)
 
 
 def canonical_json(doc: Any) -> bytes:
@@ -223,7 +245,7 @@ def manifest_from_json(doc: Any) -> Manifest:
     tensors = []
     total_chunks = 0
     for t in tensors_doc:
-        entry = _tensor_from_json(t, kind)
+        entry = _tensor_from_json(t, kind, fmt)
         total_chunks += len(entry.chunks)
         if total_chunks > MAX_CHUNKS:
             raise FormatError(f"manifest names more than {MAX_CHUNKS} chunks")
@@ -238,10 +260,27 @@ def manifest_from_json(doc: Any) -> Manifest:
     )
     if compute_digest(manifest.tensors) != manifest.digest:
         raise IntegrityError(f"manifest of version {version} does not match its own digest")
+    _check_pack_index(manifest)
     return manifest
 
 
-def _tensor_from_json(t: Any, kind: str) -> TensorEntry:
+def _check_pack_index(manifest: Manifest) -> None:
+    """The chunks a manifest places in one pack are its index: their byte ranges must not
+    overlap (each object is read alone, with a ranged read, and checked by its own hash)."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for t in manifest.tensors:
+        for c in t.chunks:
+            if c.offset is not None:
+                ranges.setdefault(c.key, []).append((c.offset, c.offset + c.size, c.object))
+    for key, spans in ranges.items():
+        spans.sort()
+        for (start, stop, obj), (next_start, _, next_obj) in zip(spans, spans[1:]):
+            if next_start < stop and not (next_start == start and next_obj == obj):
+                raise FormatError(f"pack {key}: objects at bytes {start}..{stop} and {next_start}.. overlap "
+                                  "(a bad pack index)")
+
+
+def _tensor_from_json(t: Any, kind: str, fmt: int = FORMAT_VERSION) -> TensorEntry:
     if not isinstance(t, dict):
         raise FormatError("each tensor must be a JSON object")
     _exact_keys(t, _TENSOR_KEYS, "tensor")
@@ -265,7 +304,7 @@ def _tensor_from_json(t: Any, kind: str) -> TensorEntry:
     chunks = []
     expected_start = 0
     for c in chunks_doc:
-        ref = _chunk_from_json(c, name, dtype, kind)
+        ref = _chunk_from_json(c, name, dtype, kind, fmt)
         if ref.start != expected_start:
             raise FormatError(
                 f"tensor {name!r}: chunk starts at {ref.start}, expected {expected_start} "
@@ -280,19 +319,22 @@ def _tensor_from_json(t: Any, kind: str) -> TensorEntry:
     return TensorEntry(name=name, dtype=dtype.name, shape=shape, chunks=tuple(chunks))
 
 
-def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str) -> ChunkRef:
+def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str, fmt: int = FORMAT_VERSION) -> ChunkRef:
     where = f"tensor {name!r} chunk"
     if not isinstance(c, dict):
         raise FormatError(f"{where} must be a JSON object")
     codec = c.get("codec")
     if not isinstance(codec, str):
         raise FormatError(f"{where}: codec must be a string, got {codec!r}")
+    packed = "offset" in c and codec != CODEC_SAME
+    if packed and fmt < FORMAT_PACKS:
+        raise FormatError(f"{where}: packed chunks ('offset') need manifest format {FORMAT_PACKS}, this one is {fmt}")
     if codec == CODEC_SAME:
         _exact_keys(c, _SAME_CHUNK_KEYS, where)
         if kind == KIND_FULL:
             raise FormatError(f"{where}: a full version cannot have unchanged ('same') chunks")
     elif codec in CODEC_IDS:
-        _exact_keys(c, _CHUNK_KEYS, where)
+        _exact_keys(c, _PACKED_CHUNK_KEYS if packed else _CHUNK_KEYS, where)
         if kind == KIND_FULL and codec != "full":
             raise FormatError(f"{where}: a full version can only hold 'full' chunks, got {codec!r}")
     else:
@@ -310,10 +352,17 @@ def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str) -> ChunkRef:
         return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"])
     if not is_hash_hex(c["object"]):
         raise FormatError(f"{where}: object hash must be 32 lowercase hex characters")
-    if not is_chunk_key(c["key"]) or c["key"] != chunk_key(c["object"]):
-        raise FormatError(f"{where}: key {c['key']!r} is not the content address of its object")
     size = _int(c["size"], f"{where} size", HEADER_SIZE + 1, max_object_bytes(raw_bytes))
-    return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size)
+    if not packed:
+        if not is_chunk_key(c["key"]) or c["key"] != chunk_key(c["object"]):
+            raise FormatError(f"{where}: key {c['key']!r} is not the content address of its object")
+        return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"],
+                        size=size)
+    if not is_pack_key(c["key"]):
+        raise FormatError(f"{where}: key {c['key']!r} of a packed chunk is not a pack's content address")
+    offset = _int(c["offset"], f"{where} offset", 0, MAX_PACK_BYTES - size)
+    return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size,
+                    offset=offset)
 
 
 def check_tensor_name(name: Any) -> str:

@@ -40,12 +40,15 @@ from typing import Protocol
 
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
+from weightsync.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.manifest import (
     CODEC_SAME,
+    FORMAT_PACKS,
+    FORMAT_VERSION,
     KIND_DELTA,
     KIND_FULL,
     ChunkRef,
@@ -94,6 +97,11 @@ class PublisherConfig:
     parent_from_store: bool = True
     """On the first publish, read the store's latest version as the delta parent (a restarted
     trainer or a CLI publish then writes a delta instead of a full version)."""
+    pack_bytes: int = DEFAULT_PACK_BYTES
+    """A delta's chunk objects are written into packs of up to this many bytes (docs/format.md,
+    "Packs"): a few store writes per version instead of one per changed chunk. 0 writes every
+    chunk as its own object. Full versions always do: their big objects gain nothing from
+    packing, and content addressing shares them between versions."""
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -104,6 +112,8 @@ class PublisherConfig:
             raise ValueError(f"zstd_level must be in [1, {MAX_ZSTD_LEVEL}], got {self.zstd_level}")
         if self.workers < 1 or self.max_in_flight < 1:
             raise ValueError("workers and max_in_flight must be at least 1")
+        if self.pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be >= 0 (0 = no packs), got {self.pack_bytes}")
         if self.rebase_every < 0 or self.rebase_chain_ratio < 0:
             raise ValueError("rebase_every and rebase_chain_ratio must be >= 0 (0 = every version full)")
 
@@ -431,10 +441,14 @@ class Publisher:
         version, snapshot, parent_snapshot = job.version, job.snapshot, job.parent_snapshot
         placements = job.placements
         t_encode = time.perf_counter()
+        packer = None
+        if parent_snapshot is not None and self.config.pack_bytes:
+            packer = PackWriter(self.config.pack_bytes, self._upload_pack, layout.pack_key)
         futures = {
             name: [
                 self._encode_pool.submit(
-                    self._encode_one, version, tensor, parent_snapshot, name, start, stop, placements[name].start
+                    self._encode_one, version, tensor, parent_snapshot, name, start, stop, placements[name].start,
+                    packer,
                 )
                 for start, stop in self._chunk_ranges(tensor)
             ]
@@ -442,20 +456,27 @@ class Publisher:
         }
         tensors, changed, total = [], 0, 0
         try:
+            encoded = {}
             for name, chunk_futures in futures.items():
-                refs = []
+                encoded[name] = []
                 for f in chunk_futures:
-                    ref, n_changed, upload = f.result()
+                    ref, n_changed, upload, slot = f.result()
                     if upload is not None:
                         upload.result()
                     if job.progress is not None:
                         job.progress((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
-                    refs.append(ref)
+                    encoded[name].append((ref, slot))
                     changed += n_changed
+            for upload in packer.finish() if packer is not None else ():
+                upload.result()
+            for name, chunks in encoded.items():
+                # Packed refs learn their pack's key once it is sealed (all are, after finish).
+                refs = tuple(ref if slot is None else dataclasses.replace(ref, key=slot.pack.key, offset=slot.offset)
+                             for ref, slot in chunks)
                 tensor = snapshot[name]
                 total += tensor.nbytes // tensor.dtype.itemsize
                 tensors.append(TensorEntry(
-                    name=name, dtype=tensor.dtype.name, shape=placements[name].global_shape, chunks=tuple(refs)
+                    name=name, dtype=tensor.dtype.name, shape=placements[name].global_shape, chunks=refs
                 ))
         except BaseException:
             for chunk_futures in futures.values():
@@ -508,10 +529,12 @@ class Publisher:
         producer = {"name": "weightsync", "version": __version__, "host": socket.gethostname()}
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
+        packed = any(c.packed for t in tensors for c in t.chunks)
         manifest = Manifest(
             model=self.model, version=header.version, parent=header.parent, base=header.base, kind=header.kind,
             step=header.step, created_unix_ms=int(time.time() * 1000), tensors=tuple(tensors),
             digest=compute_digest(tensors), producer=producer, stats=stats,
+            format=FORMAT_PACKS if packed else FORMAT_VERSION,  # format-1 readers still read unpacked versions
         )
         data = manifest.to_bytes()
         parse_manifest(data)  # never commit a manifest a reader would refuse
@@ -571,23 +594,26 @@ class Publisher:
 
     def _encode_one(
         self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int,
-        offset: int,
-    ) -> tuple[ChunkRef, int, cf.Future | None]:
-        """Encodes local elements [start, stop) (global: + offset) and queues the upload;
-        returns (ref, changed elements, upload)."""
+        offset: int, packer: PackWriter | None,
+    ) -> tuple[ChunkRef, int, cf.Future | None, PackSlot | None]:
+        """Encodes local elements [start, stop) (global: + offset) and queues the upload, or adds
+        the object to the version's pack; returns (ref, changed elements, upload, pack slot).
+        A packed ref gets its key and offset once its pack is sealed."""
         size = tensor.dtype.itemsize
         new = tensor.data[start * size : stop * size]
         old = None if parent is None else parent[name].data[start * size : stop * size]
         codec_id, raw_hex, obj, changed = encode_chunk(new, old, tensor.dtype, self.config.zstd_level)
         start, stop = start + offset, stop + offset
         if obj is None:
-            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None
+            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None, None
         obj_hash = object_hash(obj)
         key = layout.chunk_key(obj_hash)
         ref = ChunkRef(
             start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
         )
         self._notify("on_object", version, obj_hash, obj)
+        if packer is not None:
+            return ref, changed, None, packer.add(obj)
         self._pending_uploads.acquire()
         try:
             upload = self._io_pool.submit(self._write_object, self._prefix + key, obj)
@@ -595,7 +621,19 @@ class Publisher:
             self._pending_uploads.release()
             raise
         upload.add_done_callback(lambda _: self._pending_uploads.release())
-        return ref, changed, upload
+        return ref, changed, upload, None
+
+    def _upload_pack(self, key: str, data: bytes) -> cf.Future:
+        """A sealed pack, uploaded on the I/O pool. A plain put, no touch first: a pack is new
+        bytes (its key is their hash), and a put of an existing one rewrites the same bytes."""
+        self._pending_uploads.acquire()
+        try:
+            upload = self._io_pool.submit(self.store.put, self._prefix + key, data)
+        except BaseException:
+            self._pending_uploads.release()
+            raise
+        upload.add_done_callback(lambda _: self._pending_uploads.release())
+        return upload
 
     def _write_object(self, key: str, obj: bytes) -> None:
         # Content-addressed: if it exists it holds these bytes. Touch it so that gc's grace

@@ -8,9 +8,11 @@ decoding and every chunk's raw hash after applying; at the target version every 
 covered by a checked raw hash, and the manifest's digest covers the raw hashes.
 
 Objects are fetched on an I/O pool of `store.io_concurrency` threads, ahead of the CPU pool
-(`workers`) that decodes and applies them, with at most 2 x io_concurrency objects fetched or
-in flight at once. An object whose size or hash is off is fetched again (corruption in flight is
-transient; a corrupt stored object is not) before the read fails with IntegrityError.
+(`workers`) that decodes and applies them, with at most 2 x io_concurrency reads fetched or
+in flight at once. Members of a pack (`pack.py`) that lie close together are fetched in one
+ranged read, so a packed delta costs a few requests however many chunks it has. An object whose
+size or hash is off is fetched again on its own (corruption in flight is transient; a corrupt
+stored object is not) before the read fails with IntegrityError.
 
 A failure mid-apply leaves the buffers half-updated: the state is marked invalid (its
 manifest becomes None) and the caller reads again from a base. Not here: writing (`publisher.py`).
@@ -30,9 +32,10 @@ from weightsync import layout
 from weightsync.chunk import apply_chunk, object_hash
 from weightsync.codec import CODEC_IDS
 from weightsync.dtypes import dtype_by_name
-from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, VersionNotFound
+from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
 from weightsync.hashing import xxh3_hex
 from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
+from weightsync.pack import group_span, plan_reads
 from weightsync.store import Store
 from weightsync.tensors import to_tensor
 from weightsync.versions import latest_version, resolve_chain
@@ -64,8 +67,12 @@ class WeightsState:
 class Reader:
     """Reads versions of one model from one store."""
 
-    def __init__(self, store: Store, *, model: str, workers: int | None = None) -> None:
+    def __init__(self, store: Store, *, model: str, workers: int | None = None,
+                 objects_by_address: bool = False) -> None:
         self.store = store
+        # A cache (an agent's) holds every object under its own content address, packed upstream
+        # or not; a publisher's store holds packed objects in their packs.
+        self.objects_by_address = objects_by_address
         self.model = layout.check_model_name(model)
         self.workers = workers or os.cpu_count() or 2
         self.io_workers = max(1, int(getattr(store, "io_concurrency", 4)))  # fetches wait on the store, not the CPU
@@ -161,9 +168,10 @@ class Reader:
     ) -> None:
         """Fetches the version's objects on `io`, applies them on `cpu` as they arrive, and (with
         verify_same) hashes its unchanged ranges; returns when all are done, raises the first error."""
-        objects = iter([(t, c) for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME])
-        window = 2 * self.io_workers  # objects fetching, fetched or being applied: the memory bound
-        # Each running future maps to its stage: ("fetch", tensor, ref), ("apply",) or ("check",).
+        tensor_of = {id(c): t for t in manifest.tensors for c in t.chunks}
+        groups = iter(self.plan_reads([c for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME]))
+        window = 2 * self.io_workers  # reads fetching, fetched or being applied: the memory bound
+        # Each running future maps to its stage: ("fetch", group), ("apply",) or ("check",).
         running: dict[cf.Future, tuple] = {
             cpu.submit(self._check_same, buffers[t.name], t, c): ("check",)
             for t in manifest.tensors for c in t.chunks if c.codec == CODEC_SAME and verify_same
@@ -171,8 +179,8 @@ class Reader:
         held = 0
         try:
             while True:
-                while held < window and (item := next(objects, None)) is not None:
-                    running[io.submit(self.fetch_object, item[1])] = ("fetch", *item)
+                while held < window and (group := next(groups, None)) is not None:
+                    running[io.submit(self.fetch_group, group)] = ("fetch", group)
                     held += 1
                 if not running:
                     return
@@ -180,8 +188,8 @@ class Reader:
                 for future in done:
                     stage = running.pop(future)
                     if stage[0] == "fetch":
-                        _, tensor, ref = stage
-                        apply = cpu.submit(self._apply_object, buffers[tensor.name], tensor, ref, future.result())
+                        group = stage[1]
+                        apply = cpu.submit(self._apply_objects, buffers, tensor_of, group, future.result())
                         running[apply] = ("apply",)
                         continue
                     done_bytes = future.result()
@@ -201,34 +209,82 @@ class Reader:
             raise IntegrityError(f"{tensor.name}[{ref.start}:{ref.stop}] differs from the published bytes")
         return out.nbytes
 
+    def _apply_objects(self, buffers: dict[str, np.ndarray], tensor_of: dict[int, TensorEntry],
+                       group: list[ChunkRef], objects: list[bytes]) -> int:
+        done = 0
+        for ref, obj in zip(group, objects):
+            tensor = tensor_of[id(ref)]
+            done += self._apply_object(buffers[tensor.name], tensor, ref, obj)
+        return done
+
     def _apply_object(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef, obj: bytes) -> int:
         dtype = dtype_by_name(tensor.dtype)
         out = buffer[ref.start * dtype.itemsize : ref.stop * dtype.itemsize]
         apply_chunk(obj, out, dtype, ref.raw, CODEC_IDS[ref.codec])
         return out.nbytes
 
+    def plan_reads(self, refs: list[ChunkRef]) -> list[list[ChunkRef]]:
+        """`refs` grouped into store reads (see `fetch_group`)."""
+        if self.objects_by_address:
+            return [[ref] for ref in refs]
+        return plan_reads(refs)
+
+    def fetch_group(self, group: list[ChunkRef]) -> list[bytes]:
+        """The objects of one read of `plan_reads`, each checked against its ref's size and hash:
+        members of a pack in one ranged read; one that does not match is fetched again alone."""
+        if len(group) == 1 or self.objects_by_address:
+            return [self.fetch_object(ref) for ref in group]
+        start, length = group_span(group)
+        data = memoryview(self._read(group[0], start, length))
+        objects = []
+        for ref in group:
+            obj = bytes(data[ref.offset - start : ref.offset - start + ref.size])
+            objects.append(obj if object_hash(obj) == ref.object else self.fetch_object(ref))
+        return objects
+
     def fetch_object(self, ref: ChunkRef) -> bytes:
-        """A chunk object from the store, checked against the manifest's size and hash.
+        """A chunk object from the store (its own key, or a ranged read of its pack), checked
+        against the manifest's size and hash.
 
         A mismatch is fetched again (a byte flipped in flight is transient) up to FETCH_ATTEMPTS
-        times in all, then IntegrityError; a missing object is an IntegrityError at once.
+        times in all, then IntegrityError; a missing object or pack, or a pack shorter than the
+        manifest's index says, is an IntegrityError at once.
         """
-        key = self._prefix + ref.key
+        where = self._where(ref)
         for attempt in range(1, FETCH_ATTEMPTS + 1):
-            try:
-                obj = self.store.get(key)
-            except ObjectNotFound:
-                raise IntegrityError(
-                    f"chunk object {key} named by a manifest is missing from {self.store.uri}"
-                ) from None
+            if ref.offset is None or self.objects_by_address:
+                obj = self._read(ref, None, None)
+            else:
+                obj = self._read(ref, ref.offset, ref.size)
             if len(obj) == ref.size and object_hash(obj) == ref.object:
                 return obj
             if attempt < FETCH_ATTEMPTS:
-                log.warning("chunk object %s in %s does not match its manifest (%d of %d bytes); fetching it again",
-                            key, self.store.uri, len(obj), ref.size)
-        raise IntegrityError(
-            f"chunk object {key} in {self.store.uri} is corrupt (size or hash mismatch in {FETCH_ATTEMPTS} fetches)"
-        )
+                log.warning("%s does not match its manifest (%d of %d bytes); fetching it again",
+                            where, len(obj), ref.size)
+        raise IntegrityError(f"{where} is corrupt (size or hash mismatch in {FETCH_ATTEMPTS} fetches)")
+
+    def _where(self, ref: ChunkRef) -> str:
+        if ref.offset is None or self.objects_by_address:
+            return f"chunk object {self._prefix + ref.address_key} in {self.store.uri}"
+        return f"chunk object {ref.object} at bytes {ref.offset}..{ref.offset + ref.size} of pack " \
+               f"{self._prefix + ref.key} in {self.store.uri}"
+
+    def _read(self, ref: ChunkRef, start: int | None, length: int | None) -> bytes:
+        """The whole object (start None) or a byte range of `ref`'s pack, errors made clear."""
+        if start is None:
+            key = self._prefix + (ref.address_key if self.objects_by_address else ref.key)
+            try:
+                return self.store.get(key)
+            except ObjectNotFound:
+                raise IntegrityError(f"chunk object {key} named by a manifest is missing from {self.store.uri}") from None
+        key = self._prefix + ref.key
+        try:
+            return self.store.get_range(key, start, length)
+        except ObjectNotFound:
+            raise IntegrityError(f"pack {key} named by a manifest is missing from {self.store.uri}") from None
+        except ObjectTooShort:
+            raise IntegrityError(f"pack {key} in {self.store.uri} is shorter than the manifest's index says "
+                                 f"(bytes {start}..{start + length}): truncated, or a bad index") from None
 
 
 def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:

@@ -2,7 +2,9 @@
 
 Kept: the newest `keep` versions, any version a caller protects (an agent still needs it),
 and every version on their delta chains back to the base. Kept objects: everything a kept
-manifest names, and the signatures of kept versions. An object no kept manifest names is
+manifest names (chunk objects, and packs: a pack is kept whole while any kept version names one
+of its members; an agent's cache, which keeps packed objects unpacked, keeps them under their own
+addresses), and the signatures of kept versions. An object no kept manifest names is
 deleted only if it is older than the grace period: a publisher writes (or touches) its chunks
 before committing the manifest that names them, and the grace period is what keeps those
 chunks alive until that commit. Signatures of deleted versions go with them; sharded-publish
@@ -68,7 +70,8 @@ def plan_gc(
         raise ValueError("keep must be at least 1: gc never deletes the newest version")
     now = time.time() if now_unix_s is None else now_unix_s
     prefix = layout.model_prefix(model)
-    objects = list(store.list(layout.chunks_prefix(model)))  # before manifests: see module doc
+    # Before manifests: see module doc.
+    objects = [*store.list(layout.chunks_prefix(model)), *store.list(layout.packs_prefix(model))]
     signatures = list(store.list(layout.signatures_prefix(model)))
     parts = list(store.list(layout.parts_prefix(model)))
     versions = list_versions(store, model)
@@ -90,6 +93,9 @@ def plan_gc(
                 raise IntegrityError(f"{model} v{manifest.version} needs v{manifest.parent}, which is missing")
             manifest = manifests[manifest.parent]
     referenced = {prefix + key for v in keep_set for key in manifests[v].objects()}
+    # The same objects under their own addresses: where a cache (agents) keeps packed ones.
+    referenced |= {prefix + c.address_key for v in keep_set for t in manifests[v].tensors for c in t.chunks
+                   if c.packed}
     delete_objects, delete_bytes, young = [], 0, 0
     for info in objects:
         if info.key in referenced:
@@ -129,10 +135,11 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
     """
     for version in plan.delete_versions:
         store.delete(layout.manifest_key(plan.model, version))
-    modified = {info.key: info.modified_unix_s for info in store.list(layout.chunks_prefix(plan.model))}
+    content = (layout.chunks_prefix(plan.model), layout.packs_prefix(plan.model))
+    modified = {info.key: info.modified_unix_s for prefix in content for info in store.list(prefix)}
     now = time.time()
     for key in plan.delete_objects:
-        if not key.startswith(layout.chunks_prefix(plan.model)):
+        if not key.startswith(content):
             store.delete(key)  # signatures of deleted versions, stale parts: nothing can reuse them
         elif key in modified and now - modified[key] >= grace_s:
             store.delete(key)

@@ -60,7 +60,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from weightsync.errors import ObjectExists, ObjectNotFound, StoreError, UnsafeCommitError
+from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError, UnsafeCommitError
 from weightsync.store import ObjectInfo, check_key, check_range
 
 log = logging.getLogger(__name__)
@@ -303,12 +303,12 @@ class S3Store:
         except _Precondition:
             raise _Replaced(f"{self.uri}/{key} was replaced while being read") from None
         except _EmptyRange:  # the range starts at or past the end
-            raise StoreError(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end") from None
+            raise ObjectTooShort(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end") from None
         expected = f"bytes {start}-{start + len(out) - 1}/"
         match = _CONTENT_RANGE.fullmatch(response.get("ContentRange") or "")
         if match and int(match.group(1)) == start and int(match.group(3)) < start + len(out):
             response["Body"].close()
-            raise StoreError(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end "
+            raise ObjectTooShort(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end "
                              f"({match.group(3)} bytes)")
         if not (response.get("ContentRange") or "").startswith(expected) or response["ContentLength"] != len(out):
             raise _Transient(f"asked for {expected}, got {response.get('ContentRange')}")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from weightsync.errors import ObjectExists, ObjectNotFound, StoreError
+from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError
 
 _TEMP_PREFIX = ".tmp-"
 _KEY_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
@@ -39,7 +39,7 @@ class Store(Protocol):
     - `get` returns the whole object or raises ObjectNotFound.
     - `get_range` returns exactly `length` bytes from byte `start` of an object (one request on
       an object store: how pack members are read); ObjectNotFound if the object is missing,
-      StoreError if the range runs past its end.
+      ObjectTooShort (a StoreError) if the range runs past its end.
     - `put` makes the object durable before returning; concurrent or repeated puts of the same
       bytes are harmless. Readers never see a partially written object.
     - `put_new` is create-only: it raises ObjectExists if the key exists, atomically with
@@ -133,7 +133,7 @@ class LocalStore:
         except OSError as e:
             raise StoreError(f"cannot read {self.uri}/{key}: {e}") from e
         if len(data) != length:
-            raise StoreError(f"{self.uri}/{key}: bytes {start}..{start + length} run past the object's end "
+            raise ObjectTooShort(f"{self.uri}/{key}: bytes {start}..{start + length} run past the object's end "
                              f"({start + len(data)} bytes)")
         return data
 

@@ -75,13 +75,24 @@ def take_snapshot(
         shape = tuple(tensor.shape)
         spare = reuse.get(name)
         if spare is not None and spare.dtype == dtype and spare.shape == shape:
-            to_tensor(spare.data, dtype, shape).copy_(tensor.detach())
+            _copy_into(spare.data, tensor.detach(), dtype, shape)
             snapshot[name] = spare
             continue
         host = torch.empty(shape, dtype=torch_dtype(dtype), device="cpu")
-        host.copy_(tensor.detach())
+        _copy_into(raw_bytes(host), tensor.detach(), dtype, shape)
         snapshot[name] = SnapshotTensor(dtype, shape, raw_bytes(host))
     return snapshot
+
+
+def _copy_into(out: np.ndarray, tensor: torch.Tensor, dtype: DType, shape: tuple[int, ...]) -> None:
+    """Copies `tensor` into the raw bytes `out`. A contiguous CPU tensor already in the publish
+    dtype is a plain memcpy through numpy: torch's copy_ wakes its intra-op thread pool for every
+    tensor, which on a loaded machine cost ~8 ms per tensor (0.4 s for an 80-tensor 0.1 GiB model
+    whose bytes copy in 0.02 s)."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous() and dtype_of(tensor) == dtype and out.nbytes:
+        np.copyto(out, raw_bytes(tensor))
+    else:
+        to_tensor(out, dtype, shape).copy_(tensor)
 
 
 def raw_bytes(tensor: torch.Tensor) -> np.ndarray:

@@ -31,7 +31,7 @@ from weightsync.chunk import HEADER, encode_chunk
 from weightsync.codec import CODEC_FULL, CODEC_SPARSE, CODEC_XOR
 from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import xxh3_digest
-from weightsync.layout import chunk_key
+from weightsync.layout import chunk_key, pack_key
 from weightsync.manifest import (
     MAX_FREEFORM_BYTES,
     MAX_NDIM,
@@ -145,13 +145,37 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
 
     # Versions of the format, codecs, dtypes.
     add("manifest_unknown_format.json", mutate(lambda d: d.update(format=99)), "UnsupportedFormatError",
-        "manifest format 99 is not supported by this build; supported: [1]")
+        "manifest format 99 is not supported by this build; supported: [1, 2]")
     add("manifest_missing_format.json", mutate(lambda d: d.pop("format")), "UnsupportedFormatError",
-        "supported: [1]")
+        "supported: [1, 2]")
     add("manifest_format_string.json", mutate(lambda d: d.update(format="1")), "UnsupportedFormatError",
-        "supported: [1]")
+        "supported: [1, 2]")
     add("manifest_format_bool.json", text(b'"format":1', b'"format":true'), "UnsupportedFormatError",
-        "supported: [1]")
+        "supported: [1, 2]")
+    # Packs (format 2): the manifest is the pack's index.
+    def packed(doc, chunks):
+        doc["format"] = 2
+        doc["tensors"][0]["chunks"] = chunks
+        return doc
+
+    def member(start, stop, offset, key=pack_key("d" * 32), size=200):
+        return {"start": start, "stop": stop, "codec": "sparse", "raw": "a" * 32, "object": "b" * 32, "key": key,
+                "size": size, "offset": offset}
+
+    add("manifest_packed_chunk_in_format_1.json", chunk0(key=pack_key("d" * 32), offset=0), "FormatError",
+        "packed chunks ('offset') need manifest format 2")
+    add("manifest_pack_traversal_key.json", mutate(lambda d: packed(d, [member(0, COUNT, 0, key="packs/../../x")])),
+        "FormatError", "is not a pack's content address")
+    add("manifest_pack_chunk_key_as_pack.json",
+        mutate(lambda d: packed(d, [member(0, COUNT, 0, key=chunk_key("b" * 32))])),
+        "FormatError", "is not a pack's content address")
+    add("manifest_pack_negative_offset.json", mutate(lambda d: packed(d, [member(0, COUNT, -1)])),
+        "FormatError", "offset must be an integer in [0,")
+    add("manifest_pack_offset_past_limit.json", mutate(lambda d: packed(d, [member(0, COUNT, 1 << 32)])),
+        "FormatError", "offset must be an integer in [0,")
+    add("manifest_pack_overlapping_members.json",
+        mutate(lambda d: packed(d, [member(0, 2048, 0), dict(member(2048, COUNT, 150), object="e" * 32)])),
+        "FormatError", "overlap (a bad pack index)")
     add("manifest_unknown_codec.json", chunk0(codec="lz4"), "UnsupportedFormatError",
         "unknown codec 'lz4'; supported: ['full', 'same', 'sparse', 'xor']")
     add("manifest_codec_not_string.json", chunk0(codec=3), "FormatError", "codec must be a string")
@@ -280,7 +304,7 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
         assert name not in out, name
         out[name] = (data, {**base, "error": error, "match": match, **overrides})
 
-    names = ["magic", "fmt", "codec", "level", "dtype", "flags", "hsize", "count", "plen", "raw", "phash"]
+    names = ["magic", "fmt", "codec", "level", "dtype", "flags", "hsize", "reserved", "count", "plen", "raw", "phash"]
 
     def header(obj=good, payload=None, reserved=b"\0\0\0\0", **fields):
         """`obj` with some header fields replaced; a new payload gets a correct length and hash."""
