@@ -21,6 +21,7 @@ import torch
 MODEL = "crash/model"
 CHUNK_BYTES = 64 * 1024  # ~100 chunk objects per full version
 REBASE_EVERY = 4
+PACK_BYTES = 32 * 1024  # small packs: a delta writes several, so kills land between pack writes too
 SHAPES = {
     "embed.weight": (1024, 512),
     "layers.0.attn.weight": (512, 1024),
@@ -59,7 +60,7 @@ def main(root: str, max_versions: int) -> int:
 
     store = open_store(root)
     config = PublisherConfig(chunk_bytes=CHUNK_BYTES, workers=2, max_in_flight=2, rebase_every=REBASE_EVERY,
-                             rebase_chain_ratio=1e9)
+                             rebase_chain_ratio=1e9, pack_bytes=PACK_BYTES)
     _base_state()
     first = (latest_version(store, MODEL) or 0) + 1
     pending = []

@@ -1,5 +1,6 @@
 """Killing the publisher (SIGKILL) at a random point leaves the store readable: every listed
-version pulls and verifies.
+version pulls and verifies (deltas are written in several small packs, so kills also land
+between pack writes).
 
 A real publisher runs in a child process (tests/crash_publisher.py) and is killed at seeded
 random delays, including before it has published anything and while it is restoring its delta
@@ -146,3 +147,5 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path,
     assert versions[-3:] == [first, first + 1, first + 2]
     assert len(versions) >= waits_for_a_commit + 3, f"only {len(versions)} versions were committed"
     assert continued_by_delta >= 1, "no restart continued with a delta on the version committed before the kill"
+    packed = [v for v in versions if read_manifest(store, child.MODEL, v).has_packs]
+    assert packed, "no delta was written in packs: the kills never hit a packed publish"
