@@ -1,15 +1,21 @@
 """publisher: turns successive state dicts into committed versions in a store.
 
 `Publisher.publish(state_dict)` takes a host snapshot synchronously (the only part the caller
-waits for) and returns a Future; encoding, upload and commit run in the background. Each
+waits for) and returns a Future; encoding, upload and commit run in the background. The stages
+overlap per tensor and chunk: a tensor's chunks are encoded as soon as it is copied (while
+publish() copies the next), each object goes to the listeners (the push) and to its upload as
+soon as it is encoded, and a delta's objects are packed (`pack.py`) with each full pack uploaded
+while encoding goes on; publish() to commit is then close to the slowest stage, not their sum. Each
 version is a delta against the previous snapshot, or a full version (a rebase) when there is no
 parent, the tensor layout changed, the chain reached `rebase_every` versions, or the chain's
 deltas add up to more than `rebase_chain_ratio` times the base (a long chain costs a catching-up
 reader more than a fresh base would).
 
 Lifecycle of one version (states in order; any failure ends it):
-    snapshot   -> caller's thread, under the in-flight bound (blocks while max_in_flight run)
-    encode     -> chunks encoded and written on the worker pool, content-addressed
+    snapshot   -> caller's thread, under the in-flight bound (blocks while max_in_flight run);
+                  the version is planned from the tensors' layout first, then copied tensor by tensor
+    encode     -> each copied tensor's chunks encoded on the worker pool and written: full versions
+                  one content-addressed object per chunk, deltas into packs
     wait       -> the previous version has finished (commits happen in version order), and
                   for a delta its parent committed (else this version fails, the next rebases)
     commit     -> the manifest, create-only; the version exists from here on
@@ -31,7 +37,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import os
+import queue
 import socket
 import threading
 import time
@@ -70,7 +78,7 @@ from weightsync.shards import (
 )
 from weightsync.signing import Signer
 from weightsync.store import Store
-from weightsync.tensors import Snapshot, SnapshotTensor, layout_of, take_snapshot
+from weightsync.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
 from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature, resolve_chain
 
 log = logging.getLogger(__name__)
@@ -192,9 +200,11 @@ class _Chain:
     version: int
     base: int
     snapshot: Snapshot
+    layout: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape): what a delta must keep
     placements: dict[str, Placement]
     length: int  # deltas since the base
     totals: _ChainTotals
+    copied: threading.Event  # set once `snapshot` is complete (copied by its publish() call)
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -207,7 +217,7 @@ class _Job:
     base: int
     step: int | None
     placements: dict[str, Placement]
-    snapshot: Snapshot
+    snapshot: Snapshot  # filled by the caller's thread while the encoders start on what is there
     parent_snapshot: Snapshot | None  # what the delta is taken against; None for a full version
     totals: _ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
     t0: float = 0.0  # perf_counter at publish()
@@ -217,6 +227,12 @@ class _Job:
     future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once this job and every earlier one has finished, committed or failed."""
+    copy_done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set when the caller's thread has finished (or given up) copying `snapshot`."""
+    parent_copied: threading.Event | None = None  # the parent snapshot's copy_done (delta only)
+    copied: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    """Names of the tensors copied into `snapshot` so far, in copy order, then None when all
+    are (or the exception that stopped the copy): what the encoders start on."""
 
 
 class Publisher:
@@ -278,20 +294,32 @@ class Publisher:
         t0 = time.perf_counter()
         self._slots.acquire()
         try:
+            # Checked and planned before any byte is copied; the version worker then encodes
+            # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
+            planned = snapshot_layout(state_dict, self.config.cast_floats_to)
+            where = _placements(planned, placements or {})
             with self._lock:
                 spare, self._spare = self._spare, None
-            snapshot = take_snapshot(state_dict, self.config.cast_floats_to, reuse=spare)
-            snapshot_s = time.perf_counter() - t0
-            where = _placements(snapshot, placements or {})
-            with self._lock:
-                job = self._plan(snapshot, where, step)
-                job.t0, job.snapshot_s, job.previous, job.progress = t0, snapshot_s, self._last_job, progress
+                job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
+                job.t0, job.previous, job.progress = t0, self._last_job, progress
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
         except BaseException:
             self._slots.release()
             raise
         worker.add_done_callback(lambda w: self._worker_done(w, job))
+        spare = spare or {}
+        try:
+            for name, (dtype, shape) in planned.items():
+                job.snapshot[name] = copy_tensor(state_dict[name], dtype, shape, spare.get(name))
+                job.copied.put(name)
+        except BaseException as e:  # the version fails (its number is burnt); the caller hears it now
+            job.copied.put(e)
+            raise
+        finally:
+            job.copy_done.set()
+        job.snapshot_s = time.perf_counter() - t0
+        job.copied.put(None)
         return job.future
 
     def _worker_done(self, worker: cf.Future, job: _Job) -> None:
@@ -315,8 +343,10 @@ class Publisher:
 
     # ----------------------------------------------------------------------------- planning
 
-    def _plan(self, snapshot: Snapshot, placements: dict[str, Placement], step: int | None) -> _Job:
-        """Numbers the version and picks its parent; called under the lock, in publish order."""
+    def _plan(self, snapshot: Snapshot, tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
+              placements: dict[str, Placement], step: int | None) -> _Job:
+        """Numbers the version and picks its parent from the layout the snapshot will have (the
+        snapshot is filled later); called under the lock, in publish order."""
         if self._next_version is None:
             latest = latest_version(self.store, self.model)
             self._next_version = (latest or 0) + 1
@@ -326,20 +356,21 @@ class Publisher:
         version = self._next_version
         self._next_version += 1
         chain = self._chain
-        reason = self._rebase_reason(chain, snapshot, placements, self._horizon(version))
+        reason = self._rebase_reason(chain, tensor_layout, placements, self._horizon(version))
         if reason:
             log.info("%s v%d: full version (%s)", self.model, version, reason)
-            parent_snapshot, base, length = None, version, 0
+            parent_snapshot, base, length, parent_copied = None, version, 0, None
         else:
-            parent_snapshot, base, length = chain.snapshot, chain.base, chain.length + 1
+            parent_snapshot, base, length, parent_copied = chain.snapshot, chain.base, chain.length + 1, chain.copied
         parent = None if reason else chain.version
         totals = _ChainTotals(base=version) if reason else chain.totals
-        self._chain = _Chain(version, base, snapshot, placements, length, totals)
-        self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
-        return _Job(
+        job = _Job(
             version=version, parent=parent, base=base, step=step, placements=placements,
-            snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals,
+            snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals, parent_copied=parent_copied,
         )
+        self._chain = _Chain(version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done)
+        self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
+        return job
 
     def _horizon(self, version: int) -> int | None:
         """The newest version whose outcome every rank knows when planning `version` (sharded).
@@ -352,14 +383,14 @@ class Publisher:
         """
         return None if self.shard is None else version - self.config.max_in_flight
 
-    def _rebase_reason(self, chain: _Chain | None, snapshot: Snapshot, placements: dict[str, Placement],
-                       horizon: int | None) -> str | None:
+    def _rebase_reason(self, chain: _Chain | None, tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
+                       placements: dict[str, Placement], horizon: int | None) -> str | None:
         if chain is None:
             return "no parent"
         failed = [v for v in self._failed if (horizon is None or v <= horizon) and chain.base <= v <= chain.version]
         if failed:
             return f"v{min(failed)} of the chain failed"
-        if layout_of(chain.snapshot) != layout_of(snapshot) or chain.placements != placements:
+        if chain.layout != tensor_layout or chain.placements != placements:
             return "tensor names, dtypes, shapes or placements changed"
         if chain.length + 1 > self.config.rebase_every:
             return f"chain reached {self.config.rebase_every} deltas"
@@ -390,9 +421,11 @@ class Publisher:
             version=latest,
             base=manifests[0].version,
             snapshot=snapshot,
-            placements=_placements(snapshot, {}),
+            layout=layout_of(snapshot),
+            placements=_placements({n: (t.dtype, t.shape) for n, t in snapshot.items()}, {}),
             length=len(manifests) - 1,
             totals=_ChainTotals(by_version={m.version: m.stored_bytes for m in manifests}, base=manifests[0].version),
+            copied=_SET,
         )
 
     # ---------------------------------------------------------------------------- execution
@@ -444,20 +477,27 @@ class Publisher:
         packer = None
         if parent_snapshot is not None and self.config.pack_bytes:
             packer = PackWriter(self.config.pack_bytes, self._upload_pack, layout.pack_key)
-        futures = {
-            name: [
-                self._encode_pool.submit(
-                    self._encode_one, version, tensor, parent_snapshot, name, start, stop, placements[name].start,
-                    packer,
-                )
-                for start, stop in self._chunk_ranges(tensor)
-            ]
-            for name, tensor in sorted(snapshot.items())
-        }
+        futures: dict[str, list[cf.Future]] = {}
         tensors, changed, total = [], 0, 0
+        if job.parent_copied is not None:
+            # Only with publish() called from several threads can the parent still be copying.
+            job.parent_copied.wait()
         try:
+            # Each tensor's chunks go to the encoders as soon as the caller's thread copied it.
+            while (name := job.copied.get()) is not None:
+                if isinstance(name, BaseException):
+                    raise PublishError(f"{self.model} v{version}: the snapshot copy failed: {name}") from name
+                tensor = snapshot[name]
+                futures[name] = [
+                    self._encode_pool.submit(
+                        self._encode_one, version, tensor, parent_snapshot, name, start, stop,
+                        placements[name].start, packer,
+                    )
+                    for start, stop in self._chunk_ranges(tensor)
+                ]
             encoded = {}
-            for name, chunk_futures in futures.items():
+            for name in sorted(futures):
+                chunk_futures = futures[name]
                 encoded[name] = []
                 for f in chunk_futures:
                     ref, n_changed, upload, slot = f.result()
@@ -644,14 +684,20 @@ class Publisher:
             self.store.put(key, obj)
 
 
-def _placements(snapshot: Snapshot, given: Mapping[str, Placement]) -> dict[str, Placement]:
-    """Every tensor's placement: the given one (checked to fit), else the whole tensor."""
+_SET = threading.Event()  # a snapshot that is complete from the start (read back from the store)
+_SET.set()
+
+
+def _placements(planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
+                ) -> dict[str, Placement]:
+    """Every tensor's placement (`planned`: name -> (dtype, local shape)): the given one
+    (checked to fit), else the whole tensor."""
     out = {}
-    for name, tensor in snapshot.items():
+    for name, (_, shape) in planned.items():
         placement = given.get(name)
-        numel = tensor.nbytes // tensor.dtype.itemsize
+        numel = math.prod(shape)
         if placement is None:
-            placement = Placement(global_shape=tensor.shape, start=0)
+            placement = Placement(global_shape=shape, start=0)
         placement.check_fits(name, numel)
         out[name] = placement
     return out

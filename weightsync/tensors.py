@@ -58,8 +58,17 @@ def take_snapshot(
     Raises LayoutError for non-tensors, UnsupportedFormatError for dtypes the format lacks.
     """
     reuse = reuse or {}
+    return {name: copy_tensor(state_dict[name], dtype, shape, reuse.get(name))
+            for name, (dtype, shape) in snapshot_layout(state_dict, cast_floats_to).items()}
+
+
+def snapshot_layout(state_dict: Mapping[str, torch.Tensor], cast_floats_to: str | None = None
+                    ) -> dict[str, tuple[DType, tuple[int, ...]]]:
+    """What a snapshot of `state_dict` will hold, name -> (dtype, shape), checked before anything
+    is copied (a publisher plans a version from it and encodes tensors as they are copied).
+    Raises LayoutError for non-tensors, UnsupportedFormatError for dtypes the format lacks."""
     target = dtype_by_name(cast_floats_to) if cast_floats_to else None
-    snapshot: Snapshot = {}
+    out = {}
     for name in state_dict:
         check_tensor_name(name)
         tensor = state_dict[name]
@@ -72,16 +81,19 @@ def take_snapshot(
         dtype = dtype_of(tensor)
         if target is not None and dtype.floating and dtype != target:
             dtype = target
-        shape = tuple(tensor.shape)
-        spare = reuse.get(name)
-        if spare is not None and spare.dtype == dtype and spare.shape == shape:
-            _copy_into(spare.data, tensor.detach(), dtype, shape)
-            snapshot[name] = spare
-            continue
-        host = torch.empty(shape, dtype=torch_dtype(dtype), device="cpu")
-        _copy_into(raw_bytes(host), tensor.detach(), dtype, shape)
-        snapshot[name] = SnapshotTensor(dtype, shape, raw_bytes(host))
-    return snapshot
+        out[name] = (dtype, tuple(tensor.shape))
+    return out
+
+
+def copy_tensor(tensor: torch.Tensor, dtype: DType, shape: tuple[int, ...], spare: SnapshotTensor | None = None
+                ) -> SnapshotTensor:
+    """One tensor of a snapshot: its bytes in `spare`'s buffer when that fits, else fresh memory."""
+    if spare is not None and spare.dtype == dtype and spare.shape == shape:
+        _copy_into(spare.data, tensor.detach(), dtype, shape)
+        return spare
+    host = torch.empty(shape, dtype=torch_dtype(dtype), device="cpu")
+    _copy_into(raw_bytes(host), tensor.detach(), dtype, shape)
+    return SnapshotTensor(dtype, shape, raw_bytes(host))
 
 
 def _copy_into(out: np.ndarray, tensor: torch.Tensor, dtype: DType, shape: tuple[int, ...]) -> None:
