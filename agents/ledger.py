@@ -1,7 +1,8 @@
 """ledger: what one sync agent did with each version it heard of, for `status()` and operators.
 
 One entry per version, newest first, bounded to `ledger_size` entries: where it came from, the
-path that reached it (deltas or base + deltas), bytes pushed and fetched, per-stage timings, the
+path that reached it (deltas or base + deltas) and the route it was applied by (chain or
+folded, and why), bytes pushed and fetched, per-stage timings, the
 outcome and the last error. Entries are plain dataclasses, so `status()` serialises them as they
 are. Beside it, the broken versions: those newer than the served one that failed, each with its
 error and its own retry backoff. Thread-safe: gRPC threads and the sync thread both write here.
@@ -23,6 +24,8 @@ class LedgerEntry:
     version: int
     outcome: str = "pending"  # served | failed | superseded
     path: str = ""
+    route: str = ""  # how the path was applied: "chain" (delta by delta) or "folded" (as one delta)
+    route_reason: str = ""  # why that route (weightsync/fold.py plan_route)
     source: str = ""
     bytes_pushed: int = 0
     bytes_fetched: int = 0

@@ -16,7 +16,8 @@ then written to the local cache). One sync thread does the rest, one version at 
     apply    -> the Reader applies the path from the cache into the staging buffer, checking
                 each object's hash before decoding and each chunk's raw hash after; at the
                 target every byte is covered by a checked hash, and the raw hashes by the
-                version digest.
+                version digest. Two or more xor/sparse deltas are applied folded (one pass per
+                chunk, `weightsync/fold.py`); the ledger records the route (chain or folded) and why.
     swap     -> engine.swap; the state file records the served version (crash-safe), the
                 ledger its timings; old cache entries are collected.
 A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
@@ -309,7 +310,10 @@ class SyncAgent:
             good = {known.manifest.version: known.data for known in chain[:start]}
             self.cache.repair(good, good.get)
             t_apply = time.monotonic()
-            self.reader.advance(staging, version)
+            # Several deltas behind: folded into one apply pass when they compose (weightsync/fold.py).
+            route = self.reader.advance_route(staging, version)
+            if route is not None:
+                entry.route, entry.route_reason = route.kind, route.reason
         except (IntegrityError, FormatError) as e:
             self._forget_failed_path(path)
             raise type(e)(f"v{version} failed verification ({e}); its unverified parts are dropped and "

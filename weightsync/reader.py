@@ -3,7 +3,8 @@
 `Reader.read(version)` applies the version's chain (base first) into one set of buffers, so
 memory is one model plus the objects in flight, however long the chain.
 `Reader.advance(state, version)` moves an existing state forward by applying only the deltas
-after it (what an agent or a resumed publisher does). Every object's hash is checked before
+after it (what an agent or a resumed publisher does); `advance_route` may fold several deltas
+into one apply pass (`fold.py`) and says which route it took. Every object's hash is checked before
 decoding and every chunk's raw hash after applying; at the target version every byte is
 covered by a checked raw hash, and the manifest's digest covers the raw hashes.
 
@@ -35,6 +36,7 @@ from weightsync.dtypes import dtype_by_name
 from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
 from weightsync.hashing import xxh3_hex
 from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
+from weightsync.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
 from weightsync.pack import group_span, plan_reads
 from weightsync.store import Store
 from weightsync.tensors import to_tensor
@@ -93,18 +95,32 @@ class Reader:
         self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None
     ) -> WeightsState:
         """Moves `state` to `version` in place, by deltas when its chain passes through it."""
+        self.advance_route(state, version, progress=progress, fold=False)
+        return state
+
+    def advance_route(
+        self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None,
+        fold: bool = True,
+    ) -> Route | None:
+        """`advance`, folding the deltas into one when that is cheaper (`fold.plan_route`);
+        returns the route taken and why (None: `state` already held `version`)."""
         version = self.resolve(version)
         current = state.manifest
         if current is not None and current.version == version:
-            return state
+            return None
         chain = resolve_chain(self.store, self.model, version)
         if current is not None:
             versions = [m.version for m in chain]
             if current.version in versions and chain[versions.index(current.version)].digest == current.digest:
-                self._apply_chain(state, chain[versions.index(current.version) + 1 :], progress)
-                return state
+                route = plan_route(chain[versions.index(current.version) + 1 :], fold=fold)
+                if route.kind == FOLDED:
+                    self._apply_folded(state, route, progress)
+                else:
+                    self._apply_chain(state, list(route.manifests), progress)
+                return route
+        route = Route(CHAIN, tuple(chain), f"from the base v{chain[0].version}: the state is not on its chain")
         self._apply_chain(state, chain, progress)
-        return state
+        return route
 
     def verify(self, version: int, *, progress: Progress | None = None) -> Manifest:
         """Reads `version` fully, checking every hash; returns its manifest."""
@@ -139,6 +155,49 @@ class Reader:
         finally:
             io.shutdown(wait=True, cancel_futures=True)
             cpu.shutdown(wait=True, cancel_futures=True)
+
+    def _apply_folded(self, state: WeightsState, route: Route, progress: Progress | None) -> None:
+        """Applies a folded route: per chunk range, the path's objects XOR-composed and applied
+        once (`fold.apply_folded`), unchanged ranges hashed; the state is invalid until done."""
+        first, target = route.manifests[0], route.manifests[-1]
+        current = state.manifest
+        if current is None or current.version != first.parent:
+            raise IntegrityError(f"{self.model}: folded deltas start on v{first.parent}, "
+                                 f"but the state holds {current.version if current else 'nothing'}")
+        if current.layout != target.layout:
+            raise LayoutError(f"{self.model} v{target.version} changes tensor layout without a rebase")
+        state.manifest = None
+        cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-fold")
+        try:
+            futures = []
+            for ti, tensor in enumerate(target.tensors):
+                buffer = state.buffers[tensor.name]
+                for ci in range(len(tensor.chunks)):
+                    ref, stored = folded_refs(route, ti, ci)
+                    if stored:
+                        futures.append(cpu.submit(self._fold_range, buffer, tensor, ref, stored))
+                    else:
+                        futures.append(cpu.submit(self._check_same, buffer, tensor, ref))
+            for future in cf.as_completed(futures):
+                done = future.result()
+                if progress is not None:
+                    progress(done)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            state.buffers.clear()
+            raise
+        finally:
+            cpu.shutdown(wait=True, cancel_futures=True)
+        state.manifest = target
+        log.debug("%s: applied %s", self.model, route.describe())
+
+    def _fold_range(self, buffer: np.ndarray, tensor: TensorEntry, target: ChunkRef, stored: list[ChunkRef]) -> int:
+        dtype = dtype_by_name(tensor.dtype)
+        out = buffer[target.start * dtype.itemsize : target.stop * dtype.itemsize]
+        objects = [self.fetch_object(ref) for ref in stored]
+        apply_folded(objects, stored, out, dtype, target)
+        return out.nbytes
 
     def _apply_version(
         self, state: WeightsState, current: Manifest | None, manifest: Manifest, cpu: cf.Executor, io: cf.Executor,

@@ -72,7 +72,7 @@ class StatusRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
-    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest")
+    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason")
     class TimingsSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class LedgerEntry(_message.Message):
     OFFERED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SERVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     version: int
     outcome: str
     path: str
@@ -102,7 +104,9 @@ class LedgerEntry(_message.Message):
     offered_unix_ms: int
     served_unix_ms: int
     digest: str
-    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    route: str
+    route_reason: str
+    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ...) -> None: ...
 
 class BrokenVersion(_message.Message):
     __slots__ = ("version", "digest", "error", "failures", "first_failed_unix_ms", "retry_in_s")

@@ -1,0 +1,104 @@
+"""fold: several consecutive deltas applied as one (a *folded* delta), for a reader that lags.
+
+A reader k versions behind normally applies the chain: every delta in turn rewrites and
+re-hashes each chunk range it touches, k passes over the changed ranges. XOR deltas compose
+(new = old ^ d1 ^ ... ^ dk), so for the chunk ranges the chain's deltas share, the reader can
+instead XOR their decoded masks together in a scratch buffer and apply the sum once, checking
+only the target's raw hash: one write and one hash pass per range, whatever k is. The
+intermediate versions are never materialised, and need not be: only the target is served, and
+its raw hashes (covered by its digest) check every byte of the result.
+
+`plan_route` decides between the chain and the fold and says why; the fold needs
+- at least two deltas (one delta *is* its own fold),
+- every stored chunk of them in a codec that only XORs into its range (`xor`, `sparse`): a
+  context-modelled codec decodes against its parent's actual bits, so it needs the chain,
+- the same chunk boundaries in every version of the path (they MAY differ between versions).
+
+Not here: fetching objects (`reader.py`), the codecs themselves (`codec.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from weightsync import codec
+from weightsync.chunk import unpack_chunk
+from weightsync.dtypes import DType
+from weightsync.errors import FormatError, IntegrityError
+from weightsync.hashing import xxh3_digest
+from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest
+
+XOR_CODECS = frozenset({"xor", "sparse"})
+"""Codecs whose decode XORs a mask into the parent's bytes: the ones that compose."""
+
+CHAIN, FOLDED = "chain", "folded"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How a reader goes from what it holds to the target: `kind` is "chain" (each manifest in
+    turn) or "folded" (the deltas as one); `reason` says why, for ledgers and logs."""
+
+    kind: str
+    manifests: tuple[Manifest, ...]
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.kind}: {self.reason}"
+
+
+def plan_route(manifests: list[Manifest], *, fold: bool = True) -> Route:
+    """The route through `manifests` (what is applied, in order)."""
+    path = tuple(manifests)
+    deltas = [m for m in path if m.kind != KIND_FULL]
+    if not fold:
+        return Route(CHAIN, path, "folding is off")
+    if len(path) < 2 or len(deltas) != len(path):
+        what = "a full version first" if len(deltas) != len(path) else "one delta"
+        return Route(CHAIN, path, f"{what}: nothing to fold")
+    for m in path:
+        for t in m.tensors:
+            for c in t.chunks:
+                if c.codec != CODEC_SAME and c.codec not in XOR_CODECS:
+                    return Route(CHAIN, path, f"v{m.version} has {c.codec!r} chunks, which decode against "
+                                               "their parent's bits (only xor/sparse compose)")
+    first = path[0]
+    for m in path[1:]:
+        if [[(c.start, c.stop) for c in t.chunks] for t in m.tensors] != \
+                [[(c.start, c.stop) for c in t.chunks] for t in first.tensors]:
+            return Route(CHAIN, path, f"chunk boundaries differ between v{first.version} and v{m.version}")
+    return Route(FOLDED, path, f"{len(path)} xor/sparse deltas v{first.parent}->v{path[-1].version} applied as one: "
+                               f"one write and hash pass per chunk instead of {len(path)}")
+
+
+def folded_refs(route: Route, tensor_index: int, chunk_index: int) -> tuple[ChunkRef, list[ChunkRef]]:
+    """(the target's ref, the path's stored refs) of one chunk range of a folded route."""
+    refs = [m.tensors[tensor_index].chunks[chunk_index] for m in route.manifests]
+    return refs[-1], [r for r in refs if r.codec != CODEC_SAME]
+
+
+def apply_folded(objects: list[bytes], refs: list[ChunkRef], out: np.ndarray, dtype: DType, target: ChunkRef) -> None:
+    """XORs the masks of `objects` (the stored refs of one range, oldest first) into `out` (the
+    range's bytes before the first of them) and checks the target's raw hash.
+
+    Each object's header is checked against its ref before decoding (codec, dtype, count); its
+    own raw hash is not, since it describes an intermediate version nobody holds. On a mismatch
+    `out` holds garbage and the caller must discard the whole version.
+    """
+    mask = np.zeros(out.nbytes, np.uint8)
+    for obj, ref in zip(objects, refs):
+        header, payload = unpack_chunk(obj)
+        if codec.CODEC_NAMES.get(header.codec_id) != ref.codec:
+            raise FormatError(f"chunk codec {codec.CODEC_NAMES.get(header.codec_id)} differs from the manifest's "
+                              f"{ref.codec}")
+        if header.dtype != dtype or header.count * dtype.itemsize != out.nbytes:
+            raise FormatError(f"chunk holds {header.count} {header.dtype.name} elements, its range "
+                              f"{out.nbytes // dtype.itemsize} {dtype.name}")
+        if header.raw_xxh3.hex() != ref.raw:
+            raise IntegrityError("chunk header's raw hash differs from the manifest's")
+        codec.decode_into(header.codec_id, payload, mask, dtype.itemsize)
+    np.bitwise_xor(out, mask, out=out)
+    if xxh3_digest(out).hex() != target.raw:
+        raise IntegrityError("folded deltas produced bytes whose hash differs from the published one")
