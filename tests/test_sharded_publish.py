@@ -95,7 +95,7 @@ class FailingStore(LocalStore):
     fail = False
 
     def put(self, key, data):
-        if self.fail and "/chunks/" in key:
+        if self.fail and ("/chunks/" in key or "/packs/" in key):
             raise StoreError("injected: this rank's upload failed")
         super().put(key, data)
 
