@@ -231,7 +231,8 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
                     "fetched_bytes": sum(e.bytes_fetched for e in entries),
                     "relayed_bytes": sum(e.bytes_pushed for e in entries),
                     "first_agent_s": min(served), "all_agents_s": max(served),
-                    "per_agent": [{"served_s": round(s, 3), "path": e.path,
+                    "per_agent": [{"served_s": round(s, 3), "path": e.path, "route": e.route,
+                                   "route_reason": e.route_reason,
                                    **{k: round(v, 3) for k, v in e.timings_s.items()}}
                                   for s, e in zip(served, entries)],
                 })

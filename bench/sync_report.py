@@ -116,18 +116,26 @@ def markdown(record: dict) -> str:
     done = _done(record)
     if done:
         lines += ["## where weightsync's time goes (steady state, seconds)", "",
-                  ("snapshot = publish() copying the weights (the caller's wait); encode = encode + store writes; "
-                   "agents = commit -> last agent serving (offer, relay, verify + apply of two deltas into the spare "
-                   "buffer, swap); apply = the slowest agent's apply."), "",
-                  ("| size GiB | lr | agents | store | total | snapshot | encode | manifest | agents | apply | "
-                   "pushed MB | fetched MB |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  ("snapshot = publish() copying the weights (the caller's wait); encode = encode + store writes, "
+                   "from the version's start (it starts on each tensor as soon as it is copied, so it overlaps the "
+                   "snapshot); manifest = waiting for earlier versions + the commit; commit = publish() -> committed: "
+                   "snapshot + encode + manifest above it is the overlap; agents = commit -> last agent serving "
+                   "(offer, relay, verify + apply into the spare buffer, swap); apply = the slowest agent's apply; "
+                   "route = how it applied the delta(s): chain or folded."), "",
+                  ("| size GiB | lr | agents | store | total | snapshot | encode | manifest | commit | overlap | "
+                   "agents | apply | route | pushed MB | fetched MB |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in done:
             o = c["ours"]["steady"]
             apply = max((a.get("apply", 0.0) for a in o["per_agent"]), default=0.0)
+            stages = [o.get(k) for k in ("snapshot_s", "encode_upload_s", "manifest_s")]
+            overlap = sum(stages) - o["commit_s"] if None not in stages else None
+            routes = sorted({a.get("route") or "-" for a in o["per_agent"]})
             lines.append(f"| {c['size_gib']:g} | {c['lr']:g} | {c['agents']} | {c['store']} | {o['all_agents_s']:.2f} | "
                          f"{_s(o.get('snapshot_s'))} | {_s(o.get('encode_upload_s'))} | {_s(o.get('manifest_s'))} | "
-                         f"{o['all_agents_s'] - o['commit_s']:.2f} | {apply:.2f} | {o['pushed_bytes'] / 1e6:.1f} | "
-                         f"{o['fetched_bytes'] / 1e6:.1f} |")
+                         f"{o['commit_s']:.2f} | {_s(overlap)} | "
+                         f"{o['all_agents_s'] - o['commit_s']:.2f} | {apply:.2f} | {'/'.join(routes)} | "
+                         f"{o['pushed_bytes'] / 1e6:.1f} | {o['fetched_bytes'] / 1e6:.1f} |")
         lines.append("")
     problems = [(c, n, b) for c in record["cells"] for n, b in c.get("baselines", {}).items()
                 if "error" in b or "skipped" in b]
