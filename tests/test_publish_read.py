@@ -8,6 +8,7 @@ LocalStore that fails, stalls or records chosen operations (the store boundary).
 
 from __future__ import annotations
 
+import collections.abc
 import concurrent.futures as cf
 import threading
 
@@ -621,3 +622,55 @@ def test_publisher_metrics_reach_prometheus(tmp_store, make_state_dict, perturb)
     assert 'weightsync_publish_versions_total{kind="delta",model="m"} 1.0' in text
     assert 'weightsync_publish_version{model="m"} 2.0' in text
     assert "weightsync_publish_latency_s_count" in text and "weightsync_publish_ratio" in text
+
+
+class _ObjectSeen:
+    """A publish listener that records when the first encoded object appears."""
+
+    def __init__(self) -> None:
+        self.first = threading.Event()
+
+    def on_object(self, version, object_xxh3, obj) -> None:
+        self.first.set()
+
+    def on_commit(self, manifest, manifest_bytes, signature) -> None:
+        pass
+
+    def on_failure(self, version, error) -> None:
+        pass
+
+
+class _GatedStateDict(collections.abc.Mapping):
+    """A state dict whose last tensor cannot be copied until `gate` is set (its first access is
+    publish()'s layout check, its second the copy): what an overlap of copy and encode needs."""
+
+    def __init__(self, tensors: dict, gate: threading.Event) -> None:
+        self._tensors, self._gate, self._reads = tensors, gate, 0
+        self._last = list(tensors)[-1]
+        self.gate_was_open = None
+
+    def __getitem__(self, name):
+        if name == self._last:
+            self._reads += 1
+            if self._reads == 2:
+                self.gate_was_open = self._gate.wait(WAIT_S)
+        return self._tensors[name]
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def test_encoding_starts_while_publish_is_still_copying(tmp_store, make_state_dict, published_view,
+                                                          assert_bit_equal):
+    """Stages overlap: the first tensors' chunks are encoded (and handed to listeners) before
+    publish() has copied the last tensor."""
+    sd = make_state_dict(31)
+    seen = _ObjectSeen()
+    gated = _GatedStateDict(sd, seen.first)
+    with Publisher(tmp_store, model=MODEL, config=_config(), listeners=[seen]) as publisher:
+        result = publisher.publish(gated).result(timeout=WAIT_S)
+    assert gated.gate_was_open, "no object was encoded before publish() copied the last tensor"
+    _assert_versions_read_back(tmp_store, {result.version: published_view(sd)}, assert_bit_equal)
