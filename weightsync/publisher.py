@@ -48,7 +48,6 @@ from typing import Protocol
 
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
-from weightsync.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
@@ -65,6 +64,7 @@ from weightsync.manifest import (
     compute_digest,
     parse_manifest,
 )
+from weightsync.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.shards import (
     PartHeader,
     Placement,
