@@ -15,6 +15,8 @@ What to do when a test here fails after a dependency upgrade:
 
 from __future__ import annotations
 
+import dataclasses
+
 import struct
 
 import numpy as np
@@ -166,6 +168,19 @@ GOLDEN_DELTA_MANIFEST = (
     b'"object":"66666666666666666666666666666666","raw":"55555555555555555555555555555555","size":90,'
     b'"start":0,"stop":1}],"dtype":"int64","name":"c.step","shape":[]}],"version":2}'
 )
+# Format 2: the same delta with both stored chunks packed back to back in one pack (docs/format.md, "Packs").
+GOLDEN_PACKED_MANIFEST = (
+    b'{"base":1,"created_unix_ms":1764000001234,"digest":"f6775f33b4f51579a9e849aa49bdc41b","format":2,'
+    b'"kind":"delta","model":"org/tiny","parent":1,"producer":{"name":"weightsync","version":"0.1.0"},'
+    b'"stats":{"changed_elements":3,"total_elements":9},"step":7,"tensors":['
+    b'{"chunks":[{"codec":"sparse","key":"packs/77/77777777777777777777777777777777",'
+    b'"object":"33333333333333333333333333333333","offset":0,"raw":"22222222222222222222222222222222",'
+    b'"size":95,"start":0,"stop":4},{"codec":"same","raw":"44444444444444444444444444444444","start":4,"stop":8}],'
+    b'"dtype":"bfloat16","name":"a.weight","shape":[2,4]},{"chunks":[],"dtype":"float32","name":"b.empty",'
+    b'"shape":[0,3]},{"chunks":[{"codec":"xor","key":"packs/77/77777777777777777777777777777777",'
+    b'"object":"66666666666666666666666666666666","offset":95,"raw":"55555555555555555555555555555555",'
+    b'"size":90,"start":0,"stop":1}],"dtype":"int64","name":"c.step","shape":[]}],"version":2}'
+)
 GOLDEN_DELTA_DIGEST = "f6775f33b4f51579a9e849aa49bdc41b"
 
 
@@ -204,11 +219,21 @@ def _delta_manifest() -> Manifest:
     )
 
 
+def _packed_delta_manifest() -> Manifest:
+    delta = _delta_manifest()
+    pack = "packs/77/" + "7" * 32
+    a, empty, c = delta.tensors
+    a = dataclasses.replace(a, chunks=(dataclasses.replace(a.chunks[0], key=pack, offset=0), a.chunks[1]))
+    c = dataclasses.replace(c, chunks=(dataclasses.replace(c.chunks[0], key=pack, offset=95),))
+    return dataclasses.replace(delta, tensors=(a, empty, c), format=2)
+
+
 @pytest.mark.parametrize(
     "build, golden, digest",
     [(_full_manifest, GOLDEN_FULL_MANIFEST, GOLDEN_FULL_DIGEST),
-     (_delta_manifest, GOLDEN_DELTA_MANIFEST, GOLDEN_DELTA_DIGEST)],
-    ids=["full", "delta"],
+     (_delta_manifest, GOLDEN_DELTA_MANIFEST, GOLDEN_DELTA_DIGEST),
+     (_packed_delta_manifest, GOLDEN_PACKED_MANIFEST, GOLDEN_DELTA_DIGEST)],
+    ids=["full", "delta", "packed-delta"],
 )
 def test_manifest_canonical_bytes_parse_and_digest(build, golden, digest):
     manifest = build()
