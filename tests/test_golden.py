@@ -16,7 +16,6 @@ What to do when a test here fails after a dependency upgrade:
 from __future__ import annotations
 
 import dataclasses
-
 import struct
 
 import numpy as np
