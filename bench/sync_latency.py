@@ -225,6 +225,7 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
                     "version": result.version, "kind": result.manifest.kind,
                     "changed_fraction": result.changed_elements / max(1, result.total_elements),
                     "raw_bytes": result.raw_bytes, "stored_bytes": result.stored_bytes + result.manifest_bytes,
+                    "store_objects": len(result.manifest.objects()),  # PUTs besides the manifest
                     "ratio": result.ratio, "commit_s": result.total_s, "snapshot_s": result.snapshot_s,
                     "encode_upload_s": result.encode_s, "manifest_s": result.commit_s,
                     "pushed_bytes": sum(s["sent_bytes"] for s in pusher.stats().values()) - sent,

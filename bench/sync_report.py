@@ -121,10 +121,11 @@ def markdown(record: dict) -> str:
                    "snapshot); manifest = waiting for earlier versions + the commit; commit = publish() -> committed: "
                    "snapshot + encode + manifest above it is the overlap; agents = commit -> last agent serving "
                    "(offer, relay, verify + apply into the spare buffer, swap); apply = the slowest agent's apply; "
-                   "route = how it applied the delta(s): chain or folded."), "",
+                   "route = how it applied the delta(s): chain or folded; objects = store objects the version wrote "
+                   "besides its manifest (chunk objects or packs: its PUTs)."), "",
                   ("| size GiB | lr | agents | store | total | snapshot | encode | manifest | commit | overlap | "
-                   "agents | apply | route | pushed MB | fetched MB |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "agents | apply | route | objects | pushed MB | fetched MB |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in done:
             o = c["ours"]["steady"]
             apply = max((a.get("apply", 0.0) for a in o["per_agent"]), default=0.0)
@@ -135,6 +136,7 @@ def markdown(record: dict) -> str:
                          f"{_s(o.get('snapshot_s'))} | {_s(o.get('encode_upload_s'))} | {_s(o.get('manifest_s'))} | "
                          f"{o['commit_s']:.2f} | {_s(overlap)} | "
                          f"{o['all_agents_s'] - o['commit_s']:.2f} | {apply:.2f} | {'/'.join(routes)} | "
+                         f"{o.get('store_objects', '—')} | "
                          f"{o['pushed_bytes'] / 1e6:.1f} | {o['fetched_bytes'] / 1e6:.1f} |")
         lines.append("")
     problems = [(c, n, b) for c in record["cells"] for n, b in c.get("baselines", {}).items()
