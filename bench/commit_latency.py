@@ -5,9 +5,10 @@
 
 The publisher alone (no agents, no push): the fixed cost a version pays in the store. Each store
 gets a base and `--versions - 1` deltas of the real checkpoints `bench.sync_latency` uses
-(`bench.checkpoints.make_lm_series`, 4 MiB chunks), published twice in the same run: as users
-get it (deltas in packs) and, as the baseline, with `pack_bytes=0` (one store object per changed
-chunk, what every version cost before packs). Per version it records the commit time and its
+(`bench.checkpoints.make_lm_series`, 4 MiB chunks), published twice in the same run, the two
+publishers taking turns version by version: as users get it (deltas in packs) and, as the
+baseline, with `pack_bytes=0` (one store object per changed chunk, what every version cost
+before packs). Per version it records the commit time and its
 stages (snapshot = the caller's wait; encode = encode + uploads, from the version's start, so it
 overlaps the snapshot; manifest = the commit write) and the store objects written.
 
@@ -21,6 +22,7 @@ import argparse
 import datetime
 import logging
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,22 +33,56 @@ from bench.sync_latency import CACHE, RESULTS, Moto, _fake_aws_env
 log = logging.getLogger("bench.commit_latency")
 
 
-def run(store, series, lr: float, versions: int, pack_bytes: int | None) -> list[dict]:
-    from weightsync.publisher import Publisher, PublisherConfig
+MODES = (("packs", None), ("one object per chunk", 0))  # None: PublisherConfig's default pack_bytes
 
-    config = PublisherConfig(chunk_bytes=4 * 1024**2)
-    if pack_bytes is not None:
-        config = PublisherConfig(chunk_bytes=4 * 1024**2, pack_bytes=pack_bytes)
-    out = []
-    with Publisher(store, model="bench-commit", config=config) as publisher:
-        for j in range(versions):
-            state = series.load(lr, j % (series.config.steps_per_lr + 1))
-            result = publisher.publish(state).result()
-            out.append({"version": result.version, "kind": result.manifest.kind, "commit_s": result.total_s,
-                        "snapshot_s": result.snapshot_s, "encode_upload_s": result.encode_s,
-                        "manifest_s": result.commit_s, "store_objects": len(result.manifest.objects()),
-                        "stored_bytes": result.stored_bytes + result.manifest_bytes})
-    return out
+
+def _record(result) -> dict:
+    return {"version": result.version, "kind": result.manifest.kind, "commit_s": result.total_s,
+            "snapshot_s": result.snapshot_s, "encode_upload_s": result.encode_s, "manifest_s": result.commit_s,
+            "store_objects": len(result.manifest.objects()),
+            "stored_bytes": result.stored_bytes + result.manifest_bytes}
+
+
+def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
+    """The store `kind` published with packs and with one object per chunk (the baseline); the two
+    publishers take turns version by version, so both see the same machine load."""
+    from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.s3_store import S3Store
+    from weightsync.store import LocalStore
+
+    motos, publishers = [], []
+    try:
+        for _, pack_bytes in MODES:
+            if kind == "s3":
+                motos.append(Moto(scratch / f"moto-{pack_bytes}.log"))
+                store = S3Store(motos[-1].bucket, "commit", endpoint_url=f"http://{motos[-1].address}")
+            else:
+                store = LocalStore(Path(tempfile.mkdtemp(dir=scratch)))
+            config = PublisherConfig(chunk_bytes=4 * 1024**2)
+            if pack_bytes is not None:
+                config = PublisherConfig(chunk_bytes=4 * 1024**2, pack_bytes=pack_bytes)
+            publishers.append(Publisher(store, model="bench-commit", config=config))
+        versions: list[list[dict]] = [[] for _ in MODES]
+        for j in range(args.versions):
+            # In memory, as a trainer's weights are (a loaded file's pages would fault in during the
+            # first publisher's copy only).
+            state = {name: t.clone() for name, t in series.load(args.lr, j % (series.config.steps_per_lr + 1)).items()}
+            for publisher, out in zip(publishers, versions):
+                out.append(_record(publisher.publish(state).result()))
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        for moto in motos:
+            moto.close()
+    cells = []
+    for (mode, _), out in zip(MODES, versions):
+        deltas = [v for v in out if v["kind"] == "delta"]
+        cells.append({"store": kind, "mode": mode, "versions": out,
+                      "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None,
+                      "delta_store_objects": [v["store_objects"] for v in deltas]})
+        log.info("%s, %s: delta commits %s s, objects %s", kind, mode, [round(v["commit_s"], 3) for v in deltas],
+                 cells[-1]["delta_store_objects"])
+    return cells
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,8 +97,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     from bench.checkpoints import lm_series_config, make_lm_series
     from harness.machine import describe_machine
-    from weightsync.s3_store import S3Store
-    from weightsync.store import LocalStore
 
     series = make_lm_series(lm_series_config(args.size), cache_dir=CACHE)
     record = {"bench": "commit_latency", "date": datetime.date.today().isoformat(),
@@ -70,23 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
               "hardware": describe_machine(), "load_avg_start": list(os.getloadavg()),
               "cells": []}
     scratch = Path(tempfile.mkdtemp(prefix="ws-bench-commit-"))
-    for kind in args.stores.split(","):
-        for mode, pack_bytes in (("packs", None), ("one object per chunk", 0)):
-            moto = Moto(scratch / f"moto-{kind}-{pack_bytes}.log") if kind == "s3" else None
-            try:
-                store = (S3Store(moto.bucket, "commit", endpoint_url=f"http://{moto.address}") if moto
-                         else LocalStore(Path(tempfile.mkdtemp(dir=scratch))))
-                versions = run(store, series, args.lr, args.versions, pack_bytes)
-            finally:
-                if moto is not None:
-                    moto.close()
-            deltas = [v for v in versions if v["kind"] == "delta"]
-            cell = {"store": kind, "mode": mode, "versions": versions,
-                    "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None,
-                    "delta_store_objects": [v["store_objects"] for v in deltas]}
-            log.info("%s, %s: delta commits %s s, objects %s", kind, mode,
-                     [round(v["commit_s"], 3) for v in deltas], cell["delta_store_objects"])
-            record["cells"].append(cell)
+    try:
+        record["cells"] = [cell for kind in args.stores.split(",") for cell in _cells(kind, series, args, scratch)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     record["load_avg_end"] = list(os.getloadavg())
     lines = [f"# commit latency: publish() -> committed, {record['date']}", "",
              f"{args.size:g} GiB, lr {args.lr:g}, 4 MiB chunks; load average {record['load_avg_start'][0]:.1f} -> "
