@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     record["load_avg_end"] = list(os.getloadavg())
-    lines = [f"# commit latency: publish() -> committed, {record['date']}", "",
-             f"{args.size:g} GiB, lr {args.lr:g}, 4 MiB chunks; load average {record['load_avg_start'][0]:.1f} -> "
-             f"{record['load_avg_end'][0]:.1f} on {record['hardware']['cores']} cores.", "",
+    load = (f"{args.size:g} GiB, lr {args.lr:g}, 4 MiB chunks; load average {record['load_avg_start'][0]:.1f} -> "
+            f"{record['load_avg_end'][0]:.1f} on {record['hardware']['cores']} cores.")
+    lines = [f"# commit latency: publish() -> committed, {record['date']}", "", load, "",
              "| store | mode | delta commits s | median s | objects per delta | snapshot s | encode s | manifest s |",
              "|---|---|---|---|---|---|---|---|"]
     for cell in record["cells"]:
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         lines.append(f"| {cell['store']} | {cell['mode']} | {commits} | "
                      f"{cell['delta_commit_s_median'] or 0:.3f} | {cell['delta_store_objects']} | "
                      f"{last['snapshot_s']:.3f} | {last['encode_upload_s']:.3f} | {last['manifest_s']:.3f} |")
-    lines += ["", "snapshot, encode and manifest are the last delta's stages; encode runs from the version's start "
-              "and overlaps the snapshot, so they add up to more than the commit.", ""]
+    lines += ["", ("snapshot, encode and manifest are the last delta's stages; encode runs from the version's start "
+                   "and overlaps the snapshot, so they add up to more than the commit."), ""]
     cores, arch = record["hardware"]["cores"], record["hardware"]["machine"]
     write_results(RESULTS / f"commit-latency-{cores}cpu-{arch}-{record['date']}", record, "\n".join(lines))
     return record

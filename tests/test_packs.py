@@ -127,7 +127,7 @@ def test_corrupt_pack_member_is_an_integrity_error(tmp_store, make_state_dict, p
 
 
 def test_missing_pack_is_an_integrity_error(tmp_store, make_state_dict, perturb):
-    refs, key = _one_delta(tmp_store, make_state_dict, perturb)
+    _, key = _one_delta(tmp_store, make_state_dict, perturb)
     tmp_store.delete(key)
     with pytest.raises(IntegrityError, match="pack .* named by a manifest is missing"):
         Reader(tmp_store, model=MODEL).read(2)

@@ -10,6 +10,7 @@ used. Not here: how chunks are encoded (`chunk.py`) or where manifests are store
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from typing import Any
@@ -274,7 +275,7 @@ def _check_pack_index(manifest: Manifest) -> None:
                 ranges.setdefault(c.key, []).append((c.offset, c.offset + c.size, c.object))
     for key, spans in ranges.items():
         spans.sort()
-        for (start, stop, obj), (next_start, _, next_obj) in zip(spans, spans[1:]):
+        for (start, stop, obj), (next_start, _, next_obj) in itertools.pairwise(spans):
             if next_start < stop and not (next_start == start and next_obj == obj):
                 raise FormatError(f"pack {key}: objects at bytes {start}..{stop} and {next_start}.. overlap "
                                   "(a bad pack index)")

@@ -51,7 +51,6 @@ from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
-from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.manifest import (
     CODEC_SAME,
     FORMAT_PACKS,
@@ -64,6 +63,7 @@ from weightsync.manifest import (
     compute_digest,
     parse_manifest,
 )
+from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.shards import (
     PartHeader,

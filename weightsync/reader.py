@@ -34,9 +34,9 @@ from weightsync.chunk import apply_chunk, object_hash
 from weightsync.codec import CODEC_IDS
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
+from weightsync.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
 from weightsync.hashing import xxh3_hex
 from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
-from weightsync.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
 from weightsync.pack import group_span, plan_reads
 from weightsync.store import Store
 from weightsync.tensors import to_tensor

@@ -158,8 +158,9 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         doc["tensors"][0]["chunks"] = chunks
         return doc
 
-    def member(start, stop, offset, key=pack_key("d" * 32), size=200):
-        return {"start": start, "stop": stop, "codec": "sparse", "raw": "a" * 32, "object": "b" * 32, "key": key,
+    def member(start, stop, offset, key=None, size=200):
+        return {"start": start, "stop": stop, "codec": "sparse", "raw": "a" * 32, "object": "b" * 32,
+                "key": key or pack_key("d" * 32),
                 "size": size, "offset": offset}
 
     add("manifest_packed_chunk_in_format_1.json", chunk0(key=pack_key("d" * 32), offset=0), "FormatError",
