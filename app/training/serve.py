@@ -1,0 +1,122 @@
+"""serve: `weightsync serve-training`, the Tinker-compatible training server, on every rank.
+
+    torchrun --nproc-per-node 2 -m weightsync.app.training.serve --state-dir DIR --port 8000
+    weightsync serve-training --state-dir DIR --port 8000          (one rank, no torchrun)
+
+Every rank builds the process group, the mesh and a Worker; rank 0 also serves HTTP and sends
+each request to all ranks as a command; the others follow until rank 0 stops. When ready, rank
+0 prints one JSON line `{"event": "ready", "url": ...}` on stdout (with `--port 0` it names the
+port the OS chose). SIGTERM / SIGINT stop it cleanly.
+
+The API key comes from `--api-key` or WEIGHTSYNC_TRAINING_API_KEY; the SDK only sends keys
+that start with `tml-`.
+
+Not here: the routes (http.py, service.py), the model commands (worker.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "WEIGHTSYNC_TRAINING_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free port; the ready line names it)")
+    parser.add_argument("--api-key", default=None, help=f"the key clients must send (default: ${API_KEY_ENV})")
+    parser.add_argument("--state-dir", required=True, help="checkpoints and run descriptions (kept across restarts)")
+    parser.add_argument("--model", action="append", default=[], metavar="DIR",
+                        help="a base model directory to advertise in get_server_capabilities (repeatable)")
+    parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
+                        "gradients and optimizer state")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    parser.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
+    parser.add_argument("--long-poll-s", type=float, default=10.0, help="how long retrieve_future waits")
+    parser.add_argument("--gap-timeout-s", type=float, default=120.0,
+                        help="how long a request waits for a missing earlier seq_id before it fails")
+    parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body accepted")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from weightsync.app.training.worker import Commander, Worker, follow
+    from weightsync.trainer.config import ParallelConfig
+    from weightsync.trainer.parallel import build_mesh, close_runtime, init_runtime
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if not api_key:
+        raise SystemExit(f"serve-training needs an API key: --api-key or ${API_KEY_ENV}")
+    if "RANK" not in os.environ:  # a world of one: pick a free rendezvous port, never a fixed one
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    parallel = ParallelConfig(cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
+                              mixed_precision=args.mixed_precision)
+    runtime = init_runtime(parallel)
+    mesh = build_mesh(parallel, runtime)
+    worker = Worker(runtime, mesh, parallel)
+    try:
+        if runtime.rank != 0:
+            follow(worker)
+            return 0
+        return _serve(args, api_key, worker)
+    finally:
+        if dist.is_initialized():
+            close_runtime(runtime)
+
+
+def _serve(args: argparse.Namespace, api_key: str, worker) -> int:
+    from weightsync.app.training.http import TrainingHTTPServer
+    from weightsync.app.training.service import ServiceConfig, TrainingService
+    from weightsync.app.training.worker import Commander
+
+    config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
+                           known_models=tuple(args.model))
+    service = TrainingService(config, Commander(worker))
+    server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
+                                max_body_bytes=int(args.max_body_mib * 1024 * 1024))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.serve_in_thread()
+    print(json.dumps({"event": "ready", "url": server.url, "world_size": worker.world_size}), flush=True)
+    stop.wait()
+    log.info("stopping")
+    server.shutdown()
+    service.close()
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m weightsync.app.training.serve", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
+    return run(args)
+
+
+def _configure_logging(level: str) -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=level, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
