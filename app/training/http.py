@@ -48,9 +48,10 @@ class TrainingHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], service: TrainingService, *, api_key: str,
-                 max_body_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_body_bytes: int = 64 * 1024 * 1024, fwdbwd_max_chunk_len: int = 1024) -> None:
         self.service, self.api_key, self.max_body_bytes = service, api_key, max_body_bytes
-        self.routes = _routes(service)
+        client_config = {**CLIENT_CONFIG, "fwdbwd_max_chunk_len": fwdbwd_max_chunk_len}
+        self.routes = _routes(service, client_config)
         super().__init__(address, _Handler)
 
     @property
@@ -64,14 +65,14 @@ class TrainingHTTPServer(ThreadingHTTPServer):
         return thread
 
 
-def _routes(service: TrainingService) -> dict[tuple[str, str], Callable[[bytes], Any]]:
+def _routes(service: TrainingService, client_config: dict[str, Any]) -> dict[tuple[str, str], Callable[[bytes], Any]]:
     def json_route(fn: Callable[[dict], Any]) -> Callable[[bytes], Any]:
         return lambda body: fn(_json(body))
 
     return {
         ("GET", "/api/v1/healthz"): lambda *_: {"status": "ok"},
         ("GET", "/api/v1/get_server_capabilities"): lambda *_: service.capabilities(),
-        ("POST", "/api/v1/client/config"): lambda *_: CLIENT_CONFIG,
+        ("POST", "/api/v1/client/config"): lambda *_: client_config,
         ("POST", "/api/v1/client/dynamic_config"): lambda *_: DYNAMIC_CONFIG,
         ("POST", "/api/v1/telemetry"): lambda *_: {"status": "accepted"},
         ("POST", "/api/v1/create_session"): json_route(service.create_session),

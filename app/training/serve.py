@@ -46,13 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gap-timeout-s", type=float, default=120.0,
                         help="how long a request waits for a missing earlier seq_id before it fails")
     parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body accepted")
+    parser.add_argument("--fwdbwd-max-chunk-len", type=int, default=1024,
+                        help="datums per forward_backward request the SDK is told to send (it splits larger calls "
+                             "into chunks sent in parallel)")
     parser.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from weightsync.app.training.worker import Commander, Worker, follow
+    from weightsync.app.training.worker import Worker, follow
     from weightsync.trainer.config import ParallelConfig
     from weightsync.trainer.parallel import build_mesh, close_runtime, init_runtime
 
@@ -85,7 +88,8 @@ def _serve(args: argparse.Namespace, api_key: str, worker) -> int:
                            known_models=tuple(args.model))
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
-                                max_body_bytes=int(args.max_body_mib * 1024 * 1024))
+                                max_body_bytes=int(args.max_body_mib * 1024 * 1024),
+                                fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -192,7 +192,7 @@ class TrainingService:
         request_id = self.futures.create("fwdbwd")
         try:
             command = self._check_forward_backward(record, batch)
-        except UserInputError as e:
+        except (UserInputError, NotFound) as e:  # NotFound: a loss the SDK names that is not served here
             error = e
             self._submit_ordered(record, batch.seq_id, request_id, lambda: _raise(error))
         else:

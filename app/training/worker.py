@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -250,7 +251,7 @@ class Worker:
                            optim_state_dict=state["optim"])
             trained.optim_steps = int(state["extra"]["optim_steps"])
         else:
-            set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict={})
+            set_model_state_dict(trained.model, state["model"])
             params = [p for p in trained.model.parameters() if p.requires_grad]
             trained.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=True)
             trained.optim_steps = 0
@@ -281,23 +282,31 @@ class Commander:
 
     def run(self, command: Any) -> Any:
         with self._lock:
-            if self.worker.world_size > 1:
-                dist.broadcast_object_list([command], src=0)
-            try:
-                return self.worker.execute(command)
-            finally:
-                self._last = time.monotonic()
+            if self._closed.is_set():
+                raise RuntimeError("the training workers have been stopped")
+            return self._run_locked(command)
+
+    def _run_locked(self, command: Any) -> Any:
+        if self.worker.world_size > 1:
+            dist.broadcast_object_list([command], src=0)
+        try:
+            return self.worker.execute(command)
+        finally:
+            self._last = time.monotonic()
 
     def close(self) -> None:
-        if not self._closed.is_set():
+        with self._lock:
+            if self._closed.is_set():
+                return
             self._closed.set()
             if self.worker.world_size > 1:
-                self.run(Stop())
+                self._run_locked(Stop())
 
     def _keepalive(self, every_s: float) -> None:
         while not self._closed.wait(every_s / 4):
-            if time.monotonic() - self._last > every_s:
-                self.run(Ping())
+            with self._lock:
+                if not self._closed.is_set() and time.monotonic() - self._last > every_s:
+                    self._run_locked(Ping())
 
 
 def follow(worker: Worker) -> None:
@@ -305,6 +314,9 @@ def follow(worker: Worker) -> None:
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
-        worker.execute(box[0])
         if isinstance(box[0], Stop):
             return
+        try:
+            worker.execute(box[0])
+        except Exception:  # rank 0 fails the request; this rank stays in step for the next command
+            log.exception("command %s failed on this rank", type(box[0]).__name__)
