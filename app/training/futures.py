@@ -31,6 +31,8 @@ class Outcome:
     proto: bytes | None = None
     error: str | None = None
     category: str = "server"
+    weight_version: int | None = None
+    """Sampling results: the weight version that produced them (sent as X-Weight-Version)."""
 
 
 class FutureTable:

@@ -84,6 +84,9 @@ def _routes(service: TrainingService, client_config: dict[str, Any]) -> dict[tup
         ("POST", "/api/v1/save_weights"): json_route(service.save_state),
         ("POST", "/api/v1/load_weights"): json_route(service.load_state),
         ("POST", "/api/v1/retrieve_future"): json_route(service.retrieve),
+        ("POST", "/api/v1/save_weights_for_sampler"): json_route(service.save_weights_for_sampler),
+        ("POST", "/api/v1/create_sampling_session"): json_route(service.create_sampling_session),
+        ("POST", "/api/v1/asample"): json_route(service.sample),
     }
 
 
@@ -116,6 +119,8 @@ class _Handler(BaseHTTPRequestHandler):
                 result = route(body)
             elif method == "GET" and path.startswith("/api/v1/training_runs/") and path.endswith("/checkpoints"):
                 result = self.server.service.list_checkpoints(path[len("/api/v1/training_runs/"):-len("/checkpoints")])
+            elif method == "GET" and path.startswith("/api/v1/samplers/"):
+                result = self.server.service.get_sampler(path[len("/api/v1/samplers/"):])
             else:
                 raise NotSupported(f"{method} {path} is not implemented by the weightsync training server "
                                    f"(feature {path.rsplit('/', 1)[-1]!r}); see docs/training-api.md for the "
@@ -124,8 +129,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(e)
             return
         if isinstance(result, Outcome):
+            extra = [] if result.weight_version is None else [("X-Weight-Version", str(result.weight_version))]
             if result.proto is not None:
-                self._send(200, result.proto, PROTO)
+                self._send(200, result.proto, PROTO, extra)
             elif result.error is not None:
                 self._send_json(200, {"error": result.error, "category": result.category})
             else:
@@ -164,8 +170,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, doc: Any) -> None:
         self._send(status, json.dumps(doc).encode(), "application/json")
 
-    def _send(self, status: int, payload: bytes, content_type: str) -> None:
+    def _send(self, status: int, payload: bytes, content_type: str, headers: list[tuple[str, str]] = ()) -> None:
         self.send_response(status)
+        for key, value in headers:
+            self.send_header(key, value)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()

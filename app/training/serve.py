@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port; the ready line names it)")
     parser.add_argument("--api-key", default=None, help=f"the key clients must send (default: ${API_KEY_ENV})")
     parser.add_argument("--state-dir", required=True, help="checkpoints and run descriptions (kept across restarts)")
+    parser.add_argument("--store", default=None, help="where save_weights_for_sampler publishes (file:// or s3://; "
+                        "default file://<state-dir>/store)")
     parser.add_argument("--model", action="append", default=[], metavar="DIR",
                         help="a base model directory to advertise in get_server_capabilities (repeatable)")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
@@ -85,7 +87,7 @@ def _serve(args: argparse.Namespace, api_key: str, worker) -> int:
     from weightsync.app.training.worker import Commander
 
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
-                           known_models=tuple(args.model))
+                           known_models=tuple(args.model), store=args.store)
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
                                 max_body_bytes=int(args.max_body_mib * 1024 * 1024),

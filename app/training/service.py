@@ -18,6 +18,7 @@ Not here: HTTP and status codes (http.py), the bodies' encoding (wire.py), the m
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import logging
@@ -35,6 +36,8 @@ from weightsync.app.training.errors import NotFound, NotSupported, UserInputErro
 from weightsync.app.training.futures import FutureTable, Outcome
 from weightsync.app.training.losses import check_inputs, loss_spec, resolve_config
 from weightsync.app.training.ordering import SeqIdOrder
+from weightsync.app.training.sampling import SamplerHub, SamplingSession, parse_sampling_params
+from weightsync.app.training.wire import decode_model_input_json, encode_sample_response
 from weightsync.app.training.wire import ForwardBackwardBatch, encode_forward_backward_output
 from weightsync.models import load_config
 
@@ -58,6 +61,16 @@ class ServiceConfig:
     """Longest model_input accepted in one datum."""
     known_models: tuple[str, ...] = ()
     """Base model directories advertised by get_server_capabilities (any directory can be used)."""
+    store: str | None = None
+    """Where save_weights_for_sampler publishes (file:// or s3://); default file://<state_dir>/store."""
+    max_sample_tokens: int = 1024
+    """Largest max_tokens a sampling request may ask for."""
+    sampling_threads: int = 2
+    """Sampling requests generating at once (beside training, which runs on its own thread)."""
+
+    @property
+    def store_uri(self) -> str:
+        return self.store or f"file://{Path(self.state_dir).resolve() / 'store'}"
 
     def __post_init__(self) -> None:
         if self.long_poll_s <= 0 or self.gap_timeout_s <= 0 or self.max_context_tokens < 1:
@@ -68,6 +81,7 @@ class ServiceConfig:
 class ModelRecord:
     model_id: str
     base_model: str
+    base_dir: str
     lora: dict[str, Any]
     vocab_size: int
     model_type: str
@@ -89,6 +103,9 @@ class TrainingService:
         self._jobs: queue.Queue[tuple[str, Callable[[], Outcome]] | None] = queue.Queue()
         self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
         self._executor.start()
+        self.samplers = SamplerHub(store_uri=config.store_uri, cache_root=self.state_dir / "sampler-agents")
+        self.sampling_sessions: dict[str, SamplingSession] = {}
+        self._sampling_pool = cf.ThreadPoolExecutor(config.sampling_threads, thread_name_prefix="sampling")
         self._closed = threading.Event()
         threading.Thread(target=self._expire_gaps, name="seq-id-gaps", daemon=True).start()
 
@@ -158,20 +175,18 @@ class TrainingService:
             if model_id in self.models:
                 raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
         info = self.commander.run(commands.CreateModel(model_id, base_dir))
-        record = ModelRecord(model_id, base_model, lora, info["vocab_size"], info["model_type"],
+        record = ModelRecord(model_id, base_model, base_dir, lora, info["vocab_size"], info["model_type"],
                              SeqIdOrder(first=1, gap_timeout_s=self.config.gap_timeout_s, on_expired=self._expired))
         with self._lock:
             self.models[model_id] = record
-        self._write_run(record, base_dir)
+        self._write_run(record)
         return Outcome(json={"type": "create_model", "model_id": model_id})
 
-    def _write_run(self, record: ModelRecord, base_dir: str) -> None:
+    def _write_run(self, record: ModelRecord) -> None:
         run_dir = self._run_dir(record.model_id)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / ".run.json.tmp"
-        tmp.write_text(json.dumps({"model_id": record.model_id, "base_model": record.base_model,
-                                   "base_dir": base_dir, "lora": record.lora}, indent=2, sort_keys=True))
-        os.replace(tmp, run_dir / "run.json")
+        _write_json(run_dir / "run.json", {"model_id": record.model_id, "base_model": record.base_model,
+                                           "base_dir": record.base_dir, "lora": record.lora})
 
     def _run_dir(self, model_id: str) -> Path:
         if "/" in model_id or model_id in ("", ".", ".."):
@@ -317,6 +332,119 @@ class TrainingService:
                               "tinker_path": f"tinker://{model_id}/{kind}/{directory.name}"})
         return {"checkpoints": found}
 
+    # ------------------------------------------------------------------ sampler weights, sampling
+
+    def save_weights_for_sampler(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        record = self._model(_field(body, "model_id", str))
+        seq_id = _field(body, "seq_id", int)
+        name = body.get("path")
+        request_id = self.futures.create("save_sampler")
+        if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
+            error = UserInputError(f"sampler weights name {name!r} must be 1-128 characters of letters, digits, '.', "
+                                   "'_' or '-' (no '/')")
+            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+            return {"request_id": request_id, "model_id": record.model_id}
+        store_model = _store_model_name(record.model_id)
+
+        def publish() -> Outcome:
+            address = self.samplers.ensure_agent(store_model, record.base_dir)
+            result = self.commander.run(commands.PublishWeights(record.model_id, self.config.store_uri, store_model,
+                                                                (address,)))
+            version = int(result["version"])
+            label = name or f"sampler-v{version:06d}"
+            path = f"tinker://{record.model_id}/sampler_weights/{label}"
+            directory = self._run_dir(record.model_id) / "sampler_weights" / label
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_json(directory / "sampler.json", {"store": self.config.store_uri, "store_model": store_model,
+                                                     "version": version, "base_model": record.base_model})
+            if name is not None:
+                return Outcome(json={"type": "save_weights_for_sampler", "path": path})
+            session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
+            return Outcome(json={"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session})
+
+        self._submit_ordered(record, seq_id, request_id, publish)
+        return {"request_id": request_id, "model_id": record.model_id}
+
+    def create_sampling_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        model_path = body.get("model_path")
+        if model_path is not None:
+            match = _TINKER_PATH.fullmatch(model_path) if isinstance(model_path, str) else None
+            if not match or match.group(2) != "sampler_weights":
+                raise UserInputError(f"model_path {model_path!r} is not sampler weights; expected "
+                                     "tinker://<model_id>/sampler_weights/<name> from save_weights_for_sampler")
+            meta_path = self._run_dir(match.group(1)) / "sampler_weights" / match.group(3) / "sampler.json"
+            if not meta_path.is_file():
+                raise NotFound(f"no sampler weights at {model_path}")
+            meta = json.loads(meta_path.read_text())
+            run = json.loads((self._run_dir(match.group(1)) / "run.json").read_text())
+            session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["store_model"],
+                                                 int(meta["version"]), model_path)
+        else:
+            base_model = _field(body, "base_model", str)
+            session = self._add_sampling_session(base_model, self._resolve_base_model(base_model), None, 0, None)
+        return {"type": "create_sampling_session", "sampling_session_id": session}
+
+    def _add_sampling_session(self, base_model: str, base_dir: str, store_model: str | None, version: int,
+                              model_path: str | None) -> str:
+        session_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        with self._lock:
+            self.sampling_sessions[session_id] = SamplingSession(session_id, base_model, base_dir, store_model,
+                                                                 version, model_path)
+        return session_id
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        session = self._sampling_session(sampler_id)
+        return {"sampler_id": session.session_id, "base_model": session.base_model, "model_path": session.model_path,
+                "weight_version": session.version}
+
+    def _sampling_session(self, sampler_id: str) -> SamplingSession:
+        with self._lock:
+            session = self.sampling_sessions.get(sampler_id)
+        if session is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        return session
+
+    def sample(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if body.get("sampling_session_id") is None:
+            raise UserInputError("asample needs a sampling_session_id (create a sampling client first)")
+        session = self._sampling_session(_field(body, "sampling_session_id", str))
+        num_samples = body.get("num_samples", 1)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= 128:
+            raise UserInputError(f"num_samples must be an integer in [1, 128], got {num_samples!r}")
+        for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(unsupported):
+                raise NotSupported(f"{unsupported} is not supported by this server")
+        if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n") is not None:
+            raise NotSupported("target_prompt_logprobs and prompt_logprobs_last_n are not supported by this server")
+        prompt = decode_model_input_json(body.get("prompt"), "prompt")
+        config = load_config(session.base_dir)
+        if len(prompt) == 0 or prompt.min() < 0 or prompt.max() >= config.vocab_size:
+            raise UserInputError(f"prompt must be non-empty with token ids in [0, {config.vocab_size})")
+        if len(prompt) >= config.max_position_embeddings:
+            raise UserInputError(f"prompt has {len(prompt)} tokens; the model's context is "
+                                 f"{config.max_position_embeddings}")
+        _, eos = self.samplers.tokenizer_info(session.base_dir)
+        params = parse_sampling_params(body.get("sampling_params"), eos_token_id=eos, vocab_size=config.vocab_size,
+                                       max_new_tokens=self.config.max_sample_tokens)
+        want_prompt_logprobs = bool(body.get("prompt_logprobs"))
+        request_id = self.futures.create("sample")
+
+        def run() -> None:
+            try:
+                version, sequences, prompt_lp = self.samplers.sample(
+                    session, prompt.tolist(), num_samples=num_samples, params=params,
+                    prompt_logprobs=want_prompt_logprobs)
+            except Exception as e:
+                if not isinstance(e, UserInputError):
+                    log.exception("sampling request %s failed", request_id)
+                self.futures.fail(request_id, e)
+                return
+            self.futures.resolve(request_id, Outcome(proto=encode_sample_response(sequences, prompt_lp),
+                                                     weight_version=version))
+
+        self._sampling_pool.submit(run)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}-{i}" for i in range(num_samples)]}
+
     # ------------------------------------------------------------------ futures, execution
 
     def retrieve(self, body: Mapping[str, Any]) -> Outcome | dict[str, Any]:
@@ -359,7 +487,9 @@ class TrainingService:
         self._closed.set()
         self._jobs.put(None)
         self._executor.join(timeout=60)
+        self._sampling_pool.shutdown(wait=True, cancel_futures=True)
         self.commander.close()
+        self.samplers.close()
 
 
 def _raise(error: Exception) -> Outcome:
@@ -382,6 +512,17 @@ def _number(params: Mapping[str, Any], name: str, default: float, *, low: float,
         bound = f"in [{low}, {below})" if below is not None else f">= {low}"
         raise UserInputError(f"adam_params.{name} must be {bound}, got {value}")
     return value
+
+
+def _store_model_name(model_id: str) -> str:
+    """The store's name for a training run's sampler versions (store names allow no ':')."""
+    return "tinker-" + model_id.replace(":", "-")
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def _iso_time(timestamp: float) -> str:

@@ -98,6 +98,17 @@ class GatherWeights:
 
 
 @dataclasses.dataclass(frozen=True)
+class PublishWeights:
+    """Publish the model's current weights as the next version of `store_model` (every rank
+    its own shards; the version commits once all are durable); rank 0 returns the version."""
+
+    model_id: str
+    store: str
+    store_model: str
+    push: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Unload:
     model_id: str
 
@@ -121,6 +132,7 @@ class TrainedModel:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     optim_steps: int = 0
+    publisher: Any = None  # a WeightPublisher, made at the first PublishWeights
 
 
 class Worker:
@@ -139,7 +151,8 @@ class Worker:
         return None
 
     def _Stop(self, command: Stop) -> None:
-        return None
+        for model_id in list(self.models):
+            self._Unload(Unload(model_id))
 
     def _CreateModel(self, command: CreateModel) -> dict[str, Any]:
         if self.runtime.rank == 0:
@@ -154,7 +167,9 @@ class Worker:
         return {"vocab_size": config.vocab_size, "model_type": config.model_type}
 
     def _Unload(self, command: Unload) -> None:
-        self.models.pop(command.model_id, None)
+        trained = self.models.pop(command.model_id, None)
+        if trained is not None and trained.publisher is not None:
+            trained.publisher.close()
 
     def _ForwardBackward(self, command: ForwardBackward) -> tuple[list[dict[str, np.ndarray]], dict[str, float]] | None:
         trained = self.models[command.model_id]
@@ -256,6 +271,24 @@ class Worker:
             trained.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=True)
             trained.optim_steps = 0
         trained.optimizer.zero_grad(set_to_none=True)
+
+    def _PublishWeights(self, command: PublishWeights) -> dict[str, Any]:
+        from weightsync.publisher import PublisherConfig
+        from weightsync.trainer.config import PublishConfig
+        from weightsync.trainer.publish import WeightPublisher
+
+        trained = self.models[command.model_id]
+        if trained.publisher is None:
+            config = PublishConfig(store=command.store, model=command.store_model, push=command.push,
+                                   publisher=PublisherConfig(workers=2, max_in_flight=1))
+            trained.publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
+        failures = trained.publisher.failures
+        trained.publisher.publish(trained.model.state_dict(), trained.optim_steps)
+        metrics = trained.publisher.collect(wait=True)
+        if trained.publisher.failures != failures:
+            raise RuntimeError(f"publishing {command.store_model} to {command.store} failed (see the server log); "
+                               "the next save_weights_for_sampler publishes a full version")
+        return {"version": trained.publisher.last_version, "ratio": metrics.get("publish/ratio")}
 
     def _GatherWeights(self, command: GatherWeights) -> dict[str, torch.Tensor]:
         trained = self.models[command.model_id]
