@@ -73,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(runtime, mesh, parallel)
     try:
         if runtime.rank != 0:
+            # Followers stop when rank 0 says so (after it has finished the request in flight); a
+            # SIGTERM to the whole job must not take a follower away in the middle of a collective.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             follow(worker)
             return 0
         return _serve(args, api_key, worker)
