@@ -92,10 +92,15 @@ class Generator:
     """Token generation on a weights mapping (the engine's leased version), with a KV cache."""
 
     def __init__(self, config: ModelConfig, tokenizer: Any | None) -> None:
+        self.config, self.tokenizer = config, tokenizer
+
+    def _replica(self) -> CausalLM:
+        """A weightless module to run `weights` through. One per call: functional_call swaps the
+        module's parameters while it runs, so concurrent requests must not share one."""
         with torch.device("meta"):
-            module = CausalLM(config)
-        module.inv_freq = rope_inv_freq(config)
-        self.module, self.config, self.tokenizer = module.eval(), config, tokenizer
+            module = CausalLM(self.config)
+        module.inv_freq = rope_inv_freq(self.config)
+        return module.eval()
 
     @torch.no_grad()
     def sample(self, weights: Any, prompt: Sequence[int], *, num_samples: int, params: SamplingParams,
@@ -109,9 +114,10 @@ class Generator:
             generator.seed()
         else:
             generator.manual_seed(params.seed)
+        module = self._replica()
         prompt_ids = torch.tensor([list(prompt)], dtype=torch.long)
         cache = KVCache(self.config.num_hidden_layers)
-        logits = self.module(prompt_ids, cache=cache, weights=weights)
+        logits = module(prompt_ids, cache=cache, weights=weights)
         prompt_lp = None
         if prompt_logprobs:
             lp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, prompt_ids[0, 1:, None])[:, 0]
@@ -135,7 +141,7 @@ class Generator:
                     done[r] = stopped[r] = True
             if all(done) or len(prompt) + len(rows[0]) >= self.config.max_position_embeddings:
                 break
-            next_logits = self.module(tokens[:, None], cache=cache, weights=weights)[:, -1, :]
+            next_logits = module(tokens[:, None], cache=cache, weights=weights)[:, -1, :]
         sequences = [SampledSequence(np.asarray(t, dtype=np.int64), np.asarray(lp, dtype=np.float32), s)
                      for t, lp, s in zip(rows, row_lps, stopped, strict=True)]
         return sequences, prompt_lp
