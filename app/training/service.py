@@ -34,6 +34,7 @@ from typing import Any
 from weightsync.app.training import worker as commands
 from weightsync.app.training.errors import NotFound, NotSupported, UserInputError
 from weightsync.app.training.futures import FutureTable, Outcome
+from weightsync.app.training.lora import LoraSettings
 from weightsync.app.training.losses import check_inputs, loss_spec, resolve_config
 from weightsync.app.training.ordering import SeqIdOrder
 from weightsync.app.training.sampling import SamplerHub, SamplingSession, parse_sampling_params
@@ -82,7 +83,7 @@ class ModelRecord:
     model_id: str
     base_model: str
     base_dir: str
-    lora: dict[str, Any]
+    lora: LoraSettings | None
     vocab_size: int
     model_type: str
     order: SeqIdOrder
@@ -130,7 +131,7 @@ class TrainingService:
 
     def get_info(self, body: Mapping[str, Any]) -> dict[str, Any]:
         record = self._model(_field(body, "model_id", str))
-        rank = int(record.lora.get("rank", 0))
+        rank = record.lora.rank if record.lora is not None else 0
         return {
             "type": "get_info", "model_id": record.model_id,
             "model_data": {"arch": record.model_type, "model_name": record.base_model,
@@ -144,24 +145,15 @@ class TrainingService:
         session_id = _field(body, "session_id", str)
         model_seq_id = _field(body, "model_seq_id", int)
         base_model = _field(body, "base_model", str)
-        lora = dict(body.get("lora_config") or {})
+        lora = LoraSettings.from_request(body.get("lora_config"))
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise NotSupported(f"optimizer {optimizer!r} is not supported; this server trains with AdamW ('adamw')")
-        self._check_lora(lora)
         model_id = f"{session_id}:train:{model_seq_id}"
         base_dir = self._resolve_base_model(base_model)
         request_id = self.futures.create("create_model")
         self._enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora))
         return {"request_id": request_id, "model_id": model_id}
-
-    def _check_lora(self, lora: Mapping[str, Any]) -> None:
-        rank = int(lora.get("rank", 0) or 0)
-        if rank < 0:
-            raise UserInputError(f"lora_config.rank must be >= 0 (0 = full fine-tuning), got {rank}")
-        if rank > 0:
-            raise NotSupported("LoRA adapters (lora_config.rank > 0) are not implemented on this server yet; "
-                               "use rank=0 for full fine-tuning")
 
     def _resolve_base_model(self, base_model: str) -> str:
         path = Path(base_model).expanduser()
@@ -170,11 +162,11 @@ class TrainingService:
                                  "(config.json + safetensors + tokenizer)")
         return str(path.resolve())
 
-    def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: dict[str, Any]) -> Outcome:
+    def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: LoraSettings | None) -> Outcome:
         with self._lock:
             if model_id in self.models:
                 raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
-        info = self.commander.run(commands.CreateModel(model_id, base_dir))
+        info = self.commander.run(commands.CreateModel(model_id, base_dir, lora))
         record = ModelRecord(model_id, base_model, base_dir, lora, info["vocab_size"], info["model_type"],
                              SeqIdOrder(first=1, gap_timeout_s=self.config.gap_timeout_s, on_expired=self._expired))
         with self._lock:
@@ -186,7 +178,8 @@ class TrainingService:
         run_dir = self._run_dir(record.model_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / "run.json", {"model_id": record.model_id, "base_model": record.base_model,
-                                           "base_dir": record.base_dir, "lora": record.lora})
+                                           "base_dir": record.base_dir,
+                                           "lora": dataclasses.asdict(record.lora) if record.lora else None})
 
     def _run_dir(self, model_id: str) -> Path:
         if "/" in model_id or model_id in ("", ".", ".."):
@@ -291,7 +284,8 @@ class TrainingService:
             request_id = self.futures.create("load")
 
             def create_and_load() -> Outcome:
-                self._create_model(model_id, run["base_model"], run["base_dir"], run["lora"])
+                lora = LoraSettings(**run["lora"]) if run.get("lora") else None
+                self._create_model(model_id, run["base_model"], run["base_dir"], lora)
                 self.commander.run(commands.LoadState(model_id, str(directory), with_optimizer))
                 return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
 
@@ -348,15 +342,23 @@ class TrainingService:
 
         def publish() -> Outcome:
             address = self.samplers.ensure_agent(store_model, record.base_dir)
+            kind = "full" if record.lora is None else "merged"
             result = self.commander.run(commands.PublishWeights(record.model_id, self.config.store_uri, store_model,
-                                                                (address,)))
+                                                                (address,), kind))
             version = int(result["version"])
+            extra = {}
+            if record.lora is not None:
+                # Engines that serve adapters sync this store model instead: adapter-only versions.
+                adapter = self.commander.run(commands.PublishWeights(
+                    record.model_id, self.config.store_uri, store_model + "-adapter", (), "adapter"))
+                extra = {"adapter_store_model": store_model + "-adapter", "adapter_version": adapter["version"]}
             label = name or f"sampler-v{version:06d}"
             path = f"tinker://{record.model_id}/sampler_weights/{label}"
             directory = self._run_dir(record.model_id) / "sampler_weights" / label
             directory.mkdir(parents=True, exist_ok=True)
             _write_json(directory / "sampler.json", {"store": self.config.store_uri, "store_model": store_model,
-                                                     "version": version, "base_model": record.base_model})
+                                                     "version": version, "base_model": record.base_model,
+                                                     "kind": kind, **extra})
             if name is not None:
                 return Outcome(json={"type": "save_weights_for_sampler", "path": path})
             session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)

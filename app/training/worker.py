@@ -39,11 +39,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from weightsync.app.training import lora
+from weightsync.app.training.lora import LoraSettings
 from weightsync.app.training.losses import loss_spec, resolve_config
 from weightsync.app.training.wire import Datum
-from weightsync.models import ModelConfig, load_config, load_pretrained, token_logprobs
+from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, token_logprobs
 from weightsync.trainer.config import ParallelConfig
-from weightsync.trainer.parallel import Runtime, build_sharded_model
+from weightsync.trainer.parallel import (
+    Runtime,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_sharded_model,
+    reset_rope_buffer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +63,7 @@ log = logging.getLogger(__name__)
 class CreateModel:
     model_id: str
     base_dir: str
+    lora: LoraSettings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +115,9 @@ class PublishWeights:
     store: str
     store_model: str
     push: tuple[str, ...] = ()
+    kind: str = "full"
+    """"full" (the model as trained), "merged" (LoRA folded into the base weights, the plain
+    model's names) or "adapter" (only the LoRA tensors)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +144,9 @@ class TrainedModel:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     optim_steps: int = 0
-    publisher: Any = None  # a WeightPublisher, made at the first PublishWeights
+    lora: LoraSettings | None = None
+    lora_targets: list[str] = dataclasses.field(default_factory=list)
+    publishers: dict[str, Any] = dataclasses.field(default_factory=dict)  # store model -> WeightPublisher
 
 
 class Worker:
@@ -159,17 +173,41 @@ class Worker:
             config, weights = load_pretrained(command.base_dir, dtype=torch.float32)
         else:
             config, weights = load_config(command.base_dir), None
-        model = build_sharded_model(config, weights, mesh=self.mesh, config=self.parallel, device=self.runtime.device)
+        targets: list[str] = []
+        if command.lora is None:
+            model = build_sharded_model(config, weights, mesh=self.mesh, config=self.parallel,
+                                        device=self.runtime.device)
+        else:
+            model, targets = self._build_lora_model(config, weights, command.lora)
         del weights
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=0.0, foreach=True)
-        self.models[command.model_id] = TrainedModel(config, model, optimizer)
-        return {"vocab_size": config.vocab_size, "model_type": config.model_type}
+        self.models[command.model_id] = TrainedModel(config, model, optimizer, lora=command.lora, lora_targets=targets)
+        return {"vocab_size": config.vocab_size, "model_type": config.model_type,
+                "trainable_parameters": sum(p.numel() for p in params)}
+
+    def _build_lora_model(self, config: ModelConfig, weights: dict | None, settings: LoraSettings):
+        """build_sharded_model's steps, with adapters attached before sharding and initialised
+        (from the LoRA seed, on rank 0) with the base weights."""
+        with torch.device("meta"):
+            model = CausalLM(config)
+        targets = lora.attach(model, settings)
+        if self.parallel.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        apply_fsdp(model, self.mesh, self.parallel, device=self.runtime.device)
+        model.to_empty(device="cpu" if self.parallel.cpu_offload else self.runtime.device)
+        reset_rope_buffer(model)
+        state: dict[str, torch.Tensor] = {}
+        if weights is not None:
+            shapes = {name: tuple(t.shape) for name, t in weights.items()}
+            state = {**weights, **lora.initial_adapters(shapes, targets, settings)}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return model, targets
 
     def _Unload(self, command: Unload) -> None:
         trained = self.models.pop(command.model_id, None)
-        if trained is not None and trained.publisher is not None:
-            trained.publisher.close()
+        for publisher in trained.publishers.values() if trained is not None else ():
+            publisher.close()
 
     def _ForwardBackward(self, command: ForwardBackward) -> tuple[list[dict[str, np.ndarray]], dict[str, float]] | None:
         trained = self.models[command.model_id]
@@ -278,17 +316,24 @@ class Worker:
         from weightsync.trainer.publish import WeightPublisher
 
         trained = self.models[command.model_id]
-        if trained.publisher is None:
+        publisher = trained.publishers.get(command.store_model)
+        if publisher is None:
             config = PublishConfig(store=command.store, model=command.store_model, push=command.push,
                                    publisher=PublisherConfig(workers=2, max_in_flight=1))
-            trained.publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
-        failures = trained.publisher.failures
-        trained.publisher.publish(trained.model.state_dict(), trained.optim_steps)
-        metrics = trained.publisher.collect(wait=True)
-        if trained.publisher.failures != failures:
+            publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
+            trained.publishers[command.store_model] = publisher
+        state = trained.model.state_dict()
+        if command.kind == "merged":
+            state = lora.merged_state_dict(state, trained.lora_targets, trained.lora.scale)
+        elif command.kind == "adapter":
+            state = lora.adapter_state_dict(state)
+        failures = publisher.failures
+        publisher.publish(state, trained.optim_steps)
+        metrics = publisher.collect(wait=True)
+        if publisher.failures != failures:
             raise RuntimeError(f"publishing {command.store_model} to {command.store} failed (see the server log); "
                                "the next save_weights_for_sampler publishes a full version")
-        return {"version": trained.publisher.last_version, "ratio": metrics.get("publish/ratio")}
+        return {"version": publisher.last_version, "ratio": metrics.get("publish/ratio")}
 
     def _GatherWeights(self, command: GatherWeights) -> dict[str, torch.Tensor]:
         trained = self.models[command.model_id]
