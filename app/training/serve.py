@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default file://<state-dir>/store)")
     parser.add_argument("--model", action="append", default=[], metavar="DIR",
                         help="a base model directory to advertise in get_server_capabilities (repeatable)")
+    parser.add_argument("--profile", default=None, metavar="NAME[@VERSION]",
+                        help="a training profile (app/training/profiles): fixes the model, layout, precision, offload "
+                             "and checkpointing, and lets clients pass its name as base_model")
+    parser.add_argument("--profile-model-dir", default=None, help="the profile's weights (overrides its model_dir)")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
                         "gradients and optimizer state")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
@@ -66,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"serve-training needs an API key: --api-key or ${API_KEY_ENV}")
     if "RANK" not in os.environ:  # a world of one: pick a free rendezvous port, never a fixed one
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    profile = None
+    if args.profile:
+        from weightsync.app.training.profiles import resolve_profile
+
+        profile = resolve_profile(args.profile, model_dir=args.profile_model_dir)
+        args.cpu_offload, args.activation_checkpointing = profile.cpu_offload, profile.activation_checkpointing
+        args.mixed_precision = profile.mixed_precision
     parallel = ParallelConfig(cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                               mixed_precision=args.mixed_precision)
     runtime = init_runtime(parallel)
@@ -79,19 +90,26 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             follow(worker)
             return 0
-        return _serve(args, api_key, worker)
+        return _serve(args, api_key, worker, profile)
     finally:
         if dist.is_initialized():
             close_runtime(runtime)
 
 
-def _serve(args: argparse.Namespace, api_key: str, worker) -> int:
+def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
     from weightsync.app.training.http import TrainingHTTPServer
     from weightsync.app.training.service import ServiceConfig, TrainingService
     from weightsync.app.training.worker import Commander
 
+    aliases: tuple[tuple[str, str], ...] = ()
+    if profile is not None:
+        # The directory is written by rank 0 before any rank reads it: no model exists before
+        # the first create_model, which reaches the other ranks after this.
+        directory = profile.materialise(os.path.join(args.state_dir, "profiles"))
+        aliases = ((profile.name, directory), (profile.key, directory))
+        log.info("profile %s: %s", profile.key, profile.description)
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
-                           known_models=tuple(args.model), store=args.store)
+                           known_models=tuple(args.model), store=args.store, model_aliases=aliases)
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
                                 max_body_bytes=int(args.max_body_mib * 1024 * 1024),
@@ -100,7 +118,8 @@ def _serve(args: argparse.Namespace, api_key: str, worker) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.serve_in_thread()
-    print(json.dumps({"event": "ready", "url": server.url, "world_size": worker.world_size}), flush=True)
+    print(json.dumps({"event": "ready", "url": server.url, "world_size": worker.world_size,
+                      "profile": profile.key if profile else None}), flush=True)
     stop.wait()
     log.info("stopping")
     server.shutdown()
@@ -114,10 +133,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def launch(argv: Sequence[str], nproc: int | None) -> int:
+    """`weightsync serve-training`: this process (one rank) or `torchrun --nproc-per-node N` of
+    it; N defaults to the profile's ranks. Returns the exit code."""
+    argv = list(argv)
+    if nproc is None:
+        args = _parser().parse_args(argv)
+        if args.profile:
+            from weightsync.app.training.profiles import resolve_profile
+
+            nproc = resolve_profile(args.profile).ranks
+    if nproc is None or nproc == 1 or "LOCAL_RANK" in os.environ:
+        return main(argv)
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "weightsync.app.training.serve", *argv]
+    return subprocess.run(command, check=False).returncode
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The server's command line for a namespace that `add_arguments` parsed (to hand to torchrun)."""
+    argv: list[str] = []
+    for action in _parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value or ():
+                argv += [flag, str(item)]
+        elif value is not None and value != action.default:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m weightsync.app.training.serve", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     _configure_logging(args.log_level)
     return run(args)
 

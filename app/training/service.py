@@ -62,6 +62,8 @@ class ServiceConfig:
     """Longest model_input accepted in one datum."""
     known_models: tuple[str, ...] = ()
     """Base model directories advertised by get_server_capabilities (any directory can be used)."""
+    model_aliases: tuple[tuple[str, str], ...] = ()
+    """(name, directory) pairs: a base_model of that name means that directory (profiles)."""
     store: str | None = None
     """Where save_weights_for_sampler publishes (file:// or s3://); default file://<state_dir>/store."""
     max_sample_tokens: int = 1024
@@ -120,9 +122,9 @@ class TrainingService:
 
     def capabilities(self) -> dict[str, Any]:
         models = []
-        for directory in self.config.known_models:
+        for directory in self.config.known_models + tuple(name for name, _ in self.config.model_aliases):
             try:
-                context = load_config(directory).max_position_embeddings
+                context = load_config(dict(self.config.model_aliases).get(directory, directory)).max_position_embeddings
             except ValueError:
                 continue
             models.append({"model_name": directory, "max_context_length": context, "trainable": True,
@@ -156,7 +158,8 @@ class TrainingService:
         return {"request_id": request_id, "model_id": model_id}
 
     def _resolve_base_model(self, base_model: str) -> str:
-        path = Path(base_model).expanduser()
+        aliases = dict(self.config.model_aliases)
+        path = Path(aliases.get(base_model, base_model)).expanduser()
         if not (path / "config.json").is_file():
             raise UserInputError(f"base_model {base_model!r} is not an HF-style model directory on the server "
                                  "(config.json + safetensors + tokenizer)")
