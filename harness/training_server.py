@@ -33,7 +33,12 @@ class TrainingServer:
                    *args]
         else:
             cmd = [sys.executable, *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        # The caller's own process-group settings (a test or benchmark running a trainer in
+        # process) must not leak into the server: it picks its own rendezvous.
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.state_dir.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
