@@ -113,6 +113,39 @@ def test_adapter_only_versions_are_at_least_50x_smaller_than_merged_deltas(serve
                                                                                            ".lora_B.weight"))}
     ratio = stored_bytes(merged) / max(1, stored_bytes(adapter))
     assert ratio >= 50, (stored_bytes(merged), stored_bytes(adapter))
+    # The manifests say which kind each version is.
+    assert adapter.producer["weights_kind"] == "adapter"
+    assert merged.producer.get("weights_kind", "model") == "model"
+
+
+def test_an_agent_refuses_versions_of_the_wrong_kind(server, service, model_dir, tmp_path):
+    """An agent whose engine serves whole weights, pointed at the adapter-only store model,
+    refuses every version with a clear error and serves nothing from it."""
+    import time
+
+    from weightsync.agents.config import AgentConfig
+    from weightsync.agents.reference_engine import ReferenceEngine, ReferenceEngineConfig
+    from weightsync.agents.server import AgentServer
+    from weightsync.models import load_config
+
+    client = service.create_lora_training_client(base_model=model_dir, rank=1).result()
+    step(client)
+    client.save_weights_for_sampler("kind").result()
+    store_uri = f"file://{Path(server.state_dir).resolve() / 'store'}"
+    adapter_model = "tinker-" + client.model_id.replace(":", "-") + "-adapter"
+    engine = ReferenceEngine(ReferenceEngineConfig(model=load_config(model_dir), compute_dtype="float32"))
+    agent = AgentServer(AgentConfig(model=adapter_model, cache_dir=str(tmp_path / "cache"), store=store_uri,
+                                    poll_interval_s=0.2, workers=1), engine=engine).start()
+    try:
+        deadline = time.monotonic() + 120
+        while "holds 'adapter' weights" not in (agent.agent.status()["last_error"] or ""):
+            assert time.monotonic() < deadline, agent.agent.status()
+            time.sleep(0.1)
+        assert "serves 'model' weights" in agent.agent.status()["last_error"]
+        assert engine.served_version() is None
+    finally:
+        agent.stop()
+        engine.close()
 
 
 def _names(manifest):

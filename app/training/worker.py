@@ -319,7 +319,9 @@ class Worker:
         publisher = trained.publishers.get(command.store_model)
         if publisher is None:
             config = PublishConfig(store=command.store, model=command.store_model, push=command.push,
-                                   publisher=PublisherConfig(workers=2, max_in_flight=1))
+                                   publisher=PublisherConfig(workers=2, max_in_flight=1,
+                                                             weights_kind="adapter" if command.kind == "adapter"
+                                                             else "model"))
             publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
             trained.publishers[command.store_model] = publisher
         state = trained.model.state_dict()
