@@ -40,8 +40,8 @@ class TrainingServer:
                                   "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
         env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.state_dir.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         ready = threading.Event()
         line_box: list[bytes] = []
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
+from tinker import types
 
-from harness.tiny_model import write_tiny_model  # noqa: E402
-from harness.training_server import API_KEY, TrainingServer  # noqa: E402
-from weightsync.models import CausalLM, load_pretrained, token_logprobs  # noqa: E402
+from harness.tiny_model import write_tiny_model
+from harness.training_server import API_KEY, TrainingServer
+from weightsync.models import CausalLM, load_pretrained, token_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -244,14 +244,14 @@ def test_a_seq_id_gap_fails_as_a_user_error_and_changes_nothing(server, service,
     status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 5, forward_only=False),
                            content_type="application/x-protobuf")
     assert status == 200
-    kind, result = wait_result(server, json.loads(body)["request_id"])  # the server waits 3 s for seq 3
+    _, result = wait_result(server, json.loads(body)["request_id"])  # the server waits 3 s for seq 3
     doc = json.loads(result)
     assert doc["category"] == "user" and "seq_id gap" in doc["error"] and "for seq_id 3" in doc["error"]
     status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 1), content_type="application/x-protobuf")
     assert status == 400 and b"already used" in body
     status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 3),
                            content_type="application/x-protobuf", accept="application/x-protobuf")
-    kind, result = wait_result(server, json.loads(body)["request_id"])
+    _, result = wait_result(server, json.loads(body)["request_id"])
     after = [torch.tensor(o["logprobs"].data) for o in decode_fwdbwd(result).loss_fn_outputs]
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
@@ -295,8 +295,8 @@ def test_an_oversized_request_is_refused_with_413(server, service, model_dir):
         client.forward_backward([make_datum(tokens, [1.0] * 150_000)], "cross_entropy").result()
     assert info.value.status_code == 413 and "over this server's limit" in str(info.value)
     # The refused body was never read, so its seq_id (3) is a hole only the caller can fill.
-    status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(client.model_id, 3),
-                           content_type="application/x-protobuf")
+    _, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(client.model_id, 3),
+                      content_type="application/x-protobuf")
     _, result = wait_result(server, json.loads(body)["request_id"])
     after = [torch.tensor(o["logprobs"].data) for o in decode_fwdbwd(result).loss_fn_outputs]
     for a, b in zip(after, before, strict=True):

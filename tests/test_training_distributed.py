@@ -11,16 +11,16 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
+from tinker import types
 
-from harness.tiny_model import write_tiny_model  # noqa: E402
-from harness.training_server import API_KEY, TrainingServer  # noqa: E402
-from weightsync.models import CausalLM, token_logprobs  # noqa: E402
+from harness.tiny_model import write_tiny_model
+from harness.training_server import API_KEY, TrainingServer
+from weightsync.models import CausalLM, token_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 
 SEQS = [[3, 17, 42, 99, 7, 8, 250], [5, 6, 7, 8, 9], [100, 200, 300, 400, 12, 13, 14, 15, 16]]
-ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
 
 
 def batch(scale: float = 1.0):

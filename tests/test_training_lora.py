@@ -11,15 +11,15 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
+from tinker import types
 
-from harness.tiny_model import write_tiny_model  # noqa: E402
-from harness.training_server import API_KEY, TrainingServer  # noqa: E402
-from weightsync.app.training.lora import LORA_ALPHA  # noqa: E402
-from weightsync.models import load_pretrained  # noqa: E402
-from weightsync.reader import Reader  # noqa: E402
-from weightsync.store import open_store  # noqa: E402
-from weightsync.versions import read_manifest  # noqa: E402
+from harness.tiny_model import write_tiny_model
+from harness.training_server import API_KEY, TrainingServer
+from weightsync.app.training.lora import LORA_ALPHA
+from weightsync.models import load_pretrained
+from weightsync.reader import Reader
+from weightsync.store import open_store
+from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -52,10 +52,10 @@ def test_a_server_from_the_demo_profile_trains_the_profile_model_on_two_ranks(tm
     from tinker import types
 
     env = {**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "serve-training", "--state-dir",
-                             str(tmp_path / "state"), "--port", "0", "--api-key", "tml-profile", "--profile", "demo-lm"],
-                            stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "serve-training", "--state-dir",
+                                 str(tmp_path / "state"), "--port", "0", "--api-key", "tml-profile", "--profile",
+                                 "demo-lm"], stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
     try:
         ready: list[dict] = []
         seen = threading.Event()

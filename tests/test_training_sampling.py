@@ -14,14 +14,14 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
+from tinker import types
 
-from harness.tiny_model import write_tiny_model  # noqa: E402
-from harness.training_server import API_KEY, TrainingServer  # noqa: E402
-from weightsync.models import CausalLM, load_pretrained, token_logprobs  # noqa: E402
-from weightsync.reader import Reader  # noqa: E402
-from weightsync.store import open_store  # noqa: E402
-from weightsync.versions import read_manifest  # noqa: E402
+from harness.tiny_model import write_tiny_model
+from harness.training_server import API_KEY, TrainingServer
+from weightsync.models import CausalLM, load_pretrained, token_logprobs
+from weightsync.reader import Reader
+from weightsync.store import open_store
+from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -139,7 +139,7 @@ def test_each_sampling_response_names_the_weight_version_that_produced_it(server
             "sampling_params": {"max_tokens": 3, "temperature": 1.0}}
     request_id = _post(server, "/api/v1/asample", body)[1]["request_id"]
     while True:
-        headers, payload = _post(server, "/api/v1/retrieve_future", {"request_id": request_id}, raw=True)
+        headers, _ = _post(server, "/api/v1/retrieve_future", {"request_id": request_id}, raw=True)
         if headers.get("Content-Type") == "application/x-protobuf":
             break
     assert headers["X-Weight-Version"] == "2"

@@ -125,7 +125,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise NotSupported(f"{method} {path} is not implemented by the weightsync training server "
                                    f"(feature {path.rsplit('/', 1)[-1]!r}); see docs/training-api.md for the "
                                    "routes it serves")
-        except Exception as e:  # one table maps every error to a status; the body names the problem
+        except Exception as e:  # noqa: BLE001 (one table maps every error to a status; the body names it)
             self._send_error(e)
             return
         if isinstance(result, Outcome):

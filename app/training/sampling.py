@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightsync.app.training.errors import NotSupported, TrainingError, UserInputError
+from weightsync.app.training.errors import TrainingError, UserInputError
 from weightsync.app.training.wire import SampledSequence
 from weightsync.models import CausalLM, KVCache, ModelConfig, load_config, rope_inv_freq
 

@@ -22,6 +22,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -38,8 +39,12 @@ from weightsync.app.training.lora import LoraSettings
 from weightsync.app.training.losses import check_inputs, loss_spec, resolve_config
 from weightsync.app.training.ordering import SeqIdOrder
 from weightsync.app.training.sampling import SamplerHub, SamplingSession, parse_sampling_params
-from weightsync.app.training.wire import decode_model_input_json, encode_sample_response
-from weightsync.app.training.wire import ForwardBackwardBatch, encode_forward_backward_output
+from weightsync.app.training.wire import (
+    ForwardBackwardBatch,
+    decode_model_input_json,
+    encode_forward_backward_output,
+    encode_sample_response,
+)
 from weightsync.models import load_config
 
 log = logging.getLogger(__name__)
@@ -513,7 +518,7 @@ def _number(params: Mapping[str, Any], name: str, default: float, *, low: float,
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserInputError(f"adam_params.{name} must be a number, got {value!r}")
     value = float(value)
-    if not (value >= low) or (below is not None and not value < below) or value != value:
+    if math.isnan(value) or not value >= low or (below is not None and not value < below):
         bound = f"in [{low}, {below})" if below is not None else f">= {low}"
         raise UserInputError(f"adam_params.{name} must be {bound}, got {value}")
     return value
