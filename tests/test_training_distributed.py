@@ -28,8 +28,8 @@ def batch(scale: float = 1.0):
                         loss_fn_inputs={"target_tokens": s[1:], "weights": [scale] * (len(s) - 1)}) for s in SEQS]
 
 
-def run_api(state_dir, model_dir, ranks, *, steps, weight_scale=1.0):
-    with TrainingServer(state_dir, ranks=ranks) as server:
+def run_api(state_dir, model_dir, ranks, *, steps, weight_scale=1.0, extra_args=()):
+    with TrainingServer(state_dir, ranks=ranks, extra_args=tuple(extra_args)) as server:
         client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY).create_lora_training_client(
             base_model=model_dir, rank=0).result()
         losses = []
@@ -53,6 +53,15 @@ def test_two_ranks_match_one_rank(tmp_path, model_dir):
     two_losses, two_logprobs = run_api(tmp_path / "two", model_dir, 2, steps=2)
     assert two_losses == pytest.approx(one_losses, rel=1e-5)
     for a, b in zip(one_logprobs, two_logprobs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_cpu_offload_and_activation_checkpointing_stay_available_and_change_no_result(tmp_path, model_dir):
+    plain_losses, plain_logprobs = run_api(tmp_path / "plain", model_dir, 2, steps=2)
+    losses, logprobs = run_api(tmp_path / "offload", model_dir, 2, steps=2,
+                               extra_args=("--cpu-offload", "--activation-checkpointing"))
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for a, b in zip(plain_logprobs, logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
