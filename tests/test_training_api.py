@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
     state = tmp_path_factory.mktemp("server") / "state"
-    with TrainingServer(state, extra_args=("--gap-timeout-s", "3", "--long-poll-s", "1", "--fwdbwd-max-chunk-len", "2",
+    with TrainingServer(state, extra_args=("--gap-timeout-s", "15", "--long-poll-s", "1", "--fwdbwd-max-chunk-len", "2",
                                            "--max-body-mib", "1", "--model", model_dir)) as srv:
         yield srv
 
@@ -244,7 +244,7 @@ def test_a_seq_id_gap_fails_as_a_user_error_and_changes_nothing(server, service,
     status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 5, forward_only=False),
                            content_type="application/x-protobuf")
     assert status == 200
-    _, result = wait_result(server, json.loads(body)["request_id"])  # the server waits 3 s for seq 3
+    _, result = wait_result(server, json.loads(body)["request_id"])  # the server waits 15 s for seq 3
     doc = json.loads(result)
     assert doc["category"] == "user" and "seq_id gap" in doc["error"] and "for seq_id 3" in doc["error"]
     status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 1), content_type="application/x-protobuf")
