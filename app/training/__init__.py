@@ -9,8 +9,11 @@ with sampling on an engine that a weightsync agent keeps in sync. One module per
     ordering.py   a model's requests run in seq_id order, whatever order they arrive in
     wire.py       protobuf / JSON bodies <-> plain tensors (the only module that knows the schema)
     losses.py     the loss functions the SDK names (cross_entropy, importance_sampling, ppo, cispo)
+    lora.py       LoRA adapters on the decoder's linear layers; merging them into the weights
     worker.py     the sharded model on one rank and the collective commands rank 0 sends
-    service.py    sessions, models, checkpoints: what each route does
+    sampling.py   sampling clients on engines that weightsync agents keep in sync
+    profiles.py   named, versioned training presets (profiles/*.toml)
+    service.py    sessions, models, checkpoints, sampler weights: what each route does
     http.py       the HTTP server: routes -> service, errors -> status codes
     serve.py      `weightsync serve-training`: rank 0 serves, the other ranks follow
 

@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
@@ -97,13 +96,6 @@ class LoadState:
     model_id: str
     directory: str
     with_optimizer: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class GatherWeights:
-    """The full fp32 state dict on rank 0 (others return {})."""
-
-    model_id: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,10 +328,6 @@ class Worker:
             raise RuntimeError(f"publishing {command.store_model} to {command.store} failed (see the server log); "
                                "the next save_weights_for_sampler publishes a full version")
         return {"version": publisher.last_version, "ratio": metrics.get("publish/ratio")}
-
-    def _GatherWeights(self, command: GatherWeights) -> dict[str, torch.Tensor]:
-        trained = self.models[command.model_id]
-        return get_model_state_dict(trained.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _barrier(self) -> None:
         if self.world_size > 1:
