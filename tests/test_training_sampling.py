@@ -148,6 +148,25 @@ def test_each_sampling_response_names_the_weight_version_that_produced_it(server
     assert info["weight_version"] == 2 and info["model_path"] == path
 
 
+def test_a_sampling_client_keeps_sampling_its_own_version_after_newer_saves(server, service, model_dir):
+    client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
+    train_step(client)
+    old_path = client.save_weights_for_sampler("old").result().path
+    train_step(client)
+    client.save_weights_for_sampler("new").result()
+    store_model = "tinker-" + client.model_id.replace(":", "-")
+    old = Reader(store_of(server), model=store_model).read(1).state_dict()
+    sampler = service.create_sampling_client(model_path=old_path).result()
+    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),
+                            include_prompt_logprobs=True).result()
+    config, _ = load_pretrained(model_dir)
+    torch.testing.assert_close(torch.tensor(result.prompt_logprobs[1:]), fp32_logprobs(old, config, PROMPT),
+                               rtol=0, atol=1e-5)
+    info = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"{server.url}/api/v1/samplers/{sampler._sampling_session_id}", headers={"X-API-Key": API_KEY})).read())
+    assert info["weight_version"] == 1
+
+
 def test_sampling_the_base_model_uses_its_own_weights(service, model_dir):
     sampler = service.create_sampling_client(base_model=model_dir).result()
     result = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),

@@ -4,11 +4,12 @@ Each trained model publishes its sampler weights to the store as versions of its
 model (worker.py, PublishWeights). For every store model that someone samples from, a
 `SyncedSampler` runs a weightsync agent (`weightsync.agents.AgentServer`, gRPC on 127.0.0.1)
 with a reference engine: the publisher pushes each version to it, it verifies every byte and
-swaps; the store is its safety net. Sampling leases the version the engine serves (requests
-never see mixed weights) and reports that version with every response. A session made for
-version V waits until the agent serves V or newer (a newer one when the client saved again
-meanwhile; see the "versions" note in docs/training-api.md). Sampling from a base model (no
-saved weights) uses a reference engine on the base directory, version 0.
+swaps; the store is its safety net. A sampling client samples exactly the version it was made
+for, and every response names that version: while the agent serves it, requests lease it from
+the engine (they never see mixed weights); once the run has published newer versions, the
+client's version is rebuilt from the store through the verifying Reader (a few are cached).
+Sampling from a base model (no saved weights) uses a reference engine on the base directory,
+version 0.
 
 Generation supports what the SDK's SamplingParams carry: max_tokens, temperature, top_k,
 top_p, seed, stop as token ids or strings (default: the tokenizer's EOS), num_samples, and
@@ -187,8 +188,10 @@ class SamplingSession:
 class SamplerHub:
     """The agents (one per store model) and base-model engines that sampling runs on."""
 
-    def __init__(self, *, store_uri: str, cache_root: str | Path, wait_s: float = 300.0) -> None:
+    def __init__(self, *, store_uri: str, cache_root: str | Path, wait_s: float = 300.0, max_snapshots: int = 2) -> None:
         self.store_uri, self.cache_root, self.wait_s = store_uri, Path(cache_root), wait_s
+        self.max_snapshots = max_snapshots
+        self._snapshots: dict[tuple[str, int], Any] = {}  # older versions clients still sample, oldest first
         self._lock = threading.Lock()
         self._agents: dict[str, Any] = {}
         self._base_engines: dict[str, Any] = {}
@@ -216,17 +219,33 @@ class SamplerHub:
         """(the version that produced it, sequences, prompt logprobs)."""
         engine = self._engine(session)
         generator = self._generator(session.base_dir)
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            with engine.lease() as served:
-                if served.version >= session.version:
-                    sequences, prompt_lp = generator.sample(served.weights, prompt, num_samples=num_samples,
-                                                            params=params, prompt_logprobs=prompt_logprobs)
-                    return served.version, sequences, prompt_lp
-            if time.monotonic() > deadline:
-                raise SamplerUnavailable(f"the sampler of {session.model_path} did not reach version "
-                                         f"{session.version} within {self.wait_s:g} s")
-            time.sleep(0.05)
+        with engine.lease() as served:
+            if served.version == session.version:
+                sequences, prompt_lp = generator.sample(served.weights, prompt, num_samples=num_samples,
+                                                        params=params, prompt_logprobs=prompt_logprobs)
+                return served.version, sequences, prompt_lp
+        # The agent has moved on to a newer version: this client's snapshot is rebuilt from the
+        # store (every chunk hash and the version digest checked, as the agent does).
+        weights = self._snapshot(session)
+        sequences, prompt_lp = generator.sample(weights, prompt, num_samples=num_samples, params=params,
+                                                prompt_logprobs=prompt_logprobs)
+        return session.version, sequences, prompt_lp
+
+    def _snapshot(self, session: SamplingSession) -> Any:
+        from weightsync.reader import Reader
+        from weightsync.store import open_store
+
+        key = (session.store_model, session.version)
+        with self._lock:
+            weights = self._snapshots.get(key)
+        if weights is None:
+            state = Reader(open_store(self.store_uri), model=session.store_model, workers=2).read(session.version)
+            weights = {name: tensor.float() for name, tensor in state.state_dict().items()}
+            with self._lock:
+                self._snapshots[key] = weights
+                while len(self._snapshots) > self.max_snapshots:
+                    self._snapshots.pop(next(iter(self._snapshots)))
+        return weights
 
     def tokenizer_info(self, base_dir: str) -> tuple[Any | None, int | None]:
         generator = self._generator(base_dir)
