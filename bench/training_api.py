@@ -17,7 +17,7 @@ trainer) is the API's overhead; the target is <= 1.15.
 Prints one JSON record (config, versions, hardware, load before and after, results); --save also
 writes it to bench/results/. Run from the repository root:
 
-    python -m bench.training_api [--hidden 256] [--layers 4] [--batch 8] [--seq 128] [--steps 8] [--save]
+    python -m bench.training_api [--hidden 256] [--layers 4] [--batch 16] [--seq 256] [--steps 6] [--save]
 
 Not a test: it asserts nothing.
 """
@@ -115,9 +115,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8, help="steps per block (the first of each is left out)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6, help="steps per block (the first of each is left out)")
     parser.add_argument("--blocks", type=int, default=2, help="A B pairs after the warm-up")
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
