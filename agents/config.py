@@ -104,6 +104,9 @@ class AgentConfig:
     """Serve Prometheus /metrics on this port (0: any free port); None: off."""
     ledger_size: int = 64
     """Versions remembered in the status ledger."""
+    weights_kind: str = "model"
+    """What this agent's engine serves: "model" (whole weights) or "adapter" (LoRA adapters only).
+    A version whose manifest says another kind (producer.weights_kind; absent = "model") is refused."""
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
@@ -118,6 +121,8 @@ class AgentConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_pending_bytes < 0 or self.cache_keep_versions < 1 or self.max_hops < 1 or self.workers < 1:
             raise ValueError("max_pending_bytes >= 0, cache_keep_versions >= 1, max_hops >= 1, workers >= 1 needed")
+        if self.weights_kind not in ("model", "adapter"):
+            raise ValueError(f'weights_kind must be "model" or "adapter", got {self.weights_kind!r}')
         for name in ("listen", "health_listen"):
             value = getattr(self, name)
             if value is not None and ":" not in value:

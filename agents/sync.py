@@ -168,6 +168,11 @@ class SyncAgent:
         on an agent that does not require signatures). Two different offers are refused."""
         manifest = parse_manifest(data)
         check_model(self.model, manifest.model)
+        kind = manifest.producer.get("weights_kind", "model")
+        if kind != self.config.weights_kind:
+            raise FormatError(f"v{manifest.version} of {manifest.model} holds {kind!r} weights, but this agent's engine "
+                              f"serves {self.config.weights_kind!r} weights (agent weights_kind); point the agent at "
+                              "the store model of the right kind (LoRA runs publish merged weights and adapters apart)")
         if expect_version is not None and manifest.version != expect_version:
             raise FormatError(f"offer says v{expect_version} but its manifest is v{manifest.version}")
         if self.verifier is not None and (signature or self.config.require_signatures):

@@ -1,4 +1,5 @@
-"""cli: the `weightsync` command — publish, pull, ls, verify, gc, agent, status, keygen, train, demo.
+"""cli: the `weightsync` command — publish, pull, ls, verify, gc, agent, status, keygen, train, demo,
+serve-training.
 
 Thin: each subcommand parses its flags, calls the library, and prints either a human summary
 or (with --json) one JSON document on stdout. Exit code 0 only on success; errors print one line
@@ -331,6 +332,16 @@ def _cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def _cmd_serve_training(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.app.training.serve import launch, to_argv
+
+    code = launch(to_argv(args), args.nproc)
+    row = {"exit_code": code}
+    if code != 0:
+        raise _Failed(row, f"the training server exited with code {code}")
+    return row
+
+
 class _Failed(Exception):
     """A subcommand that ran but whose result is a failure (its JSON is still printed)."""
 
@@ -495,9 +506,23 @@ def _add_train(sub) -> None:
     p.set_defaults(handler=_cmd_train)
 
 
+def _add_serve_training(sub) -> None:
+    from weightsync.app.training.serve import add_arguments
+
+    p = sub.add_parser("serve-training", help="serve the Tinker training API on the FSDP2 trainer",
+                       description="A training server that the unmodified tinker SDK (0.38) talks to: "
+                                   "tinker.ServiceClient(base_url=URL, api_key=KEY); see docs/training-api.md. "
+                                   "--nproc N starts N ranks with torchrun (default: the profile's ranks, else 1).")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks on this machine (torchrun)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout when the server exits")
+    p.add_argument("-v", "--verbose", action="store_true")
+    add_arguments(p)
+    p.set_defaults(handler=_cmd_serve_training)
+
+
 _SUBCOMMANDS: list[Callable] = [
     _add_publish, _add_pull, _add_ls, _add_verify, _add_gc, _add_agent, _add_status, _add_keygen, _add_train,
-    _add_demo,
+    _add_demo, _add_serve_training,
 ]
 
 

@@ -84,6 +84,10 @@ from weightsync.versions import commit_manifest, latest_version, read_manifest, 
 log = logging.getLogger(__name__)
 
 
+WEIGHTS_KINDS = ("model", "adapter")
+"""producer.weights_kind values (see PublisherConfig.weights_kind); a manifest without one holds "model"."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PublisherConfig:
     chunk_bytes: int = 4 * 1024 * 1024
@@ -110,6 +114,10 @@ class PublisherConfig:
     "Packs"): a few store writes per version instead of one per changed chunk. 0 writes every
     chunk as its own object. Full versions always do: their big objects gain nothing from
     packing, and content addressing shares them between versions."""
+    weights_kind: str = "model"
+    """What the versions hold, written to the manifest's producer.weights_kind: "model" (a whole
+    model's weights, LoRA merged in or not) or "adapter" (LoRA adapter tensors only, for engines
+    that serve adapters). Agents refuse a kind their engine does not serve."""
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -124,6 +132,8 @@ class PublisherConfig:
             raise ValueError(f"pack_bytes must be >= 0 (0 = no packs), got {self.pack_bytes}")
         if self.rebase_every < 0 or self.rebase_chain_ratio < 0:
             raise ValueError("rebase_every and rebase_chain_ratio must be >= 0 (0 = every version full)")
+        if self.weights_kind not in WEIGHTS_KINDS:
+            raise ValueError(f"weights_kind must be one of {WEIGHTS_KINDS}, got {self.weights_kind!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -567,6 +577,8 @@ class Publisher:
     def _commit(self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]) -> Manifest:
         """Writes the one manifest of a version (signed if we sign) and tells the listeners."""
         producer = {"name": "weightsync", "version": __version__, "host": socket.gethostname()}
+        if self.config.weights_kind != "model":  # absent means "model": manifests before the field stay as they were
+            producer["weights_kind"] = self.config.weights_kind
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
         packed = any(c.packed for t in tensors for c in t.chunks)

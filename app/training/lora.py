@@ -1,0 +1,147 @@
+"""lora: low-rank adapters on the decoder's linear layers, and merging them into the weights.
+
+A target `nn.Linear` W (out x in) gets two children, `lora_A` (rank x in, random) and `lora_B`
+(out x rank, zeros, so training starts from the base model), and computes
+
+    y = x W^T + scale * (x A^T) B^T,      scale = LORA_ALPHA / rank
+
+The base weights are frozen; only A and B train. The adapters are attached before FSDP2
+shards the model (they are sharded with their layer like any parameter) and their names are the
+base layer's plus `.lora_A.weight` / `.lora_B.weight`, so DCP checkpoints carry them.
+
+Targets (the SDK's LoraConfig): train_attn -> q/k/v/o_proj, train_mlp -> gate/up/down_proj,
+train_unembed -> lm_head (a model with tied embeddings has no lm_head module: refused).
+
+Merging for engines that serve plain weights: W' = W + scale * B A. On FSDP2 dim-0 shards the
+rows of W and B are cut alike, so each rank merges its own rows with the whole (small) A.
+
+Not here: publishing (worker.py), the optimizer (worker.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weightsync.app.training.errors import UserInputError
+
+LORA_ALPHA = 32.0
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    rank: int
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int | None = None
+
+    @property
+    def scale(self) -> float:
+        return LORA_ALPHA / self.rank
+
+    @classmethod
+    def from_request(cls, doc: Mapping[str, Any] | None) -> LoraSettings | None:
+        """None for full fine-tuning (no config, or rank 0)."""
+        doc = dict(doc or {})
+        rank = doc.get("rank", 0) or 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise UserInputError(f"lora_config.rank must be an integer >= 0 (0 = full fine-tuning), got {rank!r}")
+        if rank == 0:
+            return None
+        settings = cls(rank=rank, train_attn=bool(doc.get("train_attn", True)), train_mlp=bool(doc.get("train_mlp", True)),
+                       train_unembed=bool(doc.get("train_unembed", True)), seed=doc.get("seed"))
+        if not (settings.train_attn or settings.train_mlp or settings.train_unembed):
+            raise UserInputError("lora_config needs at least one of train_attn, train_mlp, train_unembed")
+        return settings
+
+
+def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """Module names (as in named_modules) of the linear layers that get adapters."""
+    wanted = (ATTN if settings.train_attn else ()) + (MLP if settings.train_mlp else ())
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted]
+    if settings.train_unembed:
+        if getattr(model.config, "tie_word_embeddings", False):
+            raise UserInputError("train_unembed needs a separate lm_head, but this model ties its embeddings; "
+                                 "set train_unembed=False")
+        names.append("lm_head")
+    return names
+
+
+def attach(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """Adds adapters to the target layers (on whatever device the model is, meta included) and
+    freezes everything else; returns the target names."""
+    names = target_names(model, settings)
+    model.requires_grad_(False)
+    for name in names:
+        linear = model.get_submodule(name)
+        linear.lora_A = nn.Linear(linear.in_features, settings.rank, bias=False, device=linear.weight.device)
+        linear.lora_B = nn.Linear(settings.rank, linear.out_features, bias=False, device=linear.weight.device)
+        linear.lora_scale = settings.scale
+        if name == "lm_head":
+            # CausalLM applies its output projection as F.linear(x, output_weight()), not through
+            # the module: adapt the weight it hands out instead.
+            model.output_weight = types.MethodType(_adapted_output_weight, model)
+        else:
+            linear.forward = types.MethodType(_lora_forward, linear)
+    return names
+
+
+def _lora_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, self.weight, self.bias) + self.lora_scale * self.lora_B(self.lora_A(x))
+
+
+def _adapted_output_weight(self: nn.Module) -> torch.Tensor:
+    head = self.lm_head
+    return head.weight + head.lora_scale * (head.lora_B.weight @ head.lora_A.weight)
+
+
+def initial_adapters(model_shapes: Mapping[str, tuple[int, ...]], names: list[str], settings: LoraSettings
+                     ) -> dict[str, torch.Tensor]:
+    """A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform with a=sqrt(5), as PEFT), drawn from
+    `seed` in name order; B = 0."""
+    generator = torch.Generator().manual_seed(0 if settings.seed is None else int(settings.seed))
+    tensors = {}
+    for name in names:
+        out_features, in_features = model_shapes[f"{name}.weight"]
+        bound = 1.0 / math.sqrt(in_features)
+        tensors[f"{name}.lora_A.weight"] = torch.empty(settings.rank, in_features).uniform_(-bound, bound,
+                                                                                          generator=generator)
+        tensors[f"{name}.lora_B.weight"] = torch.zeros(out_features, settings.rank)
+    return tensors
+
+
+def merged_state_dict(state: Mapping[str, torch.Tensor], names: list[str], scale: float) -> dict[str, torch.Tensor]:
+    """The plain-model state dict (HF names, no adapters) with W + scale * B A for each target.
+
+    Works on FSDP2 DTensors (each rank merges its own rows; A is gathered) and on plain tensors.
+    """
+    from torch.distributed.tensor import DTensor
+
+    merged = {k: v for k, v in state.items() if not k.endswith(SUFFIXES)}
+    for name in names:
+        weight, a, b = state[f"{name}.weight"], state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"]
+        with torch.no_grad():
+            if isinstance(weight, DTensor):
+                local = weight.to_local() + scale * (b.to_local() @ a.full_tensor())
+                merged[f"{name}.weight"] = DTensor.from_local(local, weight.device_mesh, weight.placements,
+                                                              shape=weight.shape, stride=weight.stride())
+            else:
+                merged[f"{name}.weight"] = weight + scale * (b @ a)
+    return merged
+
+
+def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Only the adapters (what an engine that serves LoRA adapters needs)."""
+    return {k: v for k, v in state.items() if k.endswith(SUFFIXES)}

@@ -1,0 +1,66 @@
+"""ordering: a model's requests run in seq_id order, whatever order they arrive in.
+
+The SDK numbers each training client's requests 1, 2, 3, ... (`seq_id`) and may send them
+concurrently (the chunks of one forward_backward go out in parallel, the first one last), so
+the server must reorder: a request whose predecessors have all arrived is released at once,
+a later one waits in a buffer. A seq_id at or below one already released is refused (a replay
+would apply a step twice). A request that waits longer than `gap_timeout_s` for a seq_id that
+never comes is failed as a user error naming the missing id; the model is untouched.
+
+States of one seq_id: absent -> buffered (waiting for a predecessor) -> released, or
+buffered -> expired (failed after gap_timeout_s).
+
+Not here: running the released requests (service.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from weightsync.app.training.errors import UserInputError
+
+
+class SeqIdOrder:
+    """Releases callbacks in seq_id order, starting at `first`."""
+
+    def __init__(self, *, first: int, gap_timeout_s: float, on_expired: Callable[[int, str, Exception], None]) -> None:
+        self.next_seq_id = first
+        self.gap_timeout_s = gap_timeout_s
+        self._on_expired = on_expired
+        self._buffered: dict[int, tuple[float, str, Callable[[], None]]] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, seq_id: int, request_id: str, release: Callable[[], None]) -> None:
+        """Calls `release` now (in order, with any buffered successors) or when its turn comes."""
+        with self._lock:
+            if seq_id < self.next_seq_id or seq_id in self._buffered:
+                raise UserInputError(f"seq_id {seq_id} was already used for this model (next expected: "
+                                     f"{self.next_seq_id}); requests of a model need increasing seq_ids")
+            self._buffered[seq_id] = (time.monotonic(), request_id, release)
+            ready = self._pop_ready()
+        for callback in ready:
+            callback()
+
+    def expire(self) -> None:
+        """Fails buffered requests that waited longer than gap_timeout_s (called periodically)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._buffered:
+                return
+            oldest = min(t for t, _, _ in self._buffered.values())
+            if now - oldest < self.gap_timeout_s:
+                return
+            expired, self._buffered = self._buffered, {}
+        for seq_id, (_, request_id, _) in sorted(expired.items()):
+            self._on_expired(seq_id, request_id, UserInputError(
+                f"seq_id gap: request seq_id {seq_id} waited {self.gap_timeout_s:g} s for seq_id "
+                f"{self.next_seq_id}, which never arrived; a model's requests must carry consecutive seq_ids"))
+
+    def _pop_ready(self) -> list[Callable[[], None]]:
+        ready = []
+        while self.next_seq_id in self._buffered:
+            ready.append(self._buffered.pop(self.next_seq_id)[2])
+            self.next_seq_id += 1
+        return ready

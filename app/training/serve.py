@@ -1,0 +1,192 @@
+"""serve: `weightsync serve-training`, the Tinker-compatible training server, on every rank.
+
+    torchrun --nproc-per-node 2 -m weightsync.app.training.serve --state-dir DIR --port 8000
+    weightsync serve-training --state-dir DIR --port 8000          (one rank, no torchrun)
+
+Every rank builds the process group, the mesh and a Worker; rank 0 also serves HTTP and sends
+each request to all ranks as a command; the others follow until rank 0 stops. When ready, rank
+0 prints one JSON line `{"event": "ready", "url": ...}` on stdout (with `--port 0` it names the
+port the OS chose). SIGTERM / SIGINT stop it cleanly.
+
+The API key comes from `--api-key` or WEIGHTSYNC_TRAINING_API_KEY; the SDK only sends keys
+that start with `tml-`.
+
+Not here: the routes (http.py, service.py), the model commands (worker.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "WEIGHTSYNC_TRAINING_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free port; the ready line names it)")
+    parser.add_argument("--api-key", default=None, help=f"the key clients must send (default: ${API_KEY_ENV})")
+    parser.add_argument("--state-dir", required=True, help="checkpoints and run descriptions (kept across restarts)")
+    parser.add_argument("--store", default=None, help="where save_weights_for_sampler publishes (file:// or s3://; "
+                        "default file://<state-dir>/store)")
+    parser.add_argument("--model", action="append", default=[], metavar="DIR",
+                        help="a base model directory to advertise in get_server_capabilities (repeatable)")
+    parser.add_argument("--profile", default=None, metavar="NAME[@VERSION]",
+                        help="a training profile (app/training/profiles): fixes the model, layout, precision, offload "
+                             "and checkpointing, and lets clients pass its name as base_model")
+    parser.add_argument("--profile-model-dir", default=None, help="the profile's weights (overrides its model_dir)")
+    parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
+                        "gradients and optimizer state")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    parser.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
+    parser.add_argument("--long-poll-s", type=float, default=10.0, help="how long retrieve_future waits")
+    parser.add_argument("--gap-timeout-s", type=float, default=120.0,
+                        help="how long a request waits for a missing earlier seq_id before it fails")
+    parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body accepted")
+    parser.add_argument("--fwdbwd-max-chunk-len", type=int, default=1024,
+                        help="datums per forward_backward request the SDK is told to send (it splits larger calls "
+                             "into chunks sent in parallel)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from weightsync.app.training.worker import Worker, follow
+    from weightsync.trainer.config import ParallelConfig
+    from weightsync.trainer.parallel import build_mesh, close_runtime, init_runtime
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if not api_key:
+        raise SystemExit(f"serve-training needs an API key: --api-key or ${API_KEY_ENV}")
+    if "RANK" not in os.environ:  # a world of one: pick a free rendezvous port, never a fixed one
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    profile = None
+    if args.profile:
+        from weightsync.app.training.profiles import resolve_profile
+
+        profile = resolve_profile(args.profile, model_dir=args.profile_model_dir)
+        args.cpu_offload, args.activation_checkpointing = profile.cpu_offload, profile.activation_checkpointing
+        args.mixed_precision = profile.mixed_precision
+    parallel = ParallelConfig(cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
+                              mixed_precision=args.mixed_precision)
+    runtime = init_runtime(parallel)
+    mesh = build_mesh(parallel, runtime)
+    worker = Worker(runtime, mesh, parallel)
+    try:
+        if runtime.rank != 0:
+            # Followers stop when rank 0 says so (after it has finished the request in flight); a
+            # SIGTERM to the whole job must not take a follower away in the middle of a collective.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            follow(worker)
+            return 0
+        return _serve(args, api_key, worker, profile)
+    finally:
+        if dist.is_initialized():
+            close_runtime(runtime)
+
+
+def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
+    from weightsync.app.training.http import TrainingHTTPServer
+    from weightsync.app.training.service import ServiceConfig, TrainingService
+    from weightsync.app.training.worker import Commander
+
+    aliases: tuple[tuple[str, str], ...] = ()
+    if profile is not None:
+        # The directory is written by rank 0 before any rank reads it: no model exists before
+        # the first create_model, which reaches the other ranks after this.
+        directory = profile.materialise(os.path.join(args.state_dir, "profiles"))
+        aliases = ((profile.name, directory), (profile.key, directory))
+        log.info("profile %s: %s", profile.key, profile.description)
+    config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
+                           known_models=tuple(args.model), store=args.store, model_aliases=aliases)
+    service = TrainingService(config, Commander(worker))
+    server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
+                                max_body_bytes=int(args.max_body_mib * 1024 * 1024),
+                                fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.serve_in_thread()
+    print(json.dumps({"event": "ready", "url": server.url, "world_size": worker.world_size,
+                      "profile": profile.key if profile else None}), flush=True)
+    stop.wait()
+    log.info("stopping")
+    server.shutdown()
+    service.close()
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: Sequence[str], nproc: int | None) -> int:
+    """`weightsync serve-training`: this process (one rank) or `torchrun --nproc-per-node N` of
+    it; N defaults to the profile's ranks. Returns the exit code."""
+    argv = list(argv)
+    if nproc is None:
+        args = _parser().parse_args(argv)
+        if args.profile:
+            from weightsync.app.training.profiles import resolve_profile
+
+            nproc = resolve_profile(args.profile).ranks
+    if nproc is None or nproc == 1 or "LOCAL_RANK" in os.environ:
+        return main(argv)
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "weightsync.app.training.serve", *argv]
+    return subprocess.run(command, check=False).returncode
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The server's command line for a namespace that `add_arguments` parsed (to hand to torchrun)."""
+    argv: list[str] = []
+    for action in _parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value or ():
+                argv += [flag, str(item)]
+        elif value is not None and value != action.default:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m weightsync.app.training.serve", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _configure_logging(args.log_level)
+    return run(args)
+
+
+def _configure_logging(level: str) -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=level, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""service: what each Tinker route does: sessions, models, ordered training requests, checkpoints.
+
+Routes that start work (create_model, forward_backward, optim_step, save_weights,
+load_weights, save_weights_for_sampler, asample) answer at once with a request id and run
+later; the result is fetched through `retrieve_future` (futures.py). Training requests of one
+model run in seq_id order (ordering.py) on one executor thread, which sends each as a command to
+every rank (worker.py). A request is validated before it is queued: a bad one fails its future
+as a *user* error, consumes its seq_id, and never reaches the model.
+
+Checkpoints are named `tinker://<model_id>/weights/<name>` (save_state: a DCP checkpoint of
+model and optimizer) and live under `<state_dir>/runs/<model_id>/weights/<name>/`, with a
+`run.json` beside them that says how to rebuild the model (base model, LoRA settings). So a
+restarted server can recreate a model from any saved state (`load_weights` with a session id:
+the SDK's `create_training_client_from_state[_with_optimizer]`).
+
+Not here: HTTP and status codes (http.py), the bodies' encoding (wire.py), the model (worker.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import re
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from weightsync.app.training import worker as commands
+from weightsync.app.training.errors import NotFound, NotSupported, UserInputError
+from weightsync.app.training.futures import FutureTable, Outcome
+from weightsync.app.training.lora import LoraSettings
+from weightsync.app.training.losses import check_inputs, loss_spec, resolve_config
+from weightsync.app.training.ordering import SeqIdOrder
+from weightsync.app.training.sampling import SamplerHub, SamplingSession, parse_sampling_params
+from weightsync.app.training.wire import (
+    ForwardBackwardBatch,
+    decode_model_input_json,
+    encode_forward_backward_output,
+    encode_sample_response,
+)
+from weightsync.models import load_config
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TINKER_PATH = re.compile(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """How the service behaves (the model layout comes from the profile the worker was built with)."""
+
+    state_dir: str
+    """Checkpoints (DCP) and run descriptions live here; survives restarts."""
+    long_poll_s: float = 10.0
+    """How long retrieve_future waits for a result before answering try_again."""
+    gap_timeout_s: float = 120.0
+    """How long a request may wait for a missing earlier seq_id before it fails."""
+    max_context_tokens: int = 4096
+    """Longest model_input accepted in one datum."""
+    known_models: tuple[str, ...] = ()
+    """Base model directories advertised by get_server_capabilities (any directory can be used)."""
+    model_aliases: tuple[tuple[str, str], ...] = ()
+    """(name, directory) pairs: a base_model of that name means that directory (profiles)."""
+    store: str | None = None
+    """Where save_weights_for_sampler publishes (file:// or s3://); default file://<state_dir>/store."""
+    max_sample_tokens: int = 1024
+    """Largest max_tokens a sampling request may ask for."""
+    sampling_threads: int = 2
+    """Sampling requests generating at once (beside training, which runs on its own thread)."""
+
+    @property
+    def store_uri(self) -> str:
+        return self.store or f"file://{Path(self.state_dir).resolve() / 'store'}"
+
+    def __post_init__(self) -> None:
+        if self.long_poll_s <= 0 or self.gap_timeout_s <= 0 or self.max_context_tokens < 1:
+            raise ValueError("long_poll_s and gap_timeout_s must be > 0 and max_context_tokens >= 1")
+
+
+@dataclasses.dataclass
+class ModelRecord:
+    model_id: str
+    base_model: str
+    base_dir: str
+    lora: LoraSettings | None
+    vocab_size: int
+    model_type: str
+    order: SeqIdOrder
+
+
+class TrainingService:
+    """The domain side of the routes; thread-safe (HTTP handler threads call it concurrently)."""
+
+    def __init__(self, config: ServiceConfig, commander: commands.Commander) -> None:
+        self.config = config
+        self.commander = commander
+        self.futures = FutureTable()
+        self.state_dir = Path(config.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self.sessions: set[str] = set()
+        self.models: dict[str, ModelRecord] = {}
+        self._jobs: queue.Queue[tuple[str, Callable[[], Outcome]] | None] = queue.Queue()
+        self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
+        self._executor.start()
+        self.samplers = SamplerHub(store_uri=config.store_uri, cache_root=self.state_dir / "sampler-agents")
+        self.sampling_sessions: dict[str, SamplingSession] = {}
+        self._sampling_pool = cf.ThreadPoolExecutor(config.sampling_threads, thread_name_prefix="sampling")
+        self._closed = threading.Event()
+        threading.Thread(target=self._expire_gaps, name="seq-id-gaps", daemon=True).start()
+
+    # ------------------------------------------------------------------ sessions, info
+
+    def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        session_id = f"s{uuid.uuid4().hex[:16]}"
+        with self._lock:
+            self.sessions.add(session_id)
+        return {"type": "create_session", "session_id": session_id}
+
+    def capabilities(self) -> dict[str, Any]:
+        models = []
+        for directory in self.config.known_models + tuple(name for name, _ in self.config.model_aliases):
+            try:
+                context = load_config(dict(self.config.model_aliases).get(directory, directory)).max_position_embeddings
+            except ValueError:
+                continue
+            models.append({"model_name": directory, "max_context_length": context, "trainable": True,
+                           "sampleable": True})
+        return {"supported_models": models}
+
+    def get_info(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        record = self._model(_field(body, "model_id", str))
+        rank = record.lora.rank if record.lora is not None else 0
+        return {
+            "type": "get_info", "model_id": record.model_id,
+            "model_data": {"arch": record.model_type, "model_name": record.base_model,
+                           "tokenizer_id": record.base_model},
+            "is_lora": rank > 0, "lora_rank": rank or None, "model_name": record.base_model,
+        }
+
+    # ------------------------------------------------------------------ models
+
+    def create_model(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        session_id = _field(body, "session_id", str)
+        model_seq_id = _field(body, "model_seq_id", int)
+        base_model = _field(body, "base_model", str)
+        lora = LoraSettings.from_request(body.get("lora_config"))
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise NotSupported(f"optimizer {optimizer!r} is not supported; this server trains with AdamW ('adamw')")
+        model_id = f"{session_id}:train:{model_seq_id}"
+        base_dir = self._resolve_base_model(base_model)
+        request_id = self.futures.create("create_model")
+        self._enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora))
+        return {"request_id": request_id, "model_id": model_id}
+
+    def _resolve_base_model(self, base_model: str) -> str:
+        aliases = dict(self.config.model_aliases)
+        path = Path(aliases.get(base_model, base_model)).expanduser()
+        if not (path / "config.json").is_file():
+            raise UserInputError(f"base_model {base_model!r} is not an HF-style model directory on the server "
+                                 "(config.json + safetensors + tokenizer)")
+        return str(path.resolve())
+
+    def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: LoraSettings | None) -> Outcome:
+        with self._lock:
+            if model_id in self.models:
+                raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
+        info = self.commander.run(commands.CreateModel(model_id, base_dir, lora))
+        record = ModelRecord(model_id, base_model, base_dir, lora, info["vocab_size"], info["model_type"],
+                             SeqIdOrder(first=1, gap_timeout_s=self.config.gap_timeout_s, on_expired=self._expired))
+        with self._lock:
+            self.models[model_id] = record
+        self._write_run(record)
+        return Outcome(json={"type": "create_model", "model_id": model_id})
+
+    def _write_run(self, record: ModelRecord) -> None:
+        run_dir = self._run_dir(record.model_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / "run.json", {"model_id": record.model_id, "base_model": record.base_model,
+                                           "base_dir": record.base_dir,
+                                           "lora": dataclasses.asdict(record.lora) if record.lora else None})
+
+    def _run_dir(self, model_id: str) -> Path:
+        if "/" in model_id or model_id in ("", ".", ".."):
+            raise UserInputError(f"invalid model id {model_id!r}")
+        return self.state_dir / "runs" / model_id
+
+    def _model(self, model_id: str) -> ModelRecord:
+        with self._lock:
+            record = self.models.get(model_id)
+        if record is None:
+            raise NotFound(f"unknown model {model_id!r}: create it with create_model (or load_weights) first")
+        return record
+
+    # ------------------------------------------------------------------ training requests
+
+    def forward_backward(self, batch: ForwardBackwardBatch) -> dict[str, Any]:
+        record = self._model(batch.model_id)
+        request_id = self.futures.create("fwdbwd")
+        try:
+            command = self._check_forward_backward(record, batch)
+        except (UserInputError, NotFound) as e:  # NotFound: a loss the SDK names that is not served here
+            error = e
+            self._submit_ordered(record, batch.seq_id, request_id, lambda: _raise(error))
+        else:
+            self._submit_ordered(record, batch.seq_id, request_id, lambda: self._run_forward_backward(command))
+        return {"request_id": request_id, "model_id": record.model_id}
+
+    def _check_forward_backward(self, record: ModelRecord, batch: ForwardBackwardBatch) -> commands.ForwardBackward:
+        spec = loss_spec(batch.loss_fn)
+        config = resolve_config(spec, batch.loss_fn, batch.loss_config)
+        if not batch.data:
+            raise UserInputError("forward_backward needs at least one datum")
+        for i, datum in enumerate(batch.data):
+            if len(datum.tokens) > self.config.max_context_tokens:
+                raise UserInputError(f"data[{i}] has {len(datum.tokens)} tokens, over this server's limit of "
+                                     f"{self.config.max_context_tokens}")
+            check_inputs(spec, batch.loss_fn, i, datum.tokens, datum.inputs, record.vocab_size)
+        return commands.ForwardBackward(record.model_id, batch.loss_fn, config, batch.data, batch.forward_only)
+
+    def _run_forward_backward(self, command: commands.ForwardBackward) -> Outcome:
+        outputs, metrics = self.commander.run(command)
+        return Outcome(proto=encode_forward_backward_output(outputs, metrics))
+
+    def optim_step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        record = self._model(_field(body, "model_id", str))
+        seq_id = _field(body, "seq_id", int)
+        params = body.get("adam_params")
+        request_id = self.futures.create("optim")
+        try:
+            if not isinstance(params, Mapping):
+                kind = (body.get("optimizer_params") or {}).get("type") if isinstance(body.get("optimizer_params"),
+                                                                                       Mapping) else None
+                raise UserInputError(f"optim_step needs adam_params (this server trains with AdamW); got {kind!r}")
+            command = commands.OptimStep(
+                record.model_id, learning_rate=_number(params, "learning_rate", 1e-4, low=0.0),
+                beta1=_number(params, "beta1", 0.9, low=0.0, below=1.0),
+                beta2=_number(params, "beta2", 0.95, low=0.0, below=1.0),
+                eps=_number(params, "eps", 1e-12, low=0.0), weight_decay=_number(params, "weight_decay", 0.0, low=0.0),
+                grad_clip_norm=_number(params, "grad_clip_norm", 0.0, low=0.0))
+        except UserInputError as e:
+            error = e
+            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+        else:
+            self._submit_ordered(record, seq_id, request_id,
+                                 lambda: Outcome(json={"type": "optim_step", "metrics": self.commander.run(command)}))
+        return {"request_id": request_id, "model_id": record.model_id}
+
+    # ------------------------------------------------------------------ checkpoints (DCP)
+
+    def save_state(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        record = self._model(_field(body, "model_id", str))
+        seq_id = _field(body, "seq_id", int)
+        name = body.get("path") or f"state-{seq_id:06d}"
+        request_id = self.futures.create("save")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            error = UserInputError(f"checkpoint name {name!r} must be 1-128 characters of letters, digits, '.', '_' "
+                                   "or '-' (no '/')")
+            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+            return {"request_id": request_id, "model_id": record.model_id}
+        directory = self._run_dir(record.model_id) / "weights" / name
+        path = f"tinker://{record.model_id}/weights/{name}"
+
+        def save() -> Outcome:
+            self.commander.run(commands.SaveState(record.model_id, str(directory)))
+            return Outcome(json={"type": "save_weights", "path": path})
+
+        self._submit_ordered(record, seq_id, request_id, save)
+        return {"request_id": request_id, "model_id": record.model_id}
+
+    def load_state(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        path = _field(body, "path", str)
+        with_optimizer = bool(body.get("optimizer", False))
+        source_run, directory = self._checkpoint_dir(path)
+        if body.get("session_id") is not None:
+            # Create-via-load: this request creates the model (the SDK's create_training_client_from_state*).
+            session_id = _field(body, "session_id", str)
+            model_id = f"{session_id}:train:{_field(body, 'model_seq_id', int)}"
+            run = json.loads((self._run_dir(source_run) / "run.json").read_text())
+            base_model = body.get("base_model") or run["base_model"]
+            if base_model != run["base_model"]:
+                raise UserInputError(f"base_model {base_model!r} differs from the checkpoint's {run['base_model']!r}")
+            request_id = self.futures.create("load")
+
+            def create_and_load() -> Outcome:
+                lora = LoraSettings(**run["lora"]) if run.get("lora") else None
+                self._create_model(model_id, run["base_model"], run["base_dir"], lora)
+                self.commander.run(commands.LoadState(model_id, str(directory), with_optimizer))
+                return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
+
+            self._enqueue(request_id, create_and_load)
+            return {"request_id": request_id, "model_id": model_id}
+        record = self._model(_field(body, "model_id", str))
+        seq_id = _field(body, "seq_id", int)
+        request_id = self.futures.create("load")
+
+        def load() -> Outcome:
+            self.commander.run(commands.LoadState(record.model_id, str(directory), with_optimizer))
+            return Outcome(json={"type": "load_weights", "path": path, "model_id": record.model_id})
+
+        self._submit_ordered(record, seq_id, request_id, load)
+        return {"request_id": request_id, "model_id": record.model_id}
+
+    def _checkpoint_dir(self, path: str) -> tuple[str, Path]:
+        match = _TINKER_PATH.fullmatch(path)
+        if not match or match.group(2) != "weights":
+            raise UserInputError(f"{path!r} is not a training-state path; expected tinker://<model_id>/weights/<name> "
+                                 "as returned by save_state")
+        model_id, _, name = match.groups()
+        directory = self._run_dir(model_id) / "weights" / name
+        if not (directory / ".metadata").is_file():
+            raise NotFound(f"no saved state at {path} (nothing under {directory})")
+        return model_id, directory
+
+    def list_checkpoints(self, model_id: str) -> dict[str, Any]:
+        self._run_dir(model_id)
+        found = []
+        for kind, checkpoint_type in (("weights", "training"), ("sampler_weights", "sampler")):
+            root = self._run_dir(model_id) / kind
+            for directory in sorted(root.iterdir()) if root.is_dir() else []:
+                if directory.name.startswith("."):
+                    continue
+                found.append({"checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
+                              "time": _iso_time(directory.stat().st_mtime),
+                              "tinker_path": f"tinker://{model_id}/{kind}/{directory.name}"})
+        return {"checkpoints": found}
+
+    # ------------------------------------------------------------------ sampler weights, sampling
+
+    def save_weights_for_sampler(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        record = self._model(_field(body, "model_id", str))
+        seq_id = _field(body, "seq_id", int)
+        name = body.get("path")
+        request_id = self.futures.create("save_sampler")
+        if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
+            error = UserInputError(f"sampler weights name {name!r} must be 1-128 characters of letters, digits, '.', "
+                                   "'_' or '-' (no '/')")
+            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+            return {"request_id": request_id, "model_id": record.model_id}
+        store_model = _store_model_name(record.model_id)
+
+        def publish() -> Outcome:
+            address = self.samplers.ensure_agent(store_model, record.base_dir)
+            kind = "full" if record.lora is None else "merged"
+            result = self.commander.run(commands.PublishWeights(record.model_id, self.config.store_uri, store_model,
+                                                                (address,), kind))
+            version = int(result["version"])
+            extra = {}
+            if record.lora is not None:
+                # Engines that serve adapters sync this store model instead: adapter-only versions.
+                adapter = self.commander.run(commands.PublishWeights(
+                    record.model_id, self.config.store_uri, store_model + "-adapter", (), "adapter"))
+                extra = {"adapter_store_model": store_model + "-adapter", "adapter_version": adapter["version"]}
+            label = name or f"sampler-v{version:06d}"
+            path = f"tinker://{record.model_id}/sampler_weights/{label}"
+            directory = self._run_dir(record.model_id) / "sampler_weights" / label
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_json(directory / "sampler.json", {"store": self.config.store_uri, "store_model": store_model,
+                                                     "version": version, "base_model": record.base_model,
+                                                     "kind": kind, **extra})
+            if name is not None:
+                return Outcome(json={"type": "save_weights_for_sampler", "path": path})
+            session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
+            return Outcome(json={"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session})
+
+        self._submit_ordered(record, seq_id, request_id, publish)
+        return {"request_id": request_id, "model_id": record.model_id}
+
+    def create_sampling_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        model_path = body.get("model_path")
+        if model_path is not None:
+            match = _TINKER_PATH.fullmatch(model_path) if isinstance(model_path, str) else None
+            if not match or match.group(2) != "sampler_weights":
+                raise UserInputError(f"model_path {model_path!r} is not sampler weights; expected "
+                                     "tinker://<model_id>/sampler_weights/<name> from save_weights_for_sampler")
+            meta_path = self._run_dir(match.group(1)) / "sampler_weights" / match.group(3) / "sampler.json"
+            if not meta_path.is_file():
+                raise NotFound(f"no sampler weights at {model_path}")
+            meta = json.loads(meta_path.read_text())
+            run = json.loads((self._run_dir(match.group(1)) / "run.json").read_text())
+            session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["store_model"],
+                                                 int(meta["version"]), model_path)
+        else:
+            base_model = _field(body, "base_model", str)
+            session = self._add_sampling_session(base_model, self._resolve_base_model(base_model), None, 0, None)
+        return {"type": "create_sampling_session", "sampling_session_id": session}
+
+    def _add_sampling_session(self, base_model: str, base_dir: str, store_model: str | None, version: int,
+                              model_path: str | None) -> str:
+        session_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        with self._lock:
+            self.sampling_sessions[session_id] = SamplingSession(session_id, base_model, base_dir, store_model,
+                                                                 version, model_path)
+        return session_id
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        session = self._sampling_session(sampler_id)
+        return {"sampler_id": session.session_id, "base_model": session.base_model, "model_path": session.model_path,
+                "weight_version": session.version}
+
+    def _sampling_session(self, sampler_id: str) -> SamplingSession:
+        with self._lock:
+            session = self.sampling_sessions.get(sampler_id)
+        if session is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        return session
+
+    def sample(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if body.get("sampling_session_id") is None:
+            raise UserInputError("asample needs a sampling_session_id (create a sampling client first)")
+        session = self._sampling_session(_field(body, "sampling_session_id", str))
+        num_samples = body.get("num_samples", 1)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= 128:
+            raise UserInputError(f"num_samples must be an integer in [1, 128], got {num_samples!r}")
+        for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(unsupported):
+                raise NotSupported(f"{unsupported} is not supported by this server")
+        if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n") is not None:
+            raise NotSupported("target_prompt_logprobs and prompt_logprobs_last_n are not supported by this server")
+        prompt = decode_model_input_json(body.get("prompt"), "prompt")
+        config = load_config(session.base_dir)
+        if len(prompt) == 0 or prompt.min() < 0 or prompt.max() >= config.vocab_size:
+            raise UserInputError(f"prompt must be non-empty with token ids in [0, {config.vocab_size})")
+        if len(prompt) >= config.max_position_embeddings:
+            raise UserInputError(f"prompt has {len(prompt)} tokens; the model's context is "
+                                 f"{config.max_position_embeddings}")
+        _, eos = self.samplers.tokenizer_info(session.base_dir)
+        params = parse_sampling_params(body.get("sampling_params"), eos_token_id=eos, vocab_size=config.vocab_size,
+                                       max_new_tokens=self.config.max_sample_tokens)
+        want_prompt_logprobs = bool(body.get("prompt_logprobs"))
+        request_id = self.futures.create("sample")
+
+        def run() -> None:
+            try:
+                version, sequences, prompt_lp = self.samplers.sample(
+                    session, prompt.tolist(), num_samples=num_samples, params=params,
+                    prompt_logprobs=want_prompt_logprobs)
+            except Exception as e:
+                if not isinstance(e, UserInputError):
+                    log.exception("sampling request %s failed", request_id)
+                self.futures.fail(request_id, e)
+                return
+            self.futures.resolve(request_id, Outcome(proto=encode_sample_response(sequences, prompt_lp),
+                                                     weight_version=version))
+
+        self._sampling_pool.submit(run)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}-{i}" for i in range(num_samples)]}
+
+    # ------------------------------------------------------------------ futures, execution
+
+    def retrieve(self, body: Mapping[str, Any]) -> Outcome | dict[str, Any]:
+        request_id = _field(body, "request_id", str)
+        outcome = self.futures.wait(request_id, self.config.long_poll_s)
+        if outcome is None:
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        return outcome
+
+    def _submit_ordered(self, record: ModelRecord, seq_id: int, request_id: str, job: Callable[[], Outcome]) -> None:
+        record.order.submit(seq_id, request_id, lambda: self._enqueue(request_id, job))
+
+    def _expired(self, seq_id: int, request_id: str, error: Exception) -> None:
+        log.warning("%s", error)
+        self.futures.fail(request_id, error)
+
+    def _expire_gaps(self) -> None:
+        while not self._closed.wait(min(1.0, self.config.gap_timeout_s / 4)):
+            with self._lock:
+                records = list(self.models.values())
+            for record in records:
+                record.order.expire()
+
+    def _enqueue(self, request_id: str, job: Callable[[], Outcome]) -> None:
+        self._jobs.put((request_id, job))
+
+    def _run_jobs(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            request_id, job = item
+            try:
+                outcome = job()
+            except Exception as e:  # every failure goes to the caller's future, with its category
+                if not isinstance(e, (UserInputError, NotFound)):
+                    log.exception("request %s failed", request_id)
+                self.futures.fail(request_id, e)
+            else:
+                self.futures.resolve(request_id, outcome)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._jobs.put(None)
+        self._executor.join(timeout=60)
+        self._sampling_pool.shutdown(wait=True, cancel_futures=True)
+        self.commander.close()
+        self.samplers.close()
+
+
+def _raise(error: Exception) -> Outcome:
+    raise error
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UserInputError(f"field {name!r} must be {'an integer' if kind is int else 'a string'}, got {value!r}")
+    return value
+
+
+def _number(params: Mapping[str, Any], name: str, default: float, *, low: float, below: float | None = None) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserInputError(f"adam_params.{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or not value >= low or (below is not None and not value < below):
+        bound = f"in [{low}, {below})" if below is not None else f">= {low}"
+        raise UserInputError(f"adam_params.{name} must be {bound}, got {value}")
+    return value
+
+
+def _store_model_name(model_id: str) -> str:
+    """The store's name for a training run's sampler versions (store names allow no ':')."""
+    return "tinker-" + model_id.replace(":", "-")
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _iso_time(timestamp: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc).isoformat()

@@ -1,0 +1,86 @@
+"""Training profiles: the shipped ones load and resolve by name (newest version) or name@version,
+an unknown one is refused listing the known ones, and a server started from a profile (through
+`weightsync serve-training`, 2 ranks under torchrun for demo-lm) trains the profile's model when
+a client names the profile as its base model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from weightsync.app.training.errors import NotFound
+from weightsync.app.training.profiles import load_profiles, resolve_profile
+from weightsync.app.training.serve import add_arguments, to_argv
+
+
+def test_the_shipped_profiles_load_and_resolve():
+    profiles = load_profiles()
+    assert {"demo-lm@1", "qwen3-0.6b@1"} <= set(profiles)
+    qwen = resolve_profile("qwen3-0.6b")
+    assert qwen.architecture["hidden_size"] == 1024 and qwen.architecture["num_hidden_layers"] == 28
+    assert qwen.cpu_offload and qwen.activation_checkpointing and qwen.mixed_precision == "bf16"
+    assert resolve_profile("demo-lm@1").ranks == 2
+    assert resolve_profile("qwen3-0.6b", model_dir="/models/qwen3").model_dir == "/models/qwen3"
+    with pytest.raises(NotFound, match="known: \\['demo-lm@1'"):
+        resolve_profile("no-such-profile")
+    with pytest.raises(NotFound):
+        resolve_profile("demo-lm@99")
+
+
+def test_to_argv_round_trips_the_server_options():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--state-dir", "/tmp/x", "--port", "0", "--profile", "demo-lm", "--cpu-offload", "--model", "a",
+            "--model", "b"]
+    args = parser.parse_args(argv)
+    assert vars(parser.parse_args(to_argv(args))) == vars(args)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_server_from_the_demo_profile_trains_the_profile_model_on_two_ranks(tmp_path):
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    env = {**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "serve-training", "--state-dir",
+                                 str(tmp_path / "state"), "--port", "0", "--api-key", "tml-profile", "--profile",
+                                 "demo-lm"], stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+    try:
+        ready: list[dict] = []
+        seen = threading.Event()
+
+        def read_ready() -> None:
+            for line in proc.stdout:
+                if line.startswith(b'{"event": "ready"'):
+                    ready.append(json.loads(line))
+                    seen.set()
+                    return
+
+        threading.Thread(target=read_ready, daemon=True).start()
+        assert seen.wait(300), (tmp_path / "server.log").read_text()[-3000:]
+        assert ready[0]["world_size"] == 2 and ready[0]["profile"] == "demo-lm@1"
+        service = tinker.ServiceClient(base_url=ready[0]["url"], api_key="tml-profile")
+        client = service.create_lora_training_client(base_model="demo-lm", rank=0).result()
+        tokens = [256, 49, 43, 50, 61, 51, 257]
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 6})
+        losses = []
+        for _ in range(3):
+            out = client.forward_backward([datum, datum, datum], "cross_entropy")
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(out.result().metrics["loss:sum"])
+        assert losses[-1] < losses[0]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
