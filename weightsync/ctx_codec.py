@@ -122,23 +122,39 @@ def _table(dtype_name: str, itemsize: int, class_base: int) -> tuple[np.ndarray,
     return cache[key]
 
 
+def float_layout(dtype_name: str) -> tuple[int, int] | None:
+    """(mantissa bits, exponent bits) of a float dtype; None for integers and bool."""
+    return _FLOAT_LAYOUT.get(dtype_name)
+
+
+def sample_step(count: int) -> int:
+    """Every sample_step-th element of the parent is sampled to choose the class base."""
+    return max(1, count // 4096)
+
+
+def quantile_index(n: int) -> int:
+    """The index, in the sorted sample of nonzero exponents, of the class base."""
+    return (n - 1) * 5 // 1000
+
+
 def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
     """The lowest exponent of the class window, from a sample of the parent.
 
     Small weights change most often and vary most in how often, so the window starts near the
-    smallest exponents that matter (the 0.5 % quantile of a sample); larger ones share the top
-    classes, where changes are rare anyway.
+    smallest exponents that matter (the 0.5 % quantile of a sample of nonzero exponents); larger
+    ones share the top classes, where changes are rare anyway. Any base decodes; this is only
+    the encoder's choice (weightsync.diff makes the same one on the device).
     """
     layout = _FLOAT_LAYOUT.get(dtype_name)
     if layout is None or len(old) == 0:
         return 0
     mant, exp_bits = layout
-    sample = old[:: max(1, len(old) // 4096)]
+    sample = old[:: sample_step(len(old))]
     exponents = (sample >> mant).astype(np.int64) & ((1 << exp_bits) - 1)
     exponents = exponents[exponents > 0]  # zeros and subnormals sit in class 0 whatever the base
     if len(exponents) == 0:
         return 0
-    return int(np.quantile(exponents, 0.005, method="lower"))
+    return int(np.sort(exponents)[quantile_index(len(exponents))])
 
 
 # ----------------------------------------------------------------------------- numba kernels
