@@ -50,18 +50,22 @@ else:
 NUM_CLASSES = 16
 HEADER = struct.Struct("<QH")  # changed elements, class_base
 # Per-class probability cells (docs/format.md, "Codec ctx"). Bit trees use cells 1 .. 2^bits - 1.
+GAP_TOP_BITS = 1  # bits of a gap below its leading one that are modelled (the rest: direct)
 GAP_SLOT = 0  # 5-bit tree: s = bit_length(gap + 1) - 1
-GAP_TOP = 32  # 4 cells per slot s: the two bits below the leading one (a 2-level tree)
-STEP_SIGN = 160  # 2 cells, by the parent's sign bit
-STEP_ONE = 162  # 2 cells, by the step's sign: is |step| == 1?
-STEP_SLOT = 164  # 6-bit tree: s = bit_length(|step| - 1) - 1 when |step| >= 2
-CELLS_PER_CLASS = 228
+GAP_TOP = 32  # 2^GAP_TOP_BITS cells per slot s: a tree over the bits below the leading one
+STEP_SIGN = GAP_TOP + 32 * (1 << GAP_TOP_BITS)  # 2 cells, by the parent's sign bit
+STEP_ONE = STEP_SIGN + 2  # 2 cells, by the step's sign: is |step| == 1?
+STEP_SLOT = STEP_ONE + 2  # 6-bit tree: s = bit_length(|step| - 1) - 1 when |step| >= 2
+CELLS_PER_CLASS = STEP_SLOT + 64
 TOTAL_CELLS = NUM_CLASSES * CELLS_PER_CLASS
 PROB_BITS = 15
 PROB_ONE = 1 << PROB_BITS
 PROB_INIT = 1 << (PROB_BITS - 1)
-MOVE_BITS = 5
-ADAPT_FIRST = 1
+MOVE_BITS = 7
+# A cell adapts by 1/2^shift with shift = bit_length(seen + 1), at most MOVE_BITS: roughly the
+# running average of its first bits (fast learning), then an exponential one (tracking).
+SEEN_MAX = (1 << MOVE_BITS) - 1
+_SHIFT_AFTER = np.array([min((n + 1).bit_length(), MOVE_BITS) for n in range(SEEN_MAX + 1)], dtype=np.int64)
 
 # Float dtypes by itemsize and exponent layout: (mantissa bits, exponent bits). Keyed by dtype
 # name in `float_layout`; integers and bool have no exponent.
@@ -192,10 +196,8 @@ def _define_kernels():
     def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
         p = np.int64(probs[cell])
         seen = np.int64(probs[cell + TOTAL_CELLS])
-        move = seen + ADAPT_FIRST
-        if move >= MOVE_BITS:
-            move = MOVE_BITS
-        else:
+        move = _SHIFT_AFTER[seen]
+        if seen < SEEN_MAX:
             probs[cell + TOTAL_CELLS] = seen + 1
         bound = (rng >> PROB_BITS) * p
         if bit == 0:
@@ -244,17 +246,17 @@ def _define_kernels():
         v = gap + 1
         s = bit_length(v) - 1
         low, rng, cache, cache_size, op = enc_tree(probs, base + GAP_SLOT, 5, s, low, rng, cache, cache_size, out, op)
-        if s >= 1:
-            t1 = (v >> (s - 1)) & 1
-            cell = base + GAP_TOP + 4 * s
-            low, rng, cache, cache_size, op = enc_bit(probs, cell + 1, t1, low, rng, cache, cache_size, out, op)
-            if s >= 2:
-                t2 = (v >> (s - 2)) & 1
-                low, rng, cache, cache_size, op = enc_bit(probs, cell + 2 + t1, t2, low, rng, cache, cache_size, out, op)
-                if s >= 3:
-                    low, rng, cache, cache_size, op = enc_direct(
-                        v & ((np.int64(1) << (s - 2)) - 1), s - 2, low, rng, cache, cache_size, out, op
-                    )
+        top = min(s, GAP_TOP_BITS)  # the bits below the leading one: the first ones modelled
+        cell = base + GAP_TOP + s * (1 << GAP_TOP_BITS)
+        j = 1
+        for k in range(1, top + 1):
+            b = (v >> (s - k)) & 1
+            low, rng, cache, cache_size, op = enc_bit(probs, cell + j, b, low, rng, cache, cache_size, out, op)
+            j = (j << 1) | b
+        if s > top:  # the rest direct
+            low, rng, cache, cache_size, op = enc_direct(
+                v & ((np.int64(1) << (s - top)) - 1), s - top, low, rng, cache, cache_size, out, op
+            )
         return low, rng, cache, cache_size, op
 
     @helper
@@ -399,10 +401,8 @@ def _define_kernels():
     def dec_bit(probs, cell, rng, code, buf, ip):
         p = np.int64(probs[cell])
         seen = np.int64(probs[cell + TOTAL_CELLS])
-        move = seen + ADAPT_FIRST
-        if move >= MOVE_BITS:
-            move = MOVE_BITS
-        else:
+        move = _SHIFT_AFTER[seen]
+        if seen < SEEN_MAX:
             probs[cell + TOTAL_CELLS] = seen + 1
         bound = (rng >> PROB_BITS) * p
         if code < bound:
@@ -450,17 +450,16 @@ def _define_kernels():
     def dec_gap(probs, c, rng, code, buf, ip):
         base = c * CELLS_PER_CLASS
         s, rng, code, ip = dec_tree(probs, base + GAP_SLOT, 5, rng, code, buf, ip)
-        v = np.int64(1)
-        if s >= 1:
-            cell = base + GAP_TOP + 4 * s
-            t1, rng, code, ip = dec_bit(probs, cell + 1, rng, code, buf, ip)
-            v = (v << 1) | t1
-            if s >= 2:
-                t2, rng, code, ip = dec_bit(probs, cell + 2 + t1, rng, code, buf, ip)
-                v = (v << 1) | t2
-                if s >= 3:
-                    low_bits, rng, code, ip = dec_direct(s - 2, rng, code, buf, ip)
-                    v = (v << (s - 2)) | np.int64(low_bits)
+        top = min(s, GAP_TOP_BITS)
+        cell = base + GAP_TOP + s * (1 << GAP_TOP_BITS)
+        j = 1
+        for _ in range(top):
+            b, rng, code, ip = dec_bit(probs, cell + j, rng, code, buf, ip)
+            j = (j << 1) | b
+        v = np.int64(j)  # the leading one and the modelled bits
+        if s > top:
+            low_bits, rng, code, ip = dec_direct(s - top, rng, code, buf, ip)
+            v = (v << (s - top)) | np.int64(low_bits)
         return v - 1, rng, code, ip
 
     @jit
