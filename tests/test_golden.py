@@ -74,9 +74,9 @@ CTX_NEW_HEX = (
 CTX_RAW_XXH3 = "e7e2a3db24cb6369f72990af667302e5"
 CTX_OBJECT_HEX = (
     "5753434b01000401010040000000000040000000000000001800000000000000"  # header: codec 4, 64 elements
-    "e7e2a3db24cb6369f72990af667302e5cd6477d8207b40aa763df1e181addeac"
+    "e7e2a3db24cb6369f72990af667302e568e71178996749419f6534ca421c7de2"
     "0700000000000000" "7800"  # 7 changed elements, class base 120 (exponent of 2^-7)
-    "00082fdc69c9f5cab87da8200000"  # the range coder's bytes (the first is always 0)
+    "00082fdc3c06c7c9236895200000"  # the range coder's bytes (the first is always 0)
 )
 
 
