@@ -229,6 +229,8 @@ def encode_delta(
         raise ValueError(f"new has {new.nbytes} bytes, old {old.nbytes}")
     count = new.nbytes // itemsize
     dtype_name = dtype_name or f"uint{8 * itemsize}"
+    if changes is not None and not _describes(changes, new, old, itemsize):
+        raise ValueError("the device changes do not describe these bytes (a parent out of step?)")
     if changes is not None and len(changes.positions) / max(count, 1) <= CTX_DENSITY:
         if len(changes.positions) == 0:
             return None
@@ -254,6 +256,18 @@ def encode_delta(
         candidates.append((CODEC_XOR, _pack_streams(_planes(x, itemsize), _compressor(level))))
     codec_id, payload = min(candidates, key=lambda c: len(c[1]))
     return codec_id, payload, changed
+
+
+def _describes(changes: ctx_codec.Changes, new: np.ndarray, old: np.ndarray, itemsize: int) -> bool:
+    """A cheap check (changed elements only) that device changes belong to these host bytes."""
+    count = new.nbytes // itemsize
+    if changes.count != count:
+        return False
+    positions = changes.positions
+    return bool(
+        np.array_equal(uint_view(new, itemsize)[positions], changes.new_bits)
+        and np.array_equal(uint_view(old, itemsize)[positions], changes.old_bits)
+    )
 
 
 def _ctx_limit(changed: int, itemsize: int) -> int:

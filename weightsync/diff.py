@@ -94,3 +94,46 @@ def _host(t: torch.Tensor, np_dtype) -> np.ndarray:
 def _host_bits(t: torch.Tensor, itemsize: int) -> np.ndarray:
     """Bit patterns as uint64 (the signed view's bits, not its values)."""
     return t.cpu().numpy().view(_UINT[itemsize]).astype(np.uint64)
+
+
+class DeviceParent:
+    """The last published weights, kept where the trainer's tensors live, to diff the next ones
+    there (the publisher's `device_diff` option). Costs one copy of those tensors on their device.
+
+    `diff` is called once per publish, in publish order: it returns the changes of every chunk
+    of every tensor it can diff against the version the new one is a delta of, and then keeps
+    the new weights as the parent of the next publish. It diffs only when its copy *is* that
+    parent (same version, dtype and shape) and the snapshot holds the tensor's own bits (no
+    cast), so its changes always describe exactly the bytes the host encodes against.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._version: int | None = None
+
+    def diff(
+        self, state_dict, snapshot, version: int, parent: int | None, chunk_ranges
+    ) -> dict[str, dict[int, ctx_codec.Changes]]:
+        """{tensor name: {chunk start: changes}}; `chunk_ranges(snapshot tensor)` gives the
+        (start, stop) element ranges the publisher encodes."""
+        from weightsync.tensors import dtype_of  # tensors imports nothing from here; kept local for clarity
+
+        usable = parent is not None and parent == self._version
+        found: dict[str, dict[int, ctx_codec.Changes]] = {}
+        for name, tensor in state_dict.items():
+            target = snapshot[name]
+            if dtype_of(tensor) != target.dtype:  # cast by the snapshot: the device bits are not the published ones
+                self._tensors.pop(name, None)
+                continue
+            flat = tensor.detach().reshape(-1)
+            kept = self._tensors.get(name)
+            if usable and kept is not None and kept.shape == flat.shape and kept.device == flat.device:
+                found[name] = {
+                    start: diff_chunk(flat[start:stop], kept[start:stop], target.dtype)
+                    for start, stop in chunk_ranges(target)
+                }
+                kept.copy_(flat)
+            else:
+                self._tensors[name] = flat.clone()
+        self._version = version
+        return found

@@ -41,6 +41,8 @@ from typing import Protocol
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
+from weightsync.ctx_codec import Changes
+from weightsync.diff import DeviceParent
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.metrics import NULL_METRICS, Metrics
@@ -94,6 +96,10 @@ class PublisherConfig:
     parent_from_store: bool = True
     """On the first publish, read the store's latest version as the delta parent (a restarted
     trainer or a CLI publish then writes a delta instead of a full version)."""
+    device_diff: bool = False
+    """Keep the last published weights beside the trainer's (one more copy of the model on its
+    GPU) and find each chunk's changes there (`weightsync.diff`): only the changed elements
+    cross to the host for encoding. Tensors the snapshot casts use the host scan."""
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -204,6 +210,7 @@ class _Job:
     snapshot_s: float = 0.0
     previous: _Job | None = None  # the job accepted just before: commits wait for it
     progress: Callable[[int], None] | None = None
+    changes: dict = dataclasses.field(default_factory=dict)  # {name: {chunk start: ctx changes}}, device_diff
     future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once this job and every earlier one has finished, committed or failed."""
@@ -242,6 +249,7 @@ class Publisher:
         self._last_job: _Job | None = None
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
+        self._device_parent = DeviceParent() if self.config.device_diff else None
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -276,6 +284,9 @@ class Publisher:
             with self._lock:
                 job = self._plan(snapshot, where, step)
                 job.t0, job.snapshot_s, job.previous, job.progress = t0, snapshot_s, self._last_job, progress
+                if self._device_parent is not None:
+                    job.changes = self._device_parent.diff(state_dict, snapshot, job.version, job.parent,
+                                                           self._chunk_ranges)
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
         except BaseException:
@@ -434,7 +445,8 @@ class Publisher:
         futures = {
             name: [
                 self._encode_pool.submit(
-                    self._encode_one, version, tensor, parent_snapshot, name, start, stop, placements[name].start
+                    self._encode_one, version, tensor, parent_snapshot, name, start, stop, placements[name].start,
+                    job.changes.get(name, {}).get(start),
                 )
                 for start, stop in self._chunk_ranges(tensor)
             ]
@@ -571,14 +583,16 @@ class Publisher:
 
     def _encode_one(
         self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int,
-        offset: int,
+        offset: int, changes: Changes | None = None,
     ) -> tuple[ChunkRef, int, cf.Future | None]:
         """Encodes local elements [start, stop) (global: + offset) and queues the upload;
-        returns (ref, changed elements, upload)."""
+        returns (ref, changed elements, upload). `changes`: found on the device (device_diff)."""
         size = tensor.dtype.itemsize
         new = tensor.data[start * size : stop * size]
         old = None if parent is None else parent[name].data[start * size : stop * size]
-        codec_id, raw_hex, obj, changed = encode_chunk(new, old, tensor.dtype, self.config.zstd_level)
+        codec_id, raw_hex, obj, changed = encode_chunk(
+            new, old, tensor.dtype, self.config.zstd_level, changes=None if old is None else changes
+        )
         start, stop = start + offset, stop + offset
         if obj is None:
             return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None
