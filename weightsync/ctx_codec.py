@@ -136,18 +136,14 @@ def sample_step(count: int) -> int:
     return max(1, count // 4096)
 
 
-def quantile_index(n: int) -> int:
-    """The index, in the sorted sample of nonzero exponents, of the class base."""
-    return (n - 1) * 5 // 1000
-
-
 def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
     """The lowest exponent of the class window, from a sample of the parent.
 
-    Small weights change most often and vary most in how often, so the window starts near the
-    smallest exponents that matter (the 0.5 % quantile of a sample of nonzero exponents); larger
-    ones share the top classes, where changes are rare anyway. Any base decodes; this is only
-    the encoder's choice (weightsync.diff makes the same one on the device).
+    Small weights change most often and their change rate doubles with every exponent step
+    down, so the window starts at the smallest nonzero exponent of a sample of ~4096 elements
+    (measured best among quantiles and sample sizes: lumping small exponents together costs
+    most); larger ones share the top classes, where changes are rare anyway. Any base decodes;
+    this is only the encoder's choice (weightsync.diff makes the same one on the device).
     """
     layout = _FLOAT_LAYOUT.get(dtype_name)
     if layout is None or len(old) == 0:
@@ -158,7 +154,7 @@ def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
     exponents = exponents[exponents > 0]  # zeros and subnormals sit in class 0 whatever the base
     if len(exponents) == 0:
         return 0
-    return int(np.sort(exponents)[quantile_index(len(exponents))])
+    return int(exponents.min())
 
 
 # ----------------------------------------------------------------------------- numba kernels

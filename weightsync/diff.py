@@ -79,12 +79,12 @@ def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.
 
 
 def _class_base(exponents: torch.Tensor) -> int:
-    """`ctx_codec.choose_class_base` on the device: the same sample, the same quantile."""
+    """`ctx_codec.choose_class_base` on the device: the same sample, its smallest nonzero exponent."""
     sample = exponents[:: ctx_codec.sample_step(exponents.numel())]
     sample = sample[sample > 0]
     if sample.numel() == 0:
         return 0
-    return int(torch.sort(sample).values[ctx_codec.quantile_index(sample.numel())])
+    return int(sample.min())
 
 
 def _host(t: torch.Tensor, np_dtype) -> np.ndarray:
