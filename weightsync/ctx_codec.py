@@ -44,8 +44,12 @@ try:
 except ImportError as e:  # a dependency of weightsync; this only happens in a broken install
     numba = None
     _NUMBA_ERROR: ImportError | None = e
+
+    def _jit(fn):  # the kernels stay plain functions, never called: _get_kernels refuses first
+        return fn
 else:
     _NUMBA_ERROR = None
+    _jit = numba.njit(nogil=True, cache=True, _nrt=False)
 
 NUM_CLASSES = 16
 HEADER = struct.Struct("<QH")  # changed elements, class_base
@@ -160,400 +164,388 @@ def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
 # ----------------------------------------------------------------------------- numba kernels
 
 
-def _define_kernels():
-    """Compiles (lazily, per element width) the encode and decode kernels."""
-    nb = numba
-    # No NRT: with it, every array handed to a helper is reference-counted (an atomic
-    # increment and decrement per call), which made the coder ~5x slower. The kernels allocate
-    # nothing; the caller passes every work array.
-    jit = nb.njit(nogil=True, cache=True, _nrt=False)
-    helper = jit
+# No NRT: with it, every array handed to a helper is reference-counted (an atomic increment and
+# decrement per call), which made the coder ~5x slower. The kernels allocate nothing; the caller
+# passes every work array. Module-level functions, so that numba's on-disk cache finds them again
+# (kernels made inside a function are new closures every run and recompile every time).
 
-    # --- range encoder. State: low (< 2^33), rng (32 bits), cache byte, cache_size, op.
+# --- range encoder. State: low (< 2^33), rng (32 bits), cache byte, cache_size, op.
 
-    @helper
-    def shift_low(low, cache, cache_size, out, op):
-        if low < 0xFF000000 or low >= 0x100000000:
-            carry = low >> 32
-            temp = cache
-            while True:
-                out[op] = (temp + carry) & 0xFF
-                op += 1
-                temp = 0xFF
-                cache_size -= 1
-                if cache_size == 0:
-                    break
-            cache = (low >> 24) & 0xFF
-        cache_size += 1
-        low = (low & 0x00FFFFFF) << 8
-        return low, cache, cache_size, op
+@_jit
+def shift_low(low, cache, cache_size, out, op):
+    if low < 0xFF000000 or low >= 0x100000000:
+        carry = low >> 32
+        temp = cache
+        while True:
+            out[op] = (temp + carry) & 0xFF
+            op += 1
+            temp = 0xFF
+            cache_size -= 1
+            if cache_size == 0:
+                break
+        cache = (low >> 24) & 0xFF
+    cache_size += 1
+    low = (low & 0x00FFFFFF) << 8
+    return low, cache, cache_size, op
 
-    @helper
-    def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
-        p = np.int64(probs[cell])
-        seen = np.int64(probs[cell + TOTAL_CELLS])
-        move = _SHIFT_AFTER[seen]
-        if seen < SEEN_MAX:
-            probs[cell + TOTAL_CELLS] = seen + 1
-        bound = (rng >> PROB_BITS) * p
-        if bit == 0:
-            rng = bound
-            probs[cell] = p + ((PROB_ONE - p) >> move)
-        else:
-            low += bound
-            rng -= bound
-            probs[cell] = p - (p >> move)
+@_jit
+def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
+    p = np.int64(probs[cell])
+    seen = np.int64(probs[cell + TOTAL_CELLS])
+    move = _SHIFT_AFTER[seen]
+    if seen < SEEN_MAX:
+        probs[cell + TOTAL_CELLS] = seen + 1
+    bound = (rng >> PROB_BITS) * p
+    if bit == 0:
+        rng = bound
+        probs[cell] = p + ((PROB_ONE - p) >> move)
+    else:
+        low += bound
+        rng -= bound
+        probs[cell] = p - (p >> move)
+    while rng < 0x1000000:
+        rng <<= 8
+        low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
+    return low, rng, cache, cache_size, op
+
+@_jit
+def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
+    for i in range(nbits - 1, -1, -1):
+        rng >>= 1
+        if (value >> i) & 1:
+            low += rng
         while rng < 0x1000000:
             rng <<= 8
             low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
-        return low, rng, cache, cache_size, op
+    return low, rng, cache, cache_size, op
 
-    @helper
-    def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
-        for i in range(nbits - 1, -1, -1):
+@_jit
+def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
+    m = 1
+    for i in range(nbits - 1, -1, -1):
+        b = (value >> i) & 1
+        low, rng, cache, cache_size, op = enc_bit(probs, base + m, b, low, rng, cache, cache_size, out, op)
+        m = (m << 1) | b
+    return low, rng, cache, cache_size, op
+
+@_jit
+def bit_length(v):
+    n = 0
+    while v:
+        v >>= 1
+        n += 1
+    return n
+
+@_jit
+def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
+    base = c * CELLS_PER_CLASS
+    v = gap + 1
+    s = bit_length(v) - 1
+    low, rng, cache, cache_size, op = enc_tree(probs, base + GAP_SLOT, 5, s, low, rng, cache, cache_size, out, op)
+    top = min(s, GAP_TOP_BITS)  # the bits below the leading one: the first ones modelled
+    cell = base + GAP_TOP + s * (1 << GAP_TOP_BITS)
+    j = 1
+    for k in range(1, top + 1):
+        b = (v >> (s - k)) & 1
+        low, rng, cache, cache_size, op = enc_bit(probs, cell + j, b, low, rng, cache, cache_size, out, op)
+        j = (j << 1) | b
+    if s > top:  # the rest direct
+        low, rng, cache, cache_size, op = enc_direct(
+            v & ((np.int64(1) << (s - top)) - 1), s - top, low, rng, cache, cache_size, out, op
+        )
+    return low, rng, cache, cache_size, op
+
+@_jit
+def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op):
+    """mag: |step| as uint64, >= 1."""
+    base = c * CELLS_PER_CLASS
+    low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_SIGN + old_sign, sign, low, rng, cache,
+                                              cache_size, out, op)
+    big = 1 if mag != 1 else 0
+    low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_ONE + sign, big, low, rng, cache,
+                                              cache_size, out, op)
+    if big:
+        v = mag - np.uint64(1)  # >= 1
+        s = 0
+        t = v
+        while t > np.uint64(1):
+            t >>= np.uint64(1)
+            s += 1
+        low, rng, cache, cache_size, op = enc_tree(probs, base + STEP_SLOT, 6, s, low, rng, cache,
+                                                   cache_size, out, op)
+        for i in range(s - 1, -1, -1):  # the bits below the leading one, direct
             rng >>= 1
-            if (value >> i) & 1:
+            if (v >> np.uint64(i)) & np.uint64(1):
                 low += rng
             while rng < 0x1000000:
                 rng <<= 8
                 low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
-        return low, rng, cache, cache_size, op
+    return low, rng, cache, cache_size, op
 
-    @helper
-    def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
-        m = 1
-        for i in range(nbits - 1, -1, -1):
-            b = (value >> i) & 1
-            low, rng, cache, cache_size, op = enc_bit(probs, base + m, b, low, rng, cache, cache_size, out, op)
-            m = (m << 1) | b
-        return low, rng, cache, cache_size, op
-
-    @helper
-    def bit_length(v):
-        n = 0
-        while v:
-            v >>= 1
-            n += 1
-        return n
-
-    @helper
-    def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
-        base = c * CELLS_PER_CLASS
-        v = gap + 1
-        s = bit_length(v) - 1
-        low, rng, cache, cache_size, op = enc_tree(probs, base + GAP_SLOT, 5, s, low, rng, cache, cache_size, out, op)
-        top = min(s, GAP_TOP_BITS)  # the bits below the leading one: the first ones modelled
-        cell = base + GAP_TOP + s * (1 << GAP_TOP_BITS)
-        j = 1
-        for k in range(1, top + 1):
-            b = (v >> (s - k)) & 1
-            low, rng, cache, cache_size, op = enc_bit(probs, cell + j, b, low, rng, cache, cache_size, out, op)
-            j = (j << 1) | b
-        if s > top:  # the rest direct
-            low, rng, cache, cache_size, op = enc_direct(
-                v & ((np.int64(1) << (s - top)) - 1), s - top, low, rng, cache, cache_size, out, op
-            )
-        return low, rng, cache, cache_size, op
-
-    @helper
-    def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op):
-        """mag: |step| as uint64, >= 1."""
-        base = c * CELLS_PER_CLASS
-        low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_SIGN + old_sign, sign, low, rng, cache,
-                                                  cache_size, out, op)
-        big = 1 if mag != 1 else 0
-        low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_ONE + sign, big, low, rng, cache,
-                                                  cache_size, out, op)
-        if big:
-            v = mag - np.uint64(1)  # >= 1
-            s = 0
-            t = v
-            while t > np.uint64(1):
-                t >>= np.uint64(1)
-                s += 1
-            low, rng, cache, cache_size, op = enc_tree(probs, base + STEP_SLOT, 6, s, low, rng, cache,
-                                                       cache_size, out, op)
-            for i in range(s - 1, -1, -1):  # the bits below the leading one, direct
-                rng >>= 1
-                if (v >> np.uint64(i)) & np.uint64(1):
-                    low += rng
-                while rng < 0x1000000:
-                    rng <<= 8
-                    low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
-        return low, rng, cache, cache_size, op
-
-    @jit
-    def scan(old, new, table, shift, pos, cls, rank, counts):
-        """The per-element pass: for each changed element its position, class and rank in its
-        class; per class its element count (counts[:nc]) and first position (counts[nc:]).
-        Returns the number of changed elements, or -1 if there are more than pos can hold."""
-        nc = NUM_CLASSES
-        cnt = counts[0:nc]
-        first = counts[nc : 2 * nc]
-        for c in range(nc):
-            cnt[c] = 0
-            first[c] = -1
-        m = 0
-        for i in range(old.shape[0]):
-            o = old[i]
-            c = table[o >> shift]
-            r = cnt[c]
-            cnt[c] = r + 1
-            if r == 0:
-                first[c] = i
-            if o != new[i]:
-                if m == pos.shape[0]:
-                    return -1
-                cls[m] = c
-                pos[m] = i
-                rank[m] = r
-                m += 1
-        return m
-
-    @jit
-    def emit(pos, cls, rank, old_bits, new_bits, counts, is_float, width, probs, work, out):
-        """Range-codes the changes that `scan` (or the device diff) found; returns the bytes
-        written into out, or -1 when they would not fit (another codec is smaller then).
-
-        pos, cls, rank, old_bits, new_bits: one entry per changed element, in position order;
-        old/new_bits as uint64. counts: per class its element count, then its first position."""
-        m = pos.shape[0]
-        nc = NUM_CLASSES
-        cnt = counts[0:nc]
-        first = counts[nc : 2 * nc]
-        last = work[0:nc]
-        pending = work[nc : 2 * nc]
-        order = work[2 * nc : 3 * nc]
-        gaps = work[3 * nc :]  # m entries
-        for c in range(nc):
-            last[c] = 0
-        for j in range(m):  # the gap before each change: skipped elements of its class
-            c = cls[j]
-            gaps[j] = rank[j] - last[c]
-            last[c] = rank[j] + 1
-        for c in range(nc):
-            pending[c] = cnt[c] - last[c]  # after a class's last change: the rest of the class
-        for j in range(m - 1, -1, -1):  # now: the gap *after* each change
-            c = cls[j]
-            g = pending[c]
-            pending[c] = gaps[j]
-            gaps[j] = g
-        # pending[c] is each class's first gap. Classes in order of first occurrence.
-        for c in range(nc):
-            k = c
-            while k > 0 and first[order[k - 1]] > first[c]:
-                order[k] = order[k - 1]
-                k -= 1
-            order[k] = c
-        sign_shift = np.uint64(width - 1)
-        mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-        top = np.uint64(1) << sign_shift
-        for k in range(TOTAL_CELLS):
-            probs[k] = PROB_INIT
-            probs[TOTAL_CELLS + k] = 0
-        low = np.int64(0)
-        rng = np.int64(0xFFFFFFFF)
-        cache = np.int64(0)
-        cache_size = np.int64(1)
-        op = 0
-        limit = out.shape[0] - 2 * (NUM_CLASSES + 1) * 32 - 64  # one change + every first gap + flush
-        if limit < 0:
-            return -1
-        oi = 0
-        while oi < nc and first[order[oi]] < 0:
-            oi += 1
-        for j in range(m + 1):
-            p = pos[j] if j < m else np.iinfo(np.int64).max
-            while oi < nc and first[order[oi]] <= p:
-                c = order[oi]
-                low, rng, cache, cache_size, op = enc_gap(probs, c, pending[c], low, rng, cache, cache_size, out, op)
-                oi += 1
-            if j == m:
-                break
-            if op + cache_size > limit:
+@_jit
+def _scan_kernel(old, new, table, shift, pos, cls, rank, counts):
+    """The per-element pass: for each changed element its position, class and rank in its
+    class; per class its element count (counts[:nc]) and first position (counts[nc:]).
+    Returns the number of changed elements, or -1 if there are more than pos can hold."""
+    nc = NUM_CLASSES
+    cnt = counts[0:nc]
+    first = counts[nc : 2 * nc]
+    for c in range(nc):
+        cnt[c] = 0
+        first[c] = -1
+    m = 0
+    for i in range(old.shape[0]):
+        o = old[i]
+        c = table[o >> shift]
+        r = cnt[c]
+        cnt[c] = r + 1
+        if r == 0:
+            first[c] = i
+        if o != new[i]:
+            if m == pos.shape[0]:
                 return -1
-            c = cls[j]
-            o = np.uint64(old_bits[j])
-            x = np.uint64(new_bits[j])
-            if is_float:
-                ko = (~o & mask) if (o >> sign_shift) else (o | top)
-                kx = (~x & mask) if (x >> sign_shift) else (x | top)
-            else:
-                ko = o
-                kx = x
-            d = (kx - ko) & mask
-            sign = np.int64((d >> sign_shift) & np.uint64(1))
-            mag = ((~d + np.uint64(1)) & mask) if sign else d
-            low, rng, cache, cache_size, op = enc_step(probs, c, np.int64(o >> sign_shift), sign, mag, low, rng,
-                                                       cache, cache_size, out, op)
-            low, rng, cache, cache_size, op = enc_gap(probs, c, gaps[j], low, rng, cache, cache_size, out, op)
-        for _ in range(5):
-            low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
-        return op
+            cls[m] = c
+            pos[m] = i
+            rank[m] = r
+            m += 1
+    return m
 
-    # --- range decoder. State: rng, code (32 bits each), ip; errors set `bad`.
+@_jit
+def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, probs, work, out):
+    """Range-codes the changes that `scan` (or the device diff) found; returns the bytes
+    written into out, or -1 when they would not fit (another codec is smaller then).
 
-    @helper
-    def dec_bit(probs, cell, rng, code, buf, ip):
-        p = np.int64(probs[cell])
-        seen = np.int64(probs[cell + TOTAL_CELLS])
-        move = _SHIFT_AFTER[seen]
-        if seen < SEEN_MAX:
-            probs[cell + TOTAL_CELLS] = seen + 1
-        bound = (rng >> PROB_BITS) * p
-        if code < bound:
-            rng = bound
-            probs[cell] = p + ((PROB_ONE - p) >> move)
-            bit = 0
+    pos, cls, rank, old_bits, new_bits: one entry per changed element, in position order;
+    old/new_bits as uint64. counts: per class its element count, then its first position."""
+    m = pos.shape[0]
+    nc = NUM_CLASSES
+    cnt = counts[0:nc]
+    first = counts[nc : 2 * nc]
+    last = work[0:nc]
+    pending = work[nc : 2 * nc]
+    order = work[2 * nc : 3 * nc]
+    gaps = work[3 * nc :]  # m entries
+    for c in range(nc):
+        last[c] = 0
+    for j in range(m):  # the gap before each change: skipped elements of its class
+        c = cls[j]
+        gaps[j] = rank[j] - last[c]
+        last[c] = rank[j] + 1
+    for c in range(nc):
+        pending[c] = cnt[c] - last[c]  # after a class's last change: the rest of the class
+    for j in range(m - 1, -1, -1):  # now: the gap *after* each change
+        c = cls[j]
+        g = pending[c]
+        pending[c] = gaps[j]
+        gaps[j] = g
+    # pending[c] is each class's first gap. Classes in order of first occurrence.
+    for c in range(nc):
+        k = c
+        while k > 0 and first[order[k - 1]] > first[c]:
+            order[k] = order[k - 1]
+            k -= 1
+        order[k] = c
+    sign_shift = np.uint64(width - 1)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+    top = np.uint64(1) << sign_shift
+    for k in range(TOTAL_CELLS):
+        probs[k] = PROB_INIT
+        probs[TOTAL_CELLS + k] = 0
+    low = np.int64(0)
+    rng = np.int64(0xFFFFFFFF)
+    cache = np.int64(0)
+    cache_size = np.int64(1)
+    op = 0
+    limit = out.shape[0] - 2 * (NUM_CLASSES + 1) * 32 - 64  # one change + every first gap + flush
+    if limit < 0:
+        return -1
+    oi = 0
+    while oi < nc and first[order[oi]] < 0:
+        oi += 1
+    for j in range(m + 1):
+        p = pos[j] if j < m else np.iinfo(np.int64).max
+        while oi < nc and first[order[oi]] <= p:
+            c = order[oi]
+            low, rng, cache, cache_size, op = enc_gap(probs, c, pending[c], low, rng, cache, cache_size, out, op)
+            oi += 1
+        if j == m:
+            break
+        if op + cache_size > limit:
+            return -1
+        c = cls[j]
+        o = np.uint64(old_bits[j])
+        x = np.uint64(new_bits[j])
+        if is_float:
+            ko = (~o & mask) if (o >> sign_shift) else (o | top)
+            kx = (~x & mask) if (x >> sign_shift) else (x | top)
         else:
-            code -= bound
-            rng -= bound
-            probs[cell] = p - (p >> move)
-            bit = 1
-        while rng < 0x1000000:  # a 15-bit probability can take up to two bytes
+            ko = o
+            kx = x
+        d = (kx - ko) & mask
+        sign = np.int64((d >> sign_shift) & np.uint64(1))
+        mag = ((~d + np.uint64(1)) & mask) if sign else d
+        low, rng, cache, cache_size, op = enc_step(probs, c, np.int64(o >> sign_shift), sign, mag, low, rng,
+                                                   cache, cache_size, out, op)
+        low, rng, cache, cache_size, op = enc_gap(probs, c, gaps[j], low, rng, cache, cache_size, out, op)
+    for _ in range(5):
+        low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
+    return op
+
+# --- range decoder. State: rng, code (32 bits each), ip; errors set `bad`.
+
+@_jit
+def dec_bit(probs, cell, rng, code, buf, ip):
+    p = np.int64(probs[cell])
+    seen = np.int64(probs[cell + TOTAL_CELLS])
+    move = _SHIFT_AFTER[seen]
+    if seen < SEEN_MAX:
+        probs[cell + TOTAL_CELLS] = seen + 1
+    bound = (rng >> PROB_BITS) * p
+    if code < bound:
+        rng = bound
+        probs[cell] = p + ((PROB_ONE - p) >> move)
+        bit = 0
+    else:
+        code -= bound
+        rng -= bound
+        probs[cell] = p - (p >> move)
+        bit = 1
+    while rng < 0x1000000:  # a 15-bit probability can take up to two bytes
+        rng <<= 8
+        b = np.int64(buf[ip]) if ip < buf.shape[0] else np.int64(0)
+        code = ((code << 8) | b) & 0xFFFFFFFF
+        ip += 1
+    return bit, rng, code, ip
+
+@_jit
+def dec_direct(nbits, rng, code, buf, ip):
+    v = np.uint64(0)
+    for _ in range(nbits):
+        rng >>= 1
+        if code >= rng:
+            code -= rng
+            v = (v << np.uint64(1)) | np.uint64(1)
+        else:
+            v = v << np.uint64(1)
+        if rng < 0x1000000:
             rng <<= 8
             b = np.int64(buf[ip]) if ip < buf.shape[0] else np.int64(0)
             code = ((code << 8) | b) & 0xFFFFFFFF
             ip += 1
-        return bit, rng, code, ip
+    return v, rng, code, ip
 
-    @helper
-    def dec_direct(nbits, rng, code, buf, ip):
-        v = np.uint64(0)
-        for _ in range(nbits):
-            rng >>= 1
-            if code >= rng:
-                code -= rng
-                v = (v << np.uint64(1)) | np.uint64(1)
-            else:
-                v = v << np.uint64(1)
-            if rng < 0x1000000:
-                rng <<= 8
-                b = np.int64(buf[ip]) if ip < buf.shape[0] else np.int64(0)
-                code = ((code << 8) | b) & 0xFFFFFFFF
-                ip += 1
-        return v, rng, code, ip
+@_jit
+def dec_tree(probs, base, nbits, rng, code, buf, ip):
+    m = 1
+    for _ in range(nbits):
+        b, rng, code, ip = dec_bit(probs, base + m, rng, code, buf, ip)
+        m = (m << 1) | b
+    return m - (1 << nbits), rng, code, ip
 
-    @helper
-    def dec_tree(probs, base, nbits, rng, code, buf, ip):
-        m = 1
-        for _ in range(nbits):
-            b, rng, code, ip = dec_bit(probs, base + m, rng, code, buf, ip)
-            m = (m << 1) | b
-        return m - (1 << nbits), rng, code, ip
+@_jit
+def dec_gap(probs, c, rng, code, buf, ip):
+    base = c * CELLS_PER_CLASS
+    s, rng, code, ip = dec_tree(probs, base + GAP_SLOT, 5, rng, code, buf, ip)
+    top = min(s, GAP_TOP_BITS)
+    cell = base + GAP_TOP + s * (1 << GAP_TOP_BITS)
+    j = 1
+    for _ in range(top):
+        b, rng, code, ip = dec_bit(probs, cell + j, rng, code, buf, ip)
+        j = (j << 1) | b
+    v = np.int64(j)  # the leading one and the modelled bits
+    if s > top:
+        low_bits, rng, code, ip = dec_direct(s - top, rng, code, buf, ip)
+        v = (v << (s - top)) | np.int64(low_bits)
+    return v - 1, rng, code, ip
 
-    @helper
-    def dec_gap(probs, c, rng, code, buf, ip):
-        base = c * CELLS_PER_CLASS
-        s, rng, code, ip = dec_tree(probs, base + GAP_SLOT, 5, rng, code, buf, ip)
-        top = min(s, GAP_TOP_BITS)
-        cell = base + GAP_TOP + s * (1 << GAP_TOP_BITS)
-        j = 1
-        for _ in range(top):
-            b, rng, code, ip = dec_bit(probs, cell + j, rng, code, buf, ip)
-            j = (j << 1) | b
-        v = np.int64(j)  # the leading one and the modelled bits
-        if s > top:
-            low_bits, rng, code, ip = dec_direct(s - top, rng, code, buf, ip)
-            v = (v << (s - top)) | np.int64(low_bits)
-        return v - 1, rng, code, ip
-
-    @jit
-    def decode(buf, old, table, shift, is_float, width, expected, pos, vals, probs, rem):
-        """Decodes into (pos, vals); returns (status, changed). Writes nothing else."""
-        n = old.shape[0]
-        nc = NUM_CLASSES
-        for k in range(TOTAL_CELLS):
-            probs[k] = PROB_INIT
-            probs[TOTAL_CELLS + k] = 0
-        if buf.shape[0] < 5 or buf[0] != 0:
-            return (1 if buf.shape[0] >= 5 else 2), 0
-        rng = np.int64(0xFFFFFFFF)
-        code = np.int64(0)
-        for k in range(1, 5):
-            code = (code << 8) | np.int64(buf[k])
-        ip = 5
-        if code >= rng:
-            return 9, 0
-        for c in range(nc):
-            rem[c] = -1
-        sign_shift = np.uint64(width - 1)
-        mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-        top = np.uint64(1) << sign_shift
-        m = 0
-        for i in range(n):
-            o = old[i]
-            c = table[o >> shift]
-            r = rem[c]
-            if r > 0:
-                rem[c] = r - 1
-                continue
-            if r < 0:  # the class's first element: its first gap
-                g, rng, code, ip = dec_gap(probs, c, rng, code, buf, ip)
-                if g > n - i:
-                    return 3, m
-                if g > 0:
-                    rem[c] = g - 1
-                    continue
-            # changed: its step, then the gap to the next changed element of its class
-            if m >= expected:
-                return 4, m
-            base = c * CELLS_PER_CLASS
-            uo = np.uint64(o)
-            old_sign = np.int64(uo >> sign_shift)
-            sign, rng, code, ip = dec_bit(probs, base + STEP_SIGN + old_sign, rng, code, buf, ip)
-            big, rng, code, ip = dec_bit(probs, base + STEP_ONE + sign, rng, code, buf, ip)
-            mag = np.uint64(1)
-            if big:
-                s, rng, code, ip = dec_tree(probs, base + STEP_SLOT, 6, rng, code, buf, ip)
-                if s >= width:
-                    return 8, m
-                low_bits, rng, code, ip = dec_direct(s, rng, code, buf, ip)
-                mag = ((np.uint64(1) << np.uint64(s)) | low_bits) + np.uint64(1)
-                if mag > top or (sign == 0 and mag == top):
-                    return 8, m
-            if is_float:
-                ko = (~uo & mask) if old_sign else (uo | top)
-            else:
-                ko = uo
-            kx = ((ko - mag) if sign else (ko + mag)) & mask
-            if is_float:
-                x = (kx ^ top) if (kx >> sign_shift) else (~kx & mask)
-            else:
-                x = kx
-            pos[m] = i
-            vals[m] = x
-            m += 1
+@_jit
+def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals, probs, rem):
+    """Decodes into (pos, vals); returns (status, changed). Writes nothing else."""
+    n = old.shape[0]
+    nc = NUM_CLASSES
+    for k in range(TOTAL_CELLS):
+        probs[k] = PROB_INIT
+        probs[TOTAL_CELLS + k] = 0
+    if buf.shape[0] < 5 or buf[0] != 0:
+        return (1 if buf.shape[0] >= 5 else 2), 0
+    rng = np.int64(0xFFFFFFFF)
+    code = np.int64(0)
+    for k in range(1, 5):
+        code = (code << 8) | np.int64(buf[k])
+    ip = 5
+    if code >= rng:
+        return 9, 0
+    for c in range(nc):
+        rem[c] = -1
+    sign_shift = np.uint64(width - 1)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+    top = np.uint64(1) << sign_shift
+    m = 0
+    for i in range(n):
+        o = old[i]
+        c = table[o >> shift]
+        r = rem[c]
+        if r > 0:
+            rem[c] = r - 1
+            continue
+        if r < 0:  # the class's first element: its first gap
             g, rng, code, ip = dec_gap(probs, c, rng, code, buf, ip)
-            if g > n - i - 1:
+            if g > n - i:
                 return 3, m
-            rem[c] = g
-        if ip > buf.shape[0]:
-            return 2, m
-        if m != expected:
-            return 5, m
-        for c in range(nc):
-            if rem[c] > 0:
-                return 6, m
-        if ip != buf.shape[0]:
-            return 7, m
-        return 0, m
+            if g > 0:
+                rem[c] = g - 1
+                continue
+        # changed: its step, then the gap to the next changed element of its class
+        if m >= expected:
+            return 4, m
+        base = c * CELLS_PER_CLASS
+        uo = np.uint64(o)
+        old_sign = np.int64(uo >> sign_shift)
+        sign, rng, code, ip = dec_bit(probs, base + STEP_SIGN + old_sign, rng, code, buf, ip)
+        big, rng, code, ip = dec_bit(probs, base + STEP_ONE + sign, rng, code, buf, ip)
+        mag = np.uint64(1)
+        if big:
+            s, rng, code, ip = dec_tree(probs, base + STEP_SLOT, 6, rng, code, buf, ip)
+            if s >= width:
+                return 8, m
+            low_bits, rng, code, ip = dec_direct(s, rng, code, buf, ip)
+            mag = ((np.uint64(1) << np.uint64(s)) | low_bits) + np.uint64(1)
+            if mag > top or (sign == 0 and mag == top):
+                return 8, m
+        if is_float:
+            ko = (~uo & mask) if old_sign else (uo | top)
+        else:
+            ko = uo
+        kx = ((ko - mag) if sign else (ko + mag)) & mask
+        if is_float:
+            x = (kx ^ top) if (kx >> sign_shift) else (~kx & mask)
+        else:
+            x = kx
+        pos[m] = i
+        vals[m] = x
+        m += 1
+        g, rng, code, ip = dec_gap(probs, c, rng, code, buf, ip)
+        if g > n - i - 1:
+            return 3, m
+        rem[c] = g
+    if ip > buf.shape[0]:
+        return 2, m
+    if m != expected:
+        return 5, m
+    for c in range(nc):
+        if rem[c] > 0:
+            return 6, m
+    if ip != buf.shape[0]:
+        return 7, m
+    return 0, m
 
-    return scan, emit, decode
-
-
-_kernels = None
-_kernels_lock = threading.Lock()
 
 
 def _get_kernels():
-    global _kernels
-    if _kernels is None:
-        require_numba()
-        with _kernels_lock:
-            if _kernels is None:
-                _kernels = _define_kernels()
-    return _kernels
+    """(scan, emit, decode); numba compiles each per element width on first use (or loads it from
+    its cache: ~10-15 s the very first time on a machine, well under a second after)."""
+    require_numba()
+    return _scan_kernel, _emit_kernel, _decode_kernel
 
 
 def _scratch(name: str, count: int, dtype) -> np.ndarray:
