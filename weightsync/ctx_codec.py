@@ -15,12 +15,13 @@ the parent, so both facts can be used losslessly:
   new bit pattern in the monotone order of the dtype (floats: sign-magnitude turned into an
   unsigned order; integers: plain modular difference). A one-ULP move is a step of +-1.
 
-Symbols go through an adaptive binary range coder (the LZMA one: 11-bit probabilities, adapting
-by 1/32), with separate probabilities per class. The exact layout is in docs/format.md,
-"Codec ctx"; this module is its reference implementation.
+Symbols go through an adaptive binary range coder (LZMA's, with 15-bit probabilities whose
+adaptation rate warms up from 1/2 to 1/128), with separate probabilities per class. The exact
+layout is in docs/format.md, "Payload: codec ctx"; this module is its reference implementation
+(tests/test_ctx_codec.py checks it against a plain-Python decoder written from that section).
 
 The kernels are numba (`nogil`, so chunk-parallel threads run them in parallel; `cache=True`, so
-only the first run on a machine compiles, ~5-10 s per element width). Every read of the payload
+only the first run on a machine compiles, ~10-15 s per element width, then ~1 s to load). Every read of the payload
 and every position is bounds-checked inside the kernels: a corrupt payload returns an error code,
 never reads or writes outside its arrays. Decoding collects (position, new bits) first and
 applies them only when the whole payload checked out, so a refused payload leaves `out` untouched.
