@@ -6,7 +6,10 @@ pair, reports:
 
 - the changed fraction and the order-0 entropy bound 16/H0 of the XOR symbols;
 - our ratio: raw model bytes over what a delta version stores (chunk objects + manifest),
-  measured by publishing the pair through `Publisher` into a local store;
+  measured by publishing the pair through `Publisher` into a local store, its ratio to the
+  bound, and the stored bits per changed element;
+- the same for the previous codecs alone (`sparse`/`xor`, codec ctx off), in the same run;
+- the device diff (`weightsync.diff`, codec ctx's per-element pass in torch) on CPU tensors;
 - codec throughput on 1 and 2 threads: encode (XOR, scan, zstd, hashes) and decode+apply
   (object hash, decode, XOR into the parent, raw hash; unchanged ranges hashed too), per byte of
   bf16 model;
@@ -40,14 +43,15 @@ from bench.baselines import checkpoint_bytes, checkpoint_u16, ensure_tools, entr
 from bench.checkpoints import CheckpointConfig, make_checkpoint_series, pair_stats
 from bench.output import write_results
 from harness.machine import describe_machine
-from weightsync import __version__
+from weightsync import __version__, codec
 from weightsync.chunk import apply_chunk, encode_chunk, object_hash
 from weightsync.codec import DEFAULT_ZSTD_LEVEL
+from weightsync.diff import diff_chunk
 from weightsync.hashing import xxh3_hex
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
 from weightsync.store import LocalStore
-from weightsync.tensors import Snapshot, take_snapshot
+from weightsync.tensors import Snapshot, take_snapshot, to_tensor
 
 log = logging.getLogger("bench.codec")
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +125,18 @@ def _median_time(fn, repeats: int, setup=None) -> float:
     return statistics.median(times)
 
 
-def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
+def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig, *, ctx: bool = True) -> dict:
+    """Ratio and throughput of the codecs as the publisher chooses them; `ctx=False`: the codecs
+    before codec ctx (sparse/xor), for comparison in the same run."""
+    saved = codec.CTX_DENSITY
+    codec.CTX_DENSITY = saved if ctx else 0.0
+    try:
+        return _measure_ours(old_sd, new_sd, config)
+    finally:
+        codec.CTX_DENSITY = saved
+
+
+def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
     old, new = take_snapshot(old_sd), take_snapshot(new_sd)
     raw_bytes = sum(t.nbytes for t in new.values())
     result: dict = {"raw_bytes": raw_bytes}
@@ -141,6 +156,7 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
             stored_bytes=delta.stored_bytes,
             manifest_bytes=delta.manifest_bytes,
             ratio=delta.ratio,
+            bits_per_changed=8 * (delta.stored_bytes + delta.manifest_bytes) / max(1, delta.changed_elements),
             chunk_codecs=codecs,
             full_ratio=full.ratio,
         )
@@ -168,6 +184,39 @@ def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
         result[f"full_encode_GBps_{threads}t"] = raw_bytes / full_s / 1e9
         result[f"full_decode_GBps_{threads}t"] = raw_bytes / full_dec_s / 1e9
     return result
+
+
+def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
+    """`weightsync.diff.diff_chunk` over every chunk, on CPU tensors, 1 thread (the lead measures
+    it on a GPU). GB/s of bf16 model bytes; also checks its payloads decode to the new bytes."""
+    items = _chunks(new)
+    raw_bytes = sum(t.nbytes for t in new.values())
+
+    def views(name, start, stop):
+        t, size = new[name], new[name].dtype.itemsize
+        a = to_tensor(t.data[start * size : stop * size], t.dtype, (stop - start,))
+        b = to_tensor(old[name].data[start * size : stop * size], t.dtype, (stop - start,))
+        return a, b, t.dtype
+
+    def run():
+        return [diff_chunk(*views(*item)) for item in items]
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = _median_time(run, repeats)
+    finally:
+        torch.set_num_threads(torch_threads)
+    for item, changes in zip(items, run()):  # identical to what the host path encodes
+        a, b, dtype = views(*item)
+        codec_id, raw, obj, _ = encode_chunk(a.reshape(-1).view(torch.uint8).numpy(),
+                                             b.reshape(-1).view(torch.uint8).numpy(), dtype, 1, changes=changes)
+        if obj is not None:
+            out = b.clone()
+            apply_chunk(obj, out.reshape(-1).view(torch.uint8).numpy(), dtype, raw, codec_id)
+            if not torch.equal(out.view(torch.uint8), a.view(torch.uint8)):
+                raise AssertionError(f"device diff of {item} does not round-trip")
+    return {"device_diff_cpu_GBps_1t": raw_bytes / seconds / 1e9}
 
 
 def _measure_end_to_end(old_sd: dict, new_sd: dict, threads: int, config: BenchConfig, raw_bytes: int) -> dict:
@@ -215,6 +264,10 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
             bound = entropy_bound(checkpoint_u16(old_sd), checkpoint_u16(new_sd))
             log.info("lr %g pair %d: %.2f %% changed, bound %.1fx", lr, i, 100 * stats.changed_fraction, bound)
             ours = measure_ours(old_sd, new_sd, config)
+            ours.update(measure_device_diff(take_snapshot(old_sd), take_snapshot(new_sd), config.repeats))
+            v1 = measure_ours(old_sd, new_sd, dataclasses.replace(config, threads=(2,)), ctx=False)
+            log.info("lr %g pair %d: ratio %.1fx (%.2f of the bound), codecs before ctx %.1fx", lr, i,
+                     ours["ratio"], ours["ratio"] / bound, v1["ratio"])
             record = {
                 "lr": lr,
                 "pair": i,
@@ -223,6 +276,9 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
                 "entropy_bound": bound,
                 "ours": ours,
                 "ours_vs_bound": ours["ratio"] / bound,
+                "v1": {k: v for k, v in v1.items() if k in ("ratio", "bits_per_changed", "chunk_codecs")
+                       or k.endswith("_2t")},
+                "v1_vs_bound": v1["ratio"] / bound,
             }
             if i < config.baseline_pairs:
                 results, skipped = run_baselines(
@@ -262,6 +318,12 @@ def _summary(pairs: list[dict]) -> dict:
             "entropy_bound": statistics.mean(p["entropy_bound"] for p in rows),
             "ratio": statistics.mean(p["ours"]["ratio"] for p in rows),
             "ratio_vs_bound": statistics.mean(p["ours_vs_bound"] for p in rows),
+            "min_ratio_vs_bound": min(p["ours_vs_bound"] for p in rows),
+            "bits_per_changed": statistics.mean(p["ours"]["bits_per_changed"] for p in rows),
+            "v1_ratio": statistics.mean(p["v1"]["ratio"] for p in rows),
+            "v1_ratio_vs_bound": statistics.mean(p["v1_vs_bound"] for p in rows),
+            "v1_bits_per_changed": statistics.mean(p["v1"]["bits_per_changed"] for p in rows),
+            **{f"v1_{k}": statistics.mean(p["v1"][k] for p in rows) for k in rows[0]["v1"] if k.endswith("_2t")},
             **{k: statistics.mean(p["ours"][k] for p in rows) for k in keys},
         }
         with_x = [p["ours_vs_xdelta3"] for p in rows if "ours_vs_xdelta3" in p]
@@ -293,17 +355,26 @@ def markdown(record: dict) -> str:
         "",
         "## Ours, mean over the per-step pairs of each lr",
         "",
-        "| lr | changed | entropy bound | our ratio | ratio / bound | ratio / xdelta3 | encode 1t | encode 2t | decode+apply 1t | decode+apply 2t | publish 2t | reader 2t |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Ratio counts chunk objects (headers included) and the manifest. *Bound*: the order-0 entropy "
+        "bound 16/H0 of the XOR symbols. *Before ctx*: the same publisher with codec ctx off (sparse/xor).",
+        "",
+        "| lr | changed | entropy bound | our ratio | ratio / bound (min) | bits / changed | before ctx: ratio, / bound, bits / changed | ratio / xdelta3 | encode 1t | encode 2t | decode+apply 1t | decode+apply 2t | publish 2t | reader 2t | device diff on CPU, 1t |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lr, e in s.items():
         lines.append(
             f"| {lr} | {100 * e['changed_fraction']:.2f} % | {e['entropy_bound']:.1f}x | {e['ratio']:.1f}x | "
-            f"{e['ratio_vs_bound']:.2f} | {e.get('ratio_vs_xdelta3', float('nan')):.1f} | "
+            f"{e['ratio_vs_bound']:.2f} ({e['min_ratio_vs_bound']:.2f}) | {e['bits_per_changed']:.2f} | "
+            f"{e['v1_ratio']:.1f}x, {e['v1_ratio_vs_bound']:.2f}, {e['v1_bits_per_changed']:.2f} | "
+            f"{e.get('ratio_vs_xdelta3', float('nan')):.1f} | "
             f"{e.get('encode_GBps_1t', 0):.2f} GB/s | {e.get('encode_GBps_2t', 0):.2f} GB/s | "
             f"{e.get('decode_apply_GBps_1t', 0):.2f} GB/s | {e.get('decode_apply_GBps_2t', 0):.2f} GB/s | "
-            f"{e.get('publish_GBps_2t', 0):.2f} GB/s | {e.get('reader_advance_GBps_2t', 0):.2f} GB/s |"
+            f"{e.get('publish_GBps_2t', 0):.2f} GB/s | {e.get('reader_advance_GBps_2t', 0):.2f} GB/s | "
+            f"{e.get('device_diff_cpu_GBps_1t', 0):.2f} GB/s |"
         )
+    lines += ["", "Before ctx (sparse/xor only), 2 threads: " + "; ".join(
+        f"lr {lr}: encode {e.get('v1_encode_GBps_2t', 0):.2f} GB/s, decode+apply "
+        f"{e.get('v1_decode_apply_GBps_2t', 0):.2f} GB/s" for lr, e in s.items()) + "."]
     first = record["pairs"][0]["ours"]
     lines += ["", f"Full versions (first version and rebases): ratio {first['full_ratio']:.2f}x, encode "
               f"{first.get('full_encode_GBps_1t', 0):.2f} / {first.get('full_encode_GBps_2t', 0):.2f} GB/s, "
@@ -314,9 +385,12 @@ def markdown(record: dict) -> str:
     for p in record["pairs"]:
         if "baselines" not in p:
             continue
-        lines.append(f"| {p['lr']:g} | **weightsync** | **{p['ours']['ratio']:.1f}x** | "
+        lines.append(f"| {p['lr']:g} | **weightsync (ctx)** | **{p['ours']['ratio']:.1f}x** | "
                      f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['encode_GBps_1t']:.3f} (1t) | "
                      f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['decode_apply_GBps_1t']:.3f} (1t) |")
+        lines.append(f"| {p['lr']:g} | weightsync before ctx (sparse/xor) | {p['v1']['ratio']:.1f}x | "
+                     f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['encode_GBps_2t']:.3f} (2t) | "
+                     f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['decode_apply_GBps_2t']:.3f} (2t) |")
         for b in p["baselines"]:
             lines.append(f"| {p['lr']:g} | {b['name']} | {b['ratio']:.2f}x | {b['encode_s']:.3f} | {b['decode_s']:.3f} |")
         for note in p.get("skipped", []):
@@ -332,10 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / ".cache"), help="checkpoint series cache")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--steps-per-lr", type=int, default=CheckpointConfig().steps_per_lr)
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(CheckpointConfig().lrs),
+                        help="learning rates of the series (the cache key includes them)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     config = BenchConfig(repeats=1, patch_levels=(3,)) if args.quick else BenchConfig()
-    record = run(config, CheckpointConfig(steps_per_lr=args.steps_per_lr), Path(args.cache_dir))
+    record = run(config, CheckpointConfig(steps_per_lr=args.steps_per_lr, lrs=tuple(args.lrs)), Path(args.cache_dir))
     stem = f"codec-{record['hardware']['cores']}cpu-{record['hardware']['machine']}-{record['date'][:10]}"
     write_results(Path(args.out_dir) / stem, record, markdown(record))
     return 0

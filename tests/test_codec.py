@@ -1,7 +1,7 @@
 """Codecs and chunk objects round-trip bit for bit, through the chunk API on real torch tensors.
 
 Covers `full` and the delta codecs (`encode_delta` / `decode_into`, via `encode_chunk` /
-`apply_chunk`) for every itemsize (1, 2, 4, 8) and every dtype this torch build has; special
+`apply_chunk`; `ctx` in detail in tests/test_ctx_codec.py) for every itemsize (1, 2, 4, 8) and every dtype this torch build has; special
 bit patterns (NaN payloads, signalling NaNs, +-0, +-inf, subnormals, extremes); empty and 0-dim
 tensors; odd sizes around the sparse path's 8-byte-word scan and its tail; changes at the first
 and last element, at word boundaries and everywhere; every change density (unchanged -> no
@@ -119,6 +119,8 @@ def _changed_elements(new: torch.Tensor, old: torch.Tensor) -> int:
 
 def _expected_codecs(changed: int, count: int) -> set[int]:
     density = changed / count
+    if density <= codec.CTX_DENSITY:  # ctx, unless sparse would be smaller (random bits)
+        return {codec.CODEC_CTX, codec.CODEC_SPARSE}
     if density <= codec.SPARSE_DENSITY:
         return {codec.CODEC_SPARSE}
     if density > codec.DENSE_DENSITY:
@@ -155,7 +157,7 @@ def _delta_round_trip(new: torch.Tensor, old: torch.Tensor, level: int = 1) -> i
     assert torch.equal(_bits(old), _bits(old_before)) and raw_hex == xxh3_digest(new_raw).hex()
     expected_changed = _changed_elements(new, old)
     assert changed == expected_changed
-    direct = codec.encode_delta(new_raw, old_raw, dtype.itemsize, level)
+    direct = codec.encode_delta(new_raw, old_raw, dtype.itemsize, level, dtype_name=dtype.name)
     if expected_changed == 0:
         assert (codec_id, obj, changed) == (0, None, 0) and direct is None
         return 0
@@ -167,7 +169,7 @@ def _delta_round_trip(new: torch.Tensor, old: torch.Tensor, level: int = 1) -> i
     apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
     _assert_same(out, new)
     out = old.clone()
-    codec.decode_into(codec_id, obj[HEADER_SIZE:], raw_bytes(out), dtype.itemsize)
+    codec.decode_into(codec_id, obj[HEADER_SIZE:], raw_bytes(out), dtype.itemsize, dtype_name=dtype.name)
     _assert_same(out, new)
     return codec_id
 
@@ -361,8 +363,8 @@ def test_odd_sizes_and_change_positions(itemsize, count, pattern):
     codec_id = _delta_round_trip(new, old)
     if pattern == "every":
         assert codec_id == codec.CODEC_XOR  # density 1.0
-    if len(positions) / count <= codec.SPARSE_DENSITY:
-        assert codec_id == codec.CODEC_SPARSE
+    if len(positions) / count <= codec.CTX_DENSITY:
+        assert codec_id == codec.CODEC_CTX
     _full_round_trip(new)
 
 
@@ -381,13 +383,14 @@ def _with_changes(name: str, count: int, changed: int, seed: int) -> tuple[torch
 @pytest.mark.parametrize("name", ["uint8", "bfloat16", "float32", "int64"])
 @pytest.mark.parametrize("changed", [0, 1, 500, 1999, 2000, 2001, 3000, 3999, 4000, 4001, 7000, 10_000])
 def test_codec_choice_follows_density(name, changed):
-    """Of 10,000 elements: <= 20 % changed -> sparse, > 40 % -> xor, in between the smaller payload."""
+    """Of 10,000 elements: <= 20 % changed -> ctx (one-ULP changes: it wins), > 40 % -> xor, in
+    between the smaller of sparse and xor."""
     old, new = _with_changes(name, 10_000, changed, seed=changed)
     codec_id = _delta_round_trip(new, old)
     if changed == 0:
         assert codec_id == 0
     elif changed <= 2000:
-        assert codec_id == codec.CODEC_SPARSE
+        assert codec_id == codec.CODEC_CTX
     elif changed > 4000:
         assert codec_id == codec.CODEC_XOR
     else:
@@ -415,12 +418,13 @@ def test_ambiguous_band_keeps_the_smaller_payload(monkeypatch, changed):
 
 
 @pytest.mark.parametrize("density", [0.0005, 0.05, 0.5, 1.0])
-@pytest.mark.parametrize("forced", [codec.CODEC_SPARSE, codec.CODEC_XOR])
-def test_both_delta_codecs_decode_at_any_density(monkeypatch, density, forced):
-    """Whatever a (future, or foreign) publisher chose, both codecs must decode exactly."""
+@pytest.mark.parametrize("forced", [codec.CODEC_SPARSE, codec.CODEC_XOR, codec.CODEC_CTX])
+def test_every_delta_codec_decodes_at_any_density(monkeypatch, density, forced):
+    """Whatever a (future, or foreign) publisher chose, every delta codec must decode exactly."""
     count = 5000
     old, new = _with_changes("float32", count, max(1, int(count * density)), seed=3)
     threshold = 1.0 if forced == codec.CODEC_SPARSE else 0.0
+    monkeypatch.setattr(codec, "CTX_DENSITY", 1.0 if forced == codec.CODEC_CTX else 0.0)
     monkeypatch.setattr(codec, "SPARSE_DENSITY", threshold)
     monkeypatch.setattr(codec, "DENSE_DENSITY", threshold)
     dtype = _dtype("float32")
@@ -461,6 +465,7 @@ def _sparse_streams(payload: bytes, itemsize: int) -> list[bytes]:
 
 @pytest.mark.parametrize("gap", [0, 1, 253, 254, 255, 256, 257, 509, 510, 511, 65_535 + 255, 70_000])
 def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
+    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)  # sparse is what this test is about
     monkeypatch.setattr(codec, "SPARSE_DENSITY", 1.0)  # sparse even where changes are dense (gap 0, 1)
     monkeypatch.setattr(codec, "DENSE_DENSITY", 1.0)
     changes = 5
@@ -485,8 +490,9 @@ def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
     assert list(low) == [0x01] * changes and list(high) == [0x80] * changes  # planes of the XOR values
 
 
-def test_sparse_gap_needing_every_overflow_byte():
+def test_sparse_gap_needing_every_overflow_byte(monkeypatch):
     """A gap >= 2**24 + 255 uses the top byte plane of the overflow stream (1-byte elements, 16 MiB)."""
+    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)
     gap = 2**24 + 300
     count = gap + 10
     old = torch.zeros(count, dtype=torch.uint8)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from harness.fake_trainer import TINY, FakeTrainer
+from weightsync import codec
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.errors import IntegrityError
@@ -24,6 +25,14 @@ from weightsync.versions import read_manifest, read_manifest_bytes
 
 MODEL = "fold/model"
 WAIT_S = 60
+
+
+@pytest.fixture(autouse=True)
+def xor_codecs(monkeypatch):
+    """Folding composes XORs, so these deltas are written in the XOR codecs (`xor`, `sparse`);
+    `ctx` (the default at these change rates) codes steps against its parent's bits and takes the
+    chain (test_ctx_deltas_take_the_chain)."""
+    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)
 
 
 def _series(make_state_dict, perturb, n: int) -> list[dict]:
@@ -55,6 +64,18 @@ def test_several_deltas_are_folded_bit_exactly(tmp_store, make_state_dict, pertu
     chained = reader.read(1)
     assert reader.advance_route(chained, 5, fold=False).kind == CHAIN
     assert_bit_equal(chained.state_dict(), state.state_dict())
+
+
+def test_ctx_deltas_take_the_chain(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, monkeypatch):
+    monkeypatch.setattr(codec, "CTX_DENSITY", 0.20)  # the default
+    sds = _series(make_state_dict, perturb, 4)
+    _publish(tmp_store, sds)
+    assert "ctx" in {c.codec for t in read_manifest(tmp_store, MODEL, 3).tensors for c in t.chunks}
+    reader = Reader(tmp_store, model=MODEL)
+    state = reader.read(1)
+    route = reader.advance_route(state, 4)
+    assert route.kind == CHAIN and "parent's bits" in route.reason
+    assert_bit_equal(state.state_dict(), published_view(sds[3]))
 
 
 def test_one_delta_and_a_state_off_the_chain_take_the_chain(tmp_store, make_state_dict, perturb):

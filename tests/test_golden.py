@@ -24,7 +24,8 @@ import torch
 import zstandard
 
 from weightsync.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, object_hash, unpack_chunk
-from weightsync.codec import CODEC_FULL, CODEC_SPARSE
+from weightsync import codec
+from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_SPARSE
 from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import xxh3_digest, xxh3_hex
 from weightsync.manifest import ChunkRef, Manifest, TensorEntry, canonical_json, compute_digest, parse_manifest
@@ -56,6 +57,27 @@ SPARSE_OBJECT_HEX = (
     "f061486d5558d2791f748d20218e0565f8d356521506bebc3ac6cb30221c61a1"
     "0401000000000000000a000000000000000000000000000000000000000000000001000000000000000a00000000"
     "00000001000000000000000a0000000000000028b52ffd20010900000228b52ffd20010900000128b52ffd200109000000"
+)
+
+# A ctx delta object (docs/format.md, "Codec ctx"): 64 bf16 weights around 2^-7, +0, 1.0 and a NaN,
+# of which 7 changed: +1 ULP, a negative weight +1 ULP away from zero, -1 ULP, +5 ULP, +0 -> -0,
+# a NaN payload and the last element. Nothing in it depends on zstd: these bytes are frozen.
+CTX_PARENT_HEX = (
+    "00bc253c4a3c1fbc143c393c3ebc033c283c5dbc723c173c7cbc613c063c1bbc503c753c3abc3f3c0000803fc07f533c"
+    "78bc1d3c423c17bc0c3c313c36bc7b3c203c55bc6a3c0f3c74bc593c7e3c13bc483c6d3c32bc373c5c3c51bc263c4b3c"
+    "70bc153c3a3c0fbc043c293c2ebc733c183c4dbc623c073c6cbc513c763c0bbc"
+)
+CTX_NEW_HEX = (
+    "00bc263c4a3c20bc143c393c3ebc023c283c5dbc773c173c7cbc613c063c1bbc503c753c3abc3f3c0080803fc17f533c"
+    "78bc1d3c423c17bc0c3c313c36bc7b3c203c55bc6a3c0f3c74bc593c7e3c13bc483c6d3c32bc373c5c3c51bc263c4b3c"
+    "70bc153c3a3c0fbc043c293c2ebc733c183c4dbc623c073c6cbc513c763c0cbc"
+)
+CTX_RAW_XXH3 = "e7e2a3db24cb6369f72990af667302e5"
+CTX_OBJECT_HEX = (
+    "5753434b01000401010040000000000040000000000000001800000000000000"  # header: codec 4, 64 elements
+    "e7e2a3db24cb6369f72990af667302e568e71178996749419f6534ca421c7de2"
+    "0700000000000000" "7800"  # 7 changed elements, class base 120 (exponent of 2^-7)
+    "00082fdc3c06c7c9236895200000"  # the range coder's bytes (the first is always 0)
 )
 
 
@@ -110,7 +132,8 @@ def test_full_payload_stream_table():
     assert planes[1] == bytes(b >> 8 for b in BITS)  # high bytes (sign, exponent)
 
 
-def test_sparse_delta_object_bytes():
+def test_sparse_delta_object_bytes(monkeypatch):
+    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)  # ctx would win: it has its own golden object below
     old = _raw().copy()
     old.view(np.uint16)[2] ^= 1
     codec_id, raw_hex, obj, changed = encode_chunk(_raw(), old, BF16, 1)
@@ -118,9 +141,24 @@ def test_sparse_delta_object_bytes():
     assert obj.hex() == SPARSE_OBJECT_HEX
 
 
-@pytest.mark.parametrize("which", ["full", "sparse"])
+def test_ctx_delta_object_bytes():
+    parent, new = bytes.fromhex(CTX_PARENT_HEX), bytes.fromhex(CTX_NEW_HEX)
+    codec_id, raw_hex, obj, changed = encode_chunk(
+        np.frombuffer(new, np.uint8), np.frombuffer(parent, np.uint8), BF16, 1
+    )
+    assert (codec_id, changed, raw_hex) == (CODEC_CTX, 7, CTX_RAW_XXH3)
+    assert obj.hex() == CTX_OBJECT_HEX
+    assert struct.unpack_from("<QH", obj, 64) == (7, 120) and obj[74] == 0
+
+
+@pytest.mark.parametrize("which", ["full", "sparse", "ctx"])
 def test_pinned_objects_still_decode(which):
     """Objects written by earlier builds stay readable whatever zstd version wrote them."""
+    if which == "ctx":
+        out = np.frombuffer(bytes.fromhex(CTX_PARENT_HEX), np.uint8).copy()
+        apply_chunk(bytes.fromhex(CTX_OBJECT_HEX), out, BF16, CTX_RAW_XXH3, CODEC_CTX)
+        assert out.tobytes().hex() == CTX_NEW_HEX
+        return
     if which == "full":
         obj, out, codec_id = bytes.fromhex(FULL_OBJECT_HEX), np.full(16, 0xEE, np.uint8), CODEC_FULL
     else:

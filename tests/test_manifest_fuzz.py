@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from weightsync.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, unpack_chunk
-from weightsync.codec import CODEC_FULL, CODEC_SPARSE, CODEC_XOR
+from weightsync import codec
+from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_SPARSE, CODEC_XOR
 from weightsync.dtypes import BY_CODE, dtype_by_name
 from weightsync.errors import FormatError, WeightsyncError
 from weightsync.hashing import xxh3_digest
@@ -142,7 +143,7 @@ def _manifest_shaped(draw):
     parent = value(st.none() | st.integers(1, v - 1)) if kind == "full" else value(st.integers(1, v - 1))
     p = parent if isinstance(parent, int) and not isinstance(parent, bool) and 1 <= parent < v else 1
     base = value(st.just(v)) if kind == "full" else value(st.integers(1, p))
-    codecs = ["full"] if kind == "full" else ["full", "xor", "sparse", "same"]
+    codecs = ["full"] if kind == "full" else ["full", "xor", "sparse", "ctx", "same"]
 
     def chunk(start, numel):
         stop = value(st.integers(start + 1, min(start + 70, numel)))
@@ -251,14 +252,18 @@ def _valid_objects() -> list[tuple[np.ndarray, int, str, bytes, str]]:
     for name, count in (("uint8", 301), ("bfloat16", 1000), ("float32", 257), ("int64", 130)):
         dtype = dtype_by_name(name)
         old = rng.integers(0, 256, count * dtype.itemsize, dtype=np.uint8)
-        for density, parent in ((0.03, old), (0.8, old), (1.0, None)):
+        for density, parent, ctx in ((0.03, old, True), (0.05, old, False), (0.8, old, True), (1.0, None, True)):
             new = old.copy()
             words = new.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
             words[rng.random(count) < density] ^= 5
             words[-1] ^= 3  # at least one change
-            codec_id, raw_hex, obj, _ = encode_chunk(new, parent, dtype, 1)
+            saved, codec.CTX_DENSITY = codec.CTX_DENSITY, codec.CTX_DENSITY if ctx else 0.0
+            try:
+                codec_id, raw_hex, obj, _ = encode_chunk(new, parent, dtype, 1)
+            finally:
+                codec.CTX_DENSITY = saved
             out.append((old, codec_id, raw_hex, obj, name))
-    assert {o[1] for o in out} == {CODEC_FULL, CODEC_XOR, CODEC_SPARSE}
+    assert {o[1] for o in out} == {CODEC_FULL, CODEC_XOR, CODEC_SPARSE, CODEC_CTX}
     return out
 
 
@@ -334,6 +339,12 @@ def test_mutated_chunk_objects(data, which):
         candidate = _repack(obj, bytes(payload))
     elif how == "payload-extend":
         payload[data.draw(st.integers(0, len(payload))) : 0] = data.draw(st.binary(min_size=1, max_size=40))
+        candidate = _repack(obj, bytes(payload))
+    elif how == "table" and codec_id == CODEC_CTX:  # no stream table: its changed count or class base
+        if data.draw(st.booleans()):
+            struct.pack_into("<Q", payload, 0, data.draw(st.sampled_from([0, 1, 2**32, 2**64 - 1]) | st.integers(0, 5000)))
+        else:
+            struct.pack_into("<H", payload, 8, data.draw(st.integers(0, 2**16 - 1)))
         candidate = _repack(obj, bytes(payload))
     elif how == "table":  # one stream's raw or compressed length rewritten
         n = payload[0]

@@ -15,13 +15,13 @@ import struct
 
 import numpy as np
 
-from weightsync import codec
+from weightsync import codec, ctx_codec
 from weightsync.dtypes import DType, dtype_by_code
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.hashing import xxh3_digest, xxh3_hex
 
 CHUNK_MAGIC = b"WSCK"
-CHUNK_FORMAT_VERSION = 1  # 1: first release (full, xor, sparse codecs)
+CHUNK_FORMAT_VERSION = 1  # 1: first release (full, xor, sparse codecs); codec ctx (4) added later
 SUPPORTED_CHUNK_FORMATS = (1,)
 HEADER = struct.Struct("<4sHBBBBHIQQ16s16s")
 HEADER_SIZE = HEADER.size  # 64
@@ -104,12 +104,13 @@ def unpack_chunk(obj: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
 
 
 def encode_chunk(
-    new: np.ndarray, old: np.ndarray | None, dtype: DType, zstd_level: int
+    new: np.ndarray, old: np.ndarray | None, dtype: DType, zstd_level: int, *, changes: ctx_codec.Changes | None = None
 ) -> tuple[int, str, bytes | None, int]:
     """Encodes the raw bytes of one chunk, as a delta against `old` when given.
 
     Returns (codec id, raw hash hex, object bytes or None when unchanged, changed elements).
-    An unchanged chunk has no object at all (docs/format.md: codec "same").
+    An unchanged chunk has no object at all (docs/format.md: codec "same"). `changes`: the
+    chunk's changes found on the tensors' device (`weightsync.diff.diff_chunk`), optional.
     """
     raw_digest = xxh3_digest(new)
     count = new.nbytes // dtype.itemsize
@@ -117,7 +118,7 @@ def encode_chunk(
         payload = codec.encode_full(new, dtype.itemsize, zstd_level)
         codec_id, changed = codec.CODEC_FULL, count
     else:
-        result = codec.encode_delta(new, old, dtype.itemsize, zstd_level)
+        result = codec.encode_delta(new, old, dtype.itemsize, zstd_level, dtype_name=dtype.name, changes=changes)
         if result is None:
             return 0, raw_digest.hex(), None, 0
         codec_id, payload, changed = result
@@ -150,6 +151,6 @@ def apply_chunk(
         raise FormatError(f"chunk holds {header.count} elements, its range {out.nbytes // dtype.itemsize}")
     if header.raw_xxh3.hex() != expect_raw_xxh3:
         raise IntegrityError("chunk header's raw hash differs from the manifest's")
-    codec.decode_into(header.codec_id, payload, out, dtype.itemsize)
+    codec.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)
     if xxh3_digest(out) != header.raw_xxh3:
         raise IntegrityError("chunk decoded to bytes whose hash differs from the published one")

@@ -59,7 +59,7 @@ class ChunkRef:
 
     start: int  # first element (flat index into the tensor)
     stop: int  # one past the last element
-    codec: str  # "full", "xor", "sparse" or "same" (no object)
+    codec: str  # "full", "xor", "sparse", "ctx" or "same" (no object)
     raw: str  # xxh3-128 hex of the chunk's raw bytes in this version
     object: str | None = None  # xxh3-128 hex of the object bytes (its content address)
     key: str | None = None  # key relative to the model prefix: the object's own, or its pack's

@@ -49,7 +49,9 @@ from typing import Protocol
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
-from weightsync.dtypes import dtype_by_name
+from weightsync.ctx_codec import Changes
+from weightsync.diff import DeviceParent
+from weightsync.dtypes import DType, dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.manifest import (
     CODEC_SAME,
@@ -118,6 +120,10 @@ class PublisherConfig:
     """What the versions hold, written to the manifest's producer.weights_kind: "model" (a whole
     model's weights, LoRA merged in or not) or "adapter" (LoRA adapter tensors only, for engines
     that serve adapters). Agents refuse a kind their engine does not serve."""
+    device_diff: bool = False
+    """Keep the last published weights beside the trainer's (one more copy of the model on its
+    GPU) and find each chunk's changes there (`weightsync.diff`): only the changed elements
+    cross to the host for encoding. Tensors the snapshot casts use the host scan."""
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -234,6 +240,7 @@ class _Job:
     snapshot_s: float = 0.0
     previous: _Job | None = None  # the job accepted just before: commits wait for it
     progress: Callable[[int], None] | None = None
+    changes: dict = dataclasses.field(default_factory=dict)  # {name: {chunk start: ctx changes}}, device_diff
     future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once this job and every earlier one has finished, committed or failed."""
@@ -278,6 +285,7 @@ class Publisher:
         self._last_job: _Job | None = None
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
+        self._device_parent = DeviceParent() if self.config.device_diff else None
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -312,6 +320,9 @@ class Publisher:
                 spare, self._spare = self._spare, None
                 job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
                 job.t0, job.previous, job.progress = t0, self._last_job, progress
+                if self._device_parent is not None:  # on the tensors' device, before the host copy
+                    job.changes = self._device_parent.diff(state_dict, planned, job.version, job.parent,
+                                                           self._ranges_of)
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
         except BaseException:
@@ -501,7 +512,7 @@ class Publisher:
                 futures[name] = [
                     self._encode_pool.submit(
                         self._encode_one, version, tensor, parent_snapshot, name, start, stop,
-                        placements[name].start, packer,
+                        placements[name].start, packer, job.changes.get(name, {}).get(start),
                     )
                     for start, stop in self._chunk_ranges(tensor)
                 ]
@@ -640,21 +651,28 @@ class Publisher:
         # A full version does not need its predecessor; commit order is all we waited for.
 
     def _chunk_ranges(self, tensor: SnapshotTensor) -> list[tuple[int, int]]:
-        count = tensor.nbytes // tensor.dtype.itemsize
-        per_chunk = max(1, self.config.chunk_bytes // tensor.dtype.itemsize)
+        return self._ranges_of(tensor.dtype, tensor.shape)
+
+    def _ranges_of(self, dtype: DType, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """The [start, stop) element ranges of a tensor's chunks."""
+        count = math.prod(shape)
+        per_chunk = max(1, self.config.chunk_bytes // dtype.itemsize)
         return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
 
     def _encode_one(
         self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int,
-        offset: int, packer: PackWriter | None,
+        offset: int, packer: PackWriter | None, changes: Changes | None = None,
     ) -> tuple[ChunkRef, int, cf.Future | None, PackSlot | None]:
         """Encodes local elements [start, stop) (global: + offset) and queues the upload, or adds
         the object to the version's pack; returns (ref, changed elements, upload, pack slot).
-        A packed ref gets its key and offset once its pack is sealed."""
+        A packed ref gets its key and offset once its pack is sealed. `changes`: found on the
+        device (device_diff)."""
         size = tensor.dtype.itemsize
         new = tensor.data[start * size : stop * size]
         old = None if parent is None else parent[name].data[start * size : stop * size]
-        codec_id, raw_hex, obj, changed = encode_chunk(new, old, tensor.dtype, self.config.zstd_level)
+        codec_id, raw_hex, obj, changed = encode_chunk(
+            new, old, tensor.dtype, self.config.zstd_level, changes=None if old is None else changes
+        )
         start, stop = start + offset, stop + offset
         if obj is None:
             return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None, None

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from weightsync import codec
 from weightsync.chunk import HEADER, encode_chunk
-from weightsync.codec import CODEC_FULL, CODEC_SPARSE, CODEC_XOR
+from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_SPARSE, CODEC_XOR
 from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import xxh3_digest
 from weightsync.layout import chunk_key, pack_key
@@ -178,7 +179,7 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         mutate(lambda d: packed(d, [member(0, 2048, 0), dict(member(2048, COUNT, 150), object="e" * 32)])),
         "FormatError", "overlap (a bad pack index)")
     add("manifest_unknown_codec.json", chunk0(codec="lz4"), "UnsupportedFormatError",
-        "unknown codec 'lz4'; supported: ['full', 'same', 'sparse', 'xor']")
+        "unknown codec 'lz4'; supported: ['ctx', 'full', 'same', 'sparse', 'xor']")
     add("manifest_codec_not_string.json", chunk0(codec=3), "FormatError", "codec must be a string")
     add("manifest_unknown_dtype.json", tensor0(dtype="complex64"), "UnsupportedFormatError",
         "unsupported dtype 'complex64'")
@@ -291,9 +292,15 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
     """file name -> (object bytes, how to apply it and what it must raise)."""
     old = parent(0)
     new = old.copy()
-    new.view(np.uint16)[::50] ^= 1  # 82 changed elements: a sparse delta
-    codec_id, raw_hex, good, changed = encode_chunk(new, old, BF16, 1)
+    new.view(np.uint16)[::50] ^= 1  # 82 changed elements: a sparse delta (with ctx off), a ctx delta
+    ctx_density, codec.CTX_DENSITY = codec.CTX_DENSITY, 0.0
+    try:
+        codec_id, raw_hex, good, changed = encode_chunk(new, old, BF16, 1)
+    finally:
+        codec.CTX_DENSITY = ctx_density
     assert (codec_id, changed) == (CODEC_SPARSE, 82)
+    ctx_id, _, good_ctx, _ = encode_chunk(new, old, BF16, 1)
+    assert ctx_id == CODEC_CTX
     full_id, _, full, _ = encode_chunk(new, None, BF16, 1)
     assert full_id == CODEC_FULL
     other_raw = xxh3_digest(old)  # the hash of bytes a chunk does not decode to
@@ -332,7 +339,7 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
     add("chunk_bad_magic.bin", b"NOPE" + good[4:], "FormatError", "not a weightsync chunk", stage="unpack")
     add("chunk_unknown_version.bin", header(fmt=7), "UnsupportedFormatError",
         "chunk format version 7 is not supported; supported: [1]", stage="unpack")
-    add("chunk_unknown_codec.bin", header(codec=9), "UnsupportedFormatError", "unknown codec id 9; supported: [1, 2, 3]",
+    add("chunk_unknown_codec.bin", header(codec=9), "UnsupportedFormatError", "unknown codec id 9; supported: [1, 2, 3, 4]",
         stage="unpack")
     add("chunk_unknown_dtype.bin", header(dtype=200), "UnsupportedFormatError", "unknown dtype code 200",
         stage="unpack")
@@ -419,6 +426,47 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
         "FormatError", "sparse overflow stream has 0 bytes, expected 328")
     add("chunk_sparse_too_many_changes.bin", header(payload=streams((gaps, COUNT + 1), (b"", 0), (lo, n), (hi, n))),
         "FormatError", "sparse payload claims 4097 changed elements in a chunk of 4096")
+
+    # ctx (docs/format.md, "Codec ctx"): u64 changed, u16 class base, then the range coder's bytes.
+    ctx = {"codec": CODEC_CTX}
+    body = good_ctx[64:]
+    changed_ctx, class_base = struct.unpack_from("<QH", body, 0)
+    stream = body[10:]
+
+    def ctx_payload(changed=changed_ctx, base=class_base, rc=stream):
+        return struct.pack("<QH", changed, base) + rc
+
+    add("chunk_ctx_truncated_header.bin", header(good_ctx, payload=body[:7]), "FormatError",
+        "ctx payload of 7 bytes is shorter than its 10-byte header", **ctx)
+    add("chunk_ctx_too_many_changes.bin", header(good_ctx, payload=ctx_payload(changed=COUNT + 1)), "FormatError",
+        "ctx payload claims 4097 changed elements in a chunk of 4096", **ctx)
+    add("chunk_ctx_claims_2_64_changes.bin", header(good_ctx, payload=ctx_payload(changed=2**64 - 1)), "FormatError",
+        "ctx payload claims 18446744073709551615 changed elements", **ctx)
+    add("chunk_ctx_class_base_out_of_range.bin", header(good_ctx, payload=ctx_payload(base=256)), "FormatError",
+        "ctx class base 256 is out of range for bfloat16", **ctx)
+    add("chunk_ctx_empty_stream.bin", header(good_ctx, payload=ctx_payload(rc=b"")), "FormatError",
+        "range coder stream truncated", **ctx)
+    add("chunk_ctx_stream_not_starting_with_zero.bin", header(good_ctx, payload=ctx_payload(rc=b"\x01" + stream[1:])),
+        "FormatError", "range coder stream does not start with a zero byte", **ctx)
+    add("chunk_ctx_stream_truncated.bin", header(good_ctx, payload=ctx_payload(rc=stream[: len(stream) // 2])),
+        "FormatError", "ctx payload is corrupt", **ctx)  # past its end the coder reads zeros: nonsense, caught
+    add("chunk_ctx_stream_trailing_bytes.bin", header(good_ctx, payload=ctx_payload(rc=stream + b"\0\0")),
+        "FormatError", "range coder stream has trailing bytes", **ctx)
+    add("chunk_ctx_declares_fewer_changes.bin", header(good_ctx, payload=ctx_payload(changed=changed_ctx - 1)),
+        "FormatError", "more changed elements than the header declares", **ctx)
+    add("chunk_ctx_declares_more_changes.bin", header(good_ctx, payload=ctx_payload(changed=changed_ctx + 1)),
+        "FormatError", "fewer changed elements than the header declares", **ctx)
+    rng = np.random.default_rng(13)
+    for k in range(4):  # random streams: whatever they decode to, the decoder stops with a FormatError
+        noise = b"\0" + rng.integers(0, 256, 64 << k, dtype=np.uint8).tobytes()
+        add(f"chunk_ctx_random_stream_{k}.bin", header(good_ctx, payload=ctx_payload(rc=noise)), "FormatError",
+            "ctx payload is corrupt", **ctx)
+    flipped = bytearray(stream)
+    flipped[len(stream) // 3] ^= 0x10
+    add("chunk_ctx_stream_bit_flip.bin", header(good_ctx, payload=ctx_payload(rc=bytes(flipped))), "FormatError",
+        "ctx payload is corrupt", **ctx)
+    add("chunk_ctx_applied_to_wrong_parent.bin", good_ctx, "FormatError", "ctx payload is corrupt", parent_seed=1,
+        **ctx)
     return out
 
 

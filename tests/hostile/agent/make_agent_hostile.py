@@ -50,6 +50,7 @@ import torch
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from weightsync import codec
 from weightsync.chunk import encode_chunk, object_hash, pack_chunk
 from weightsync.codec import CODEC_FULL, CODEC_NAMES
 from weightsync.dtypes import dtype_by_name
@@ -219,6 +220,16 @@ def frames_of(version: int, names: list[str]) -> list[dict]:
 
 
 def build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
+    # The corpus predates codec ctx: its deltas stay sparse/xor (objects that must stay readable),
+    # and regenerating it reproduces the committed files. Agents meet ctx objects in test_agents.
+    saved, codec.CTX_DENSITY = codec.CTX_DENSITY, 0.0
+    try:
+        return _build()
+    finally:
+        codec.CTX_DENSITY = saved
+
+
+def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
     c = Corpus()
     w1, w2, w3, w4, w6 = (weights(s) for s in (1, 2, 3, 4, 6))
     v1, o1 = encode_version(w1, None, version=1, step=1)

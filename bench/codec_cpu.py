@@ -1,0 +1,65 @@
+"""codec_cpu: codec ctx against the codecs before it (sparse/xor), per core, in CPU time.
+
+`bench.codec` measures wall-clock throughput, which a shared, loaded machine distorts; this
+measures the CPU time of the calling thread (`time.thread_time`) to encode every chunk of a
+checkpoint pair (`encode_chunk`) and to decode+apply every object (`apply_chunk`, hashes
+included), one thread, best of 3, alternating the two configurations on the same bytes.
+Prints one JSON record. Run from the repository root: `python -m bench.codec_cpu`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench.checkpoints import CheckpointConfig, make_checkpoint_series
+from weightsync import codec
+from weightsync.chunk import apply_chunk, encode_chunk
+from weightsync.dtypes import dtype_by_name
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK_BYTES = 4 << 20
+
+
+def main() -> None:
+    series = make_checkpoint_series(CheckpointConfig(lrs=(1e-6, 3e-6)), cache_dir=ROOT / "bench" / ".cache")
+    bf16 = dtype_by_name("bfloat16")
+    record: dict = {"bench": "codec_cpu", "load_avg_before": os.getloadavg()}
+    saved = codec.CTX_DENSITY
+    try:
+        for lr, states in series.items():
+            old_sd, new_sd = states[0], states[1]
+            items = []
+            for name in old_sd:
+                o = old_sd[name].reshape(-1).view(torch.uint8).numpy()
+                x = new_sd[name].reshape(-1).view(torch.uint8).numpy()
+                items += [(o[i : i + CHUNK_BYTES], x[i : i + CHUNK_BYTES]) for i in range(0, len(o), CHUNK_BYTES)]
+            raw = sum(len(x) for _, x in items)
+            for label, density in (("ctx", saved), ("sparse/xor", 0.0)):
+                codec.CTX_DENSITY = density
+                encode_s = decode_s = float("inf")
+                for _ in range(3):
+                    t = time.thread_time()
+                    objects = [encode_chunk(x, o, bf16, 1) for o, x in items]
+                    encode_s = min(encode_s, time.thread_time() - t)
+                    buffers = [o.copy() for o, _ in items]
+                    t = time.thread_time()
+                    for (codec_id, raw_hex, obj, _), buf in zip(objects, buffers):
+                        if obj is not None:
+                            apply_chunk(obj, buf, bf16, raw_hex, codec_id)
+                    decode_s = min(decode_s, time.thread_time() - t)
+                record[f"{lr:g} {label}"] = {
+                    "encode_GBps_per_core": raw / encode_s / 1e9, "decode_apply_GBps_per_core": raw / decode_s / 1e9,
+                }
+    finally:
+        codec.CTX_DENSITY = saved
+    record["load_avg_after"] = os.getloadavg()
+    print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

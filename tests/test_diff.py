@@ -1,0 +1,142 @@
+"""weightsync.diff: the device path of codec ctx, driven on CPU tensors (the same torch code runs on
+CUDA). Its changes equal the host scan's field for field, so the payloads are identical, and
+applying them to the parent gives the new tensor bit for bit (torch.equal), for every dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from weightsync import codec, ctx_codec
+from weightsync.chunk import apply_chunk, encode_chunk
+from weightsync.diff import diff_chunk
+from weightsync.dtypes import BY_NAME, dtype_by_name
+from weightsync.tensors import raw_bytes
+
+DTYPES = [name for name in BY_NAME if hasattr(torch, name)]
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _pair(name: str, count: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A parent like trained weights (floats: normal, std 0.015) and a child with a fraction of its
+    elements moved by a few steps of their bit patterns, special values and sign flips mixed in."""
+    rng = np.random.default_rng(seed)
+    itemsize = dtype_by_name(name).itemsize
+    if count == 0:
+        empty = torch.empty(0, dtype=getattr(torch, name))
+        return empty, empty.clone()
+    if BY_NAME[name].floating:
+        old = (torch.randn(count, generator=torch.Generator().manual_seed(seed)) * 0.015).to(getattr(torch, name))
+    else:
+        old = torch.from_numpy(rng.integers(0, 256, count * itemsize, dtype=np.uint8)).view(getattr(torch, name)) \
+            if name != "bool" else torch.from_numpy(rng.integers(0, 2, count).astype(bool))
+    bits = raw_bytes(old).view(UINT[itemsize]).copy()
+    changed = rng.random(count) < density
+    steps = rng.choice(np.array([1, 1, 1, 1, 2, 5, -1, -1, -1, -3], dtype=np.int64), count)
+    new_bits = bits.astype(np.int64) + np.where(changed, steps, 0)
+    new_bits = (new_bits & ((1 << (8 * itemsize)) - 1) if itemsize < 8 else new_bits).astype(UINT[itemsize])
+    if count > 10:
+        new_bits[3] ^= UINT[itemsize](1 << (8 * itemsize - 1))  # a sign flip
+        new_bits[-1] = ~bits[-1]
+    if name == "bool":
+        new_bits &= 1
+    new = torch.from_numpy(new_bits.view(np.uint8).copy()).view(old.dtype)
+    return new, old
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("count, density", [(0, 0.0), (1, 1.0), (97, 0.05), (5000, 0.01), (70_000, 0.03)])
+def test_device_diff_round_trips_bit_exactly(name, count, density):
+    dtype = dtype_by_name(name)
+    new, old = _pair(name, count, density, seed=count + len(name))
+    changes = diff_chunk(new, old, dtype)
+    new_raw, old_raw = raw_bytes(new), raw_bytes(old)
+    changed = int(np.count_nonzero(new_raw.view(UINT[dtype.itemsize]) != old_raw.view(UINT[dtype.itemsize])))
+    assert len(changes.positions) == changed
+    if changed:  # the same fields as the host scan: the device path changes nothing in the payload
+        host = ctx_codec.scan_changes(new_raw, old_raw, name, dtype.itemsize, changed)
+        for field in ("count", "class_base"):
+            assert getattr(changes, field) == getattr(host, field), field
+        for field in ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts"):
+            assert np.array_equal(getattr(changes, field), getattr(host, field)), field
+        payload = ctx_codec.emit(changes, name, dtype.itemsize, 1 << 30)
+        assert payload == ctx_codec.emit(host, name, dtype.itemsize, 1 << 30)
+        out = old.clone()
+        ctx_codec.decode_into(payload, raw_bytes(out), name, dtype.itemsize)
+        assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
+    # Through the chunk API, as the publisher calls it.
+    codec_id, raw_hex, obj, n = encode_chunk(new_raw, old_raw, dtype, 1, changes=changes)
+    assert n == changed
+    if obj is None:
+        assert changed == 0
+        return
+    if changed / max(count, 1) <= codec.CTX_DENSITY:
+        assert codec_id == codec.CODEC_CTX
+    out = old.clone()
+    apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
+    assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
+    if dtype.floating and not torch.isnan(new.float()).any():
+        assert torch.equal(out, new)
+
+
+def test_device_diff_on_a_real_checkpoint_step():
+    """bf16 weights after an AdamW-like step: ~1 % move by one ULP; the parent is left untouched."""
+    g = torch.Generator().manual_seed(5)
+    master = torch.randn(300_000, generator=g) * 0.02
+    old = master.to(torch.bfloat16)
+    new = (master + 1e-6 * torch.randn(300_000, generator=g).sign()).to(torch.bfloat16)
+    before = old.clone()
+    changes = diff_chunk(new, old, dtype_by_name("bfloat16"))
+    assert torch.equal(old, before)
+    assert 0 < len(changes.positions) < 0.2 * 300_000
+    codec_id, raw_hex, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), dtype_by_name("bfloat16"), 1,
+                                             changes=changes)
+    assert codec_id == codec.CODEC_CTX
+    out = old.clone()
+    apply_chunk(obj, raw_bytes(out), dtype_by_name("bfloat16"), raw_hex, codec_id)
+    assert torch.equal(out, new)
+
+
+def test_tensors_must_be_alike():
+    with pytest.raises(ValueError, match="alike"):
+        diff_chunk(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), dtype_by_name("bfloat16"))
+
+
+def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp_path, monkeypatch):
+    """PublisherConfig(device_diff=True) on CPU tensors drives the device path end to end: deltas
+    use the device changes (ctx chunks), a cast tensor and a new tensor layout fall back cleanly,
+    and every version reads back torch.equal."""
+    from weightsync import diff
+    from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.reader import Reader
+    from weightsync.store import LocalStore
+
+    diffed = []
+
+    def counting(new, old, dtype):
+        diffed.append((new.numel(), dtype.name))
+        return diff_chunk(new, old, dtype)
+
+    monkeypatch.setattr(diff, "diff_chunk", counting)
+    g = torch.Generator().manual_seed(3)
+    master = {"w": torch.randn(300, 512, generator=g) * 0.02, "b": torch.randn(4096, generator=g) * 0.02}
+    store = LocalStore(tmp_path)
+    config = PublisherConfig(device_diff=True, chunk_bytes=64 * 1024, parent_from_store=False)
+    published = []
+    with Publisher(store, model="dev", config=config) as publisher:
+        for step in range(4):
+            state = {"w": master["w"].to(torch.bfloat16), "b": master["b"]}  # b: fp32, cast by the snapshot
+            published.append({k: v.to(torch.bfloat16) for k, v in state.items()})
+            result = publisher.publish(state, step=step).result()
+            if step:
+                codecs = {c.codec for t in result.manifest.tensors if t.name == "w" for c in t.chunks}
+                assert codecs <= {"ctx", "same"} and "ctx" in codecs
+            master = {k: v + 3e-6 * torch.randn(v.shape, generator=g).sign() for k, v in master.items()}
+    chunks_of_w = -(-300 * 512 * 2 // (64 * 1024))
+    assert len(diffed) == 3 * chunks_of_w and {name for _, name in diffed} == {"bfloat16"}  # w only, deltas only
+    reader = Reader(store, model="dev")
+    for version, want in enumerate(published, start=1):
+        got = reader.read(version).state_dict()
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (version, name)
