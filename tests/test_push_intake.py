@@ -35,7 +35,6 @@ def _ref(data: bytes) -> tuple[str, ChunkRef]:
     return key, ChunkRef(start=0, stop=len(data), codec="full", raw=address, object=address, key=key, size=len(data))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: any pushed object counts as progress")
 @pytest.mark.timeout(120)
 def test_pushes_of_other_objects_do_not_hold_back_a_fetch(tmp_path):
     intake = _intake(tmp_path, push_wait_s=1.0)
