@@ -3,9 +3,9 @@
     .venv/bin/python -m bench.inflight                   # lengths 1, 10, 60 s; every policy
     .venv/bin/python -m bench.inflight --lengths 1,10 --versions 2 --label quick
 
-For each swap policy (drain, in_flight, abort) one cluster: a store, a publisher pushing to a
-leader agent that relays to a follower (one region, reference engines over HTTP, one torch thread
-each). Two versions are served first, so that both agents double-buffer as in steady state.
+For each swap policy (drain, in_flight, abort) one cluster: a store, a publisher (this process)
+pushing to a leader agent that relays to a follower (one region; `weightsync agent` processes with
+reference engines over HTTP, one torch thread each). Two versions are served first, so that both agents double-buffer as in steady state.
 Then, per request length (none, then each of `--lengths`): clients keep `--clients` requests
 running on every agent's server back to back, each generating the number of tokens the engine
 makes in that many seconds (calibrated on this machine; the measured request durations are
@@ -15,6 +15,10 @@ from the agents' ledgers (`served_unix_ms`). Under drain a new version waits for
 that started two swaps back (about one request length); under in_flight and abort for one
 token step. The no-request figure of the same cluster is the baseline, measured in the same run.
 
+Agents run niced (AGENT_NICE) so that the publisher in this process, which stands in for the
+trainer's machines, is not starved by generation on the two shared cores; the ledgers' agent-side
+time (offer -> serving) is reported beside publish() -> serving.
+
 Writes bench/results/inflight[-<label>]-<cores>cpu-<arch>-<date>.{json,md} and prints the JSON
 record. Not a test.
 """
@@ -22,10 +26,15 @@ record. Not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,55 +44,99 @@ from pathlib import Path
 from bench.output import write_results
 from harness.fake_trainer import FakeTrainer
 from harness.machine import describe_machine
-from weightsync.agents.config import AgentConfig
-from weightsync.agents.server import AgentServer
 from weightsync.models import ModelConfig
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.push import PushConfig, Pusher
+from weightsync.rpc import AgentClient
 from weightsync.store import LocalStore
 
 log = logging.getLogger("bench.inflight")
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "bench-inflight"
 POLICIES = ("drain", "in_flight", "abort")
-ARCH = ModelConfig(vocab_size=259, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+ARCH = ModelConfig(vocab_size=259, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768)
-"""The demo's model (~0.8M parameters) with room for long generations."""
+"""~13M parameters (a step is mostly matmuls, not Python), with room for long generations."""
 PROMPT = [256, 72, 105, 33]
 WAIT_S = 300.0
+AGENT_NICE = 10
+"""Agents (and the generation in their engines) run at a lower priority than the publisher: in a
+real job the trainer has machines of its own, and here two cores are shared by all of them."""
 
 
-def start_cluster(root: Path, policy: str, max_new_tokens: int) -> tuple[Publisher, Pusher, dict[str, AgentServer]]:
-    store = LocalStore(root / "store")
-    engine = {"type": "reference", "model": {f: getattr(ARCH, f) for f in ARCH.__dataclass_fields__}, "port": 0,
-              "torch_threads": 1, "max_concurrent_requests": 4, "max_new_tokens_limit": max_new_tokens,
-              "queue_timeout_s": WAIT_S}
-    agents: dict[str, AgentServer] = {}
-    peers: tuple[str, ...] = ()
-    for name in ("follower", "leader"):
-        config = AgentConfig(model=MODEL, cache_dir=str(root / name), name=name, store=store.uri, peers=peers,
-                             engine=engine, swap_policy=policy, workers=1, poll_interval_s=2.0, push_wait_s=5.0)
-        agents[name] = AgentServer(config).start()
-        peers = (agents[name].address,)
-    pusher = Pusher(PushConfig(targets=(agents["leader"].address,), model=MODEL, give_up_after_s=WAIT_S))
-    publisher = Publisher(store, model=MODEL, config=PublisherConfig(workers=1), listeners=[pusher])
-    return publisher, pusher, agents
+class Cluster:
+    """A store, a publisher pushing to a leader agent that relays to a follower; each agent is a
+    `weightsync agent` process with its reference engine, as users run them (so the publisher
+    in this process and generation in the agents' do not share a GIL), stopped by PID."""
 
+    def __init__(self, root: Path, policy: str, max_new_tokens: int) -> None:
+        root.mkdir(parents=True)
+        self.store = LocalStore(root / "store")
+        arch = "\n".join(f"{f} = {json.dumps(getattr(ARCH, f))}" for f in ARCH.__dataclass_fields__)
+        self.procs: list[subprocess.Popen] = []
+        self.agents: dict[str, dict] = {}
+        peers: list[str] = []
+        for name in ("follower", "leader"):
+            toml = root / f"{name}.toml"
+            toml.write_text(
+                f'[agent]\nmodel = "{MODEL}"\nname = "{name}"\ncache_dir = "{root / name}"\n'
+                f'store = "{self.store.uri}"\npeers = {json.dumps(peers)}\nswap_policy = "{policy}"\n'
+                "workers = 1\npoll_interval_s = 2.0\npush_wait_s = 5.0\n"
+                '[agent.engine]\ntype = "reference"\nport = 0\ntorch_threads = 1\nmax_concurrent_requests = 4\n'
+                f"max_new_tokens_limit = {max_new_tokens}\nqueue_timeout_s = {WAIT_S}\n"
+                f"[agent.engine.model]\n{arch}\n")
+            proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(toml)],
+                                    stdout=subprocess.PIPE, stderr=open(root / f"{name}.log", "w"), text=True,
+                                    start_new_session=True, preexec_fn=lambda: os.nice(AGENT_NICE))
+            self.procs.append(proc)
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"agent {name} exited; see {root / (name + '.log')}")
+            ready = json.loads(line)
+            self.agents[name] = {"address": ready["address"], "url": ready["engine_url"],
+                                 "client": AgentClient(ready["address"])}
+            peers = [ready["address"]]
+        self.pusher = Pusher(PushConfig(targets=(self.agents["leader"]["address"],), model=MODEL,
+                                        give_up_after_s=WAIT_S))
+        self.publisher = Publisher(self.store, model=MODEL, config=PublisherConfig(workers=1),
+                                   listeners=[self.pusher])
 
-def publish_and_time(publisher: Publisher, trainer: FakeTrainer, agents: dict[str, AgentServer]) -> dict:
-    """One version: publish() -> every agent serving, and where each agent's time went."""
-    trainer.step()
-    call_ms = time.time() * 1000
-    version = publisher.publish(trainer.state_dict(), step=trainer.step_count).result().version
-    per_agent = {}
-    for name, server in agents.items():
-        if not server.agent.wait_for_version(version, WAIT_S):
-            raise TimeoutError(f"{name} did not serve v{version} in {WAIT_S} s")
-        entry = next(e for e in server.agent.status()["ledger"] if e["version"] == version)
-        per_agent[name] = {"to_serving_s": (entry["served_unix_ms"] - call_ms) / 1000,
-                           "drain_s": entry["timings_s"].get("drain", 0.0)}
-    return {"version": version, "to_all_agents_s": max(a["to_serving_s"] for a in per_agent.values()),
-            "agents": per_agent}
+    @property
+    def urls(self) -> list[str]:
+        return [a["url"] for a in self.agents.values()]
+
+    def publish_and_time(self, trainer: FakeTrainer) -> dict:
+        """One version: publish() -> every agent serving, and where each agent's time went."""
+        trainer.step()
+        call_ms = time.time() * 1000
+        version = self.publisher.publish(trainer.state_dict(), step=trainer.step_count).result().version
+        per_agent = {}
+        deadline = time.monotonic() + WAIT_S
+        for name, agent in self.agents.items():
+            while (status := agent["client"].status()).current_version < version:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not serve v{version} in {WAIT_S} s")
+                time.sleep(0.02)
+            entry = next(e for e in status.ledger if e.version == version)
+            timings = dict(entry.timings_s)
+            per_agent[name] = {"to_serving_s": (entry.served_unix_ms - call_ms) / 1000,
+                               "drain_s": timings.get("drain", 0.0), "ledger_timings_s": timings}
+        return {"version": version, "to_all_agents_s": max(a["to_serving_s"] for a in per_agent.values()),
+                "agents": per_agent}
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.pusher.close(timeout_s=5)
+        for agent in self.agents.values():
+            agent["client"].close()
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 class Clients:
@@ -130,51 +183,50 @@ class Clients:
                 "restarts": self.restarts, "errors": self.errors}
 
 
-def calibrate_tokens_per_s(agents: dict[str, AgentServer]) -> float:
-    """Tokens per second one request gets while every server runs `clients` of them (measured)."""
-    engine = agents["leader"].engine
-    generated = 0
-    started = time.monotonic()
-    while time.monotonic() - started < 3.0:
-        generation = engine.generate([PROMPT], max_new_tokens=256, temperature=1.0, stop=None)
-        generated += len(generation.completions[0].token_ids)
+def calibrate_tokens_per_s(url: str) -> float:
+    """Tokens per second of one request on this machine while the servers are as busy as in the
+    cells (measured over HTTP)."""
+    body = json.dumps({"prompt_ids": [PROMPT], "max_new_tokens": 256, "stop": None}).encode()
+    started, generated = time.monotonic(), 0
+    while time.monotonic() - started < 5.0:
+        request = urllib.request.Request(url + "/v1/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=WAIT_S) as reply:
+            generated += len(json.loads(reply.read())["completions"][0]["token_ids"])
     return generated / (time.monotonic() - started)
 
 
 def run_policy(policy: str, lengths: list[float], versions: int, clients: int, root: Path) -> dict:
     max_tokens = 30000
-    publisher, pusher, agents = start_cluster(root / policy, policy, max_tokens)
+    cluster = Cluster(root / policy, policy, max_tokens)
     try:
         trainer = FakeTrainer(config=ARCH)
         for _ in range(2):  # both buffers in use, as in steady state
-            publish_and_time(publisher, trainer, agents)
-        # Per-request speed with every server as busy as during the cells (`clients` each).
-        urls = [server.engine.url for server in agents.values()]
-        load = Clients(urls, clients - 1, 256) if clients > 1 else None
-        tokens_per_s = calibrate_tokens_per_s(agents)
-        if load is not None:
-            load.close()
+            cluster.publish_and_time(trainer)
+        # as busy as in the cells: `clients` requests per server, calibration's own included
+        load = Clients(cluster.urls[:-1], clients, 256), Clients(cluster.urls[-1:], clients - 1, 256)
+        tokens_per_s = calibrate_tokens_per_s(cluster.urls[-1])
+        for clients_ in load:
+            clients_.close()
         cells = []
         for length in [0.0, *lengths]:
             tokens = min(max_tokens, max(1, round(length * tokens_per_s)))
-            running = Clients(urls, clients, tokens) if length else None
+            running = Clients(cluster.urls, clients, tokens) if length else None
             if running is not None:
                 time.sleep(min(length, 10.0))  # requests of every age are running
-            rows = [publish_and_time(publisher, trainer, agents) for _ in range(versions)]
+            rows = [cluster.publish_and_time(trainer) for _ in range(versions)]
             requests = running.close() if running is not None else {}
             times = [r["to_all_agents_s"] for r in rows]
+            agent_side = [max(a["ledger_timings_s"].get("since_offer", 0.0) for a in r["agents"].values()) for r in rows]
             cells.append({"policy": policy, "request_s": length, "request_tokens": tokens if length else 0,
                           "to_all_agents_s_median": statistics.median(times), "to_all_agents_s_max": max(times),
+                          "offer_to_serving_s_median": statistics.median(agent_side),
                           "drain_s_max": max(a["drain_s"] for r in rows for a in r["agents"].values()),
                           "versions": rows, "requests": requests})
             log.info("%s, %s s requests: publish() -> all serving median %.2f s, max %.2f s; %s", policy, length,
                      cells[-1]["to_all_agents_s_median"], cells[-1]["to_all_agents_s_max"], requests)
         return {"tokens_per_s": tokens_per_s, "cells": cells}
     finally:
-        publisher.close()
-        pusher.close(timeout_s=5)
-        for server in agents.values():
-            server.stop(0)
+        cluster.close()
 
 
 def markdown(record: dict) -> str:
