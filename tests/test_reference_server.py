@@ -214,22 +214,23 @@ def check_ranges(answer: dict, body: dict, alone: dict[int, list[dict]]) -> None
 
 
 class GatedServer(ReferenceServer):
-    """The reference server with one request held at a token step, so that a test can swap while
-    a generation is surely in flight (no timing involved)."""
+    """The reference server with its first request held at token steps `at_steps` (each until the
+    test lets it go), so that a test can swap while a generation is surely in flight (no timing
+    involved)."""
 
-    def __init__(self, config: ReferenceServerConfig, *, at_step: int) -> None:
+    def __init__(self, config: ReferenceServerConfig, *, at_steps: tuple[int, ...]) -> None:
         super().__init__(config)
-        self.at_step = at_step
-        self.reached, self.go = threading.Event(), threading.Event()
+        self.reached = {step: threading.Event() for step in at_steps}
+        self.go = {step: threading.Event() for step in at_steps}
 
     def _running(self, record):
         running = super()._running(record)
         between_steps = running.between_steps
 
         def gated(step: int):
-            if step == self.at_step and not self.reached.is_set():
-                self.reached.set()
-                assert self.go.wait(60)
+            if step in self.reached and not self.reached[step].is_set():
+                self.reached[step].set()
+                assert self.go[step].wait(60)
             return between_steps(step)
 
         running.between_steps = gated
@@ -239,19 +240,40 @@ class GatedServer(ReferenceServer):
 def generate_across_a_swap(policy: str, *, at_step: int = 10, new_tokens: int = 48) -> dict:
     """A greedy generation on v1 that a swap to v2 under `policy` meets at token `at_step`."""
     body = {"prompt_ids": [[256, 5, 6, 7]], "max_new_tokens": new_tokens, "stop": None}
-    with GatedServer(ReferenceServerConfig(model=BYTE_MODEL), at_step=at_step) as server:
+    with GatedServer(ReferenceServerConfig(model=BYTE_MODEL), at_steps=(at_step,)) as server:
         server.swap(1, make_weights(1), digest="digest-1")
         answers = []
         client = threading.Thread(target=lambda: answers.append(post(server.url, body)))
         client.start()
-        assert server.reached.wait(60)
+        assert server.reached[at_step].wait(60)
         server.swap(2, make_weights(2), digest="digest-2", policy=policy)
-        server.go.set()
+        server.go[at_step].set()
         client.join(60)
         status, headers, answer = answers[0]
         assert status == 200, answer
         assert server.wait_unused(1, 60), "the request no longer holds v1"
     return answer
+
+
+@pytest.mark.parametrize("policy", SWAP_POLICIES)
+def test_a_replaced_version_is_free_one_token_step_after_the_swap_unless_draining(policy):
+    """What bounds memory without a third buffer: under in_flight and abort the request leaves v1
+    at its next token step, so the agent may rebuild v1's buffer while the request still runs;
+    under drain v1 stays in use until the request ends."""
+    body = {"prompt_ids": [[256, 5, 6, 7]], "max_new_tokens": 48, "stop": None}
+    with GatedServer(ReferenceServerConfig(model=BYTE_MODEL), at_steps=(10, 20)) as server:
+        server.swap(1, make_weights(1), digest="digest-1")
+        client = threading.Thread(target=post, args=(server.url, body))
+        client.start()
+        assert server.reached[10].wait(60)
+        server.swap(2, make_weights(2), digest="digest-2", policy=policy)
+        server.go[10].set()
+        assert server.reached[20].wait(60)  # the request is running, held at its token step 20
+        assert server.wait_unused(1, 0) == (policy != "drain")
+        assert server.requests_in_flight() == 1
+        server.go[20].set()
+        client.join(60)
+        assert server.wait_unused(1, 60)
 
 
 def alone(version: int, prompt: list[int], new_tokens: int) -> list[int]:
