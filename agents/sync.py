@@ -280,8 +280,17 @@ class SyncAgent:
 
     def _sync_to(self, target: _Known) -> None:
         self.buffers.rewriting = True
+        started = time.monotonic()
         try:
             self._sync_version(target)
+        except BaseException:
+            # Kept in the ledger, so that the time a version took is explained in full (a drain
+            # that timed out, a fetch that failed) when a later attempt serves it.
+            entry = self.ledger.entry(target.manifest.version)
+            with self._cond:
+                entry.timings_s["failed_attempts"] = entry.timings_s.get("failed_attempts", 0.0) + (
+                    time.monotonic() - started)
+            raise
         finally:
             self.buffers.rewriting = False
 
@@ -353,7 +362,8 @@ class SyncAgent:
         stages = {f"waiting for requests on the previous buffer's version (swap_policy {self.config.swap_policy})":
                   t.get("drain", 0.0),
                   "waiting for pushes": t.get("push_wait", 0.0), "fetching from the store": t.get("fetch", 0.0),
-                  "applying and verifying": t.get("apply", 0.0), "swapping into the engine": t.get("swap", 0.0)}
+                  "applying and verifying": t.get("apply", 0.0), "swapping into the engine": t.get("swap", 0.0),
+                  f"in earlier attempts that failed (last: {entry.error or '?'})": t.get("failed_attempts", 0.0)}
         accounted = sum(stages.values()) + t.get("gather", 0.0) - t.get("push_wait", 0.0) - t.get("fetch", 0.0)
         stages["queued behind the previous sync"] = max(0.0, since_offer_s - accounted)
         parts = ", ".join(f"{s:.1f} s {what}" for what, s in sorted(stages.items(), key=lambda kv: -kv[1]) if s >= 0.05)
