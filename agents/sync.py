@@ -17,8 +17,10 @@ then written to the local cache). One sync thread does the rest, one version at 
                 each object's hash before decoding and each chunk's raw hash after; at the
                 target every byte is covered by a checked hash, and the raw hashes by the
                 version digest.
-    swap     -> engine.swap; the state file records the served version (crash-safe), the
-                ledger its timings; old cache entries are collected.
+    swap     -> engine.swap under the agent's swap policy (drain / in_flight / abort: what running
+                requests do, engine.SWAP_POLICIES); the state file records the served version
+                (crash-safe), the ledger its timings; old cache entries are collected. A version
+                that took more than STALL_LOG_S from its offer is logged with where the time went.
 A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
 corrupt cached object is deleted so it is fetched again, and the version is broken: retried with
 its own growing backoff (0.5 s doubling to 10 s) and reported in `status()["broken"]` and the
@@ -27,8 +29,9 @@ every newer version it knows is broken, it takes the store's newest other one ab
 one as a target (an older base and its deltas), going down one version per failure; a newer
 good version is taken as soon as it is known. Nothing unverified is ever served.
 
-Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers; copying
-engines use one buffer. Received objects live in the cache on disk, not in memory.
+Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (under drain the
+buffer of two versions back is rebuilt once its last request ends, under in_flight and abort a
+token step after the swap); copying engines use one buffer. Received objects live in the cache on disk, not in memory.
 
 Not here: the gRPC plumbing (`server.py`), what pushers send (`intake.py`), the served and spare
 buffers (`buffers.py`), the cache, its state file, repairs and gc (`cache.py`), the ledger and
