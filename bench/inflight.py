@@ -8,8 +8,8 @@ pushing to a leader agent that relays to a follower (one region; `weightsync age
 reference engines over HTTP, one torch thread each). Two versions are served first, so that both agents double-buffer as in steady state.
 Then, per request length (none, then each of `--lengths`): clients keep `--clients` requests
 running on every agent's server back to back, each generating the number of tokens the engine
-makes in that many seconds (calibrated on this machine; the measured request durations are
-reported); after one request length of warm-up, `--versions` versions are published, each as
+makes in that many seconds (calibrated on this machine and load as a*n + b*n^2; the measured
+request durations are reported); after one request length of warm-up, `--versions` versions are published, each as
 soon as the previous one is served everywhere, and publish() -> served on every agent is read
 from the agents' ledgers (`served_unix_ms`). Under drain a new version waits for the requests
 that started two swaps back (about one request length); under in_flight and abort for one
@@ -183,16 +183,30 @@ class Clients:
                 "restarts": self.restarts, "errors": self.errors}
 
 
-def calibrate_tokens_per_s(url: str) -> float:
-    """Tokens per second of one request on this machine while the servers are as busy as in the
-    cells (measured over HTTP)."""
-    body = json.dumps({"prompt_ids": [PROMPT], "max_new_tokens": 256, "stop": None}).encode()
-    started, generated = time.monotonic(), 0
-    while time.monotonic() - started < 5.0:
+def calibrate(url: str) -> tuple[float, float]:
+    """(a, b) of a request's duration t(n) = a*n + b*n^2 for n new tokens, measured over HTTP while
+    the servers are as busy as in the cells (a step's cost grows with the context: the n^2)."""
+    points = []
+    for n in (256, 1024, 256, 1024):
+        body = json.dumps({"prompt_ids": [PROMPT], "max_new_tokens": n, "stop": None}).encode()
+        started = time.monotonic()
         request = urllib.request.Request(url + "/v1/generate", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=WAIT_S) as reply:
-            generated += len(json.loads(reply.read())["completions"][0]["token_ids"])
-    return generated / (time.monotonic() - started)
+            reply.read()
+        points.append((n, time.monotonic() - started))
+    t1 = statistics.fmean(t for n, t in points if n == 256)
+    t2 = statistics.fmean(t for n, t in points if n == 1024)
+    # t1 = 256 a + 256^2 b, t2 = 1024 a + 1024^2 b
+    b = max(0.0, (t2 - 4 * t1) / (1024**2 - 4 * 256**2))
+    a = max(1e-6, (t1 - 256**2 * b) / 256)
+    return a, b
+
+
+def tokens_for(seconds: float, a: float, b: float) -> int:
+    """The n with a*n + b*n^2 = seconds."""
+    if b <= 0:
+        return round(seconds / a)
+    return round((-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b))
 
 
 def run_policy(policy: str, lengths: list[float], versions: int, clients: int, root: Path) -> dict:
@@ -204,12 +218,12 @@ def run_policy(policy: str, lengths: list[float], versions: int, clients: int, r
             cluster.publish_and_time(trainer)
         # as busy as in the cells: `clients` requests per server, calibration's own included
         load = Clients(cluster.urls[:-1], clients, 256), Clients(cluster.urls[-1:], clients - 1, 256)
-        tokens_per_s = calibrate_tokens_per_s(cluster.urls[-1])
+        a, b = calibrate(cluster.urls[-1])
         for clients_ in load:
             clients_.close()
         cells = []
         for length in [0.0, *lengths]:
-            tokens = min(max_tokens, max(1, round(length * tokens_per_s)))
+            tokens = min(max_tokens, max(1, tokens_for(length, a, b)))
             running = Clients(cluster.urls, clients, tokens) if length else None
             if running is not None:
                 time.sleep(min(length, 10.0))  # requests of every age are running
@@ -224,7 +238,7 @@ def run_policy(policy: str, lengths: list[float], versions: int, clients: int, r
                           "versions": rows, "requests": requests})
             log.info("%s, %s s requests: publish() -> all serving median %.2f s, max %.2f s; %s", policy, length,
                      cells[-1]["to_all_agents_s_median"], cells[-1]["to_all_agents_s_max"], requests)
-        return {"tokens_per_s": tokens_per_s, "cells": cells}
+        return {"request_s_per_token": a, "request_s_per_token_squared": b, "cells": cells}
     finally:
         cluster.close()
 
@@ -241,6 +255,13 @@ def markdown(record: dict) -> str:
         base = cells[0]["to_all_agents_s_median"]
         row = [f"{c['to_all_agents_s_median']:.2f} ({c['to_all_agents_s_max']:.2f})"
                + (f" {c['to_all_agents_s_median'] / base:.1f}x" if c["request_s"] else "") for c in cells]
+        lines.append(f"| {policy} | " + " | ".join(row) + " |")
+    lines += ["", "Measured request durations (median s) and responses that spanned versions / restarts:", "",
+              "| policy | " + " | ".join(f"{x:g} s requests" for x in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for policy, result in record["results"].items():
+        row = [f"{c['requests']['request_s_median']:.1f} s, {c['requests']['spanning_versions']} spanning, "
+               f"{c['requests']['restarts']} restarts" if c["requests"].get("request_s_median") else "-"
+               for c in result["cells"][1:]]
         lines.append(f"| {policy} | " + " | ".join(row) + " |")
     lines += ["", f"Load average before / after: {record['loadavg_before']} / {record['loadavg_after']}", ""]
     return "\n".join(lines)
