@@ -163,6 +163,8 @@ class Clients:
                 with urllib.request.urlopen(request, timeout=WAIT_S) as reply:
                     answer = json.loads(reply.read())
             except OSError as e:
+                if self.stop.is_set():
+                    return  # the cluster stopped under a request left running
                 log.warning("request to %s failed: %s", url, e)
                 with self._lock:
                     self.errors += 1
@@ -173,9 +175,11 @@ class Clients:
                 self.spanning += len(answer["weight_versions"]) > 1
                 self.restarts += answer["restarts"]
 
-    def close(self) -> dict:
+    def close(self, *, wait: bool = True) -> dict:
+        """Stops issuing requests; with `wait`, lets those running end (they would load the next
+        cell), else leaves them to the cluster's end. Statistics of the requests that ended."""
         self.stop.set()
-        for t in self._threads:
+        for t in self._threads if wait else ():
             t.join(WAIT_S)
         d = self.durations
         return {"requests": len(d), "request_s_median": statistics.median(d) if d else None,
@@ -222,13 +226,13 @@ def run_policy(policy: str, lengths: list[float], versions: int, clients: int, r
         for clients_ in load:
             clients_.close()
         cells = []
-        for length in [0.0, *lengths]:
+        for i, length in enumerate([0.0, *lengths]):
             tokens = min(max_tokens, max(1, tokens_for(length, a, b)))
             running = Clients(cluster.urls, clients, tokens) if length else None
             if running is not None:
                 time.sleep(min(length, 10.0))  # requests of every age are running
             rows = [cluster.publish_and_time(trainer) for _ in range(versions)]
-            requests = running.close() if running is not None else {}
+            requests = running.close(wait=i < len(lengths)) if running is not None else {}
             times = [r["to_all_agents_s"] for r in rows]
             agent_side = [max(a["ledger_timings_s"].get("since_offer", 0.0) for a in r["agents"].values()) for r in rows]
             cells.append({"policy": policy, "request_s": length, "request_tokens": tokens if length else 0,
