@@ -57,6 +57,8 @@ class RolloutConfig:
     """JSON lines, one per group: time, server, version, step, mean reward."""
     engine: str = "reference"
     """What the servers are: "reference" (POST /v1/generate) or "vllm" (OpenAI /v1/completions)."""
+    request_timeout_s: float = 600.0
+    """Per request: long rollouts on a loaded machine take minutes."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -126,7 +128,7 @@ class RolloutWorker:
         if self.config.max_new_tokens > ANSWER_TOKENS:
             body["stop"] = None  # a long rollout: generate all of them
         try:
-            return _post(server + "/v1/generate", body)
+            return _post(server + "/v1/generate", body, self.config.request_timeout_s)
         except urllib.error.HTTPError as e:
             if e.code == 503:  # no weights yet, or busy: come back later
                 return None
@@ -190,9 +192,9 @@ def _answer_part(completion: dict) -> dict:
     return {"token_ids": tokens[:end], "logprobs": completion["logprobs"][:end], "versions": versions}
 
 
-def _post(url: str, body: dict) -> dict:
+def _post(url: str, body: dict, timeout_s: float = 60.0) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.loads(response.read())
 
 
