@@ -1,8 +1,9 @@
 """buffers: a sync agent's weight buffers, the one served and the one the next version is built in.
 
 Zero-copy engines serve the agent's very tensors, so the agent double-buffers: the next version
-is built in the spare (once no request runs on it any more) and the two trade places at the
-swap; while idle, the spare is brought up to the served version so the next version costs one
+is built in the spare (once no request runs on it any more: under the drain swap policy the
+longest request decides when, under in_flight and abort the next token step) and the two trade
+places at the swap; while idle, the spare is brought up to the served version so the next version costs one
 delta. Copying engines keep their own copy, so one buffer is rewritten in place. Either way
 about one or two models, never a copy per version of a chain.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from weightsync.agents.engine import Engine
 from weightsync.dtypes import dtype_by_name
@@ -29,6 +31,7 @@ from weightsync.reader import Reader, WeightsState
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 120.0  # how long a buffer may stay in use by requests before a sync gives up
+STALL_LOG_S = 5.0  # a wait for requests longer than this is logged as it happens, with its reason
 
 
 class Buffers:
@@ -44,17 +47,25 @@ class Buffers:
         self.spare_served_as = 0
         self.rewriting = False  # a sync is rewriting a buffer (for copying engines: the served one)
 
-    def staging(self) -> WeightsState:
+    def staging(self, name: str, policy: str) -> tuple[WeightsState, float]:
         """The buffer the next version is built in: the spare (zero-copy engines still serve the
-        current one), or the served one (copying engines keep their own copy)."""
+        current one), or the served one (copying engines keep their own copy); and the seconds
+        spent waiting for requests to leave it. Under the drain swap policy that wait lasts as
+        long as the longest request that started on the spare's version; under in_flight and
+        abort, one token step."""
         if not self.engine.zero_copy:
-            return self.served or WeightsState(manifest=None, buffers={})
+            return self.served or WeightsState(manifest=None, buffers={}), 0.0
         spare = self.spare
         if spare is None:
-            return WeightsState(manifest=None, buffers={})
-        if not self.engine.wait_unused(self.spare_served_as, DRAIN_TIMEOUT_S):
-            raise ResourceExhausted(f"requests still run on v{self.spare_served_as} after {DRAIN_TIMEOUT_S} s")
-        return spare
+            return WeightsState(manifest=None, buffers={}), 0.0
+        started = time.monotonic()
+        if not self.engine.wait_unused(self.spare_served_as, STALL_LOG_S):
+            log.warning("%s: waiting for requests still running on v%d to finish before the next version can be "
+                        "built in its buffer (swap_policy %s; in_flight would move them to the new version at "
+                        "their next token)", name, self.spare_served_as, policy)
+            if not self.engine.wait_unused(self.spare_served_as, DRAIN_TIMEOUT_S - STALL_LOG_S):
+                raise ResourceExhausted(f"requests still run on v{self.spare_served_as} after {DRAIN_TIMEOUT_S} s")
+        return spare, time.monotonic() - started
 
     def swapped(self, staging: WeightsState, previous_version: int) -> None:
         """After the engine swapped `staging` in (call under the lock): it is the served buffer."""

@@ -9,6 +9,7 @@
     cache_dir = "/var/lib/weightsync/agent"
     peers = ["10.0.0.2:7070"]      # downstream agents this one relays to
     token_file = "/etc/weightsync/token"
+    swap_policy = "in_flight"      # drain (default) | in_flight | abort: see docs/agents.md
     trusted_keys = ["/etc/weightsync/publisher.pub"]
     require_signatures = true
 
@@ -41,6 +42,9 @@ from typing import Any
 from weightsync.errors import ConfigError
 from weightsync.layout import check_model_name
 from weightsync.rpc import TlsConfig
+
+# engine.SWAP_POLICIES, spelled here so that loading a config does not import torch.
+_SWAP_POLICIES = ("drain", "in_flight", "abort")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,6 +111,12 @@ class AgentConfig:
     weights_kind: str = "model"
     """What this agent's engine serves: "model" (whole weights) or "adapter" (LoRA adapters only).
     A version whose manifest says another kind (producer.weights_kind; absent = "model") is refused."""
+    swap_policy: str = "drain"
+    """How requests running at a swap meet the new version (docs/agents.md, "Swap policies"):
+    "drain" (each response comes from one version; sync latency is bounded by the longest
+    request), "in_flight" (running requests go on with the new weights from their next token;
+    responses say which versions made which tokens), "abort" (running requests are cut and
+    retried on the new version). The engine must implement it (`Engine.swap_policies`)."""
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
@@ -123,6 +133,9 @@ class AgentConfig:
             raise ValueError("max_pending_bytes >= 0, cache_keep_versions >= 1, max_hops >= 1, workers >= 1 needed")
         if self.weights_kind not in ("model", "adapter"):
             raise ValueError(f'weights_kind must be "model" or "adapter", got {self.weights_kind!r}')
+        if self.swap_policy not in _SWAP_POLICIES:
+            raise ValueError(f"swap_policy must be one of {list(_SWAP_POLICIES)}, got {self.swap_policy!r}: "
+                             'e.g. swap_policy = "in_flight"')
         for name in ("listen", "health_listen"):
             value = getattr(self, name)
             if value is not None and ":" not in value:

@@ -31,6 +31,17 @@ import torch
 from weightsync.errors import LayoutError
 from weightsync.layout import MAX_VERSION
 
+SWAP_POLICIES = ("drain", "in_flight", "abort")
+"""How requests running at a swap meet the new version (docs/agents.md, "Swap policies"):
+- "drain": each request runs on the version it started on to its end, so a response comes from
+  one version; the agent can rebuild that version's memory (zero-copy engines) only once the
+  last such request ends, so sync latency is bounded by the longest request.
+- "in_flight": running requests continue on the new version from their next token on; their KV
+  cache is recomputed with the new weights, so the tokens after the switch are what the new
+  version generates from that prefix. Responses say which versions made which tokens.
+- "abort": running requests are cut at their next token and retried from the start on the new
+  version (the reference engine retries them itself; vLLM returns them as aborted)."""
+
 Layout = Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
 """Tensor name -> (dtype, shape) a swap must match; a dtype of None accepts any dtype."""
 
@@ -51,10 +62,14 @@ class SwapReport:
 class Engine(Protocol):
     """The contract every engine adapter keeps (tests/test_engines.py runs it over each).
 
-    - `swap(version, weights, digest=...)` makes `weights` (HF tensor names -> tensors, every
-      tensor of the model) the served weights, atomically: a request sees either the previous
-      version or this one, entirely. It returns once new requests get `version`. On failure it
-      raises and the previous version stays served.
+    - `swap(version, weights, digest=..., policy=...)` makes `weights` (HF tensor names ->
+      tensors, every tensor of the model) the served weights, atomically: no forward pass ever
+      runs on a mix of two versions, and new requests get `version`. It returns once they do.
+      Requests already running meet it as `policy` (one of `swap_policies`, see SWAP_POLICIES)
+      says; the switch is always between token steps. On failure it raises and the previous
+      version stays served.
+    - `swap_policies` lists the policies the engine implements (the agent refuses to start with
+      another).
     - `served_version()` is the version new requests get (None before the first swap).
     - `wait_unused(version, timeout_s)` returns True once no request runs on `version`'s
       tensors any more (immediately for copying engines); False on timeout.
@@ -63,8 +78,10 @@ class Engine(Protocol):
 
     name: str
     zero_copy: bool
+    swap_policies: tuple[str, ...]
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport: ...
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
+             policy: str = "drain") -> SwapReport: ...
 
     def served_version(self) -> int | None: ...
 
@@ -73,12 +90,22 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def check_swap_args(version: int, digest: str) -> None:
+def check_swap_args(version: int, digest: str, policy: str = "drain",
+                    supported: tuple[str, ...] = SWAP_POLICIES) -> None:
     """The arguments every `swap` takes besides the weights: ValueError / TypeError if off."""
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
         raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
     if not isinstance(digest, str):
         raise TypeError(f"digest must be the version digest string, got {type(digest).__name__}")
+    check_swap_policy(policy, supported)
+
+
+def check_swap_policy(policy: str, supported: tuple[str, ...] = SWAP_POLICIES, *, engine: str = "this engine") -> None:
+    """ValueError unless `policy` is one of SWAP_POLICIES that `supported` lists."""
+    if policy not in SWAP_POLICIES:
+        raise ValueError(f"swap policy must be one of {list(SWAP_POLICIES)}, got {policy!r}")
+    if policy not in supported:
+        raise ValueError(f"{engine} does not implement swap policy {policy!r}; it implements {list(supported)}")
 
 
 def check_layout(expected: Layout | None, weights: Mapping[str, torch.Tensor], *,

@@ -106,17 +106,24 @@ class PushIntake:
         return pushed or time.monotonic() - self.last_offer < 10 * self.config.poll_interval_s + 60
 
     def wait(self, missing: dict[str, ChunkRef], closed: Callable[[], bool]) -> dict[str, ChunkRef]:
-        """Waits while pushes make progress (each step up to push_wait_s); what is still missing."""
+        """Waits while pushes bring objects of `missing` (up to push_wait_s for each next one);
+        what is still missing. Objects of other versions do not count: while versions come
+        faster than a follower gets the ones it lacks, they arrive all the time, and counting
+        them kept a follower waiting for objects nobody would push (issue 16)."""
+        deadline = time.monotonic() + self.config.push_wait_s
         with self._cond:
             seen = self.progress
         while missing and not closed():
-            with self._cond:
-                self._cond.wait_for(lambda seen=seen: self.progress != seen or closed(),
-                                    timeout=self.config.push_wait_s)
-                progressed, seen = self.progress != seen, self.progress
-            missing = self.cache.missing(missing)
-            if not progressed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 break
+            with self._cond:
+                self._cond.wait_for(lambda seen=seen: self.progress != seen or closed(), timeout=remaining)
+                seen = self.progress
+            still = self.cache.missing(missing)
+            if len(still) < len(missing):
+                deadline = time.monotonic() + self.config.push_wait_s
+            missing = still
         return missing
 
     def swapped(self) -> None:

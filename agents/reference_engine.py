@@ -2,11 +2,22 @@
 
 Runs a `weightsync.models.CausalLM` in-process and implements the `Engine` protocol
 (agents/engine.py). It is zero-copy: `swap` makes the agent's very tensors the served weights by
-flipping one reference to an immutable (version, digest, weights) record. Each request takes the
-record once when it starts and runs its whole generation on it (the model runs on per-call
-weights via `functional_call`), so a request never sees two versions; requests in flight are
-counted per version so that `wait_unused` can tell the agent when a replaced version's memory is
-free again. Nothing is copied or converted while new requests are held back.
+flipping one reference to an immutable (version, digest, weights, policy) record. Each request
+takes the record when it starts and holds it (the model runs on per-call weights via
+`functional_call`); requests in flight are counted per version so that `wait_unused` can tell the
+agent when a replaced version's memory is free again. Nothing is copied or converted while new
+requests are held back.
+
+What a running request does when a swap lands is the swap's policy (engine.SWAP_POLICIES),
+applied between token steps, never inside a forward pass:
+    drain      it keeps its version to the end: a response comes from one version
+    in_flight  at its next token step it takes the new record; its KV cache is recomputed from
+               the prefix with the new weights (CausalLM.generate's `next_weights`), and each
+               completion lists which versions made which token ranges
+    abort      at its next token step it is cut and run again from the start on the new record
+               (same seed); the response says how often (`restarts`)
+Under in_flight and abort a replaced version is left within one token step of each running
+request, so the agent's double buffer is free again at once: no third buffer is needed.
 
 Which compute_dtype: "bfloat16" (default) serves the published bf16 tensors as they are: no copy,
 no extra memory, the pause is a reference flip; use it on CPUs with bf16 instructions
@@ -38,7 +49,7 @@ from typing import Any, NamedTuple
 import prometheus_client as prom
 import torch
 
-from weightsync.agents.engine import SwapReport, check_layout, check_swap_args
+from weightsync.agents.engine import SWAP_POLICIES, SwapReport, check_layout, check_swap_args
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import (
     ByteTokenizer,
@@ -102,6 +113,15 @@ class Served(NamedTuple):
 class _Record:
     served: Served
     swapped_at: float  # unix seconds
+    policy: str = "drain"  # how requests running on the version it replaced meet it
+
+
+class VersionRange(NamedTuple):
+    """Tokens [start, stop) of a completion were produced by weight `version`."""
+
+    version: int
+    start: int
+    stop: int
 
 
 class Completion(NamedTuple):
@@ -113,10 +133,32 @@ class Completion(NamedTuple):
     """Byte-tokenizer decoding (up to EOS); None when the vocabulary is not the byte tokenizer's."""
     finish_reason: str
     """"stop" (the stop token was produced) or "length" (max_new_tokens reached)."""
+    versions: list[VersionRange]
+    """Which weight versions produced which tokens, in order (one range unless an in_flight swap
+    came during the generation)."""
+
+
+class Generation(NamedTuple):
+    """What `generate` returns."""
+
+    served: Served
+    """The version the request started on (after its last restart): the oldest one any of its
+    tokens came from."""
+    completions: list[Completion]
+    restarts: int
+    """How often an abort swap cut the request and it ran again from the start."""
+
+    def versions(self) -> list[int]:
+        """Every version that produced a token of this response, ascending."""
+        return sorted({r.version for c in self.completions for r in c.versions} | {self.served.version})
 
 
 class NotReady(WeightsyncError, RuntimeError):
     """No weights are served yet, or all generation slots stayed busy past the queue timeout."""
+
+
+class _Aborted(Exception):
+    """An abort swap came while the request ran: it starts again on the new version."""
 
 
 class _Metrics:
@@ -143,6 +185,7 @@ class ReferenceEngine:
     """The reference inference engine, in-process (name "reference"); `ReferenceServer` adds HTTP."""
 
     name = "reference"
+    swap_policies = SWAP_POLICIES
 
     def __init__(self, config: ReferenceEngineConfig) -> None:
         self.config = config
@@ -180,11 +223,13 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
-        """Makes `weights` the served weights atomically; raises LayoutError (and keeps serving
-        the previous version) when they do not fit the architecture."""
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
+             policy: str = "drain") -> SwapReport:
+        """Makes `weights` the served weights atomically; running requests meet them as `policy`
+        says (module docstring). Raises LayoutError (and keeps serving the previous version)
+        when they do not fit the architecture."""
         started = time.perf_counter()
-        check_swap_args(version, digest)
+        check_swap_args(version, digest, policy)
         with self._swap_lock:
             if self._closed:
                 raise WeightsyncError("the reference engine is closed")
@@ -199,7 +244,7 @@ class ReferenceEngine:
             served = Served(version, digest, MappingProxyType(tensors))
             flip = time.perf_counter()
             with self._cond:
-                self._current = _Record(served, time.time())
+                self._current = _Record(served, time.time(), policy)
                 self._cond.notify_all()
             pause_s = self._last_pause_s = time.perf_counter() - flip
             total_s = time.perf_counter() - started
@@ -255,30 +300,40 @@ class ReferenceEngine:
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[Served]:
-        """Holds the current version for the duration of the block, as a request does: its
-        tensors stay served to the holder, and `wait_unused(version)` waits for the block to end."""
+        """Holds the current version for the duration of the block, as a drain-policy request
+        does: its tensors stay served to the holder, and `wait_unused(version)` waits for the
+        block to end."""
         with self._cond:
-            record = self._current
-            if record is None:
-                raise NotReady("no weights yet: the agent has not swapped in a version")
-            self._in_flight[record.served.version] += 1
+            record = self._hold()
         try:
             yield record.served
         finally:
-            with self._cond:
-                self._in_flight[record.served.version] -= 1
-                if not self._in_flight[record.served.version]:
-                    del self._in_flight[record.served.version]
-                    self._cond.notify_all()
+            self._release(record)
+
+    def _hold(self) -> _Record:
+        """The current record, counted as in use (call under `_cond`)."""
+        record = self._current
+        if record is None:
+            raise NotReady("no weights yet: the agent has not swapped in a version")
+        self._in_flight[record.served.version] += 1
+        return record
+
+    def _release(self, record: _Record) -> None:
+        with self._cond:
+            self._in_flight[record.served.version] -= 1
+            if not self._in_flight[record.served.version]:
+                del self._in_flight[record.served.version]
+                self._cond.notify_all()
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, seed: int | None = None, stop: int | None = ByteTokenizer.EOS,
-                 ) -> tuple[Served, list[Completion]]:
-        """Continuations of `prompt_ids` (any lengths), all from one version; returns that version.
+                 ) -> Generation:
+        """Continuations of `prompt_ids` (any lengths), with the versions that produced them.
 
-        Prompts are grouped by length and each group decoded as one batch. Inputs are trusted
-        (the HTTP layer validates them). Raises NotReady without weights or when every generation
-        slot stays busy for `queue_timeout_s`.
+        Prompts are grouped by length and each group decoded as one batch. A swap during the
+        generation is met as its policy says (module docstring). Inputs are trusted (the HTTP
+        layer validates them). Raises NotReady without weights or when every generation slot
+        stays busy for `queue_timeout_s`.
         """
         try:
             replica = self._replicas.get(timeout=self.config.queue_timeout_s)
@@ -286,39 +341,81 @@ class ReferenceEngine:
             raise NotReady(f"all {self.config.max_concurrent_requests} generation slots stayed busy for "
                            f"{self.config.queue_timeout_s}s; retry later") from None
         self.metrics.in_flight.inc()
+        restarts = 0
         try:
-            with self.lease() as served:
-                generator = torch.Generator()
-                if seed is None:
-                    generator.seed()  # a default Generator has a fixed seed: every request would sample alike
-                else:
-                    generator.manual_seed(seed)
-                by_length: dict[int, list[int]] = collections.defaultdict(list)
-                for i, ids in enumerate(prompt_ids):
-                    by_length[len(ids)].append(i)
-                completions: list[Completion | None] = [None] * len(prompt_ids)
-                for length in sorted(by_length):
-                    rows = by_length[length]
-                    batch = torch.tensor([list(prompt_ids[i]) for i in rows], dtype=torch.long)
-                    tokens, logprobs = replica.generate(
-                        batch, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        stop_token=stop, generator=generator, weights=served.weights)
-                    for row, i in enumerate(rows):
-                        completions[i] = self._completion(tokens[row].tolist(), logprobs[row].tolist(), stop)
+            with self._cond:
+                request = self._running(self._hold())
+            try:
+                while True:
+                    started = request.record
+                    try:
+                        completions = self._generate_on(replica, request, prompt_ids, max_new_tokens=max_new_tokens,
+                                                        temperature=temperature, top_k=top_k, seed=seed, stop=stop)
+                        break
+                    except _Aborted:
+                        restarts += 1
+                        logger.info("a request on version %d was cut by an abort swap; it runs again on version %d",
+                                    started.served.version, request.record.served.version)
+            finally:
+                self._release(request.record)
         finally:
             self.metrics.in_flight.dec()
             self._replicas.put(replica)
         self.metrics.prompt_tokens.inc(sum(map(len, prompt_ids)))
         self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in completions))
-        return served, completions
+        return Generation(started.served, completions, restarts)
 
-    def _completion(self, tokens: list[int], logprobs: list[float], stop: int | None) -> Completion:
+    def _running(self, record: _Record) -> _Running:
+        """The state of one request starting on `record` (tests gate its steps by subclassing)."""
+        return _Running(self, record)
+
+    def _generate_on(self, replica: CausalLM, request: _Running, prompt_ids: Sequence[Sequence[int]], *,
+                     max_new_tokens: int, temperature: float, top_k: int, seed: int | None,
+                     stop: int | None) -> list[Completion]:
+        """One attempt at the whole request, starting on `request.record`; _Aborted if an abort
+        swap cuts it."""
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()  # a default Generator has a fixed seed: every request would sample alike
+        else:
+            generator.manual_seed(seed)
+        by_length: dict[int, list[int]] = collections.defaultdict(list)
+        for i, ids in enumerate(prompt_ids):
+            by_length[len(ids)].append(i)
+        completions: list[Completion | None] = [None] * len(prompt_ids)
+        for group, length in enumerate(sorted(by_length)):
+            if group:  # between two batches is a step boundary too
+                request.between_steps(0)
+            switches = [(request.record.served.version, 0)]
+
+            def next_weights(i: int, switches: list = switches) -> Mapping[str, torch.Tensor] | None:
+                record = request.between_steps(i)
+                if record is None:
+                    return None
+                switches.append((record.served.version, i))
+                return record.served.weights
+
+            rows = by_length[length]
+            batch = torch.tensor([list(prompt_ids[i]) for i in rows], dtype=torch.long)
+            tokens, logprobs = replica.generate(
+                batch, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop_token=stop,
+                generator=generator, weights=request.record.served.weights, next_weights=next_weights)
+            for row, i in enumerate(rows):
+                completions[i] = self._completion(tokens[row].tolist(), logprobs[row].tolist(), stop, switches)
+        return completions
+
+    def _completion(self, tokens: list[int], logprobs: list[float], stop: int | None,
+                    switches: list[tuple[int, int]]) -> Completion:
         finish = "length"
         if stop is not None and stop in tokens:  # rows that stopped keep emitting the stop token
             end = tokens.index(stop) + 1
             tokens, logprobs, finish = tokens[:end], logprobs[:end], "stop"
         text = TOKENIZER.decode(tokens) if self.model_config.vocab_size >= TOKENIZER.vocab_size else None
-        return Completion(tokens, logprobs, text, finish)
+        # A switch at or after the row's end made none of its tokens (the batch went on for other rows).
+        starts = [(version, start) for version, start in switches if start < len(tokens)] or switches[:1]
+        ranges = [VersionRange(version, start, stop_at) for (version, start), (_, stop_at)
+                  in zip(starts, starts[1:] + [(None, len(tokens))])]
+        return Completion(tokens, logprobs, text, finish, ranges)
 
     def _check_layout(self, weights: Mapping[str, torch.Tensor], *, strict_dtype: bool) -> None:
         check_layout(self._layout, weights, what="the architecture")
@@ -330,6 +427,31 @@ class ReferenceEngine:
             if strict_dtype and tensor.dtype != self._dtype:
                 raise LayoutError(f"{name} is {tensor.dtype}; compute_dtype {self.config.compute_dtype} serves "
                                   f"{self._dtype} tensors as they are (use compute_dtype float32 to convert)")
+
+
+class _Running:
+    """One running request: the record it holds (counted for `wait_unused`), moved on between
+    token steps as the policy of the swap that replaced it says."""
+
+    def __init__(self, engine: ReferenceEngine, record: _Record) -> None:
+        self.engine = engine
+        self.record = record
+
+    def between_steps(self, step: int) -> _Record | None:
+        """Called between two token steps, before new token `step`: the record to go on with when an in_flight swap
+        replaced the one held (None: keep the one held); _Aborted after an abort swap, the
+        request then holding the new record to start again on."""
+        engine = self.engine
+        current = engine._current
+        if current is self.record or current.policy == "drain":
+            return None
+        with engine._cond:
+            current = engine._current
+            old, self.record = self.record, engine._hold()
+        engine._release(old)
+        if current.policy == "abort":
+            raise _Aborted
+        return current
 
 
 def _replica(config: ModelConfig) -> CausalLM:

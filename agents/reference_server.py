@@ -30,6 +30,7 @@ from weightsync.agents.reference_engine import (
     COMPUTE_DTYPES,
     TOKENIZER,
     Completion,
+    Generation,
     NotReady,
     ReferenceEngine,
     ReferenceEngineConfig,
@@ -38,7 +39,7 @@ from weightsync.agents.reference_engine import (
 from weightsync.errors import WeightsyncError
 from weightsync.models import ByteTokenizer, ModelConfig
 
-__all__ = ["BadRequest", "Completion", "NotReady", "ReferenceServer", "ReferenceServerConfig", "Served",
+__all__ = ["BadRequest", "Completion", "Generation", "NotReady", "ReferenceServer", "ReferenceServerConfig", "Served",
            "open_reference_server", "parse_generate_request", "serve"]
 
 logger = logging.getLogger(__name__)
@@ -136,11 +137,21 @@ class ReferenceServer(ReferenceEngine):
                 "compute_dtype": self.config.compute_dtype}
 
     def handle_generate(self, body: bytes) -> dict[str, Any]:
-        """The /v1/generate answer for a request body; BadRequest or NotReady on failure."""
+        """The /v1/generate answer for a request body; BadRequest or NotReady on failure.
+
+        `weight_version` (and `weight_digest`) name the version the response started on, the
+        oldest of `weight_versions`, every version that produced one of its tokens; each
+        completion's `versions` lists [{version, start, stop}] token ranges (docs/agents.md)."""
         args = parse_generate_request(body, self.model_config, self.config)
-        served, completions = self.generate(**args)
-        return {"weight_version": served.version, "weight_digest": served.digest,
-                "completions": [c._asdict() for c in completions]}
+        generation = self.generate(**args)
+        completions = []
+        for c in generation.completions:
+            doc = c._asdict()
+            doc["versions"] = [r._asdict() for r in c.versions]
+            completions.append(doc)
+        return {"weight_version": generation.served.version, "weight_digest": generation.served.digest,
+                "weight_versions": generation.versions(), "restarts": generation.restarts,
+                "completions": completions}
 
 
 def parse_generate_request(body: bytes, model: ModelConfig, limits: ReferenceServerConfig) -> dict[str, Any]:

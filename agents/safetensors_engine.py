@@ -133,6 +133,7 @@ class SafetensorsDirEngine:
 
     name = "safetensors_dir"
     zero_copy = False
+    swap_policies = ("drain",)  # what running requests see is up to the server the reload hook drives
 
     def __init__(self, config: SafetensorsDirConfig) -> None:
         self.config = config
@@ -149,10 +150,11 @@ class SafetensorsDirEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
+             policy: str = "drain") -> SwapReport:
         """Writes, places and points at snapshot `version`, then has the server reload it."""
         started = time.perf_counter()
-        check_swap_args(version, digest)
+        check_swap_args(version, digest, policy, self.swap_policies)
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the safetensors_dir engine on {self.root} is closed")

@@ -10,7 +10,10 @@ to load it with `POST /update_weights_from_disk`. What SGLang does, read from it
   versions. That is drain "wait" (the default): no pause call at all.
 - `pause_generation` has modes "abort" (abort in-flight requests, then hold new ones), "in_place"
   and "retract". While paused, the reload skips the lock, so in_place/retract would let paused
-  requests continue on the new weights (mixed versions): this engine offers "abort" only.
+  requests continue on the new weights (mixed versions) with KV computed by the old ones, whose
+  tokens neither version would produce: this engine offers "abort" only. Swap policies
+  (engine.SWAP_POLICIES): "drain" is drain "wait" (or "abort" where the config says so, its older
+  spelling), "abort" pauses with mode abort, "in_flight" is refused (the agent will not start).
 - On a failed load SGLang reloads the weights of its previous model_path and answers 400
   {"success": false, "message": ...}; on success it sets `weight_version` (if given), which
   `GET /get_weight_version` and every response's meta_info report. `flush_cache=true` in the
@@ -179,6 +182,7 @@ class SGLangEngine:
 
     name = "sglang"
     zero_copy = False
+    swap_policies = ("drain", "abort")  # in_flight: see the module docstring
 
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
@@ -204,10 +208,14 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
-        """Writes snapshot `version` (linking unchanged files), has SGLang load it, confirms."""
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
+             policy: str = "drain") -> SwapReport:
+        """Writes snapshot `version` (linking unchanged files), has SGLang load it, confirms.
+        `policy` "abort" pauses with mode abort whatever `drain` says; "in_flight" is refused
+        (module docstring)."""
         started = time.perf_counter()
-        check_swap_args(version, digest)
+        check_swap_args(version, digest, policy, self.swap_policies)
+        abort = policy == "abort" or self.config.drain == "abort"
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the sglang engine on {self.root} is closed")
@@ -228,7 +236,7 @@ class SGLangEngine:
                 self._write_snapshot(target, version, weights, digest, plan)
                 created = True
             try:
-                pause_s = self._load(target, version, previous)
+                pause_s = self._load(target, version, previous, abort=abort)
             except BaseException:
                 if created:
                     self.dir.discard(target)  # a late load of it fails, and SGLang keeps the previous one
@@ -341,13 +349,13 @@ class SGLangEngine:
         logger.info("snapshot %s: %d of %d files hard-linked from %s", target.name, linked, len(plan),
                     self._base.name if self._base is not None else None)
 
-    def _load(self, target: Path, version: int, previous: Path | None) -> float:
+    def _load(self, target: Path, version: int, previous: Path | None, *, abort: bool) -> float:
         """Has the server load `target` and confirms it; the seconds requests were held back.
 
         Raises SGLangError when the server does not serve `version` afterwards."""
         config = self.config
         started = time.perf_counter()
-        if config.drain == "abort":
+        if abort:
             reply = self._call("POST", "/pause_generation", {"mode": "abort"}, config.request_timeout_s)
             if reply.status != 200:
                 raise SGLangError(f"pause before version {version} failed: {_describe(reply)}; nothing changed")
@@ -355,7 +363,7 @@ class SGLangEngine:
             reply = self._reload(target, str(version))
             problem = self._confirm(version, reply, previous)
         finally:
-            if config.drain == "abort":
+            if abort:
                 resumed = self._call("POST", "/continue_generation", {}, config.request_timeout_s)
                 if resumed.status != 200:
                     # Loud: the server holds every new request until someone continues it.

@@ -18,8 +18,10 @@ then written to the local cache). One sync thread does the rest, one version at 
                 target every byte is covered by a checked hash, and the raw hashes by the
                 version digest. Two or more xor/sparse deltas are applied folded (one pass per
                 chunk, `weightsync/fold.py`); the ledger records the route (chain or folded) and why.
-    swap     -> engine.swap; the state file records the served version (crash-safe), the
-                ledger its timings; old cache entries are collected.
+    swap     -> engine.swap under the agent's swap policy (drain / in_flight / abort: what running
+                requests do, engine.SWAP_POLICIES); the state file records the served version
+                (crash-safe), the ledger its timings; old cache entries are collected. A version
+                that took more than STALL_LOG_S from its offer is logged with where the time went.
 A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
 corrupt cached object is deleted so it is fetched again, and the version is broken: retried with
 its own growing backoff (0.5 s doubling to 10 s) and reported in `status()["broken"]` and the
@@ -28,8 +30,9 @@ every newer version it knows is broken, it takes the store's newest other one ab
 one as a target (an older base and its deltas), going down one version per failure; a newer
 good version is taken as soon as it is known. Nothing unverified is ever served.
 
-Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers; copying
-engines use one buffer. Received objects live in the cache on disk, not in memory.
+Memory: zero-copy engines serve the agent's buffers, so the agent double-buffers (under drain the
+buffer of two versions back is rebuilt once its last request ends, under in_flight and abort a
+token step after the swap); copying engines use one buffer. Received objects live in the cache on disk, not in memory.
 
 Not here: the gRPC plumbing (`server.py`), what pushers send (`intake.py`), the served and spare
 buffers (`buffers.py`), the cache, its state file, repairs and gc (`cache.py`), the ledger and
@@ -44,10 +47,10 @@ import logging
 import threading
 import time
 
-from weightsync.agents.buffers import Buffers
+from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
-from weightsync.agents.engine import Engine
+from weightsync.agents.engine import Engine, check_swap_policy
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
 from weightsync.errors import (
@@ -95,6 +98,8 @@ class SyncAgent:
         self.verifier = verifier
         self.relay = relay
         self.metrics = metrics
+        check_swap_policy(config.swap_policy, getattr(engine, "swap_policies", ("drain",)),
+                          engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine")
         self.model = config.model
         self.cache = AgentCache(config.cache_path, model=config.model, name=config.name, workers=config.workers)
         self.reader = self.cache.reader
@@ -284,8 +289,17 @@ class SyncAgent:
 
     def _sync_to(self, target: _Known) -> None:
         self.buffers.rewriting = True
+        started = time.monotonic()
         try:
             self._sync_version(target)
+        except BaseException:
+            # Kept in the ledger, so that the time a version took is explained in full (a drain
+            # that timed out, a fetch that failed) when a later attempt serves it.
+            entry = self.ledger.entry(target.manifest.version)
+            with self._cond:
+                entry.timings_s["failed_attempts"] = entry.timings_s.get("failed_attempts", 0.0) + (
+                    time.monotonic() - started)
+            raise
         finally:
             self.buffers.rewriting = False
 
@@ -293,7 +307,9 @@ class SyncAgent:
         version = target.manifest.version
         entry = self.ledger.entry(version)
         t0 = time.monotonic()
-        staging = self.buffers.staging()
+        staging, drain_s = self.buffers.staging(self.config.name, self.config.swap_policy)
+        t_gather = time.monotonic()
+        timings: dict[str, float] = {"drain": drain_s}
         try:
             chain = self._chain(target)
         except (IntegrityError, FormatError):
@@ -309,7 +325,7 @@ class SyncAgent:
         entry.path = (f"deltas {staging.manifest.version}->{version}" if start else
                       f"base {chain[0].manifest.version} + {len(chain) - 1} deltas")
         try:
-            self._gather(target, path, entry)
+            self._gather(target, path, entry, timings)
             # The reader re-reads the whole chain's manifests from the cache, also those of the
             # versions it does not apply again: a cached one that rotted is put back first.
             good = {known.manifest.version: known.data for known in chain[:start]}
@@ -324,13 +340,14 @@ class SyncAgent:
             raise type(e)(f"v{version} failed verification ({e}); its unverified parts are dropped and "
                           "fetched again") from e
         t_swap = time.monotonic()
-        report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest)
+        report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest,
+                                  policy=self.config.swap_policy)
         self.cache.write_state(version, target.manifest.digest)
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
             entry.served_unix_ms = int(time.time() * 1000)
-            entry.timings_s.update(gather=t_apply - t0, apply=t_swap - t_apply, swap=report.total_s,
+            entry.timings_s.update(timings, gather=t_apply - t_gather, apply=t_swap - t_apply, swap=report.total_s,
                                    swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
             self.ledger.supersede(version)
             self.broken.forget_up_to(version)
@@ -345,7 +362,25 @@ class SyncAgent:
         self.metrics.inc("agent/versions_served", path="deltas" if start else "base")
         log.info("%s: serving v%d (%s) %.3f s after the offer; swap pause %.2f ms", self.config.name, version,
                  entry.path, done - target.offered_at, 1000 * report.pause_s)
+        self._log_stall(entry, done - target.offered_at)
         self._collect_cache()
+
+    def _log_stall(self, entry: LedgerEntry, since_offer_s: float) -> None:
+        """A version that took more than STALL_LOG_S from its offer to being served is logged with
+        where the time went, biggest stage first (the ledger keeps the same timings)."""
+        if since_offer_s <= STALL_LOG_S:
+            return
+        t = entry.timings_s
+        stages = {f"waiting for requests on the previous buffer's version (swap_policy {self.config.swap_policy})":
+                  t.get("drain", 0.0),
+                  "waiting for pushes": t.get("push_wait", 0.0), "fetching from the store": t.get("fetch", 0.0),
+                  "applying and verifying": t.get("apply", 0.0), "swapping into the engine": t.get("swap", 0.0),
+                  f"in earlier attempts that failed (last: {entry.error or '?'})": t.get("failed_attempts", 0.0)}
+        accounted = sum(stages.values()) + t.get("gather", 0.0) - t.get("push_wait", 0.0) - t.get("fetch", 0.0)
+        stages["queued behind the previous sync"] = max(0.0, since_offer_s - accounted)
+        parts = ", ".join(f"{s:.1f} s {what}" for what, s in sorted(stages.items(), key=lambda kv: -kv[1]) if s >= 0.05)
+        log.warning("%s: v%d took %.1f s from offer to serving: %s", self.config.name, entry.version, since_offer_s,
+                    parts)
 
     def _chain(self, target: _Known) -> list[_Known]:
         """The target's chain, base first, from accepted manifests, the cache or the store."""
@@ -378,8 +413,9 @@ class SyncAgent:
             return _Known(manifest, data, None, "store", 0, time.monotonic(), False)
         raise IntegrityError(f"v{version}, needed to reach a newer version, is neither cached nor in the store")
 
-    def _gather(self, target: _Known, path: list[_Known], entry: LedgerEntry) -> None:
-        """Brings every object of `path` into the cache (push, else store), then its manifests."""
+    def _gather(self, target: _Known, path: list[_Known], entry: LedgerEntry, timings: dict[str, float]) -> None:
+        """Brings every object of `path` into the cache (push, else store), then its manifests;
+        `timings` gets the seconds spent waiting for pushes and fetching."""
         refs: dict[str, ChunkRef] = {}
         for known in path:
             for tensor in known.manifest.tensors:
@@ -389,9 +425,12 @@ class SyncAgent:
         missing = self.cache.missing(refs)
         # Wait for pushes while they make progress when they are expected; an agent nobody
         # pushes to fetches at once.
+        started = time.monotonic()
         if missing and self.intake.expected(target.pushed):
             missing = self.intake.wait(missing, lambda: self._closed)
+        fetching = time.monotonic()
         fetched = self._fetch(missing, target.manifest.version) if missing else 0
+        timings.update(push_wait=fetching - started, fetch=time.monotonic() - fetching)
         entry.bytes_fetched += fetched
         entry.bytes_pushed += sum(r.size for r in refs.values()) - fetched
         for known in path:  # manifests after their objects: the cache stays a valid store
@@ -441,7 +480,7 @@ class SyncAgent:
             state = self.reader.read(version)
             if state.manifest.digest != digest:
                 raise IntegrityError(f"cached v{version} has digest {state.manifest.digest}, the state file {digest}")
-            self.engine.swap(version, state.state_dict(), digest=digest)
+            self.engine.swap(version, state.state_dict(), digest=digest, policy=self.config.swap_policy)
         except WeightsyncError as e:
             self.last_error = f"restore: {e}"
             log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.config.name, version, e)

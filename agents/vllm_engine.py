@@ -13,18 +13,26 @@ A swap, in order (a failure at any step is handled as the last column says):
              crosses the network
     check    POST /collective_rpc weightsync_check: each worker hashes the -> damaged: nothing
              file against the agent's per-tensor hashes (still serving)       changed, raise
-    pause    POST /pause?mode=wait: running requests finish on the old     -> nothing changed: raise
-             version, new ones wait (mode=abort/keep: see `pause_mode`)
+    pause    POST /pause?mode=M, M from the swap policy: drain -> wait      -> nothing changed: raise
+             (running requests finish on the old version, new ones wait),
+             in_flight -> keep (they are frozen), abort -> abort (cut)
     load     POST /collective_rpc weightsync_load: each worker reloads    -> unknown weights: stay
              through vLLM's own load path (fusing, tensor parallelism)        paused, unhealthy, raise
     verify   each worker's digest of what it now holds (HF names, its     -> unknown weights: stay
              tensor-parallel slices) equals the same slices of the            paused, unhealthy,
              published tensors                                                raise; the next swap
                                                                                reloads everything
-    commit   POST /reset_prefix_cache (KV of the old weights must not be  -> stay paused, raise
-             reused), POST /update_weight_version, POST /resume
+    commit   POST /reset_prefix_cache?reset_running_requests=true (no KV  -> stay paused, raise
+             of the old weights is reused: requests frozen by keep are
+             preempted, so their prompt and the tokens so far are computed
+             again with the new weights), POST /update_weight_version,
+             POST /resume
 
-The server therefore serves either a verified version or nothing. A restarted agent finds the
+The server therefore serves either a verified version or nothing. Under in_flight a response can
+span versions: vLLM labels each step's output with the weight version set by
+/update_weight_version, and its token-in/token-out route (`POST /inference/v1/generate`, on a
+server started with --enable-scale-out) reports `weight_versions` spans [start, end) per choice.
+The OpenAI routes report no versions; /weight_info gives the version served now. A restarted agent finds the
 server as the last one left it (maybe paused mid-load) and swaps its cached version in again.
 
 Memory in the agent: the agent's one buffer (the engine keeps no reference to it); the handoff
@@ -52,7 +60,7 @@ from typing import Any
 
 import torch
 
-from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, register_engine
+from weightsync.agents.engine import SWAP_POLICIES, SwapReport, check_layout, check_swap_args, register_engine
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.hashing import xxh3_hex
 
@@ -61,6 +69,7 @@ logger = logging.getLogger(__name__)
 EXTENSION = "weightsync.agents.vllm_worker.WeightsyncWorkerExtension"
 PROTOCOL = 1  # the worker extension's; see vllm_worker.PROTOCOL
 PAUSE_MODES = ("wait", "abort", "keep")
+_PAUSE_MODE = {"drain": "wait", "in_flight": "keep", "abort": "abort"}  # swap policy -> /pause mode
 # route -> how to get it, for the refusal message when a server lacks it
 REQUIRED_ROUTES = {
     "/collective_rpc": "start vLLM with VLLM_SERVER_DEV_MODE=1",
@@ -85,9 +94,9 @@ class VllmEngineConfig:
     api_key: str | None = None
     """Sent as "Authorization: Bearer ..." (a server started with --api-key); or $VLLM_API_KEY."""
     pause_mode: str = "wait"
-    """How running requests meet a swap: "wait" (default: they finish on the old version, new ones
-    wait; every response comes from exactly one version), "abort" (they are cut), "keep" (they
-    are frozen and continue on the new weights after the swap)."""
+    """Deprecated: the agent's `swap_policy` decides (drain -> wait, in_flight -> keep, abort ->
+    abort). A value other than "wait" here is used for agents left on the default drain policy,
+    as it was before swap policies existed."""
     handoff_dir: str | None = None
     """A directory on tmpfs that the vLLM workers can read (the same host or pod); default
     /dev/shm when it exists, else the system temp dir."""
@@ -123,6 +132,7 @@ class VllmEngine:
 
     name = "vllm"
     zero_copy = False
+    swap_policies = SWAP_POLICIES
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
@@ -142,11 +152,14 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str) -> SwapReport:
+    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
+             policy: str = "drain") -> SwapReport:
         """Hands `weights` to the workers, has them load and digest them, and serves `version`
-        only once every worker holds exactly those bytes."""
+        only once every worker holds exactly those bytes; running requests meet it as `policy`
+        says (module docstring)."""
         started = time.perf_counter()
-        check_swap_args(version, digest)
+        check_swap_args(version, digest, policy)
+        mode = _PAUSE_MODE[policy] if policy != "drain" else self.config.pause_mode
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the vllm engine for {self.config.url} is closed")
@@ -157,7 +170,7 @@ class VllmEngine:
                 self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
                 expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
                 t_pause = time.perf_counter()
-                self._post(f"/pause?mode={self.config.pause_mode}", timeout_s=self.config.drain_timeout_s)
+                self._post(f"/pause?mode={mode}", timeout_s=self.config.drain_timeout_s)
                 paused = time.perf_counter()
                 try:
                     reports = self._load(path)
@@ -166,7 +179,7 @@ class VllmEngine:
                     raise
                 try:
                     self._verify(version, weights, reports, expected)
-                    self._post("/reset_prefix_cache")
+                    self._post("/reset_prefix_cache?reset_running_requests=true")
                     if "/update_weight_version" in self.routes:
                         self._post("/update_weight_version", {"new_version": str(version)})
                     self._post("/resume")

@@ -231,7 +231,8 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.app.demo import DemoConfig, run_demo
 
     overrides = {k: getattr(args, k) for k in ("store", "out_dir", "warmup_steps", "rl_steps", "max_operand", "seed",
-                                               "engine", "vllm_python", "regions", "agents_per_region")
+                                               "engine", "vllm_python", "regions", "agents_per_region", "swap_policy",
+                                               "rollout_tokens")
                  if getattr(args, k) is not None}
     if args.quick:  # what the CI test runs: enough SFT that some samples are right (else no group teaches
         # anything and the trainer waits for rollouts), then a few GRPO steps
@@ -257,7 +258,7 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         listen=args.listen, health_listen=args.health_listen, store=args.store, peers=tuple(args.peer) or None,
         engine=engine, token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
         require_signatures=args.require_signatures or None, metrics_port=args.metrics_port,
-        poll_interval_s=args.poll_interval_s,
+        poll_interval_s=args.poll_interval_s, swap_policy=args.swap_policy,
     )
     from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
 
@@ -440,6 +441,11 @@ def _add_demo(sub) -> None:
                                          "$WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python)")
     p.add_argument("--regions", type=int, help="regions (default 2)")
     p.add_argument("--agents-per-region", type=int, help="agents per region (default 2; each runs its own engine)")
+    p.add_argument("--swap-policy", choices=("drain", "in_flight", "abort"),
+                   help="every agent's swap policy (default drain; docs/agents.md); summary.json reports the "
+                        "staleness of what the trainer learned from")
+    p.add_argument("--rollout-tokens", type=int,
+                   help="tokens each completion generates (default 8); more: long rollouts that swaps meet")
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)
 
@@ -468,6 +474,8 @@ def _add_agent(sub) -> None:
     p.add_argument("--require-signatures", action="store_true", help="refuse unsigned versions")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
     p.add_argument("--poll-interval-s", type=float, help="how often to check the store for new versions")
+    p.add_argument("--swap-policy", choices=("drain", "in_flight", "abort"),
+                   help="how requests running at a swap meet the new version (default drain; docs/agents.md)")
     p.set_defaults(handler=_cmd_agent)
 
 

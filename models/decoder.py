@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -270,18 +270,30 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
         stop_token: int | None = None, generator: torch.Generator | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
+        next_weights: Callable[[int], Mapping[str, torch.Tensor] | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples continuations of a batch of equal-length prompts.
 
         Returns (new tokens, their log-probabilities under the sampling distribution at
         temperature 1, i.e. what a policy-gradient loss needs), each (batch, <= max_new_tokens).
         Rows that produced `stop_token` keep emitting it. temperature 0 is greedy.
+
+        `next_weights(i)`, when given, is called between token steps, before new token i (i >= 1);
+        weights it returns serve from token i on. The KV cache, computed with the old weights,
+        is then dropped and the whole prefix (prompt and the i tokens so far) run again with the
+        new ones, so that token i on is exactly what the new weights generate from that prefix
+        (a prompt of prompt + tokens[:i] to a fresh model gives the same logits). It may raise
+        to cut the generation.
         """
         cache = KVCache(self.config.num_hidden_layers)
         tokens, logprobs = [], []
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         step_input = input_ids
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
+            switched = next_weights(i) if next_weights is not None and i > 0 else None
+            if switched is not None:
+                weights, cache = switched, KVCache(self.config.num_hidden_layers)
+                step_input = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
             logits = self.forward(step_input, cache=cache, weights=weights)[:, -1, :]
             logp = torch.log_softmax(logits, dim=-1)
             if temperature == 0:

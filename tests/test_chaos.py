@@ -1,8 +1,9 @@
 """The chaos benchmark (bench/chaos/) as a test: a few seeded rounds of faults against a real cluster
 (a publisher process, 2 regions x 2 agent processes, a store), with zero invariant violations.
 
-`python -m bench.chaos --rounds 100` is the long run; CI runs 10 rounds on a local store and 2 on S3
-(moto behind harness/fault_proxy.py), through the same command line (tests never import bench/).
+`python -m bench.chaos --rounds 100` is the long run; CI runs 10 rounds on a local store (swap policy
+drain), 4 under each of in_flight and abort, and 2 on S3 (moto behind harness/fault_proxy.py), through
+the same command line (tests never import bench/).
 What the rounds do and which invariants they check is in bench/chaos/__init__.py. Every process the
 harness starts is stopped by PID when it ends.
 
@@ -43,12 +44,13 @@ def _check(summary: dict, rounds: int) -> None:
     checks = summary["checks"]
     assert checks["served_observations"] > 0 and checks["verify_calls"] > 0
     assert checks["generation_checks"] >= 4 * rounds and checks["versions_verified"] >= rounds
+    assert checks["generation_ranges_checked"] >= 4 * rounds, "long generations ran and were checked per token range"
 
 
-def run_chaos(tmp_path: Path, *, rounds: int, seed: int, store: str) -> dict:
+def run_chaos(tmp_path: Path, *, rounds: int, seed: int, store: str, swap_policy: str = "drain") -> dict:
     """`python -m bench.chaos` as a user runs it; the summary of its one store from the JSON record."""
     command = [sys.executable, "-m", "bench.chaos", "--rounds", str(rounds), "--seed", str(seed), "--store", store,
-               "--workdir", str(tmp_path / "chaos")]
+               "--workdir", str(tmp_path / "chaos"), "--swap-policy", swap_policy]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=880, check=False)
     try:
         record = json.loads(done.stdout)
@@ -64,6 +66,16 @@ def test_ten_chaos_rounds_on_a_local_store_violate_nothing(tmp_path):
     summary = run_chaos(tmp_path, rounds=10, seed=7, store="local")
     _check(summary, 10)
     assert len([k for k, n in summary["faults"].items() if n]) >= 6, summary["faults"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("swap_policy", ["in_flight", "abort"])
+def test_chaos_rounds_under_the_other_swap_policies_violate_nothing(tmp_path, swap_policy):
+    """The same faults with running requests moved to (in_flight) or restarted on (abort) each new
+    version: every token range still comes from a committed version's bytes."""
+    summary = run_chaos(tmp_path, rounds=4, seed=5, store="local", swap_policy=swap_policy)
+    _check(summary, 4)
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """`weightsync demo` end to end, short: the FSDP2 trainer (2 ranks under torchrun), 2 regions x 2
-agents with reference servers, rollout workers; a few warm-start and GRPO steps. Every agent must
-end on the last version bit for bit (each re-hashes what it serves), and rollouts must carry
-weight versions that increase (per server, never backwards)."""
+agents with reference servers, rollout workers; a few warm-start and GRPO steps, with long rollouts
+under the in_flight swap policy. Every agent must end on the last version bit for bit (each re-hashes
+what it serves), rollouts must carry weight versions that increase (per server, never backwards),
+summary.json reports the staleness of what the trainer learned from, and the agents' logs say what
+they served."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ def test_the_demo_loop_runs_and_every_agent_ends_bit_exact(tmp_path):
     lines: list[str] = []
     # What `weightsync demo --quick` runs: enough warm start that some samples are right (a group
     # teaches something only then), a few GRPO steps.
+    # Long rollouts under the in_flight swap policy: generations run past the answer, swaps meet
+    # them, and the trainer learns from what the versions that made the answer sampled.
     config = DemoConfig(out_dir=str(tmp_path / "demo"), warmup_steps=30, rl_steps=4, group_size=4,
-                        groups_per_step=2, timeout_s=850)
+                        groups_per_step=2, timeout_s=850, swap_policy="in_flight", rollout_tokens=48)
     summary = run_demo(config, echo=lines.append)
 
     last = summary["last_version"]
@@ -43,6 +47,13 @@ def test_the_demo_loop_runs_and_every_agent_ends_bit_exact(tmp_path):
         assert versions == sorted(versions)
     assert max(max(v) for v in by_client.values()) > min(min(v) for v in by_client.values())
     assert summary["rollout_groups"]["claimed"] > 0, "the trainer trained on rollouts"
+
+    staleness = summary["staleness"]
+    assert staleness["swap_policy"] == "in_flight" and staleness["rollout_tokens"] == 48
+    assert staleness["mean_steps"] is not None and staleness["max_steps"] >= staleness["mean_steps"] >= 0
+    assert all(set(r["agent_timings_s"]) >= set(r["to_agents_s"]) for r in rows), "ledger timings per agent"
+    for name in summary["agents"]:  # the agents log each version they serve at the default level
+        assert "serving v" in (tmp_path / "demo" / "logs" / f"{name}.log").read_text(), name
 
     written = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert written["last_version"] == last

@@ -22,7 +22,7 @@ import torch
 
 from harness.bits import assert_bit_equal
 from sglang_contract_server import SGLangContractServer
-from weightsync.agents.engine import Engine, open_engine
+from weightsync.agents.engine import SWAP_POLICIES, Engine, open_engine
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
@@ -258,6 +258,18 @@ def test_close_is_idempotent(kit):
     kit.engine.close()
     with pytest.raises(WeightsyncError, match="closed"):
         kit.engine.swap(2, make_weights(2), digest="digest-2")
+
+
+def test_every_engine_names_its_swap_policies_and_refuses_the_others(kit):
+    engine = kit.engine
+    assert "drain" in engine.swap_policies and set(engine.swap_policies) <= set(SWAP_POLICIES)
+    for policy in SWAP_POLICIES:
+        if policy not in engine.swap_policies:
+            with pytest.raises(ValueError, match=f"does not implement swap policy {policy!r}"):
+                engine.swap(1, make_weights(1), digest="digest-1", policy=policy)
+    with pytest.raises(ValueError, match="swap policy must be one of"):
+        engine.swap(1, make_weights(1), digest="digest-1", policy="later")
+    assert engine.served_version() is None, "a refused policy touched nothing"
 
 
 @pytest.mark.parametrize("kind", ENGINES)

@@ -1,6 +1,9 @@
 """The reference inference server over real HTTP on 127.0.0.1: generation for text and id prompts
-of mixed lengths, the version on every response, a hammer test (clients generating while versions
-swap) proving no request ever mixes weights, request validation, endpoints and configurations."""
+of mixed lengths, the version on every response, a hammer test per swap policy (clients generating
+while versions swap) proving every token comes from a swapped-in version as that version generates
+it, the swap policies on a generation held at a token step (drain: one version; in_flight: both,
+with token ranges, the later tokens exactly the new version's from that prefix; abort: run again),
+request validation, endpoints and configurations."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from weightsync.agents.engine import open_engine
+from weightsync.agents.engine import SWAP_POLICIES, open_engine
 from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
 from weightsync.errors import LayoutError
 from weightsync.models import ByteTokenizer, CausalLM, ModelConfig, build_model, save_pretrained
@@ -110,9 +113,13 @@ def test_sampling_is_seeded_and_stop_tokens_end_completions(server):
     assert stopped["completions"][0]["finish_reason"] == "stop"
 
 
-def test_hammer_every_response_comes_from_exactly_one_version(server):
+@pytest.mark.parametrize("policy", SWAP_POLICIES)
+def test_hammer_every_token_comes_from_a_swapped_in_version(server, policy):
     """Clients generate without pause while the agent swaps versions and, as it would with double
-    buffering, overwrites each replaced version's tensors once wait_unused says they are free."""
+    buffering, overwrites each replaced version's tensors once wait_unused says they are free.
+    drain and abort: every response comes from exactly one version, as that version alone
+    generates it. in_flight: every token range comes from the version it names, as that version
+    generates it from the prefix before it (so no token ever saw overwritten memory)."""
     versions = range(1, 13)
     weights = {v: make_weights(v) for v in versions}
     requests = [{"prompt_ids": [[256, 1, 2], [256, 3, 4, 5, 6], [256, 3, 4]], "max_new_tokens": 8},
@@ -153,7 +160,7 @@ def test_hammer_every_response_comes_from_exactly_one_version(server):
                 assert progress.wait_for(lambda v=v: answered[v] >= 3, timeout=60), f"version {v} got no answers"
             if v == versions[-1]:
                 break
-            server.swap(v + 1, weights[v + 1], digest=f"digest-{v + 1}")
+            server.swap(v + 1, weights[v + 1], digest=f"digest-{v + 1}", policy=policy)
             assert server.wait_unused(v, 60)
             for t in weights[v].values():  # the agent reuses that memory for a later version
                 t.fill_(float("nan"))
@@ -169,10 +176,145 @@ def test_hammer_every_response_comes_from_exactly_one_version(server):
             assert status == 200, answer
             v = answer["weight_version"]
             assert header == str(v) and answer["weight_digest"] == f"digest-{v}"
-            assert answer["completions"] == expected[v, r], f"request {r} at version {v}: mixed or stale weights"
+            if policy == "in_flight":
+                check_ranges(answer, requests[r], {v: expected[v, r] for v in versions})
+            else:
+                assert answer["weight_versions"] == [v] and all(
+                    c["versions"] == [{"version": v, "start": 0, "stop": len(c["token_ids"])}]
+                    for c in answer["completions"])
+                assert answer["completions"] == expected[v, r], f"request {r} at version {v}: mixed or stale weights"
             assert v >= previous, "a client saw versions go backwards"
             previous = v
     assert {a["weight_version"] for answers in responses.values() for _, _, a in answers} == set(versions)
+
+
+
+def check_ranges(answer: dict, body: dict, alone: dict[int, list[dict]]) -> None:
+    """Each completion's version ranges cover its tokens in order, from ascending versions, none
+    older than the response's `weight_version` (a later batch of the request may start on a
+    newer one); the first range is what its version alone generates (`alone[version]`), each
+    later one what its version generates from the prompt and the tokens before it (recomputed
+    in-process on the same bf16 weights)."""
+    prompts = body.get("prompt_ids") or [TOKENIZER.encode(t) for t in body["prompts"]]
+    model = build_model(ModelConfig(**BYTE_MODEL))
+    for i, (prompt, completion) in enumerate(zip(prompts, answer["completions"])):
+        tokens, ranges = completion["token_ids"], completion["versions"]
+        assert ranges[0]["start"] == 0 and ranges[-1]["stop"] == len(tokens)
+        assert all(a["stop"] == b["start"] and a["version"] < b["version"] for a, b in zip(ranges, ranges[1:]))
+        assert ranges[0]["version"] >= answer["weight_version"]
+        assert {r["version"] for r in ranges} <= set(answer["weight_versions"])
+        first = ranges[0]
+        assert tokens[:first["stop"]] == alone[first["version"]][i]["token_ids"][:first["stop"]]
+        for r in ranges[1:]:
+            prefix = torch.tensor([list(prompt) + tokens[:r["start"]]])
+            again = model.generate(prefix, max_new_tokens=r["stop"] - r["start"], temperature=0,
+                                   stop_token=body.get("stop", TOKENIZER.EOS), weights=make_weights(r["version"]))[0]
+            assert again[0].tolist() == tokens[r["start"]:r["stop"]], f"tokens {r} are not v{r['version']}'s"
+        assert all(lp == lp for lp in completion["logprobs"]), "a NaN logprob: a token saw overwritten weights"
+
+
+class GatedServer(ReferenceServer):
+    """The reference server with its first request held at token steps `at_steps` (each until the
+    test lets it go), so that a test can swap while a generation is surely in flight (no timing
+    involved)."""
+
+    def __init__(self, config: ReferenceServerConfig, *, at_steps: tuple[int, ...]) -> None:
+        super().__init__(config)
+        self.reached = {step: threading.Event() for step in at_steps}
+        self.go = {step: threading.Event() for step in at_steps}
+
+    def _running(self, record):
+        running = super()._running(record)
+        between_steps = running.between_steps
+
+        def gated(step: int):
+            if step in self.reached and not self.reached[step].is_set():
+                self.reached[step].set()
+                assert self.go[step].wait(60)
+            return between_steps(step)
+
+        running.between_steps = gated
+        return running
+
+
+def generate_across_a_swap(policy: str, *, at_step: int = 10, new_tokens: int = 48) -> dict:
+    """A greedy generation on v1 that a swap to v2 under `policy` meets at token `at_step`."""
+    body = {"prompt_ids": [[256, 5, 6, 7]], "max_new_tokens": new_tokens, "stop": None}
+    with GatedServer(ReferenceServerConfig(model=BYTE_MODEL), at_steps=(at_step,)) as server:
+        server.swap(1, make_weights(1), digest="digest-1")
+        answers = []
+        client = threading.Thread(target=lambda: answers.append(post(server.url, body)))
+        client.start()
+        assert server.reached[at_step].wait(60)
+        server.swap(2, make_weights(2), digest="digest-2", policy=policy)
+        server.go[at_step].set()
+        client.join(60)
+        status, headers, answer = answers[0]
+        assert status == 200, answer
+        assert server.wait_unused(1, 60), "the request no longer holds v1"
+    return answer
+
+
+@pytest.mark.parametrize("policy", SWAP_POLICIES)
+def test_a_replaced_version_is_free_one_token_step_after_the_swap_unless_draining(policy):
+    """What bounds memory without a third buffer: under in_flight and abort the request leaves v1
+    at its next token step, so the agent may rebuild v1's buffer while the request still runs;
+    under drain v1 stays in use until the request ends."""
+    body = {"prompt_ids": [[256, 5, 6, 7]], "max_new_tokens": 48, "stop": None}
+    with GatedServer(ReferenceServerConfig(model=BYTE_MODEL), at_steps=(10, 20)) as server:
+        server.swap(1, make_weights(1), digest="digest-1")
+        client = threading.Thread(target=post, args=(server.url, body))
+        client.start()
+        assert server.reached[10].wait(60)
+        server.swap(2, make_weights(2), digest="digest-2", policy=policy)
+        server.go[10].set()
+        assert server.reached[20].wait(60)  # the request is running, held at its token step 20
+        assert server.wait_unused(1, 0) == (policy != "drain")
+        assert server.requests_in_flight() == 1
+        server.go[20].set()
+        client.join(60)
+        assert server.wait_unused(1, 60)
+
+
+def alone(version: int, prompt: list[int], new_tokens: int) -> list[int]:
+    """What a fresh server on `version` alone generates (greedy) from `prompt`."""
+    with ReferenceServer(ReferenceServerConfig(model=BYTE_MODEL)) as fresh:
+        fresh.swap(version, make_weights(version), digest=f"digest-{version}")
+        status, _, answer = post(fresh.url, {"prompt_ids": [prompt], "max_new_tokens": new_tokens, "stop": None})
+        assert status == 200
+        return answer["completions"][0]["token_ids"]
+
+
+def test_in_flight_a_long_generation_spans_a_swap_and_says_which_version_made_which_tokens():
+    answer = generate_across_a_swap("in_flight", at_step=10, new_tokens=48)
+    completion = answer["completions"][0]
+    assert answer["weight_version"] == 1 and answer["weight_versions"] == [1, 2] and answer["restarts"] == 0
+    assert completion["versions"] == [{"version": 1, "start": 0, "stop": 10}, {"version": 2, "start": 10, "stop": 48}]
+    tokens = completion["token_ids"]
+    assert tokens[:10] == alone(1, [256, 5, 6, 7], 48)[:10]
+    # The tokens after the switch are what v2 generates from the prompt and the first 10 tokens.
+    assert tokens[10:] == alone(2, [256, 5, 6, 7] + tokens[:10], 38)
+    assert tokens[10:] != alone(1, [256, 5, 6, 7], 48)[10:], "the versions must differ for the test to mean much"
+
+
+def test_drain_a_generation_that_a_swap_meets_stays_on_its_version():
+    answer = generate_across_a_swap("drain")
+    assert answer["weight_version"] == 1 and answer["weight_versions"] == [1]
+    assert answer["completions"][0]["versions"] == [{"version": 1, "start": 0, "stop": 48}]
+    assert answer["completions"][0]["token_ids"] == alone(1, [256, 5, 6, 7], 48)
+
+
+def test_abort_a_generation_that_a_swap_meets_runs_again_on_the_new_version():
+    answer = generate_across_a_swap("abort")
+    assert answer["weight_version"] == 2 and answer["weight_versions"] == [2] and answer["restarts"] == 1
+    assert answer["completions"][0]["versions"] == [{"version": 2, "start": 0, "stop": 48}]
+    assert answer["completions"][0]["token_ids"] == alone(2, [256, 5, 6, 7], 48)
+
+
+def test_swap_refuses_an_unknown_policy(server):
+    with pytest.raises(ValueError, match="swap policy must be one of"):
+        server.swap(1, make_weights(1), digest="digest-1", policy="eventually")
+    assert server.served_version() is None
 
 
 BAD_REQUESTS = [

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -47,7 +48,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log") as srv:
+    # --enable-scale-out: the token-in/token-out route that reports weight versions per token span
+    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log",
+                       extra_args=("--enable-scale-out",)) as srv:
         srv.wait_ready()
         yield srv
 
@@ -341,3 +344,63 @@ def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine
         engine.swap(2, weights2, digest=digest2)
     assert not engine.health()["healthy"] and engine.served_version() is None
     assert "v2 failed while loading" in engine.health()["last_error"]
+
+
+def generate_streaming(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
+    """POST /inference/v1/generate, greedy, streamed; sets `started` at the first tokens; returns
+    {"token_ids", "weight_versions"} of the one choice (the spans come with the last chunk)."""
+    body = {"token_ids": prompt, "stream": True,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    tokens, spans = [], None
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[5:])["choices"]:
+                tokens += choice.get("token_ids") or []
+                spans = choice.get("weight_versions") or spans
+            if tokens:
+                started.set()
+    return {"token_ids": tokens, "weight_versions": spans}
+
+
+@pytest.mark.parametrize("policy", ["in_flight", "drain"])
+def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engine, server, published, policy):
+    """in_flight (pause mode keep, running requests' KV recomputed): a long greedy generation spans
+    the swap, the response lists both versions with their token spans, and the tokens after the
+    switch are what the new version generates from that prefix (the server, now on the new version
+    alone, asked for the continuation of prompt + the tokens before the switch; the test above
+    shows it answers as a fresh server). drain (pause mode wait): the response is one version's."""
+    store, _ = published
+    prompt, new_tokens = PROMPTS[0], 200
+    versions = {v: read_version(store, v) for v in (3, 4)}  # v4 changes greedy text
+    for attempt in range(8):  # in_flight: until a swap lands mid-generation (a fast machine may finish first)
+        old, new = (3, 4) if attempt % 2 == 0 else (4, 3)
+        engine.swap(old, versions[old][0], digest=versions[old][1])
+        started, answers = threading.Event(), []
+        client = threading.Thread(target=lambda: answers.append(generate_streaming(server.url, prompt, new_tokens,
+                                                                                   started)))
+        client.start()
+        assert started.wait(600)
+        engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
+        client.join(600)
+        tokens, spans = answers[0]["token_ids"], answers[0]["weight_versions"]
+        assert len(tokens) == new_tokens and spans[0]["start"] == 0 and spans[-1]["end"] == new_tokens
+        if policy == "drain":
+            assert spans == [{"version": str(old), "start": 0, "end": new_tokens}]
+            return
+        if len(spans) == 1:
+            assert spans[0]["version"] == str(old)  # it ended before the pause: try again
+            continue
+        assert [s["version"] for s in spans] == [str(old), str(new)]
+        switch = spans[0]["end"]
+        assert spans[1]["start"] == switch
+        continuation = vh.complete(server.url, prompt + tokens[:switch], max_tokens=new_tokens - switch,
+                                   ignore_eos=True)["token_ids"]
+        assert tokens[switch:] == continuation, "the tokens after the switch are not the new version's"
+        return
+    pytest.fail("no swap landed during a 200-token generation in 8 attempts")
+

@@ -33,7 +33,7 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
             if entry.outcome == "served":
                 served.setdefault(entry.version, {})[name] = {
                     "served_unix_ms": entry.served_unix_ms, "swap_pause_s": entry.timings_s.get("swap_pause"),
-                    "path": entry.path, "bytes_fetched": entry.bytes_fetched}
+                    "path": entry.path, "bytes_fetched": entry.bytes_fetched, "timings_s": dict(entry.timings_s)}
     rows = []
     for version in list_versions(store, config.model):
         manifest = read_manifest(store, config.model, version)
@@ -55,6 +55,9 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
             "swap_pause_ms_max": 1000 * max(pauses) if pauses else None,
             "staleness_steps": metrics.get(step, {}).get("data/staleness_steps"),
             "fetched_from_store": sum(a["bytes_fetched"] for a in agents.values()),
+            # Each agent's ledger timings: drain (waiting for requests on the buffer to be
+            # rebuilt), push_wait, fetch, gather, apply, swap, total, since_offer.
+            "agent_timings_s": {name: a["timings_s"] for name, a in agents.items()},
         })
     rewards = sorted((row for path in sorted((root / "rollouts").glob("stats-w*.jsonl")) for row in _jsonl(path)),
                      key=lambda r: r["t"])
@@ -70,7 +73,25 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
         if deltas and synced and rewards else f"{len(rows)} versions published"
     )
     return {"versions": rows, "rewards": rewards, "headline": headline, "table": _table(rows, list(statuses)),
-            "reward_first": first, "reward_last": last, "rollout_groups": counts}
+            "reward_first": first, "reward_last": last, "rollout_groups": counts,
+            "staleness": _staleness(config, rows, metrics, rewards)}
+
+
+def _staleness(config, rows: list[dict], metrics: dict[int, dict], rewards: list[dict]) -> dict[str, Any]:
+    """How stale what the trainer learned from was under this run's swap policy: the trainer's
+    per-step mean staleness (steps between the weights that sampled a rollout and the trainer's
+    own), and how long versions took to reach every agent during GRPO (what staleness follows)."""
+    steps = [m["data/staleness_steps"] for step, m in sorted(metrics.items())
+             if step > config.warmup_steps and m.get("data/staleness_steps") is not None]
+    synced = [r["to_all_agents_s"] for r in rows if r["phase"] == "grpo" and r["to_all_agents_s"] is not None]
+    mixed = sum(1 for r in rewards if len(r.get("versions", [])) > 1)
+    return {
+        "swap_policy": config.swap_policy, "rollout_tokens": config.rollout_tokens,
+        "mean_steps": statistics.fmean(steps) if steps else None, "max_steps": max(steps) if steps else None,
+        "grpo_to_all_agents_s": {"median": statistics.median(synced) if synced else None,
+                                 "max": max(synced) if synced else None},
+        "groups_spanning_versions": mixed, "groups_restarted": sum(1 for r in rewards if r.get("restarts")),
+    }
 
 
 def _reward_window(rewards: list[dict], *, head: bool, size: int = 40) -> float:

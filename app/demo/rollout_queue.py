@@ -37,6 +37,9 @@ class Rollout:
     """The published version that sampled it."""
     sampler_step: int
     """The trainer step of that version (staleness is counted in steps)."""
+    weight_versions: list[dict] = dataclasses.field(default_factory=list)
+    """Which versions produced which completion tokens: [{version, start, stop}] (more than one
+    when an in_flight swap came during the generation; `weight_version` is the oldest)."""
 
 
 class RolloutQueue:

@@ -33,6 +33,8 @@ from weightsync.models import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
+ANSWER_TOKENS = 8  # the answer's budget: what is scored and trained on
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
@@ -45,6 +47,8 @@ class RolloutConfig:
     worker: str = "w0"
     group_size: int = 8
     max_new_tokens: int = 8
+    """Tokens each completion generates. Above ANSWER_TOKENS the server goes on past the answer's
+    EOS (a long rollout); what is scored and trained on is the answer part."""
     temperature: float = 1.0
     """1.0: the servers' log-probs are then exactly the sampling distribution's."""
     max_operand: int = 99
@@ -53,6 +57,8 @@ class RolloutConfig:
     """JSON lines, one per group: time, server, version, step, mean reward."""
     engine: str = "reference"
     """What the servers are: "reference" (POST /v1/generate) or "vllm" (OpenAI /v1/completions)."""
+    request_timeout_s: float = 600.0
+    """Per request: long rollouts on a loaded machine take minutes."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -95,8 +101,10 @@ class RolloutWorker:
         if version < self.last_version.get(server, 0):
             raise AssertionError(f"{server} went back from v{self.last_version[server]} to v{version}")
         self.last_version[server] = version
-        completions = doc["completions"]
-        rewards = [self.task.reward(c["text"] or "", answer) for c in completions]
+        completions = [_answer_part(c) for c in doc["completions"]]
+        rewards = [self.task.reward(self.tokenizer.decode(c["token_ids"]), answer) for c in completions]
+        # Staleness counts from the oldest version that produced a token the trainer learns from.
+        version = min(r["version"] for c in completions for r in c["versions"])
         step = self.step_of(version) if version > 0 else 0
         mean = statistics.fmean(rewards)
         std = statistics.pstdev(rewards)
@@ -106,18 +114,21 @@ class RolloutWorker:
                 Rollout(tokens=prompt_ids + c["token_ids"],
                         loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
                         sampler_logprobs=[0.0] * len(prompt_ids) + c["logprobs"], advantage=(r - mean) / std,
-                        reward=r, weight_version=version, sampler_step=step)
+                        reward=r, weight_version=version, sampler_step=step, weight_versions=c["versions"])
                 for c, r in zip(completions, rewards)
             ]
             self.queue.put(group, worker=self.config.worker)
         return {"t": time.time(), "server": server, "version": version, "step": step, "reward": mean,
-                "queued": std > 0, "worker": self.config.worker}
+                "queued": std > 0, "worker": self.config.worker, "versions": doc.get("weight_versions", [version]),
+                "restarts": doc.get("restarts", 0)}
 
     def _sample_reference(self, server: str, prompt: str) -> dict | None:
         body = {"prompts": [prompt] * self.config.group_size, "max_new_tokens": self.config.max_new_tokens,
                 "temperature": self.config.temperature, "seed": self.rng.randrange(2**31)}
+        if self.config.max_new_tokens > ANSWER_TOKENS:
+            body["stop"] = None  # a long rollout: generate all of them
         try:
-            return _post(server + "/v1/generate", body)
+            return _post(server + "/v1/generate", body, self.config.request_timeout_s)
         except urllib.error.HTTPError as e:
             if e.code == 503:  # no weights yet, or busy: come back later
                 return None
@@ -147,7 +158,8 @@ class RolloutWorker:
         for tokens, choice in zip(completions, scored["choices"]):
             positions = choice["prompt_logprobs"][len(ids):]
             logprobs = [float(entry[str(token)]["logprob"]) for token, entry in zip(tokens, positions)]
-            out.append({"text": self.tokenizer.decode(tokens), "token_ids": tokens, "logprobs": logprobs})
+            out.append({"text": self.tokenizer.decode(tokens), "token_ids": tokens, "logprobs": logprobs,
+                        "versions": [{"version": int(before), "start": 0, "stop": len(tokens)}]})
         return {"weight_version": int(before), "completions": out}
 
     def run(self, stop: threading.Event) -> None:
@@ -170,9 +182,19 @@ class RolloutWorker:
                 stats.close()
 
 
-def _post(url: str, body: dict) -> dict:
+def _answer_part(completion: dict) -> dict:
+    """The part of a completion that is scored and trained on: up to its first EOS, at most
+    ANSWER_TOKENS tokens, with the version ranges that produced it."""
+    tokens = completion["token_ids"]
+    end = tokens.index(ByteTokenizer.EOS) + 1 if ByteTokenizer.EOS in tokens else len(tokens)
+    end = min(end, ANSWER_TOKENS)
+    versions = [{**r, "stop": min(r["stop"], end)} for r in completion["versions"] if r["start"] < end]
+    return {"token_ids": tokens[:end], "logprobs": completion["logprobs"][:end], "versions": versions}
+
+
+def _post(url: str, body: dict, timeout_s: float = 60.0) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.loads(response.read())
 
 

@@ -69,6 +69,13 @@ class DemoConfig:
     vllm_python: str | None = None
     """engine "vllm": the interpreter with vLLM and weightsync installed (default
     $WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python as scripts/setup_vllm.sh makes it)."""
+    swap_policy: str = "drain"
+    """Every agent's swap policy (docs/agents.md): "drain", "in_flight" or "abort". summary.json
+    reports the staleness of what the trainer learned from under it."""
+    rollout_tokens: int = 8
+    """Tokens each completion generates. The answer takes a few; above 8 the servers keep
+    generating past the end of the answer (long rollouts, as in agentic RL), so requests run
+    for long and swaps meet them; the trainer still learns from the completion up to its EOS."""
     seed: int = 0
     timeout_s: float = 1800.0
     """The whole run fails if it takes longer (a stuck child never hangs the demo)."""
@@ -82,6 +89,10 @@ class DemoConfig:
             raise ValueError("groups_per_step x group_size must split evenly over trainer_ranks")
         if self.engine not in ("reference", "vllm"):
             raise ValueError(f'engine must be "reference" or "vllm", got {self.engine!r}')
+        if self.swap_policy not in ("drain", "in_flight", "abort"):
+            raise ValueError(f'swap_policy must be "drain", "in_flight" or "abort", got {self.swap_policy!r}')
+        if self.rollout_tokens < 1 or self.rollout_tokens > 1024:
+            raise ValueError(f"rollout_tokens must be in 1..1024 (the reference server's limit), got {self.rollout_tokens}")
 
     @property
     def model_architecture(self) -> dict[str, Any]:
@@ -148,7 +159,8 @@ def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: l
     path.write_text(
         f'[agent]\nmodel = "{config.model}"\nname = "{name}"\nregion = "{region}"\n'
         f'cache_dir = "{root / "agents" / name}"\nstore = "{config.store_uri}"\npeers = {json.dumps(peers)}\n'
-        "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n" + engine)
+        "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n"
+        f'swap_policy = "{config.swap_policy}"\n' + engine)
     return path
 
 
@@ -244,13 +256,14 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
             for i in reversed(range(config.agents_per_region)):
                 name = f"{region}-{i + 1}"
                 toml = _agent_toml(config, root, name, region, downstream, vllm_urls.get(name))
-                _, ready = children.start(name, [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml)],
-                                          ready_line=True)
+                _, ready = children.start(name, [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml),
+                                                 "--verbose"], ready_line=True)  # INFO: each version served
                 agents[name] = {"region": region, "address": ready["address"], "engine_url": ready["engine_url"]}
                 downstream = [ready["address"]]
             leaders.append(downstream[0])
         echo(f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model} "
-             f"({config.engine} engines); store {config.store_uri}")
+             f"({config.engine} engines, swap policy {config.swap_policy}, rollouts of {config.rollout_tokens} "
+             f"tokens); store {config.store_uri}")
 
         # -- trainer
         trainer_argv = [python, "-m", "torch.distributed.run", "--standalone",
@@ -354,6 +367,7 @@ def _start_workers(config: DemoConfig, root: Path, agents: dict, children: _Chil
         worker = {"servers": servers, "queue_dir": str(root / "rollouts"), "store": config.store_uri,
                   "model": config.model, "worker": f"w{w}", "group_size": config.group_size,
                   "max_operand": config.max_operand, "seed": config.seed + w, "engine": config.engine,
+                  "max_new_tokens": config.rollout_tokens,
                   "stats_path": str(root / "rollouts" / f"stats-w{w}.jsonl")}
         children.start(f"rollouts-w{w}", [sys.executable, "-m", "weightsync.app.demo.rollouts", json.dumps(worker)])
 

@@ -1,6 +1,6 @@
 """chaos: seeded rounds of faults against a real weightsync cluster, with invariants checked throughout.
 
-    .venv/bin/python -m bench.chaos --rounds 100 --seed 1 [--store local|s3|both]
+    .venv/bin/python -m bench.chaos --rounds 100 --seed 1 [--store local|s3|both] [--swap-policy in_flight]
 
 One machine: a publisher process (it can be SIGKILLed), a store (a local directory, or S3 served by
 moto behind harness/fault_proxy.py), and 2 regions x 2 agent processes (`weightsync agent`, each with
@@ -22,7 +22,11 @@ Invariants, checked continuously by a monitor thread and at the end of each roun
   served_digest      what an engine serves (GET /v1/version) is a committed version, with that
                      version's digest; the agent's own re-hash of the served bytes
                      (GetStatus verify) equals it; at each convergence the served model's greedy
-                     completion equals the one computed here from the trainer's weights.
+                     completion equals the one computed here from the trainer's weights. Per token
+                     step: long greedy generations run on every agent through the faults and
+                     swaps, and each token range of their answers is what its version's published
+                     weights generate from the prefix before it (one range per answer except
+                     under `--swap-policy in_flight`).
   readable           every version in the store verifies (Reader.verify) at the end of each round,
                      and its digest equals that of the trainer's weights for its step.
   monotonic          within an agent process, the served version never goes backwards; a process

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--versions-per-round", type=int, default=3)
     parser.add_argument("--convergence-bound-s", type=float, default=60.0)
     parser.add_argument("--fault-scale", type=float, default=1.0, help="multiplies every fault's probability")
+    parser.add_argument("--swap-policy", choices=["drain", "in_flight", "abort"], default="drain",
+                        help="every agent's swap policy (docs/agents.md)")
     parser.add_argument("--workdir", help="where processes keep caches and logs (default: a temp dir)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and caches (kept anyway on violations)")
     args = parser.parse_args(argv)
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ChaosConfig(rounds=args.rounds, seed=args.seed, store=store,
                              versions_per_round=args.versions_per_round, convergence_bound_s=args.convergence_bound_s,
                              fault_scale=args.fault_scale, keep_workdir=args.keep_workdir,
+                             swap_policy=args.swap_policy,
                              workdir=None if args.workdir is None else str(Path(args.workdir) / store))
         results[store] = run_chaos(config)
     machine["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -1,6 +1,7 @@
 """checks: what must hold once a round's faults stop: every agent converges on the latest version
-within the bound, every version in the store verifies with the trainer's digest, and each agent's
-greedy completion equals the one computed here from the published weights.
+within the bound, every version in the store verifies with the trainer's digest, each agent's
+greedy completion equals the one computed here from the published weights, and so does every token
+range of the long generations that ran during the round (per token step, per version).
 
 A mixin of Run (run.py). Not here: the checks made while faults happen (monitor.py).
 """
@@ -13,12 +14,51 @@ import shutil
 import sys
 import time
 
-from bench.chaos.config import MODEL, PROMPT
+from bench.chaos.config import GENERATION_PROMPT, GENERATION_TOKENS, MODEL, PROMPT
 from bench.chaos.processes import http_json
 
 
 class Checks:
     """The end-of-round checks of Run."""
+
+    def _check_generations(self, reader) -> None:
+        """Every token range of the long generations that ran during the round's faults and swaps is
+        what the published weights of its version generate (greedy) from the prompt and the tokens
+        before it: the served bytes were a committed version's at every token step, whatever the
+        swap policy (under drain and abort a response has one range)."""
+        from weightsync.errors import WeightsyncError
+
+        with self._lock:
+            generations, self.generations = self.generations, []
+        alone: dict[int, list[int]] = {}  # version -> what it generates from the prompt alone
+        for name, answer in generations:
+            completion = answer["completions"][0]
+            tokens, ranges = completion["token_ids"], completion["versions"]
+            if len(ranges) > 1:
+                self.checks["generations_spanning_versions"] += 1
+                if self.config.swap_policy != "in_flight":
+                    self.violation("served_digest", name, f"a {self.config.swap_policy} response mixes versions "
+                                                          f"{ranges}")
+            for r in ranges:
+                version, start, stop = r["version"], r["start"], r["stop"]
+                expected = alone.get(version) if start == 0 else None
+                if expected is None:
+                    try:
+                        state = reader.read(version)
+                    except WeightsyncError:
+                        self.checks["generation_ranges_unreadable"] += 1  # collected by gc meanwhile
+                        continue
+                    self.reference.swap(version, state.state_dict(), digest=state.manifest.digest)
+                    body = {"prompt_ids": [GENERATION_PROMPT + tokens[:start]], "temperature": 0, "stop": None,
+                            "max_new_tokens": GENERATION_TOKENS - start}
+                    expected = self.reference.handle_generate(json.dumps(body).encode())["completions"][0]["token_ids"]
+                    if start == 0:
+                        alone[version] = expected
+                self.checks["generation_ranges_checked"] += 1
+                if tokens[start:stop] != expected[:stop - start]:
+                    self.violation("served_digest", name, f"tokens {start}..{stop} said to be v{version}'s are "
+                                                          f"{tokens[start:stop]}; its published weights give "
+                                                          f"{expected[:stop - start]}")
 
     def _converge(self, *, record: bool) -> None:
         latest = max(self.refresh_committed(), default=0)
@@ -90,6 +130,7 @@ class Checks:
                 self.violation("served_digest", agent.name, f"greedy completion {got['completions'][0]['token_ids']} "
                                                             f"on v{version}; its published weights give "
                                                             f"{expected[version]}")
+        self._check_generations(reader)
         try:
             collect_garbage(self.direct, MODEL, keep=self.config.gc_keep + 1, grace_s=self.config.gc_grace_s)
         except WeightsyncError as e:

@@ -13,6 +13,9 @@ ARCH = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_hid
         "num_attention_heads": 4, "num_key_value_heads": 2}
 REGIONS = ("east", "west")
 PROMPT = "weightsync chaos: "
+GENERATION_PROMPT = [256, 99, 104, 97, 111, 115]
+GENERATION_TOKENS = 96
+"""The long generations kept running on every agent during the rounds (run.py, checks.py)."""
 REPO = Path(__file__).resolve().parents[2]
 FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",
                "flip_store_object", "flip_agent_cache", "stale_cache_restart", "s3_faults", "clock_skew",
@@ -40,12 +43,17 @@ class ChaosConfig:
     """Allowed RSS growth of a process over its first sample once it serves (leaks, chain blow-ups)."""
     fault_scale: float = 1.0
     """Multiplies every fault's per-round probability (capped at 1)."""
+    swap_policy: str = "drain"
+    """Every agent's swap policy (docs/agents.md); long generations run during the faults and each
+    token range of their responses is checked against the published weights of its version."""
     workdir: str | None = None
     keep_workdir: bool = False
 
     def __post_init__(self) -> None:
         if self.store not in ("local", "s3"):
             raise ValueError(f"store must be local or s3, got {self.store!r}")
+        if self.swap_policy not in ("drain", "in_flight", "abort"):
+            raise ValueError(f"swap_policy must be drain, in_flight or abort, got {self.swap_policy!r}")
         if self.rounds < 1 or self.versions_per_round < 1:
             raise ValueError("rounds and versions_per_round must be >= 1")
 

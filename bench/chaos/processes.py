@@ -62,13 +62,14 @@ class AgentProc:
         self.stopped = False  # SIGSTOPped
         self.up = threading.Event()
 
-    def write_config(self, *, store: str, peers: list[str], token_file: Path, public_key: Path) -> None:
+    def write_config(self, *, store: str, peers: list[str], token_file: Path, public_key: Path,
+                     swap_policy: str = "drain") -> None:
         engine = {"type": "reference", "port": 0, "torch_threads": 1}
         lines = ["[agent]", f'model = "{MODEL}"', f'name = "{self.name}"', f'region = "{self.region}"',
                  f'listen = "{self.address}"', f'cache_dir = "{self.cache}"', f'store = "{store}"',
                  f"peers = {json.dumps(peers)}", f'token_file = "{token_file}"',
                  f'trusted_keys = ["{public_key}"]', "require_signatures = true", "poll_interval_s = 1.0",
-                 "push_wait_s = 1.0", "workers = 1", "[agent.engine]"]
+                 "push_wait_s = 1.0", "workers = 1", f'swap_policy = "{swap_policy}"', "[agent.engine]"]
         lines += [f"{k} = {json.dumps(v)}" for k, v in engine.items()]
         lines += ["[agent.engine.model]"] + [f"{k} = {json.dumps(v)}" for k, v in ARCH.items()]
         self.config_path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,10 +23,19 @@ import uuid
 from pathlib import Path
 
 from bench.chaos.checks import Checks
-from bench.chaos.config import ARCH, FAULT_KINDS, MODEL, REGIONS, REPO, ChaosConfig
+from bench.chaos.config import (
+    ARCH,
+    FAULT_KINDS,
+    GENERATION_PROMPT,
+    GENERATION_TOKENS,
+    MODEL,
+    REGIONS,
+    REPO,
+    ChaosConfig,
+)
 from bench.chaos.faults import Faults
 from bench.chaos.monitor import Monitor
-from bench.chaos.processes import AgentProc, PublisherProc, free_port
+from bench.chaos.processes import AgentProc, PublisherProc, free_port, http_json
 from bench.chaos.publisher import expected_digest, fake_trainer
 from harness.moto import MotoServer
 from harness.tcp_relay import TcpRelay
@@ -56,6 +65,7 @@ class Run(Faults, Checks):
         self.snapshots: dict[str, Path] = {}
         self.agents: dict[str, AgentProc] = {}
         self._clients: dict[tuple[str, int], object] = {}
+        self._closing = threading.Event()
         self.monitor: Monitor | None = None
         self.moto: MotoServer | None = None
         self.s3_proxy = None
@@ -90,7 +100,7 @@ class Run(Faults, Checks):
                 agent = AgentProc(name, region, ports[name], self.work, env)
                 peers = [self.proxies[f"{leader}->{follower}"].address] if name == leader else []
                 agent.write_config(store=self.store_uri, peers=peers, token_file=self.work / "token",
-                                   public_key=self.work / "publisher.pub")
+                                   public_key=self.work / "publisher.pub", swap_policy=self.config.swap_policy)
                 self.agents[name] = agent
         spec = {"store": self.store_uri, "seed": self.config.seed, "chunk_bytes": self.config.chunk_bytes,
                 "rebase_every": self.config.rebase_every, "token": self.token, "push_give_up_s": 30.0,
@@ -112,6 +122,9 @@ class Run(Faults, Checks):
         self.reference = ReferenceServer(ReferenceServerConfig(model=ARCH, torch_threads=1))
         self.monitor = Monitor(self)
         self.monitor.start()
+        self.generations: list[tuple[str, dict]] = []  # (agent, response) of the long generations
+        for agent in self.agents.values():
+            threading.Thread(target=self._generate_loop, args=(agent,), daemon=True).start()
 
     def _setup_s3(self, env: dict):
         import boto3
@@ -134,7 +147,26 @@ class Run(Faults, Checks):
         env.update(creds, AWS_ENDPOINT_URL=self.s3_proxy.endpoint)
         return f"s3://{bucket}/chaos", S3Store(bucket, "chaos", endpoint_url=endpoint)
 
+    def _generate_loop(self, agent: AgentProc) -> None:
+        """Keeps a long greedy generation running on `agent`'s engine while faults and swaps happen;
+        the end-of-round checks compare every token range of the answers with the weights of its
+        version (checks.py). Failures (the agent killed, stalled) are the faults' business."""
+        body = {"prompt_ids": [GENERATION_PROMPT], "max_new_tokens": GENERATION_TOKENS, "temperature": 0,
+                "stop": None}
+        while not self._closing.is_set():
+            if not agent.up.is_set() or agent.engine_url is None:
+                self._closing.wait(0.2)
+                continue
+            try:
+                answer = http_json(agent.engine_url + "/v1/generate", body, timeout_s=30)
+            except (OSError, ValueError):
+                self._closing.wait(0.2)
+                continue
+            with self._lock:
+                self.generations.append((agent.name, answer))
+
     def close(self) -> None:
+        self._closing.set()
         if self.monitor is not None:
             self.monitor.stop()
         for t in self._threads:
