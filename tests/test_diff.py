@@ -103,7 +103,9 @@ def test_tensors_must_be_alike():
         diff_chunk(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), dtype_by_name("bfloat16"))
 
 
-def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp_path, monkeypatch, device):
     """PublisherConfig(device_diff=True) on CPU tensors drives the device path end to end: deltas
     use the device changes (ctx chunks), a cast tensor and a new tensor layout fall back cleanly,
     and every version reads back torch.equal."""
@@ -121,18 +123,19 @@ def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp
     monkeypatch.setattr(diff, "diff_chunk", counting)
     g = torch.Generator().manual_seed(3)
     master = {"w": torch.randn(300, 512, generator=g) * 0.02, "b": torch.randn(4096, generator=g) * 0.02}
+    master = {k: v.to(device) for k, v in master.items()}
     store = LocalStore(tmp_path)
     config = PublisherConfig(device_diff=True, chunk_bytes=64 * 1024, parent_from_store=False)
     published = []
     with Publisher(store, model="dev", config=config) as publisher:
         for step in range(4):
             state = {"w": master["w"].to(torch.bfloat16), "b": master["b"]}  # b: fp32, cast by the snapshot
-            published.append({k: v.to(torch.bfloat16) for k, v in state.items()})
+            published.append({k: v.to(torch.bfloat16).cpu() for k, v in state.items()})
             result = publisher.publish(state, step=step).result()
             if step:
                 codecs = {c.codec for t in result.manifest.tensors if t.name == "w" for c in t.chunks}
                 assert codecs <= {"ctx", "same"} and "ctx" in codecs
-            master = {k: v + 3e-6 * torch.randn(v.shape, generator=g).sign() for k, v in master.items()}
+            master = {k: v + 3e-6 * torch.randn(v.shape, generator=g).sign().to(device) for k, v in master.items()}
     chunks_of_w = -(-300 * 512 * 2 // (64 * 1024))
     assert len(diffed) == 3 * chunks_of_w and {name for _, name in diffed} == {"bfloat16"}  # w only, deltas only
     reader = Reader(store, model="dev")
@@ -140,3 +143,21 @@ def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp
         got = reader.read(version).state_dict()
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), (version, name)
+
+
+@pytest.mark.parametrize("block", [1, 7, 256, 4096])
+def test_ranks_are_the_host_scans_for_any_block_length(monkeypatch, block):
+    """Ranks within a class add the counts of earlier blocks to those earlier in the own block."""
+    from weightsync import diff
+
+    monkeypatch.setattr(diff, "_RANK_BLOCK", block)
+    g = torch.Generator().manual_seed(1)
+    old = (torch.randn(50_000, generator=g) * 0.02).to(torch.bfloat16)
+    bits = old.view(torch.int16).clone()
+    bits[torch.rand(50_000, generator=g) < 0.05] += 1
+    new = bits.view(torch.bfloat16)
+    got = diff_chunk(new, old, dtype_by_name("bfloat16"))
+    n, o = (t.view(torch.int16).numpy().view(np.uint16) for t in (new, old))
+    want = ctx_codec.scan_changes(n, o, "bfloat16", 2, int((n != o).sum()))
+    for field in ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts"):
+        assert np.array_equal(getattr(got, field), getattr(want, field)), field

@@ -49,33 +49,61 @@ def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.
             counts[ctx_codec.NUM_CLASSES] = 0
     else:
         mant, exp_bits = layout
-        exponents = (ob.to(torch.int64) >> mant) & ((1 << exp_bits) - 1)
+        wide = torch.int64 if itemsize == 8 else torch.int32
+        exponents = (ob.to(wide) >> mant) & ((1 << exp_bits) - 1)
         class_base = _class_base(exponents)
         cls = (exponents - class_base).clamp_(0, ctx_codec.NUM_CLASSES - 1)
-        # Rank within the class: an element's place in the stable order of classes, less the
-        # start of its class there.
-        order = torch.argsort(cls, stable=True)
-        place = torch.empty_like(order)
-        place[order] = torch.arange(count, device=order.device)
-        per_class = torch.bincount(cls, minlength=ctx_codec.NUM_CLASSES)
-        starts = torch.cumsum(per_class, 0) - per_class
-        classes = cls[positions]
-        ranks = place[positions] - starts[classes]
-        first = torch.full((ctx_codec.NUM_CLASSES,), count, dtype=torch.int64, device=cls.device)
-        first.scatter_reduce_(0, cls, torch.arange(count, device=cls.device), reduce="amin")
-        first[per_class == 0] = -1
+        classes = cls[positions].long()
+        ranks, per_class, first = _class_stats(cls, positions, classes)
         counts = torch.cat([per_class, first])
     old_bits, new_bits = ob[positions], nb[positions]
+    # Narrow on the device, widen on the host: 13 bytes per changed bf16 element cross, not 40.
     return ctx_codec.Changes(
         count=count,
         class_base=class_base,
-        positions=_host(positions, np.int64),
-        classes=_host(classes, np.int64),
-        ranks=_host(ranks, np.int64),
+        positions=_host(positions.to(torch.int32), np.int64),
+        classes=_host(classes.to(torch.uint8), np.int64),
+        ranks=_host(ranks.to(torch.int32), np.int64),
         old_bits=_host_bits(old_bits, itemsize),
         new_bits=_host_bits(new_bits, itemsize),
         class_counts=_host(counts, np.int64),
     )
+
+
+# Block length of the per-class counts (`_ranks_in_class`).
+_RANK_BLOCK = 256
+
+
+def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each changed element's index among the chunk's elements of its class, elements per
+    class, each class's first position or -1), in a few wide kernels with no sort and no atomics
+    on a handful of cells: per-class counts of each block of _RANK_BLOCK elements, summed over the
+    blocks before a changed element, plus the elements of its class before it in its own block
+    (read for the changed elements only)."""
+    n_classes, block = ctx_codec.NUM_CLASSES, _RANK_BLOCK
+    device = cls.device
+    count = cls.numel()
+    blocks = -(-count // block)
+    padded = torch.full((blocks * block,), n_classes, dtype=torch.int64, device=device)  # pad: no class
+    padded[:count] = cls
+    cells = torch.arange(blocks * block, device=device) // block * (n_classes + 1) + padded
+    table = torch.zeros(blocks * (n_classes + 1), dtype=torch.int64, device=device)
+    table.scatter_add_(0, cells, torch.ones_like(cells))
+    by_class = table.view(blocks, n_classes + 1)[:, :n_classes].t().contiguous()  # [class, block]
+    before_block = by_class.cumsum(1) - by_class  # exclusive: a class's count in the blocks before
+    home, offset = positions // block, positions % block
+    rows = padded.view(blocks, block)[home]  # the changed elements' own blocks
+    earlier = torch.arange(block, device=device).unsqueeze(0) < offset.unsqueeze(1)
+    within = ((rows == classes.unsqueeze(1)) & earlier).sum(1)
+    ranks = before_block[classes, home] + within
+    per_class = by_class.sum(1)
+    # A class's first position: its first block with any element, then the first one in it.
+    first_block = (by_class > 0).to(torch.int8).argmax(1)
+    ids = torch.arange(n_classes, device=device).unsqueeze(1)
+    first = first_block * block + (padded.view(blocks, block)[first_block] == ids).to(torch.int8).argmax(1)
+    first = torch.where(per_class > 0, first, torch.full_like(first, -1))
+    return ranks, per_class, first
 
 
 def _class_base(exponents: torch.Tensor) -> int:
@@ -88,7 +116,7 @@ def _class_base(exponents: torch.Tensor) -> int:
 
 
 def _host(t: torch.Tensor, np_dtype) -> np.ndarray:
-    return t.to(device="cpu", dtype=torch.int64).numpy().astype(np_dtype, copy=False)
+    return t.cpu().numpy().astype(np_dtype, copy=False)
 
 
 def _host_bits(t: torch.Tensor, itemsize: int) -> np.ndarray:
