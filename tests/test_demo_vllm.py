@@ -34,4 +34,4 @@ def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path):
     assert summary["rollout_groups"]["claimed"] > 0, "the trainer trained on rollouts sampled by vLLM"
     versions = [row["version"] for row in summary["rewards"]]
     assert versions and all(1 <= v <= last for v in versions)
-    assert any("(vllm engines)" in line for line in lines)
+    assert any("(vllm engines," in line for line in lines)

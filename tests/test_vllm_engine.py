@@ -330,22 +330,6 @@ def test_a_server_without_the_dev_routes_is_refused_naming_the_variable():
         server.server_close()
 
 
-def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine, server, published, monkeypatch):
-    """Last in this module: it kills the shared server."""
-    store, _ = published
-    weights2, digest2 = read_version(store, 2)
-
-    def die_then_load(path):
-        server.kill()
-        return VllmEngine._load(engine, path)
-
-    monkeypatch.setattr(engine, "_load", die_then_load)
-    with pytest.raises(WeightsyncError, match="collective_rpc"):
-        engine.swap(2, weights2, digest=digest2)
-    assert not engine.health()["healthy"] and engine.served_version() is None
-    assert "v2 failed while loading" in engine.health()["last_error"]
-
-
 def generate_streaming(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
     """POST /inference/v1/generate, greedy, streamed; sets `started` at the first tokens; returns
     {"token_ids", "weight_versions"} of the one choice (the spans come with the last chunk)."""
@@ -404,3 +388,18 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
         return
     pytest.fail("no swap landed during a 200-token generation in 8 attempts")
 
+
+def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine, server, published, monkeypatch):
+    """Last in this module: it kills the shared server."""
+    store, _ = published
+    weights2, digest2 = read_version(store, 2)
+
+    def die_then_load(path):
+        server.kill()
+        return VllmEngine._load(engine, path)
+
+    monkeypatch.setattr(engine, "_load", die_then_load)
+    with pytest.raises(WeightsyncError, match="collective_rpc"):
+        engine.swap(2, weights2, digest=digest2)
+    assert not engine.health()["healthy"] and engine.served_version() is None
+    assert "v2 failed while loading" in engine.health()["last_error"]
