@@ -226,13 +226,13 @@ def run_policy(policy: str, lengths: list[float], versions: int, clients: int, r
         for clients_ in load:
             clients_.close()
         cells = []
-        for i, length in enumerate([0.0, *lengths]):
+        for length in [0.0, *lengths]:
             tokens = min(max_tokens, max(1, tokens_for(length, a, b)))
             running = Clients(cluster.urls, clients, tokens) if length else None
             if running is not None:
                 time.sleep(min(length, 10.0))  # requests of every age are running
             rows = [cluster.publish_and_time(trainer) for _ in range(versions)]
-            requests = running.close(wait=i < len(lengths)) if running is not None else {}
+            requests = running.close() if running is not None else {}  # the spanning ones ended too
             times = [r["to_all_agents_s"] for r in rows]
             agent_side = [max(a["ledger_timings_s"].get("since_offer", 0.0) for a in r["agents"].values()) for r in rows]
             cells.append({"policy": policy, "request_s": length, "request_tokens": tokens if length else 0,
