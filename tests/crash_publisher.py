@@ -5,7 +5,7 @@ holds `state_for(v)`, so the test can recompute what every committed version mus
 continues from whatever the store holds (`parent_from_store`), so a restart after a kill writes
 a delta on the last committed version.
 
-    python tests/crash_publisher.py STORE_URI [MAX_VERSIONS]
+    python tests/crash_publisher.py STORE_URI [MAX_VERSIONS] [REBASE_EVERY]
 
 Prints "ready <first version>" when it starts publishing and "committed <v>" after each commit;
 exits 0 after MAX_VERSIONS versions (default: effectively forever).
@@ -53,13 +53,13 @@ def state_for(version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def main(root: str, max_versions: int) -> int:
+def main(root: str, max_versions: int, rebase_every: int = REBASE_EVERY) -> int:
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.store import open_store
     from weightsync.versions import latest_version
 
     store = open_store(root)
-    config = PublisherConfig(chunk_bytes=CHUNK_BYTES, workers=2, max_in_flight=2, rebase_every=REBASE_EVERY,
+    config = PublisherConfig(chunk_bytes=CHUNK_BYTES, workers=2, max_in_flight=2, rebase_every=rebase_every,
                              rebase_chain_ratio=1e9, pack_bytes=PACK_BYTES)
     _base_state()
     first = (latest_version(store, MODEL) or 0) + 1
@@ -80,4 +80,5 @@ def main(root: str, max_versions: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10**6))
+    args = sys.argv[1:]
+    sys.exit(main(args[0], int(args[1]) if len(args) > 1 else 10**6, *(int(a) for a in args[2:3])))

@@ -112,7 +112,7 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path,
     waits_for_a_commit = sum(1 for wait, _ in plan if wait == "commit")
 
     seen: set[int] = set()
-    continued_by_delta = 0
+    continued_by_delta = restarts_at_a_rebase = 0
     for wait, delay in plan:
         proc = _start(root, log, env=env)
         first = None
@@ -135,10 +135,19 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path,
         seen.update(versions)
         if first is not None and first > 1 and first in seen:
             manifest = read_manifest(store, child.MODEL, first)
-            continued_by_delta += manifest.kind == KIND_DELTA and manifest.parent == first - 1
+            if manifest.kind == KIND_DELTA:
+                assert manifest.parent == first - 1, f"v{first} continued from v{manifest.parent}"
+                continued_by_delta += 1
+            else:  # full only where the chain before it reached REBASE_EVERY deltas
+                chain = [read_manifest(store, child.MODEL, v) for v in range(first - child.REBASE_EVERY, first)]
+                assert all(m.kind == KIND_DELTA and m.parent == m.version - 1 for m in chain), \
+                    f"v{first} is a full version off a rebase point"
+                restarts_at_a_rebase += 1
 
-    # After all the kills the publisher still works: a clean run commits three more versions.
-    proc = _start(root, log, "3", env=env)
+    # After all the kills the publisher still works: a clean run commits three more versions. It
+    # never rebases, so its first version is a delta on the one committed before it: the parent
+    # restored from the store after the kills (a restart above may land on a rebase point instead).
+    proc = _start(root, log, "3", str(10**6), env=env)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, log.read_text()[-2000:]
     first = int(out.split()[1])
@@ -146,6 +155,8 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path,
     versions = _check_store(store, child.MODEL, expected, seen)
     assert versions[-3:] == [first, first + 1, first + 2]
     assert len(versions) >= waits_for_a_commit + 3, f"only {len(versions)} versions were committed"
-    assert continued_by_delta >= 1, "no restart continued with a delta on the version committed before the kill"
+    manifest = read_manifest(store, child.MODEL, first)
+    assert manifest.kind == KIND_DELTA and manifest.parent == first - 1, "the clean run did not continue with a delta"
+    assert continued_by_delta + restarts_at_a_rebase >= 1, "no restart committed its first version"
     packed = [v for v in versions if read_manifest(store, child.MODEL, v).has_packs]
     assert packed, "no delta was written in packs: the kills never hit a packed publish"
