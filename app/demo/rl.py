@@ -21,6 +21,7 @@ Not here: sampling and rewards (`weightsync.app.demo.rollouts`), the orchestrati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,6 +30,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -104,12 +106,32 @@ class RolloutSource:
             if len(self.buffer) >= need:
                 break
             if time.monotonic() - t0 > self.wait_timeout_s:
-                raise TimeoutError(f"no rollouts for {self.wait_timeout_s:.0f} s: are the rollout workers running?")
+                raise TimeoutError(self._starved_reason(time.time() - self.wait_timeout_s))
             time.sleep(delay)
             delay = min(delay * 1.5, 0.2)
         self.waited_s += time.monotonic() - t0
         batch, self.buffer = self.buffer[:need], self.buffer[need:]
         return [dataclasses.asdict(r) for r in batch]
+
+    def _starved_reason(self, since_unix: float) -> str:
+        """Why no rollout came, from the workers' statistics beside the queue (`stats-w*.jsonl`):
+        none sampled, or every group sampled scored the same (GRPO has no signal in such a group,
+        so workers do not queue it; a model that fails every prompt stays there)."""
+        groups = []
+        for path in Path(self.queue.root).glob("stats-w*.jsonl"):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    row = json.loads(line)
+                    if row["t"] >= since_unix:
+                        groups.append(row)
+        head = f"no rollouts for {self.wait_timeout_s:.0f} s: "
+        if not groups:
+            return head + "the rollout workers sampled nothing in that time: are they running? (their logs)"
+        mean = sum(g["reward"] for g in groups) / len(groups)
+        return (head + f"the rollout workers sampled {len(groups)} groups in that time, none with a reward "
+                f"signal (every completion of a group scored the same; mean reward {mean:.2f}): the model "
+                f"gives the same reward to every sample on the task. A longer warm start (--warmup-steps) or "
+                f"a lower RL learning rate avoids it.")
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "taken": self.taken}
