@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a training profile (app/training/profiles): fixes the model, layout, precision, offload "
                              "and checkpointing, and lets clients pass its name as base_model")
     parser.add_argument("--profile-model-dir", default=None, help="the profile's weights (overrides its model_dir)")
+    parser.add_argument("--sampler-engine", choices=("reference", "vllm"), default=None,
+                        help="what sampling clients of saved weights run on (default: the profile's, else reference)")
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="the vLLM server for --sampler-engine vllm (weightsync's worker extension, "
+                             "VLLM_SERVER_DEV_MODE=1, --enable-scale-out; docs/training-api.md)")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
                         "gradients and optimizer state")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
@@ -108,8 +113,11 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         directory = profile.materialise(os.path.join(args.state_dir, "profiles"))
         aliases = ((profile.name, directory), (profile.key, directory))
         log.info("profile %s: %s", profile.key, profile.description)
+    sampler_engine = args.sampler_engine or (profile.sampler_engine if profile else "reference")
+    vllm_url = args.vllm_url or (profile.sampler_url if profile else None)
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
-                           known_models=tuple(args.model), store=args.store, model_aliases=aliases)
+                           known_models=tuple(args.model), store=args.store, model_aliases=aliases,
+                           sampler_engine=sampler_engine, vllm_url=vllm_url)
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
                                 max_body_bytes=int(args.max_body_mib * 1024 * 1024),
