@@ -82,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
         profile = resolve_profile(args.profile, model_dir=args.profile_model_dir)
         args.cpu_offload, args.activation_checkpointing = profile.cpu_offload, profile.activation_checkpointing
         args.mixed_precision = profile.mixed_precision
+        args.sampler_engine = args.sampler_engine or profile.sampler_engine
+        args.vllm_url = args.vllm_url or profile.sampler_url
+    args.sampler_engine = args.sampler_engine or "reference"
+    if args.sampler_engine == "vllm" and not args.vllm_url:  # every rank stops here, before the process group
+        raise SystemExit("sampler engine vllm needs the vLLM server's URL: --vllm-url URL (or the profile's "
+                         "[sampler] url)")
     parallel = ParallelConfig(cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                               mixed_precision=args.mixed_precision)
     runtime = init_runtime(parallel)
@@ -113,11 +119,9 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         directory = profile.materialise(os.path.join(args.state_dir, "profiles"))
         aliases = ((profile.name, directory), (profile.key, directory))
         log.info("profile %s: %s", profile.key, profile.description)
-    sampler_engine = args.sampler_engine or (profile.sampler_engine if profile else "reference")
-    vllm_url = args.vllm_url or (profile.sampler_url if profile else None)
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
                            known_models=tuple(args.model), store=args.store, model_aliases=aliases,
-                           sampler_engine=sampler_engine, vllm_url=vllm_url)
+                           sampler_engine=args.sampler_engine, vllm_url=args.vllm_url)
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
                                 max_body_bytes=int(args.max_body_mib * 1024 * 1024),
