@@ -244,6 +244,7 @@ class SamplerHub:
                 try:
                     server = AgentServer(config, engine=engine).start()
                 except BaseException:
+                    engine.close()
                     if self.engine == "vllm":
                         self._vllm_owner = None
                     raise

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -57,7 +58,8 @@ class VllmSampler:
     """Sends one request per sample call to the vLLM server at `url`."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
-        self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.api_key = api_key or os.environ.get("VLLM_API_KEY")  # as the VllmEngine does
 
     def sample(self, prompt: Sequence[int], *, num_samples: int, params: Any, prompt_logprobs: bool,
                context: int, tokenizer: Any | None) -> tuple[int, list[SampledSequence], np.ndarray | None]:
