@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and checkpointing, and lets clients pass its name as base_model")
     parser.add_argument("--profile-model-dir", default=None, help="the profile's weights (overrides its model_dir)")
     parser.add_argument("--sampler-engine", choices=("reference", "vllm"), default=None,
-                        help="what sampling clients of saved weights run on (default: the profile's, else reference)")
+                        help="what sampling clients of saved weights run on (default: the profile's, else "
+                             "reference)")
     parser.add_argument("--vllm-url", default=None, metavar="URL",
                         help="the vLLM server for --sampler-engine vllm (weightsync's worker extension, "
                              "VLLM_SERVER_DEV_MODE=1, --enable-scale-out; docs/training-api.md)")
