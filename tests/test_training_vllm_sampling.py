@@ -8,7 +8,7 @@ vLLM computes in bf16 on the published bf16 weights, the trainer in fp32 on its 
 weights), greedy tokens against the reference engine's generation on the same published version,
 num_samples, stop tokens and strings, the version tag of every response, and that after another
 optim_step and save the new sampling client's outputs come from the new version. Then the
-tinker-cookbook math RL recipe runs unmodified with its sampling on vLLM.
+tinker-cookbook math RL recipe runs unmodified, as a LoRA run, with its sampling on vLLM.
 """
 
 from __future__ import annotations
@@ -186,8 +186,9 @@ def test_a_second_training_run_cannot_take_over_the_vllm_server(service, model_d
 
 
 def test_the_cookbook_rl_recipe_runs_unmodified_with_sampling_on_vllm(tmp_path, vllm_server, model_dir):
-    """A training server of its own (one vLLM server serves one run per training server; the
-    module's other server no longer swaps anything in)."""
+    """A LoRA run (rank 1: the merged weights go to vLLM) on a training server of its own (one
+    vLLM server serves one run per training server; the module's other server no longer swaps
+    anything in)."""
     pytest.importorskip("tinker_cookbook")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0",
            "OMP_NUM_THREADS": "1"}
@@ -195,7 +196,7 @@ def test_the_cookbook_rl_recipe_runs_unmodified_with_sampling_on_vllm(tmp_path, 
                                                         vllm_server.url)) as srv:
         cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
                f"model_name={model_dir}", "renderer_name=role_colon", "groups_per_batch=4", "group_size=4",
-               "max_tokens=5", "max_steps=3", "eval_every=0", "save_every=0", "lora_rank=0", f"base_url={srv.url}",
+               "max_tokens=5", "max_steps=3", "eval_every=0", "save_every=0", "lora_rank=1", f"base_url={srv.url}",
                f"log_path={tmp_path / 'rl'}", "behavior_if_log_dir_exists=delete"]
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
