@@ -85,6 +85,10 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in doc.items() if k in names}
         kwargs.setdefault("num_key_value_heads", doc.get("num_attention_heads", 1))
+        # transformers >= 5 writes rope_theta inside rope_parameters, not at the top level.
+        rope = doc.get("rope_parameters")
+        if "rope_theta" not in kwargs and isinstance(rope, Mapping) and "rope_theta" in rope:
+            kwargs["rope_theta"] = float(rope["rope_theta"])
         return cls(**kwargs)
 
 

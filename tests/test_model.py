@@ -81,6 +81,14 @@ def test_hf_directory_round_trip(tmp_path, model_type, tied):
         assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
 
 
+def test_rope_theta_is_read_where_transformers_5_writes_it():
+    doc = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+           "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+    assert ModelConfig.from_hf(doc).rope_theta == 1000000.0
+    assert ModelConfig.from_hf({**doc, "rope_theta": 500.0}).rope_theta == 500.0  # the top level wins
+    assert ModelConfig.from_hf({k: v for k, v in doc.items() if k != "rope_parameters"}).rope_theta == 10000.0
+
+
 def test_a_directory_that_does_not_fit_the_config_is_refused(tmp_path):
     config = ModelConfig(**SMALL)
     weights = build_model(config).state_dict()

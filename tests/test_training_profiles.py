@@ -17,8 +17,10 @@ import threading
 import pytest
 
 from weightsync.app.training.errors import NotFound
-from weightsync.app.training.profiles import load_profiles, resolve_profile
+from weightsync.app.training.profiles import load_profiles, parse_profile, resolve_profile
+from weightsync.app.training.sampling import SamplerHub
 from weightsync.app.training.serve import add_arguments, to_argv
+from weightsync.app.training.service import ServiceConfig
 
 
 def test_the_shipped_profiles_load_and_resolve():
@@ -39,9 +41,23 @@ def test_to_argv_round_trips_the_server_options():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--state-dir", "/tmp/x", "--port", "0", "--profile", "demo-lm", "--cpu-offload", "--model", "a",
-            "--model", "b"]
+            "--model", "b", "--sampler-engine", "vllm", "--vllm-url", "http://127.0.0.1:8001"]
     args = parser.parse_args(argv)
     assert vars(parser.parse_args(to_argv(args))) == vars(args)
+
+
+def test_a_profile_may_put_the_sampler_on_vllm_and_vllm_needs_a_url(tmp_path):
+    doc = {"name": "on-vllm", "version": 1, "model": {"model_dir": "/models/m"},
+           "sampler": {"engine": "vllm", "url": "http://127.0.0.1:8001"}}
+    profile = parse_profile(doc, where="test")
+    assert profile.sampler_engine == "vllm" and profile.sampler_url == "http://127.0.0.1:8001"
+    assert parse_profile({**doc, "sampler": {}}, where="test").sampler_engine == "reference"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        parse_profile({**doc, "sampler": {"engine": "sglang"}}, where="test")
+    with pytest.raises(ValueError, match="needs vllm_url"):
+        ServiceConfig(state_dir=str(tmp_path), sampler_engine="vllm")
+    with pytest.raises(ValueError, match="--vllm-url"):
+        SamplerHub(store_uri=f"file://{tmp_path}", cache_root=tmp_path, engine="vllm")
 
 
 @pytest.mark.slow

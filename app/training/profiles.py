@@ -3,7 +3,8 @@
 A profile fixes, for one model: where its weights come from (an HF-style directory, or an
 architecture initialised from a seed), the parallel layout (ranks; torchrun starts that many),
 precision, optimizer-state CPU offload, activation checkpointing, and the sampler deployment
-(engine type, and whether it gets merged weights or adapter-only versions). They ship as TOML
+(engine type: "reference" in the server, or "vllm" with the URL of a vLLM server the user runs,
+which `--vllm-url` may give instead; and whether it gets merged weights or adapter-only versions). They ship as TOML
 files in `app/training/profiles/`; `--profile NAME` (or `NAME@VERSION` to pin one) picks one,
 and a client may then pass the profile's name as `base_model`.
 
@@ -48,6 +49,9 @@ class Profile:
     activation_checkpointing: bool
     sampler_engine: str
     sampler_weights: str
+    sampler_url: str | None = None
+    """The vLLM server's base URL for sampler engine "vllm" (a deployment detail: `--vllm-url`
+    gives or overrides it)."""
 
     def __post_init__(self) -> None:
         if self.model_dir is None and self.architecture is None:
@@ -85,7 +89,8 @@ def parse_profile(doc: dict[str, Any], *, where: str) -> Profile:
             init_seed=int(model.get("init_seed", 0)), ranks=int(parallel.get("ranks", 1)),
             mixed_precision=parallel.get("mixed_precision", "none"), cpu_offload=bool(parallel.get("cpu_offload")),
             activation_checkpointing=bool(parallel.get("activation_checkpointing")),
-            sampler_engine=sampler.get("engine", "reference"), sampler_weights=sampler.get("weights", "merged"))
+            sampler_engine=sampler.get("engine", "reference"), sampler_weights=sampler.get("weights", "merged"),
+            sampler_url=sampler.get("url"))
     except KeyError as e:
         raise ValueError(f"{where}: missing {e}") from None
 

@@ -11,6 +11,13 @@ client's version is rebuilt from the store through the verifying Reader (a few a
 Sampling from a base model (no saved weights) uses a reference engine on the base directory,
 version 0.
 
+With `engine="vllm"` the agents' engine is a `VllmEngine` on a vLLM server the user runs, and
+sample requests go to that server (vllm_sampling.py): one server serves one run's versions. A
+sampling client then samples the version vLLM serves once it has reached the client's version,
+which is the client's or, after the run has published newer ones, a newer one; every response is
+tagged with the version vLLM reports for it. Base-model sampling stays on the reference engine
+(vLLM holds the run's trained weights).
+
 Generation supports what the SDK's SamplingParams carry: max_tokens, temperature, top_k,
 top_p, seed, stop as token ids or strings (default: the tokenizer's EOS), num_samples, and
 prompt logprobs. The logprobs reported for sampled tokens are those of the distribution they
@@ -31,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightsync.app.training.errors import TrainingError, UserInputError
+from weightsync.app.training.errors import NotSupported, TrainingError, UserInputError
 from weightsync.app.training.wire import SampledSequence
 from weightsync.models import CausalLM, KVCache, ModelConfig, load_config, rope_inv_freq
 
@@ -167,10 +174,13 @@ class Generator:
     def _stops(self, row: list[int], params: SamplingParams) -> bool:
         if row[-1] in params.stop_tokens:
             return True
-        if params.stop_strings:
-            text = self.tokenizer.decode(row[-16:])
-            return any(s in text for s in params.stop_strings)
-        return False
+        return bool(params.stop_strings) and stop_string_at(self.tokenizer, row, params.stop_strings)
+
+
+def stop_string_at(tokenizer: Any, row: Sequence[int], stop_strings: Sequence[str]) -> bool:
+    """Whether the text of the row's last tokens contains a stop string (checked after every token)."""
+    text = tokenizer.decode(list(row[-16:]))
+    return any(s in text for s in stop_strings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +194,28 @@ class SamplingSession:
     model_path: str | None
 
 
+ENGINES = ("reference", "vllm")
+
+
 class SamplerHub:
     """The agents (one per store model) and base-model engines that sampling runs on."""
 
-    def __init__(self, *, store_uri: str, cache_root: str | Path, wait_s: float = 300.0, max_snapshots: int = 2) -> None:
+    def __init__(self, *, store_uri: str, cache_root: str | Path, wait_s: float = 300.0, max_snapshots: int = 2,
+                 engine: str = "reference", vllm_url: str | None = None, vllm_api_key: str | None = None) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"sampler engine must be one of {ENGINES}, got {engine!r}")
+        if engine == "vllm" and not vllm_url:
+            raise ValueError("the vllm sampler engine needs the vLLM server's URL (--vllm-url or the profile's "
+                             "[sampler] url)")
         self.store_uri, self.cache_root, self.wait_s = store_uri, Path(cache_root), wait_s
         self.max_snapshots = max_snapshots
+        self.engine, self.vllm_url, self.vllm_api_key = engine, vllm_url, vllm_api_key
+        self._vllm_owner: str | None = None  # the store model whose versions the vLLM server serves
+        self._vllm_sampler: Any = None
+        if engine == "vllm":
+            from weightsync.app.training.vllm_sampling import VllmSampler
+
+            self._vllm_sampler = VllmSampler(vllm_url, api_key=vllm_api_key)
         self._snapshots: dict[tuple[str, int], Any] = {}  # older versions clients still sample, oldest first
         self._lock = threading.Lock()
         self._agents: dict[str, Any] = {}
@@ -205,17 +231,49 @@ class SamplerHub:
         with self._lock:
             server = self._agents.get(store_model)
             if server is None:
-                engine = ReferenceEngine(ReferenceEngineConfig(model=load_config(base_dir), compute_dtype="float32"))
+                if self.engine == "vllm":
+                    engine = self._attach_vllm(store_model)
+                else:
+                    engine = ReferenceEngine(ReferenceEngineConfig(model=load_config(base_dir),
+                                                                   compute_dtype="float32"))
+                # drain: a request running at a swap finishes on the old version, so every
+                # response comes from one version (vLLM's spans would otherwise mix two).
                 config = AgentConfig(model=store_model, cache_dir=str(self.cache_root / store_model.replace("/", "_")),
                                      name=f"sampler-{store_model}", store=self.store_uri, poll_interval_s=0.5,
-                                     push_wait_s=1.0, workers=2)
-                server = AgentServer(config, engine=engine).start()
+                                     push_wait_s=1.0, workers=2, swap_policy="drain")
+                try:
+                    server = AgentServer(config, engine=engine).start()
+                except BaseException:
+                    engine.close()
+                    if self.engine == "vllm":
+                        self._vllm_owner = None
+                    raise
                 self._agents[store_model] = server
             return server.address
+
+    def _attach_vllm(self, store_model: str) -> Any:
+        """A VllmEngine on the configured server, which serves this store model from now on (under
+        self._lock)."""
+        from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
+        from weightsync.app.training.vllm_sampling import GENERATE_ROUTE
+
+        if self._vllm_owner is not None:
+            raise NotSupported(f"the vLLM server at {self.vllm_url} already serves the sampler weights of "
+                               f"{self._vllm_owner}; one vLLM server serves one training run (start a vLLM server "
+                               "and a training server per run, or sample on the reference engine)")
+        engine = VllmEngine(VllmEngineConfig(url=self.vllm_url, api_key=self.vllm_api_key, start_timeout_s=30.0))
+        if GENERATE_ROUTE not in engine.routes:
+            raise TrainingError(f"the vLLM server at {self.vllm_url} lacks {GENERATE_ROUTE}, which reports the "
+                                "weight version of every token: start it with --enable-scale-out")
+        self._vllm_owner = store_model
+        return engine
 
     def sample(self, session: SamplingSession, prompt: Sequence[int], *, num_samples: int, params: SamplingParams,
                prompt_logprobs: bool) -> tuple[int, list[SampledSequence], np.ndarray | None]:
         """(the version that produced it, sequences, prompt logprobs)."""
+        if session.store_model is not None and self.engine == "vllm":
+            return self._sample_vllm(session, prompt, num_samples=num_samples, params=params,
+                                     prompt_logprobs=prompt_logprobs)
         engine = self._engine(session)
         generator = self._generator(session.base_dir)
         with engine.lease() as served:
@@ -229,6 +287,19 @@ class SamplerHub:
         sequences, prompt_lp = generator.sample(weights, prompt, num_samples=num_samples, params=params,
                                                 prompt_logprobs=prompt_logprobs)
         return session.version, sequences, prompt_lp
+
+    def _sample_vllm(self, session: SamplingSession, prompt: Sequence[int], *, num_samples: int,
+                     params: SamplingParams, prompt_logprobs: bool
+                     ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
+        self._synced_agent(session)  # vLLM serves the client's version or a newer one
+        generator = self._generator(session.base_dir)
+        version, sequences, prompt_lp = self._vllm_sampler.sample(
+            prompt, num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs,
+            context=generator.config.max_position_embeddings, tokenizer=generator.tokenizer)
+        if version < session.version:
+            raise SamplerUnavailable(f"vLLM at {self.vllm_url} answered with v{version}, older than the sampling "
+                                     f"client's v{session.version}: something else swapped its weights")
+        return version, sequences, prompt_lp
 
     def _snapshot(self, session: SamplingSession) -> Any:
         from weightsync.reader import Reader
@@ -254,6 +325,10 @@ class SamplerHub:
     def _engine(self, session: SamplingSession) -> Any:
         if session.store_model is None:
             return self._base_engine(session.base_dir)
+        return self._synced_agent(session).engine
+
+    def _synced_agent(self, session: SamplingSession) -> Any:
+        """The agent of the session's store model, once it serves the session's version or newer."""
         with self._lock:
             server = self._agents.get(session.store_model)
         if server is None:
@@ -263,7 +338,7 @@ class SamplerHub:
         if not server.agent.wait_for_version(session.version, self.wait_s):
             raise SamplerUnavailable(f"the agent of {session.store_model} did not reach version {session.version} "
                                      f"within {self.wait_s:g} s (it serves {server.agent.served_version()})")
-        return server.engine
+        return server
 
     def _base_engine(self, base_dir: str) -> Any:
         from weightsync.agents.reference_engine import ReferenceEngine, ReferenceEngineConfig

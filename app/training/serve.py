@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a training profile (app/training/profiles): fixes the model, layout, precision, offload "
                              "and checkpointing, and lets clients pass its name as base_model")
     parser.add_argument("--profile-model-dir", default=None, help="the profile's weights (overrides its model_dir)")
+    parser.add_argument("--sampler-engine", choices=("reference", "vllm"), default=None,
+                        help="what sampling clients of saved weights run on (default: the profile's, else "
+                             "reference)")
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="the vLLM server for --sampler-engine vllm (weightsync's worker extension, "
+                             "VLLM_SERVER_DEV_MODE=1, --enable-scale-out; docs/training-api.md)")
     parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
                         "gradients and optimizer state")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
@@ -77,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
         profile = resolve_profile(args.profile, model_dir=args.profile_model_dir)
         args.cpu_offload, args.activation_checkpointing = profile.cpu_offload, profile.activation_checkpointing
         args.mixed_precision = profile.mixed_precision
+        args.sampler_engine = args.sampler_engine or profile.sampler_engine
+        args.vllm_url = args.vllm_url or profile.sampler_url
+    args.sampler_engine = args.sampler_engine or "reference"
+    if args.sampler_engine == "vllm" and not args.vllm_url:  # every rank stops here, before the process group
+        raise SystemExit("sampler engine vllm needs the vLLM server's URL: --vllm-url URL (or the profile's "
+                         "[sampler] url)")
     parallel = ParallelConfig(cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
                               mixed_precision=args.mixed_precision)
     runtime = init_runtime(parallel)
@@ -109,7 +121,8 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         aliases = ((profile.name, directory), (profile.key, directory))
         log.info("profile %s: %s", profile.key, profile.description)
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
-                           known_models=tuple(args.model), store=args.store, model_aliases=aliases)
+                           known_models=tuple(args.model), store=args.store, model_aliases=aliases,
+                           sampler_engine=args.sampler_engine, vllm_url=args.vllm_url)
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
                                 max_body_bytes=int(args.max_body_mib * 1024 * 1024),

@@ -75,6 +75,11 @@ class ServiceConfig:
     """Largest max_tokens a sampling request may ask for."""
     sampling_threads: int = 2
     """Sampling requests generating at once (beside training, which runs on its own thread)."""
+    sampler_engine: str = "reference"
+    """What sampling clients of saved weights run on: "reference" (an engine in this process) or
+    "vllm" (the vLLM server at `vllm_url`, kept in sync by an agent this server attaches)."""
+    vllm_url: str | None = None
+    """The vLLM server's base URL for sampler_engine "vllm" (its API key: $VLLM_API_KEY)."""
 
     @property
     def store_uri(self) -> str:
@@ -83,6 +88,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.long_poll_s <= 0 or self.gap_timeout_s <= 0 or self.max_context_tokens < 1:
             raise ValueError("long_poll_s and gap_timeout_s must be > 0 and max_context_tokens >= 1")
+        if self.sampler_engine == "vllm" and not self.vllm_url:
+            raise ValueError("sampler_engine 'vllm' needs vllm_url, the vLLM server's base URL")
 
 
 @dataclasses.dataclass
@@ -111,7 +118,8 @@ class TrainingService:
         self._jobs: queue.Queue[tuple[str, Callable[[], Outcome]] | None] = queue.Queue()
         self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
         self._executor.start()
-        self.samplers = SamplerHub(store_uri=config.store_uri, cache_root=self.state_dir / "sampler-agents")
+        self.samplers = SamplerHub(store_uri=config.store_uri, cache_root=self.state_dir / "sampler-agents",
+                                   engine=config.sampler_engine, vllm_url=config.vllm_url)
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self._sampling_pool = cf.ThreadPoolExecutor(config.sampling_threads, thread_name_prefix="sampling")
         self._closed = threading.Event()
