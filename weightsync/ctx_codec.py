@@ -241,11 +241,31 @@ def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
 
 @_inline
 def bit_length(v):
+    """Of 0 <= v < 2^63, by halving the search range: no loop whose length depends on v (its
+    exit was a mispredicted branch per gap)."""
     n = 0
-    while v:
-        v >>= 1
-        n += 1
-    return n
+    for half in (32, 16, 8, 4, 2, 1):
+        up = (v >> half) != 0
+        n += half if up else 0
+        v = (v >> half) if up else v
+    return n + (1 if v else 0)
+
+@_inline
+def key(x, is_float, sign_shift, top, low_mask):
+    """The dtype's monotone order of bit pattern x (docs/format.md, "Element order"), branch-free:
+    the sign of a weight is a coin flip, a branch on it mispredicts half the time."""
+    if not is_float:
+        return x
+    negative = np.uint64(0) - (x >> sign_shift)  # all ones for a negative x
+    return x ^ top ^ (low_mask & negative)
+
+@_inline
+def unkey(y, is_float, sign_shift, top, low_mask):
+    """The inverse of `key`."""
+    if not is_float:
+        return y
+    positive = np.uint64(0) - (np.uint64(1) ^ (y >> sign_shift))
+    return y ^ top ^ (low_mask & positive)
 
 @_inline
 def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
@@ -407,6 +427,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
     sign_shift = np.uint64(width - 1)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
     top = np.uint64(1) << sign_shift
+    low_mask = mask ^ top
     for k in range(TOTAL_CELLS):
         probs[k] = PROB_INIT
         probs[TOTAL_CELLS + k] = 0
@@ -434,15 +455,10 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
         c = cls[j]
         o = np.uint64(old_bits[j])
         x = np.uint64(new_bits[j])
-        if is_float:
-            ko = (~o & mask) if (o >> sign_shift) else (o | top)
-            kx = (~x & mask) if (x >> sign_shift) else (x | top)
-        else:
-            ko = o
-            kx = x
-        d = (kx - ko) & mask
+        d = (key(x, is_float, sign_shift, top, low_mask) - key(o, is_float, sign_shift, top, low_mask)) & mask
         sign = np.int64((d >> sign_shift) & np.uint64(1))
-        mag = ((~d + np.uint64(1)) & mask) if sign else d
+        negative = np.uint64(0) - np.uint64(sign)
+        mag = ((d ^ negative) - negative) & mask  # |d| as a signed w-bit integer
         low, rng, cache, cache_size, op = enc_step(probs, c, np.int64(o >> sign_shift), sign, mag, low, rng,
                                                    cache, cache_size, out, op)
         low, rng, cache, cache_size, op = enc_gap(probs, c, gaps[j], low, rng, cache, cache_size, out, op)
@@ -528,6 +544,7 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
     sign_shift = np.uint64(width - 1)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
     top = np.uint64(1) << sign_shift
+    low_mask = mask ^ top
     m = 0
     for i in range(n):
         o = old[i]
@@ -560,15 +577,9 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
             mag = ((np.uint64(1) << np.uint64(s)) | low_bits) + np.uint64(1)
             if mag > top or (sign == 0 and mag == top):
                 return 8, m
-        if is_float:
-            ko = (~uo & mask) if old_sign else (uo | top)
-        else:
-            ko = uo
-        kx = ((ko - mag) if sign else (ko + mag)) & mask
-        if is_float:
-            x = (kx ^ top) if (kx >> sign_shift) else (~kx & mask)
-        else:
-            x = kx
+        negative = np.uint64(0) - np.uint64(sign)
+        kx = (key(uo, is_float, sign_shift, top, low_mask) + ((mag ^ negative) - negative)) & mask  # k(old) -+ mag
+        x = unkey(kx, is_float, sign_shift, top, low_mask)
         pos[m] = i
         vals[m] = x
         m += 1
