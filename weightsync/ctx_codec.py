@@ -21,7 +21,7 @@ layout is in docs/format.md, "Payload: codec ctx"; this module is its reference 
 (tests/test_ctx_codec.py checks it against a plain-Python decoder written from that section).
 
 The kernels are numba (`nogil`, so chunk-parallel threads run them in parallel; `cache=True`, so
-only the first run on a machine compiles, ~10-15 s per element width, then ~1 s to load). Every read of the payload
+only the first run on a machine compiles, ~20-25 s per element width, then ~1 s to load). Every read of the payload
 and every position is bounds-checked inside the kernels: a corrupt payload returns an error code,
 never reads or writes outside its arrays. Decoding collects (position, new bits) first and
 applies them only when the whole payload checked out, so a refused payload leaves `out` untouched.
@@ -55,7 +55,8 @@ else:
     _jit = numba.njit(nogil=True, cache=True, _nrt=False)
     # The coder's helpers are inlined into the kernels (numba's own inliner): as separate
     # functions each call passed every array as a 7-field struct and returned a tuple through
-    # memory, ~5 ns a call and ~15 calls per changed element, half the time of the whole coder.
+    # memory, ~15 calls per changed element; inlined, the kernels run 12-17 % faster at lr 3e-6
+    # (bench.codec_cpu), for a longer first compile (~20-25 s per element width instead of ~12).
     _inline = numba.njit(nogil=True, cache=True, _nrt=False, inline="always")
 
 NUM_CLASSES = 16
@@ -198,8 +199,8 @@ def shift_low(low, cache, cache_size, out, op):
 @_inline
 def adapt(probs, cell, bit):
     """The cell's probability before coding `bit`, updated for it (docs/format.md: the warm-up
-    shift, then P moves towards the bit). Branch-free: the bits of a change are close to
-    random, and a mispredicted branch per bit (~20 cycles) cost more than the coding itself."""
+    shift, then P moves towards the bit). Selects, not a branch on the bit: the bits of a change
+    are close to random, so such a branch would mispredict often."""
     p = np.int64(probs[cell])
     seen = np.int64(probs[cell + TOTAL_CELLS])
     move = _SHIFT_AFTER[seen]
@@ -622,7 +623,7 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
 
 def _get_kernels():
     """(scan, emit, decode); numba compiles each per element width on first use (or loads it from
-    its cache: ~10-15 s the very first time on a machine, well under a second after)."""
+    its cache: ~20-25 s the very first time on a machine, well under a second after)."""
     require_numba()
     return _scan_kernel, _emit_kernel, _decode_kernel
 
