@@ -558,3 +558,25 @@ def test_publish_and_read_tensors_with_partial_last_chunks(tmp_path_factory, siz
         assert got.keys() == expected.keys()
         for name in expected:
             assert got[name].dtype == expected[name].dtype and torch.equal(_bits(got[name]), _bits(expected[name]))
+
+
+def test_ctx_is_tried_up_to_exactly_its_density():
+    """The ctx scan counts the changes itself and gives up past CTX_DENSITY: the chunk at the
+    boundary still gets ctx, one change more does not (the same decision as changed / count)."""
+    from weightsync.codec import CODEC_CTX, CTX_DENSITY, _ctx_capacity, encode_delta
+
+    for count in [1, 2, 3, 4, 5, 7, 10, 99, 1000, 1001, 12_345]:
+        capacity = _ctx_capacity(count)
+        assert capacity / count <= CTX_DENSITY and (capacity == count or (capacity + 1) / count > CTX_DENSITY)
+    count = 1000
+    rng = np.random.default_rng(5)
+    old = (rng.standard_normal(count).astype(np.float32) * 0.015).view(np.uint32)
+    old = (old >> 16).astype(np.uint16)  # bf16 bit patterns
+    for changed, expect_ctx in [(_ctx_capacity(count), True), (_ctx_capacity(count) + 1, False)]:
+        new = old.copy()
+        new[rng.choice(count, changed, replace=False)] += np.uint16(1)
+        codec_id, payload, n = encode_delta(new.view(np.uint8), old.view(np.uint8), 2, dtype_name="bfloat16")
+        assert n == changed and (codec_id == CODEC_CTX) == expect_ctx
+        out = old.copy()
+        codec.decode_into(codec_id, payload, out.view(np.uint8), 2, dtype_name="bfloat16")
+        assert np.array_equal(out, new)

@@ -270,3 +270,79 @@ def test_class_base_is_checked_per_dtype():
         ctx_codec.decode_into(bytes(payload), out, "float8_e4m3fn", 1)
     except FormatError:
         assert np.array_equal(out, old)  # refused: untouched
+
+
+# ------------------------------------------------------------------- the host scan (find_changes)
+
+
+def _scan_reference(name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict:
+    """What `find_changes` must give, in plain numpy from its definition (per changed element its
+    position, class and rank among its class's elements; per class its count and first position)."""
+    class_base = ctx_codec.choose_class_base(old_bits, name)
+    table, shift = ctx_codec.class_table(name, old_bits.itemsize, class_base)
+    classes = table[(old_bits >> shift).astype(np.int64)].astype(np.int64)
+    positions = np.flatnonzero(old_bits != new_bits)
+    ranks = np.empty(len(old_bits), np.int64)
+    counts = np.zeros(2 * ctx_codec.NUM_CLASSES, np.int64)
+    counts[ctx_codec.NUM_CLASSES:] = -1
+    for c in range(ctx_codec.NUM_CLASSES):
+        members = np.flatnonzero(classes == c)
+        ranks[members] = np.arange(len(members))
+        counts[c] = len(members)
+        if len(members):
+            counts[ctx_codec.NUM_CLASSES + c] = members[0]
+    return {"class_base": class_base, "positions": positions, "classes": classes[positions],
+            "ranks": ranks[positions], "class_counts": counts}
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 7, 8, 9, 63, 1001])
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_the_scan_finds_every_change_with_its_class_and_rank(name, count, density):
+    """The scan counts classes four elements at a time in four banks, with the last 1-3 elements
+    apart: every length mod 4, none / some / all changed, every dtype."""
+    itemsize = dtype_by_name(name).itemsize
+    rng = np.random.default_rng(count * 7 + int(density * 100))
+    old_bits = rng.integers(0, 256, count * itemsize, dtype=np.uint8).view(UINT[itemsize]).copy()
+    old_bits[rng.random(count) < 0.5] = old_bits[0]  # long runs of one class too
+    new_bits = old_bits.copy()
+    idx = np.flatnonzero(rng.random(count) < density)
+    new_bits[idx] ^= UINT[itemsize](1)
+    want = _scan_reference(name, old_bits, new_bits)
+    got = ctx_codec.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, count)
+    assert got.count == count and got.class_base == want["class_base"]
+    for field in ("positions", "classes", "ranks", "class_counts"):
+        assert np.array_equal(getattr(got, field), want[field]), field
+    assert np.array_equal(got.old_bits, old_bits[idx].astype(np.uint64))
+    assert np.array_equal(got.new_bits, new_bits[idx].astype(np.uint64))
+    if len(idx):  # one change more than allowed: the scan gives up
+        assert ctx_codec.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize,
+                                      len(idx) - 1) is None
+
+
+def test_threads_code_chunks_at_once_with_their_own_scratch():
+    """The kernels release the GIL and every work array is per thread: chunks coded on 2 threads
+    give exactly the bytes (and decode to exactly the chunks) they give on one."""
+    import concurrent.futures as cf
+
+    chunks = []
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        old = (torch.randn(50_000 + seed, generator=g) * 0.015).to(torch.bfloat16)
+        old_bits = old.view(torch.int16).numpy().view(np.uint16).copy()
+        new_bits = old_bits.copy()
+        idx = np.random.default_rng(seed).choice(len(old_bits), 300 * (seed + 1), replace=False)
+        new_bits[idx] += np.uint16(1)
+        chunks.append((old_bits, new_bits))
+    alone = [_encode("bfloat16", o, x) for o, x in chunks]
+
+    def round_trip(pair):
+        (o, x), payload = pair
+        out = o.copy()
+        ctx_codec.decode_into(payload, out.view(np.uint8), "bfloat16", 2)
+        return _encode("bfloat16", o, x), out
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(round_trip, zip(chunks * 3, alone * 3)))
+    for ((o, x), payload), (again, out) in zip(zip(chunks * 3, alone * 3), results):
+        assert again == payload and np.array_equal(out, x)

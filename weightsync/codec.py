@@ -238,6 +238,16 @@ def encode_delta(
         payload = ctx_codec.emit(changes, dtype_name, itemsize, _ctx_limit(len(changes.positions), itemsize))
         if payload is not None:
             return CODEC_CTX, payload, len(changes.positions)
+    if changes is None and CTX_DENSITY > 0:
+        # ctx's own scan counts the changes too, giving up past CTX_DENSITY: at RL change rates
+        # this is the only pass over the chunk (the XOR below took as long as the scan).
+        changes = ctx_codec.find_changes(new, old, dtype_name, itemsize, _ctx_capacity(count))
+        if changes is not None:
+            if len(changes.positions) == 0:
+                return None
+            payload = ctx_codec.emit(changes, dtype_name, itemsize, _ctx_limit(len(changes.positions), itemsize))
+            if payload is not None:
+                return CODEC_CTX, payload, len(changes.positions)
     x = uint_view(_scratch("xor", new.nbytes), itemsize)
     np.bitwise_xor(uint_view(new, itemsize), uint_view(old, itemsize), out=x)
     positions = _changed_positions(x, itemsize)
@@ -245,10 +255,6 @@ def encode_delta(
     if changed == 0:
         return None
     density = changed / count
-    if density <= CTX_DENSITY and changes is None:
-        payload = ctx_codec.encode(new, old, dtype_name, itemsize, changed, _ctx_limit(changed, itemsize))
-        if payload is not None:
-            return CODEC_CTX, payload, changed
     candidates = []
     if density <= DENSE_DENSITY:
         candidates.append((CODEC_SPARSE, _encode_sparse(x, positions, itemsize, _compressor(level))))
@@ -268,6 +274,17 @@ def _describes(changes: ctx_codec.Changes, new: np.ndarray, old: np.ndarray, ite
         np.array_equal(uint_view(new, itemsize)[positions], changes.new_bits)
         and np.array_equal(uint_view(old, itemsize)[positions], changes.old_bits)
     )
+
+
+def _ctx_capacity(count: int) -> int:
+    """The most changed elements of `count` for which ctx is tried: changed / count <= CTX_DENSITY,
+    exactly as the float division decides it."""
+    capacity = int(CTX_DENSITY * count)
+    while capacity < count and (capacity + 1) / count <= CTX_DENSITY:
+        capacity += 1
+    while capacity > 0 and capacity / count > CTX_DENSITY:
+        capacity -= 1
+    return capacity
 
 
 def _ctx_limit(changed: int, itemsize: int) -> int:

@@ -21,7 +21,7 @@ layout is in docs/format.md, "Payload: codec ctx"; this module is its reference 
 (tests/test_ctx_codec.py checks it against a plain-Python decoder written from that section).
 
 The kernels are numba (`nogil`, so chunk-parallel threads run them in parallel; `cache=True`, so
-only the first run on a machine compiles, ~10-15 s per element width, then ~1 s to load). Every read of the payload
+only the first run on a machine compiles, ~20-25 s per element width, then ~1 s to load). Every read of the payload
 and every position is bounds-checked inside the kernels: a corrupt payload returns an error code,
 never reads or writes outside its arrays. Decoding collects (position, new bits) first and
 applies them only when the whole payload checked out, so a refused payload leaves `out` untouched.
@@ -48,9 +48,16 @@ except ImportError as e:  # a dependency of weightsync; this only happens in a b
 
     def _jit(fn):  # the kernels stay plain functions, never called: _get_kernels refuses first
         return fn
+
+    _inline = _jit
 else:
     _NUMBA_ERROR = None
     _jit = numba.njit(nogil=True, cache=True, _nrt=False)
+    # The coder's helpers are inlined into the kernels (numba's own inliner): as separate
+    # functions each call passed every array as a 7-field struct and returned a tuple through
+    # memory, ~15 calls per changed element; inlined, the kernels run 12-17 % faster at lr 3e-6
+    # (bench.codec_cpu), for a longer first compile (~20-25 s per element width instead of ~12).
+    _inline = numba.njit(nogil=True, cache=True, _nrt=False, inline="always")
 
 NUM_CLASSES = 16
 HEADER = struct.Struct("<QH")  # changed elements, class_base
@@ -172,7 +179,7 @@ def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
 
 # --- range encoder. State: low (< 2^33), rng (32 bits), cache byte, cache_size, op.
 
-@_jit
+@_inline
 def shift_low(low, cache, cache_size, out, op):
     if low < 0xFF000000 or low >= 0x100000000:
         carry = low >> 32
@@ -189,38 +196,42 @@ def shift_low(low, cache, cache_size, out, op):
     low = (low & 0x00FFFFFF) << 8
     return low, cache, cache_size, op
 
-@_jit
-def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
+@_inline
+def adapt(probs, cell, bit):
+    """The cell's probability before coding `bit`, updated for it (docs/format.md: the warm-up
+    shift, then P moves towards the bit). Selects, not a branch on the bit: the bits of a change
+    are close to random, so such a branch would mispredict often."""
     p = np.int64(probs[cell])
     seen = np.int64(probs[cell + TOTAL_CELLS])
     move = _SHIFT_AFTER[seen]
-    if seen < SEEN_MAX:
-        probs[cell + TOTAL_CELLS] = seen + 1
+    probs[cell + TOTAL_CELLS] = min(seen + 1, SEEN_MAX)
+    mask = -bit  # all ones for a 1 bit
+    probs[cell] = p + (((PROB_ONE - p) >> move) & ~mask) - ((p >> move) & mask)
+    return p
+
+@_inline
+def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
+    p = adapt(probs, cell, bit)
     bound = (rng >> PROB_BITS) * p
-    if bit == 0:
-        rng = bound
-        probs[cell] = p + ((PROB_ONE - p) >> move)
-    else:
-        low += bound
-        rng -= bound
-        probs[cell] = p - (p >> move)
+    mask = -bit
+    low += bound & mask
+    rng = bound + ((rng - 2 * bound) & mask)  # bit 0: bound; bit 1: rng - bound
     while rng < 0x1000000:
         rng <<= 8
         low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return low, rng, cache, cache_size, op
 
-@_jit
+@_inline
 def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
     for i in range(nbits - 1, -1, -1):
         rng >>= 1
-        if (value >> i) & 1:
-            low += rng
+        low += rng & -((value >> i) & 1)
         while rng < 0x1000000:
             rng <<= 8
             low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return low, rng, cache, cache_size, op
 
-@_jit
+@_inline
 def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
     m = 1
     for i in range(nbits - 1, -1, -1):
@@ -229,15 +240,35 @@ def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
         m = (m << 1) | b
     return low, rng, cache, cache_size, op
 
-@_jit
+@_inline
 def bit_length(v):
+    """Of 0 <= v < 2^63, by halving the search range: no loop whose length depends on v (its
+    exit was a mispredicted branch per gap)."""
     n = 0
-    while v:
-        v >>= 1
-        n += 1
-    return n
+    for half in (32, 16, 8, 4, 2, 1):
+        up = (v >> half) != 0
+        n += half if up else 0
+        v = (v >> half) if up else v
+    return n + (1 if v else 0)
 
-@_jit
+@_inline
+def key(x, is_float, sign_shift, top, low_mask):
+    """The dtype's monotone order of bit pattern x (docs/format.md, "Element order"), branch-free:
+    the sign of a weight is a coin flip, a branch on it mispredicts half the time."""
+    if not is_float:
+        return x
+    negative = np.uint64(0) - (x >> sign_shift)  # all ones for a negative x
+    return x ^ top ^ (low_mask & negative)
+
+@_inline
+def unkey(y, is_float, sign_shift, top, low_mask):
+    """The inverse of `key`."""
+    if not is_float:
+        return y
+    positive = np.uint64(0) - (np.uint64(1) ^ (y >> sign_shift))
+    return y ^ top ^ (low_mask & positive)
+
+@_inline
 def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
     base = c * CELLS_PER_CLASS
     v = gap + 1
@@ -256,7 +287,7 @@ def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
         )
     return low, rng, cache, cache_size, op
 
-@_jit
+@_inline
 def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op):
     """mag: |step| as uint64, >= 1."""
     base = c * CELLS_PER_CLASS
@@ -276,39 +307,87 @@ def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op
                                                    cache_size, out, op)
         for i in range(s - 1, -1, -1):  # the bits below the leading one, direct
             rng >>= 1
-            if (v >> np.uint64(i)) & np.uint64(1):
-                low += rng
+            low += rng & -np.int64((v >> np.uint64(i)) & np.uint64(1))
             while rng < 0x1000000:
                 rng <<= 8
                 low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return low, rng, cache, cache_size, op
 
 @_jit
-def _scan_kernel(old, new, table, shift, pos, cls, rank, counts):
+def _scan_kernel(old, new, table, shift, pos, cls, rank, counts, banks):
     """The per-element pass: for each changed element its position, class and rank in its
     class; per class its element count (counts[:nc]) and first position (counts[nc:]).
-    Returns the number of changed elements, or -1 if there are more than pos can hold."""
+    Returns the number of changed elements, or -1 if there are more than pos can hold.
+
+    Counting elements per class is a chain through memory (load, add, store the same counter
+    when neighbours share a class, ~5 cycles each), so four elements at a time go to four
+    banks of counters (banks: 4 x counts, then 4 x first positions), which the rare changed
+    elements sum up for their rank."""
     nc = NUM_CLASSES
-    cnt = counts[0:nc]
-    first = counts[nc : 2 * nc]
-    for c in range(nc):
-        cnt[c] = 0
-        first[c] = -1
+    for k in range(4 * nc):
+        banks[k] = 0
+        banks[4 * nc + k] = -1
+    first = banks[4 * nc : 8 * nc]
+    n = old.shape[0]
     m = 0
-    for i in range(old.shape[0]):
-        o = old[i]
-        c = table[o >> shift]
-        r = cnt[c]
-        cnt[c] = r + 1
+    for i in range(0, n - n % 4, 4):
+        c0 = table[old[i] >> shift]
+        c1 = nc + table[old[i + 1] >> shift]
+        c2 = 2 * nc + table[old[i + 2] >> shift]
+        c3 = 3 * nc + table[old[i + 3] >> shift]
+        r0 = banks[c0]
+        banks[c0] = r0 + 1
+        r1 = banks[c1]
+        banks[c1] = r1 + 1
+        r2 = banks[c2]
+        banks[c2] = r2 + 1
+        r3 = banks[c3]
+        banks[c3] = r3 + 1
+        if r0 == 0 or r1 == 0 or r2 == 0 or r3 == 0:  # a class's first element in a bank
+            if r0 == 0:
+                first[c0] = i
+            if r1 == 0:
+                first[c1] = i + 1
+            if r2 == 0:
+                first[c2] = i + 2
+            if r3 == 0:
+                first[c3] = i + 3
+        if (old[i] ^ new[i]) | (old[i + 1] ^ new[i + 1]) | (old[i + 2] ^ new[i + 2]) | (old[i + 3] ^ new[i + 3]):
+            for k in range(4):
+                if old[i + k] == new[i + k]:
+                    continue
+                if m == pos.shape[0]:
+                    return -1
+                c = table[old[i + k] >> shift]
+                r = banks[c] + banks[nc + c] + banks[2 * nc + c] + banks[3 * nc + c]
+                for j in range(k, 4):  # the group's elements from this one on are counted already
+                    if table[old[i + j] >> shift] == c:
+                        r -= 1
+                cls[m] = c
+                pos[m] = i + k
+                rank[m] = r
+                m += 1
+    for i in range(n - n % 4, n):  # the last 1-3 elements: bank 0
+        c = table[old[i] >> shift]
+        r = banks[c]
+        banks[c] = r + 1
         if r == 0:
             first[c] = i
-        if o != new[i]:
+        if old[i] != new[i]:
             if m == pos.shape[0]:
                 return -1
             cls[m] = c
             pos[m] = i
-            rank[m] = r
+            rank[m] = banks[c] + banks[nc + c] + banks[2 * nc + c] + banks[3 * nc + c] - 1
             m += 1
+    for c in range(nc):
+        counts[c] = banks[c] + banks[nc + c] + banks[2 * nc + c] + banks[3 * nc + c]
+        f = -1
+        for b in range(4):
+            fb = first[b * nc + c]
+            if fb >= 0 and (f < 0 or fb < f):
+                f = fb
+        counts[nc + c] = f
     return m
 
 @_jit
@@ -349,6 +428,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
     sign_shift = np.uint64(width - 1)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
     top = np.uint64(1) << sign_shift
+    low_mask = mask ^ top
     for k in range(TOTAL_CELLS):
         probs[k] = PROB_INIT
         probs[TOTAL_CELLS + k] = 0
@@ -376,15 +456,10 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
         c = cls[j]
         o = np.uint64(old_bits[j])
         x = np.uint64(new_bits[j])
-        if is_float:
-            ko = (~o & mask) if (o >> sign_shift) else (o | top)
-            kx = (~x & mask) if (x >> sign_shift) else (x | top)
-        else:
-            ko = o
-            kx = x
-        d = (kx - ko) & mask
+        d = (key(x, is_float, sign_shift, top, low_mask) - key(o, is_float, sign_shift, top, low_mask)) & mask
         sign = np.int64((d >> sign_shift) & np.uint64(1))
-        mag = ((~d + np.uint64(1)) & mask) if sign else d
+        negative = np.uint64(0) - np.uint64(sign)
+        mag = ((d ^ negative) - negative) & mask  # |d| as a signed w-bit integer
         low, rng, cache, cache_size, op = enc_step(probs, c, np.int64(o >> sign_shift), sign, mag, low, rng,
                                                    cache, cache_size, out, op)
         low, rng, cache, cache_size, op = enc_gap(probs, c, gaps[j], low, rng, cache, cache_size, out, op)
@@ -394,40 +469,42 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
 
 # --- range decoder. State: rng, code (32 bits each), ip; errors set `bad`.
 
-@_jit
-def dec_bit(probs, cell, rng, code, buf, ip):
-    p = np.int64(probs[cell])
-    seen = np.int64(probs[cell + TOTAL_CELLS])
-    move = _SHIFT_AFTER[seen]
-    if seen < SEEN_MAX:
-        probs[cell + TOTAL_CELLS] = seen + 1
-    bound = (rng >> PROB_BITS) * p
-    if code < bound:
-        rng = bound
-        probs[cell] = p + ((PROB_ONE - p) >> move)
-        bit = 0
-    else:
-        code -= bound
-        rng -= bound
-        probs[cell] = p - (p >> move)
-        bit = 1
-    while rng < 0x1000000:  # a 15-bit probability can take up to two bytes
+@_inline
+def dec_normalize(rng, code, buf, ip):
+    """`while range < 2^24: shift in a byte`. Reads past the end give zeros and still count in
+    ip (the kernel refuses ip > len at the end). A branch-free version (0, 1 or 2 bytes by
+    selects) measured 20 % slower: the byte loads landed on the critical path."""
+    while rng < 0x1000000:
         rng <<= 8
         b = np.int64(buf[ip]) if ip < buf.shape[0] else np.int64(0)
         code = ((code << 8) | b) & 0xFFFFFFFF
         ip += 1
+    return rng, code, ip
+
+@_inline
+def dec_bit_with(probs, cell, p, rng, code, buf, ip):
+    """A bit of `cell`, whose probability p the caller loaded already."""
+    bound = (rng >> PROB_BITS) * p
+    bit = np.int64(code >= bound)
+    adapt(probs, cell, bit)
+    mask = -bit
+    code -= bound & mask
+    rng = bound + ((rng - 2 * bound) & mask)
+    rng, code, ip = dec_normalize(rng, code, buf, ip)
     return bit, rng, code, ip
 
-@_jit
+@_inline
+def dec_bit(probs, cell, rng, code, buf, ip):
+    return dec_bit_with(probs, cell, np.int64(probs[cell]), rng, code, buf, ip)
+
+@_inline
 def dec_direct(nbits, rng, code, buf, ip):
     v = np.uint64(0)
     for _ in range(nbits):
         rng >>= 1
-        if code >= rng:
-            code -= rng
-            v = (v << np.uint64(1)) | np.uint64(1)
-        else:
-            v = v << np.uint64(1)
+        bit = np.int64(code >= rng)
+        code -= rng & -bit
+        v = (v << np.uint64(1)) | np.uint64(bit)
         if rng < 0x1000000:
             rng <<= 8
             b = np.int64(buf[ip]) if ip < buf.shape[0] else np.int64(0)
@@ -435,15 +512,22 @@ def dec_direct(nbits, rng, code, buf, ip):
             ip += 1
     return v, rng, code, ip
 
-@_jit
+@_inline
 def dec_tree(probs, base, nbits, rng, code, buf, ip):
     m = 1
-    for _ in range(nbits):
-        b, rng, code, ip = dec_bit(probs, base + m, rng, code, buf, ip)
+    p = np.int64(probs[base + 1])
+    p0 = p1 = p
+    for k in range(nbits):
+        cell = base + m
+        if k < nbits - 1:  # both children's probabilities, loaded while this bit is decoded
+            p0 = np.int64(probs[cell + m])
+            p1 = np.int64(probs[cell + m + 1])
+        b, rng, code, ip = dec_bit_with(probs, cell, p, rng, code, buf, ip)
         m = (m << 1) | b
+        p = p1 if b else p0
     return m - (1 << nbits), rng, code, ip
 
-@_jit
+@_inline
 def dec_gap(probs, c, rng, code, buf, ip):
     base = c * CELLS_PER_CLASS
     s, rng, code, ip = dec_tree(probs, base + GAP_SLOT, 5, rng, code, buf, ip)
@@ -481,6 +565,7 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
     sign_shift = np.uint64(width - 1)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
     top = np.uint64(1) << sign_shift
+    low_mask = mask ^ top
     m = 0
     for i in range(n):
         o = old[i]
@@ -513,15 +598,9 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
             mag = ((np.uint64(1) << np.uint64(s)) | low_bits) + np.uint64(1)
             if mag > top or (sign == 0 and mag == top):
                 return 8, m
-        if is_float:
-            ko = (~uo & mask) if old_sign else (uo | top)
-        else:
-            ko = uo
-        kx = ((ko - mag) if sign else (ko + mag)) & mask
-        if is_float:
-            x = (kx ^ top) if (kx >> sign_shift) else (~kx & mask)
-        else:
-            x = kx
+        negative = np.uint64(0) - np.uint64(sign)
+        kx = (key(uo, is_float, sign_shift, top, low_mask) + ((mag ^ negative) - negative)) & mask  # k(old) -+ mag
+        x = unkey(kx, is_float, sign_shift, top, low_mask)
         pos[m] = i
         vals[m] = x
         m += 1
@@ -544,7 +623,7 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
 
 def _get_kernels():
     """(scan, emit, decode); numba compiles each per element width on first use (or loads it from
-    its cache: ~10-15 s the very first time on a machine, well under a second after)."""
+    its cache: ~20-25 s the very first time on a machine, well under a second after)."""
     require_numba()
     return _scan_kernel, _emit_kernel, _decode_kernel
 
@@ -578,25 +657,39 @@ class Changes:
     class_counts: np.ndarray  # int64, 2 * NUM_CLASSES: elements per class, then first position (-1: none)
 
 
-def scan_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, changed: int) -> Changes:
-    """The host path: finds the changes of raw bytes `new` against `old` (`changed` of them)."""
+def find_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, at_most: int) -> Changes | None:
+    """The host path: the changes of raw bytes `new` against `old`, or None if more than
+    `at_most` elements changed (the caller then needs no ctx, and this pass doubles as its count).
+
+    The arrays of the result are per-thread scratch, valid until this thread's next call."""
     scan_kernel, _, _ = _get_kernels()
     utype = _UINT[itemsize]
     o, x = old.view(utype), new.view(utype)
     class_base = choose_class_base(o, dtype_name)
     table, shift = _table(dtype_name, itemsize, class_base)
-    pos = _scratch("pos", changed, np.int64)
-    cls = _scratch("cls", changed, np.int64)
-    rank = _scratch("rank", changed, np.int64)
+    pos = _scratch("pos", at_most, np.int64)
+    cls = _scratch("cls", at_most, np.int64)
+    rank = _scratch("rank", at_most, np.int64)
     counts = np.empty(2 * NUM_CLASSES, dtype=np.int64)
-    found = scan_kernel(o, x, table, shift, pos, cls, rank, counts)
-    if found != changed:
-        raise ValueError(f"ctx scan: the chunk has {'more than ' if found < 0 else ''}{max(found, changed)} changed "
-                         f"elements, the caller counted {changed}")
+    banks = _scratch("banks", 8 * NUM_CLASSES, np.int64)
+    found = scan_kernel(o, x, table, shift, pos, cls, rank, counts, banks)
+    if found < 0:
+        return None
+    pos, cls, rank = pos[:found], cls[:found], rank[:found]
     return Changes(
         count=len(o), class_base=class_base, positions=pos, classes=cls, ranks=rank,
         old_bits=o[pos].astype(np.uint64), new_bits=x[pos].astype(np.uint64), class_counts=counts,
     )
+
+
+def scan_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, changed: int) -> Changes:
+    """`find_changes` for a caller that counted the changes already (`changed` of them)."""
+    changes = find_changes(new, old, dtype_name, itemsize, changed)
+    found = -1 if changes is None else len(changes.positions)
+    if found != changed:
+        raise ValueError(f"ctx scan: the chunk has {'more than ' if found < 0 else ''}{max(found, changed)} changed "
+                         f"elements, the caller counted {changed}")
+    return changes
 
 
 def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes | None:
