@@ -96,23 +96,24 @@ def test_math_rl_recipe_from_an_sft_warm_start_raises_the_reward(tmp_path, serve
     assert all(c["state_path"].startswith("tinker://") and c["sampler_path"].startswith("tinker://")
                for c in checkpoints)
 
-    steps_run = 12
+    steps_run = 16
     metrics = run_recipe("tinker_cookbook.recipes.math_rl.train", [
         "env=arithmetic", f"model_name={model_dir}", "renderer_name=role_colon",
         f"load_checkpoint_path={checkpoints[-1]['state_path']}", "groups_per_batch=16", "group_size=8",
         "max_tokens=12", f"max_steps={steps_run}", "learning_rate=0.001", "eval_every=0", "save_every=0",
         "lora_rank=0"], tmp_path / "rl", server)
     steps = [m for m in metrics if "env/all/reward/total" in m]
+    reward = [m["env/all/reward/total"] for m in steps]
+    for key in ("env/all/reward/total", "env/all/format", "env/all/correct", "optim/kl_sample_train_v1"):
+        print(f"math_rl {key} per step:", [round(m[key], 5) for m in steps])
     assert [m["step"] for m in steps] == list(range(steps_run))
     # The sampler's log-probs of its own tokens are the trainer's (bf16 vs fp32 weights): the
     # weights the agent serves are the ones the trainer published.
     assert all(abs(m["optim/kl_sample_train_v1"]) < 1e-3 for m in steps)
     assert all(m["env/all/total_episodes"] == 128 for m in steps)
-    reward = [m["env/all/reward/total"] for m in steps]
-    print("math_rl reward per step:", [round(r, 3) for r in reward])
-    print("math_rl format per step:", [round(m["env/all/format"], 3) for m in steps])
     # The warm start is partial (groups differ, so advantages are not all zero) ...
     assert 0.15 < steps[0]["env/all/format"] < 0.85, reward
-    # ... and RL raises the reward: measured +0.025..+0.03 (format +0.25..+0.30) over seeds.
+    # ... and RL raises the reward: measured +0.02..+0.05 (format +0.2..+0.5) over runs and model
+    # seeds; with learning_rate=0 the same run stays flat.
     first, last = sum(reward[:2]) / 2, sum(reward[-4:]) / 4
     assert last > first + 0.01, reward
