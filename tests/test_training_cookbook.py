@@ -88,9 +88,9 @@ def test_math_rl_recipe_from_an_sft_warm_start_raises_the_reward(tmp_path, serve
     dataset = write_arithmetic_conversations(tmp_path / "arithmetic.jsonl", count=128, seed=0)
     sft = run_recipe("tinker_cookbook.recipes.chat_sl.train", [
         f"model_name={model_dir}", f"dataset={dataset}", "renderer_name=role_colon", "batch_size=16",
-        "num_epochs=20", "max_steps=18", "save_every=9", "eval_every=0", "learning_rate=0.003",
+        "num_epochs=20", "max_steps=14", "save_every=7", "eval_every=0", "learning_rate=0.003",
         "lr_schedule=constant", "lora_rank=0"], tmp_path / "sft", server)
-    assert len([m for m in sft if "train_mean_nll" in m]) == 18
+    assert len([m for m in sft if "train_mean_nll" in m]) == 14
     checkpoints = [json.loads(line) for line in (tmp_path / "sft" / "checkpoints.jsonl").read_text().splitlines()]
     assert len(checkpoints) >= 2 and checkpoints[-1]["name"] == "final", checkpoints  # save_every's, then the last
     assert all(c["state_path"].startswith("tinker://") and c["sampler_path"].startswith("tinker://")
