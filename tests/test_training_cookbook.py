@@ -113,7 +113,7 @@ def test_math_rl_recipe_from_an_sft_warm_start_raises_the_reward(tmp_path, serve
     assert all(m["env/all/total_episodes"] == 128 for m in steps)
     # The warm start is partial (groups differ, so advantages are not all zero) ...
     assert 0.15 < steps[0]["env/all/format"] < 0.85, reward
-    # ... and RL raises the reward: measured +0.04..+0.06 (format +0.4..+0.6) over runs and model
+    # ... and RL raises the reward: measured +0.03..+0.06 (format +0.3..+0.6) over runs and model
     # seeds; with learning_rate=0 the same run stays flat.
     first, last = sum(reward[:2]) / 2, sum(reward[-4:]) / 4
     assert last > first + 0.01, reward
