@@ -247,14 +247,44 @@ def test_a_seq_id_gap_fails_as_a_user_error_and_changes_nothing(server, service,
     _, result = wait_result(server, json.loads(body)["request_id"])  # the server waits 15 s for seq 3
     doc = json.loads(result)
     assert doc["category"] == "user" and "seq_id gap" in doc["error"] and "for seq_id 3" in doc["error"]
-    status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 1), content_type="application/x-protobuf")
-    assert status == 400 and b"already used" in body
+    status, _, body = post(server, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 1,
+                                                          "adam_params": {"learning_rate": 1e-3}})
+    assert status == 400 and b"already used" in body  # seq 1 was a forward_backward: not a retry
     status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 3),
                            content_type="application/x-protobuf", accept="application/x-protobuf")
     _, result = wait_result(server, json.loads(body)["request_id"])
     after = [torch.tensor(o["logprobs"].data) for o in decode_fwdbwd(result).loss_fn_outputs]
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_retried_request_gets_the_first_ones_future_and_runs_once(server, service, model_dir):
+    """The SDK resends a request whose reply it lost (reset or timed-out connection) with the same
+    seq_id; that must not fail the run, nor apply a step twice."""
+    def train_and_read(retry: bool) -> list[torch.Tensor]:
+        _, model_id = raw_model(server, service, model_dir)
+        requests = [("/api/v1/forward_backward", fwdbwd_proto(model_id, 1, forward_only=False), "application/x-protobuf"),
+                    ("/api/v1/optim_step", json.dumps({"model_id": model_id, "seq_id": 2,
+                                                       "adam_params": {"learning_rate": 1e-2}}).encode(),
+                     "application/json")]
+        for route, body, content_type in requests:
+            ids = []
+            for _ in range(2 if retry else 1):
+                status, _, reply = post(server, route, body, content_type=content_type)
+                assert status == 200, reply
+                ids.append(json.loads(reply)["request_id"])
+            assert len(set(ids)) == 1, ids
+            kind, result = wait_result(server, ids[0])
+            if kind == "application/json":
+                assert "error" not in json.loads(result), result
+        status, _, reply = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 3),
+                                content_type="application/x-protobuf", accept="application/x-protobuf")
+        assert status == 200, reply
+        _, result = wait_result(server, json.loads(reply)["request_id"])
+        return [torch.tensor(o["logprobs"].data) for o in decode_fwdbwd(result).loss_fn_outputs]
+
+    for once, retried in zip(train_and_read(retry=False), train_and_read(retry=True), strict=True):
+        assert torch.equal(once, retried)  # one forward_backward and one optim_step, not two
 
 
 def test_bad_inputs_fail_with_the_user_category_and_leave_the_model_unchanged(service, model_dir):

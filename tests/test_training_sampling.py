@@ -176,6 +176,22 @@ def test_sampling_the_base_model_uses_its_own_weights(service, model_dir):
                                rtol=0, atol=1e-5)
 
 
+def test_concurrent_first_samples_on_a_fresh_server_all_succeed(model_dir, tmp_path):
+    """The cookbook's RL recipe opens a server's sampling with a whole batch of concurrent
+    requests. The sampler's generator (and its tokenizer: a first `import transformers`) is built
+    once, not raced by every request: a race made the first requests fail with ImportError (the
+    SDK retried them, so only the server's log showed it)."""
+    with TrainingServer(tmp_path / "state", extra_args=("--long-poll-s", "1")) as srv:
+        service = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+        sampler = service.create_sampling_client(base_model=model_dir).result()
+        futures = [sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=3, seed=i))
+                   for i in range(16)]
+        results = [future.result() for future in futures]
+    assert all(len(result.sequences) == 2 for result in results)
+    log = srv.log_path.read_text(errors="replace")
+    assert "failed" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_bad_sampling_requests_are_user_errors(service, model_dir):
     sampler = service.create_sampling_client(base_model=model_dir).result()
     with pytest.raises(tinker.BadRequestError, match="token ids"):

@@ -51,6 +51,12 @@ class FutureTable:
             self._outcomes[request_id] = None
             return request_id
 
+    def discard(self, request_id: str) -> None:
+        """Forgets a future nobody will be told about (a retried request's duplicate)."""
+        with self._lock:
+            self._outcomes.pop(request_id, None)
+            self._completed_at.pop(request_id, None)
+
     def resolve(self, request_id: str, outcome: Outcome) -> None:
         with self._lock:
             self._outcomes[request_id] = outcome

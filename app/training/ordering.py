@@ -3,8 +3,10 @@
 The SDK numbers each training client's requests 1, 2, 3, ... (`seq_id`) and may send them
 concurrently (the chunks of one forward_backward go out in parallel, the first one last), so
 the server must reorder: a request whose predecessors have all arrived is released at once,
-a later one waits in a buffer. A seq_id at or below one already released is refused (a replay
-would apply a step twice). A request that waits longer than `gap_timeout_s` for a seq_id that
+a later one waits in a buffer. A request repeating a seq_id already submitted, of the same kind,
+is the SDK retrying one whose reply it lost (a reset or timed-out connection): it gets the first
+request's future and runs nothing. Any other seq_id at or below one already released is refused
+(a replay would apply a step twice). A request that waits longer than `gap_timeout_s` for a seq_id that
 never comes is failed as a user error naming the missing id; the model is untouched.
 
 States of one seq_id: absent -> buffered (waiting for a predecessor) -> released, or
@@ -17,9 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from weightsync.app.training.errors import UserInputError
+
+
+_REMEMBERED = 4096  # recent seq_ids whose request ids a retry can get back
 
 
 class SeqIdOrder:
@@ -30,18 +36,28 @@ class SeqIdOrder:
         self.gap_timeout_s = gap_timeout_s
         self._on_expired = on_expired
         self._buffered: dict[int, tuple[float, str, Callable[[], None]]] = {}
+        self._submitted: OrderedDict[int, tuple[str, str]] = OrderedDict()  # seq_id -> (kind, request_id)
         self._lock = threading.Lock()
 
-    def submit(self, seq_id: int, request_id: str, release: Callable[[], None]) -> None:
-        """Calls `release` now (in order, with any buffered successors) or when its turn comes."""
+    def submit(self, seq_id: int, request_id: str, release: Callable[[], None], *, kind: str = "") -> str:
+        """Calls `release` now (in order, with any buffered successors) or when its turn comes;
+        returns the request id whose future carries the result: `request_id`, or for a retry of
+        a seq_id already submitted with the same `kind`, the first request's (nothing runs again)."""
         with self._lock:
+            earlier = self._submitted.get(seq_id)
+            if earlier is not None and earlier[0] == kind:
+                return earlier[1]
             if seq_id < self.next_seq_id or seq_id in self._buffered:
                 raise UserInputError(f"seq_id {seq_id} was already used for this model (next expected: "
                                      f"{self.next_seq_id}); requests of a model need increasing seq_ids")
             self._buffered[seq_id] = (time.monotonic(), request_id, release)
+            self._submitted[seq_id] = (kind, request_id)
+            while len(self._submitted) > _REMEMBERED:
+                self._submitted.popitem(last=False)
             ready = self._pop_ready()
         for callback in ready:
             callback()
+        return request_id
 
     def expire(self) -> None:
         """Fails buffered requests that waited longer than gap_timeout_s (called periodically)."""

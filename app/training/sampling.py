@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +221,7 @@ class SamplerHub:
         self._agents: dict[str, Any] = {}
         self._base_engines: dict[str, Any] = {}
         self._generators: dict[str, Generator] = {}
+        self._builds: dict[Any, threading.Lock] = {}  # one per snapshot or generator being built
 
     def ensure_agent(self, store_model: str, base_dir: str) -> str:
         """Starts the agent for `store_model` if there is none; returns its gRPC address (push target)."""
@@ -305,17 +306,33 @@ class SamplerHub:
         from weightsync.reader import Reader
         from weightsync.store import open_store
 
-        key = (session.store_model, session.version)
-        with self._lock:
-            weights = self._snapshots.get(key)
-        if weights is None:
+        def read() -> Any:
             state = Reader(open_store(self.store_uri), model=session.store_model, workers=2).read(session.version)
-            weights = {name: tensor.float() for name, tensor in state.state_dict().items()}
-            with self._lock:
-                self._snapshots[key] = weights
-                while len(self._snapshots) > self.max_snapshots:
-                    self._snapshots.pop(next(iter(self._snapshots)))
+            return {name: tensor.float() for name, tensor in state.state_dict().items()}
+
+        weights = self._build_once(self._snapshots, (session.store_model, session.version), read)
+        with self._lock:
+            while len(self._snapshots) > self.max_snapshots:
+                self._snapshots.pop(next(iter(self._snapshots)))
         return weights
+
+    def _build_once(self, cache: dict, key: Any, build: Callable[[], Any]) -> Any:
+        """cache[key], built by one thread while concurrent requests for the same key wait for it:
+        building twice wastes a read of the store, and racing first imports (`transformers`, for
+        the tokenizer) fails with ImportError in all but one thread."""
+        with self._lock:
+            if key in cache:
+                return cache[key]
+            build_lock = self._builds.setdefault(key, threading.Lock())
+        with build_lock:
+            with self._lock:
+                if key in cache:
+                    return cache[key]
+            value = build()
+            with self._lock:
+                cache[key] = value
+                self._builds.pop(key, None)
+            return value
 
     def tokenizer_info(self, base_dir: str) -> tuple[Any | None, int | None]:
         generator = self._generator(base_dir)
@@ -351,13 +368,8 @@ class SamplerHub:
             return engine
 
     def _generator(self, base_dir: str) -> Generator:
-        with self._lock:
-            generator = self._generators.get(base_dir)
-        if generator is None:
-            generator = Generator(load_config(base_dir), _load_tokenizer(base_dir))
-            with self._lock:
-                self._generators.setdefault(base_dir, generator)
-        return generator
+        return self._build_once(self._generators, base_dir,
+                                lambda: Generator(load_config(base_dir), _load_tokenizer(base_dir)))
 
     def close(self) -> None:
         with self._lock:

@@ -218,9 +218,9 @@ class TrainingService:
             command = self._check_forward_backward(record, batch)
         except (UserInputError, NotFound) as e:  # NotFound: a loss the SDK names that is not served here
             error = e
-            self._submit_ordered(record, batch.seq_id, request_id, lambda: _raise(error))
+            request_id = self._submit_ordered(record, batch.seq_id, request_id, lambda: _raise(error))
         else:
-            self._submit_ordered(record, batch.seq_id, request_id, lambda: self._run_forward_backward(command))
+            request_id = self._submit_ordered(record, batch.seq_id, request_id, lambda: self._run_forward_backward(command))
         return {"request_id": request_id, "model_id": record.model_id}
 
     def _check_forward_backward(self, record: ModelRecord, batch: ForwardBackwardBatch) -> commands.ForwardBackward:
@@ -257,9 +257,9 @@ class TrainingService:
                 grad_clip_norm=_number(params, "grad_clip_norm", 0.0, low=0.0))
         except UserInputError as e:
             error = e
-            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+            request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
         else:
-            self._submit_ordered(record, seq_id, request_id,
+            request_id = self._submit_ordered(record, seq_id, request_id,
                                  lambda: Outcome(json={"type": "optim_step", "metrics": self.commander.run(command)}))
         return {"request_id": request_id, "model_id": record.model_id}
 
@@ -273,7 +273,7 @@ class TrainingService:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             error = UserInputError(f"checkpoint name {name!r} must be 1-128 characters of letters, digits, '.', '_' "
                                    "or '-' (no '/')")
-            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+            request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
             return {"request_id": request_id, "model_id": record.model_id}
         directory = self._run_dir(record.model_id) / "weights" / name
         path = f"tinker://{record.model_id}/weights/{name}"
@@ -282,7 +282,7 @@ class TrainingService:
             self.commander.run(commands.SaveState(record.model_id, str(directory)))
             return Outcome(json={"type": "save_weights", "path": path})
 
-        self._submit_ordered(record, seq_id, request_id, save)
+        request_id = self._submit_ordered(record, seq_id, request_id, save)
         return {"request_id": request_id, "model_id": record.model_id}
 
     def load_state(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -315,7 +315,7 @@ class TrainingService:
             self.commander.run(commands.LoadState(record.model_id, str(directory), with_optimizer))
             return Outcome(json={"type": "load_weights", "path": path, "model_id": record.model_id})
 
-        self._submit_ordered(record, seq_id, request_id, load)
+        request_id = self._submit_ordered(record, seq_id, request_id, load)
         return {"request_id": request_id, "model_id": record.model_id}
 
     def _checkpoint_dir(self, path: str) -> tuple[str, Path]:
@@ -352,7 +352,7 @@ class TrainingService:
         if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
             error = UserInputError(f"sampler weights name {name!r} must be 1-128 characters of letters, digits, '.', "
                                    "'_' or '-' (no '/')")
-            self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
+            request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
             return {"request_id": request_id, "model_id": record.model_id}
         store_model = _store_model_name(record.model_id)
 
@@ -380,7 +380,7 @@ class TrainingService:
             session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
             return Outcome(json={"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session})
 
-        self._submit_ordered(record, seq_id, request_id, publish)
+        request_id = self._submit_ordered(record, seq_id, request_id, publish)
         return {"request_id": request_id, "model_id": record.model_id}
 
     def create_sampling_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -472,8 +472,15 @@ class TrainingService:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         return outcome
 
-    def _submit_ordered(self, record: ModelRecord, seq_id: int, request_id: str, job: Callable[[], Outcome]) -> None:
-        record.order.submit(seq_id, request_id, lambda: self._enqueue(request_id, job))
+    def _submit_ordered(self, record: ModelRecord, seq_id: int, request_id: str, job: Callable[[], Outcome]) -> str:
+        """The request id to answer with: `request_id`, or for a retried seq_id the first
+        request's (the new future is then dropped unused)."""
+        kind = request_id.rsplit("-", 1)[0]
+        answered = record.order.submit(seq_id, request_id, lambda: self._enqueue(request_id, job), kind=kind)
+        if answered != request_id:
+            log.info("seq_id %d of %s retried: answering with %s", seq_id, record.model_id, answered)
+            self.futures.discard(request_id)
+        return answered
 
     def _expired(self, seq_id: int, request_id: str, error: Exception) -> None:
         log.warning("%s", error)
