@@ -74,6 +74,8 @@ class Engine(Protocol):
     - `wait_unused(version, timeout_s)` returns True once no request runs on `version`'s
       tensors any more (immediately for copying engines); False on timeout.
     - `close()` stops whatever the engine started; idempotent.
+    - `weights_kinds` (optional, default ("model",)): "model" for whole weights, "adapter" for
+      LoRA adapter tensors only; the agent refuses to start with a weights_kind not listed.
     """
 
     name: str
@@ -106,6 +108,15 @@ def check_swap_policy(policy: str, supported: tuple[str, ...] = SWAP_POLICIES, *
         raise ValueError(f"swap policy must be one of {list(SWAP_POLICIES)}, got {policy!r}")
     if policy not in supported:
         raise ValueError(f"{engine} does not implement swap policy {policy!r}; it implements {list(supported)}")
+
+
+def check_weights_kind(kind: str, served: tuple[str, ...], *, engine: str = "this engine") -> None:
+    """ValueError unless the engine serves `kind` weights ("model" or "adapter", the agent's
+    weights_kind): an agent must not fetch versions its engine cannot serve."""
+    if kind not in served:
+        how = ('vllm: set the engine\'s lora_name (the adapter name requests ask for)' if "adapter" == kind
+               else 'use an engine without lora_name')
+        raise ValueError(f"{engine} serves {list(served)} weights, not {kind!r} (the agent's weights_kind); {how}")
 
 
 def check_layout(expected: Layout | None, weights: Mapping[str, torch.Tensor], *,

@@ -50,7 +50,7 @@ import time
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
-from weightsync.agents.engine import Engine, check_swap_policy
+from weightsync.agents.engine import Engine, check_swap_policy, check_weights_kind
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
 from weightsync.errors import (
@@ -100,6 +100,8 @@ class SyncAgent:
         self.metrics = metrics
         check_swap_policy(config.swap_policy, getattr(engine, "swap_policies", ("drain",)),
                           engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine")
+        check_weights_kind(config.weights_kind, getattr(engine, "weights_kinds", ("model",)),
+                           engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine")
         self.model = config.model
         self.cache = AgentCache(config.cache_path, model=config.model, name=config.name, workers=config.workers)
         self.reader = self.cache.reader

@@ -28,6 +28,13 @@ A swap, in order (a failure at any step is handled as the last column says):
              again with the new weights), POST /update_weight_version,
              POST /resume
 
+LoRA adapter-only versions (engine `lora_name`, agent weights_kind "adapter"; `vllm_lora.py`):
+the handoff is a PEFT directory, the server also needs --enable-lora and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and "load" puts the adapter under `lora_name` (the first
+swap through POST /v1/load_lora_adapter, later ones in place under the same id); "verify" compares
+each worker's adapter tensors (lora_B with vLLM's alpha / rank folded in) with the published ones.
+The base model stays the one vLLM was started with.
+
 The server therefore serves either a verified version or nothing. Under in_flight a response can
 span versions: vLLM labels each step's output with the weight version set by
 /update_weight_version, and its token-in/token-out route (`POST /inference/v1/generate`, on a
@@ -48,6 +55,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -60,6 +68,7 @@ from typing import Any
 
 import torch
 
+from weightsync.agents import vllm_lora
 from weightsync.agents.engine import SWAP_POLICIES, SwapReport, check_layout, check_swap_args, register_engine
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.hashing import xxh3_hex
@@ -108,6 +117,13 @@ class VllmEngineConfig:
     """How long the workers may take to check, load and digest one version."""
     start_timeout_s: float = 0.0
     """Wait this long for the server to answer /health at start (0: it must be up already)."""
+    lora_name: str | None = None
+    """Serve LoRA adapter-only versions (the agent's weights_kind = "adapter") as the adapter of
+    this name, which requests ask for as their `model`; None: whole-model versions. The server
+    needs --enable-lora, --max-lora-rank >= the adapter's rank and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (docs/vllm.md, "Serving LoRA adapters")."""
+    lora_alpha: float = 32.0
+    """The adapters' alpha (vLLM scales them by alpha / rank); weightsync's trainer uses 32."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not re.match(r"https?://[^/]+", self.url):
@@ -124,6 +140,11 @@ class VllmEngineConfig:
             raise ValueError(f"start_timeout_s must be >= 0 seconds, got {self.start_timeout_s!r}")
         if self.handoff_dir is not None and not Path(self.handoff_dir).is_dir():
             raise ValueError(f"handoff_dir {self.handoff_dir} is not a directory")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str)
+                                           or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", self.lora_name)):
+            raise ValueError(f"lora_name must be 1-128 letters, digits, '.', '_' or '-', got {self.lora_name!r}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be a positive number, got {self.lora_alpha!r}")
 
 
 class VllmEngine:
@@ -146,9 +167,12 @@ class VllmEngine:
         self._slices: dict[int, dict[str, tuple]] = {}  # per worker: what it held at the last swap
         self._handoff_dir = Path(config.handoff_dir or ("/dev/shm" if Path("/dev/shm").is_dir()
                                                         else tempfile.gettempdir()))
+        self.weights_kinds = ("adapter",) if config.lora_name else ("model",)
+        self._lora_id: int | None = None  # vLLM's id for lora_name, once this engine registered it
         self._wait_until_up()
         self.routes = self._probe_routes()
         self.workers = self._probe_extension()
+        self.lora_info = self._probe_lora() if config.lora_name else None
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -160,25 +184,41 @@ class VllmEngine:
         started = time.perf_counter()
         check_swap_args(version, digest, policy)
         mode = _PAUSE_MODE[policy] if policy != "drain" else self.config.pause_mode
+        adapter = self.config.lora_name is not None
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the vllm engine for {self.config.url} is closed")
-            self._check_names(version, weights)
-            path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}.safetensors"
+            if adapter:
+                rank = vllm_lora.adapter_rank(version, weights, self.lora_info)
+            else:
+                self._check_names(version, weights)
+            path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}"
             try:
-                hashes = self._write_handoff(path, weights)
-                self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
-                expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
+                if adapter:
+                    scale = self.config.lora_alpha / rank
+                    hashes = vllm_lora.write_peft_dir(path, weights, rank, self.config.lora_alpha, self._write_handoff)
+                    self._check_handoff(path / vllm_lora.WEIGHTS_FILE, hashes)  # while still serving
+                    dtype = self.workers[0]["dtype"]
+                    expected = {(name, dtype): vllm_lora.held_hash(t, name, _TORCH_DTYPES[dtype], scale)
+                                for name, t in weights.items()}
+                else:
+                    path = path.with_suffix(".safetensors")
+                    hashes = self._write_handoff(path, weights)
+                    self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
+                    expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
                 t_pause = time.perf_counter()
                 self._post(f"/pause?mode={mode}", timeout_s=self.config.drain_timeout_s)
                 paused = time.perf_counter()
                 try:
-                    reports = self._load(path)
+                    reports = self._load_adapter(path) if adapter else self._load(path)
                 except BaseException as e:
                     self._mark_unhealthy(f"v{version} failed while loading: {e}")
                     raise
                 try:
-                    self._verify(version, weights, reports, expected)
+                    if adapter:
+                        vllm_lora.verify(version, weights, reports, scale, expected, _TORCH_DTYPES)
+                    else:
+                        self._verify(version, weights, reports, expected)
                     self._post("/reset_prefix_cache?reset_running_requests=true")
                     if "/update_weight_version" in self.routes:
                         self._post("/update_weight_version", {"new_version": str(version)})
@@ -188,7 +228,10 @@ class VllmEngine:
                     raise
                 resumed = time.perf_counter()
             finally:
-                path.unlink(missing_ok=True)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
             self._served, self._healthy, self._last_error = version, True, None
         timings = reports[0].get("timings_s", {})
         logger.info("vllm %s serves v%d: pause %.1f ms (drain %.1f ms, load %.1f ms), swap %.2f s",
@@ -309,6 +352,43 @@ class VllmEngine:
         self._slices = {rank: {name: tuple(entry[:4]) for name, entry in report["tensors"].items()}
                         for rank, report in enumerate(reports)}
 
+    def _load_adapter(self, staged: Path) -> list[dict[str, Any]]:
+        """Moves the staged PEFT directory's files into this adapter's fixed directory (the path
+        vLLM keeps for the name, and reads again should it ever evict the adapter from its cache,
+        so it always holds the served version), then has every worker load them: the first time
+        through POST /v1/load_lora_adapter (which names the adapter), then in place under the same
+        id (the route's own load_inplace would make vLLM reload from disk at every step)."""
+        fixed = self._handoff_dir / f"weightsync-lora-{self.config.lora_name}"
+        fixed.mkdir(exist_ok=True)
+        for name in (vllm_lora.WEIGHTS_FILE, vllm_lora.CONFIG_FILE):
+            os.replace(staged / name, fixed / name)
+        if self._lora_id is None:
+            self._lora_id = self._register_adapter(fixed)
+            results = self.rpc("weightsync_lora_digest", str(self._lora_id), timeout_s=self.config.load_timeout_s)
+        else:
+            results = self.rpc("weightsync_lora_load", str(self._lora_id), str(fixed),
+                               timeout_s=self.config.load_timeout_s)
+        return results
+
+    def _register_adapter(self, directory: Path) -> int:
+        """Loads `directory` as lora_name (unloading an earlier registration, e.g. by this agent
+        before a restart) and returns the id vLLM gave it: the one id the workers gained."""
+        name = self.config.lora_name
+        cards = self._get("/v1/models").get("data") or []
+        if any(isinstance(card, dict) and card.get("id") == name for card in cards):
+            self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        before = self._lora_ids()
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)},
+                   timeout_s=self.config.load_timeout_s)
+        gained = self._lora_ids() - before
+        if len(gained) != 1:
+            raise WeightsyncError(f"loading adapter {name!r} gave the workers adapter ids {sorted(gained)}, not one: "
+                                  "was another adapter loaded at the same time?")
+        return gained.pop()
+
+    def _lora_ids(self) -> set[int]:
+        return set(self.rpc("weightsync_lora_info")[0]["ids"])
+
     def _check_names(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Refuses, before the server is touched, a version whose tensor names are not the ones
         the served model loads (another architecture, a renamed checkpoint)."""
@@ -322,6 +402,7 @@ class VllmEngine:
 
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy, self._last_error = False, reason
+        self._lora_id = None  # the next swap registers the adapter afresh
         logger.error("vllm %s is kept paused and unhealthy: %s", self.config.url, reason)
 
     # ------------------------------------------------------------------ start
@@ -358,6 +439,22 @@ class VllmEngine:
                 raise WeightsyncError(f"the vLLM workers run another weightsync worker extension ({worker}); "
                                       f"install the same weightsync version beside vLLM as the agent's")
         return workers
+
+    def _probe_lora(self) -> dict[str, Any]:
+        """Refuses a server that cannot take adapters at runtime; returns what its workers take."""
+        missing = [r for r in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") if r not in self.routes]
+        if missing:
+            raise WeightsyncError(f"the vLLM server at {self.config.url} lacks {missing}: start it with "
+                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True to serve adapter-only versions (lora_name)")
+        try:
+            infos = self.rpc("weightsync_lora_info")
+        except WeightsyncError as e:
+            raise WeightsyncError(f"the vLLM workers' weightsync extension cannot serve adapters ({e}); install "
+                                  "the same weightsync version beside vLLM as the agent's") from None
+        if not all(isinstance(info, dict) and info.get("enabled") for info in infos):
+            raise WeightsyncError(f"the vLLM server at {self.config.url} runs without LoRA: start it with "
+                                  "--enable-lora --max-lora-rank R (R >= the run's LoRA rank)")
+        return infos[0]
 
     # ------------------------------------------------------------------ HTTP
 

@@ -137,6 +137,53 @@ class WeightsyncWorkerExtension:
         save_file(params, path)
         return len(params)
 
+    # ------------------------------------------------------------------ LoRA adapters (engine lora_name)
+
+    def weightsync_lora_info(self) -> dict[str, Any]:
+        """{"enabled": bool, "max_rank", "modules": module names an adapter may target (packed ones
+        split back, e.g. q_proj, not qkv_proj), "ids": the adapter ids this worker has registered}."""
+        manager = _lora_manager(self)
+        if manager is None:
+            return {"enabled": False, "max_rank": 0, "modules": [], "ids": []}
+        adapters = manager._adapter_manager
+        packed = getattr(adapters, "packed_modules_mapping", None) or {}
+        modules = set()
+        for module in adapters.supported_lora_modules:
+            modules.update(packed.get(module) or [module])
+        return {"enabled": True, "max_rank": int(adapters.lora_config.max_lora_rank), "modules": sorted(modules),
+                "ids": sorted(int(i) for i in manager.list_adapters())}
+
+    def weightsync_lora_load(self, lora_id: str, path: str) -> dict[str, Any]:
+        """Replaces registered adapter `lora_id` by the PEFT directory `path` (server paused),
+        through vLLM's own adapter loader; the next step activates it again. Returns its digest."""
+        from vllm.lora.request import LoRARequest
+
+        started = time.perf_counter()
+        manager = _lora_manager(self, required=True)
+        lora = manager._load_adapter(LoRARequest(lora_name=f"weightsync-{lora_id}", lora_int_id=int(lora_id),
+                                                 lora_path=path))
+        manager._adapter_manager.remove_adapter(lora.id)  # also frees its slot
+        manager._adapter_manager.add_adapter(lora)
+        loaded = time.perf_counter()
+        digest = self.weightsync_lora_digest(lora_id)
+        digest["timings_s"] = {"load": loaded - started}
+        return digest
+
+    def weightsync_lora_digest(self, lora_id: str) -> dict[str, Any]:
+        """{"tensors": {peft name: [dtype, xxh3]}} of adapter `lora_id` as this worker holds it:
+        lora_A as loaded, lora_B with vLLM's scaling folded in (what it multiplies by)."""
+        return {"tensors": {name: [str(t.dtype).removeprefix("torch."), _tensor_hash(t)]
+                            for name, t in _lora_tensors(self, int(lora_id)).items()}}
+
+    def weightsync_lora_save(self, lora_id: str, path: str) -> int:
+        """Writes adapter `lora_id` as this worker holds it (`weightsync_lora_digest`'s tensors) to
+        a safetensors file (tests, debugging); returns how many tensors it wrote."""
+        from safetensors.torch import save_file
+
+        tensors = {n: t.detach().cpu().contiguous() for n, t in _lora_tensors(self, int(lora_id)).items()}
+        save_file(tensors, path)
+        return len(tensors)
+
     # ------------------------------------------------------------------ digest before repacking
 
     def _weightsync_hook_repacking(self) -> None:
@@ -167,6 +214,34 @@ class WeightsyncWorkerExtension:
             capture._weightsync_wrapped = True
             method.process_weights_after_loading = capture
         self._weightsync_hooked = True
+
+
+def _lora_manager(worker: Any, required: bool = False) -> Any:
+    """The worker's LoRA manager (vLLM's LRUCacheWorkerLoRAManager), None without --enable-lora."""
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None and required:
+        raise RuntimeError("this vLLM server was started without --enable-lora")
+    return manager
+
+
+def _lora_tensors(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
+    """Adapter `lora_id`'s tensors under their PEFT names ({module}.lora_A.weight / .lora_B.weight).
+    vLLM packs q/k/v (gate/up) adapters into one entry per fused layer, with lists: split back."""
+    adapters = _lora_manager(worker, required=True)._adapter_manager
+    lora = adapters.get_adapter(lora_id)
+    if lora is None:
+        raise KeyError(f"no LoRA adapter with id {lora_id} is registered in this worker")
+    tensors = {}
+    for module_name, weights in lora.loras.items():
+        if isinstance(weights.lora_a, list):
+            subs = adapters.packed_modules[module_name]
+            pairs = zip(subs, weights.lora_a, weights.lora_b)
+        else:
+            pairs = [(module_name, weights.lora_a, weights.lora_b)]
+        for sub, a, b in pairs:
+            if a is not None:
+                tensors[f"{sub}.lora_A.weight"], tensors[f"{sub}.lora_B.weight"] = a, b
+    return tensors
 
 
 _MODULE_NAMES: dict[int, dict[int, str]] = {}

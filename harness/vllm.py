@@ -58,13 +58,15 @@ class VllmServer:
     """One `python -m vllm.entrypoints.openai.api_server` process group on 127.0.0.1."""
 
     def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, dev_mode: bool = True,
-                 max_model_len: int = 256, extra_args: tuple[str, ...] = ()) -> None:
+                 max_model_len: int = 256, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> None:
         self.model_dir, self.log_path = Path(model_dir), Path(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv, env = vllm_server_command(vllm_python(), self.model_dir, self.port, extension=extension,
                                         dev_mode=dev_mode, max_model_len=max_model_len, extra_args=extra_args)
         env["VLLM_LOGGING_LEVEL"] = "WARNING"
+        env.update(extra_env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
@@ -132,7 +134,10 @@ def post_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> di
                                      method="POST")
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         text = reply.read()
-    return json.loads(text) if text else {}
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:  # some routes answer plain text ("Success: ...")
+        return {"text": text.decode("utf-8", "replace")}
 
 
 def get_json(url: str, timeout_s: float = 60.0) -> dict:

@@ -61,3 +61,10 @@ def test_an_engine_without_the_agents_policy_refuses_to_start(tmp_path):
     config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), engine=engine, swap_policy="in_flight")
     with pytest.raises(ValueError, match="does not implement swap policy 'in_flight'; it implements \\['drain'\\]"):
         AgentServer(config)
+
+
+def test_an_engine_that_serves_whole_models_refuses_an_adapter_agent(tmp_path):
+    engine = {"type": "safetensors_dir", "root": str(tmp_path / "snapshots"), "model": dataclasses.asdict(TINY)}
+    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), engine=engine, weights_kind="adapter")
+    with pytest.raises(ValueError, match="serves \\['model'\\] weights, not 'adapter'.*lora_name"):
+        AgentServer(config)

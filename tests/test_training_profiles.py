@@ -56,6 +56,8 @@ def test_a_profile_may_put_the_sampler_on_vllm_and_vllm_needs_a_url(tmp_path):
         parse_profile({**doc, "sampler": {"engine": "sglang"}}, where="test")
     with pytest.raises(ValueError, match="needs vllm_url"):
         ServiceConfig(state_dir=str(tmp_path), sampler_engine="vllm")
+    with pytest.raises(ValueError, match="the reference engine serves merged weights"):
+        ServiceConfig(state_dir=str(tmp_path), sampler_weights="adapter")
     with pytest.raises(ValueError, match="--vllm-url"):
         SamplerHub(store_uri=f"file://{tmp_path}", cache_root=tmp_path, engine="vllm")
 

@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 tinker = pytest.importorskip("tinker")
 from tinker import types
@@ -219,3 +220,52 @@ def _post(server, route, body, raw=False):
             return dict(response.headers), payload
         return dict(response.headers), json.loads(payload)
 
+
+
+def test_a_lora_run_samples_its_adapter_only_versions_on_vllm(tmp_path, model_dir):
+    """--sampler-weights adapter: each save pushes the run's adapter-only version (its lora_A/B
+    tensors, LM head included) to the agent, and vLLM serves it as a LoRA adapter on the base model
+    it was started with; responses carry the adapter's version."""
+    lora_args = ("--enable-scale-out", "--enable-lora", "--max-lora-rank", "8")
+    with vh.VllmServer(model_dir, tmp_path / "vllm.log", extra_args=lora_args,
+                       extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as lora_vllm:
+        lora_vllm.wait_ready()
+        with TrainingServer(tmp_path / "state", extra_args=(
+                "--long-poll-s", "1", "--sampler-engine", "vllm", "--vllm-url", lora_vllm.url,
+                "--sampler-weights", "adapter")) as srv:
+            service = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+            client = service.create_lora_training_client(base_model=str(model_dir), rank=4, seed=1).result()
+            adapter_model = "tinker-" + client.model_id.replace(":", "-") + "-adapter"
+            store = open_store(f"file://{(srv.state_dir / 'store').resolve()}")
+            for version, sequence in ((1, SEQUENCE), (2, RETRAINED)):
+                train_steps(client, 6, sequence=sequence, lr=5e-3)
+                sampler = client.save_weights_and_get_sampling_client().result()
+                assert sample_version(srv, sampler) == version
+                assert adapter_model in [card["id"] for card in vh.get_json(lora_vllm.url + "/v1/models")["data"]]
+
+                # What the vLLM worker holds is the published adapter, bit for bit (lora_B with
+                # vLLM's alpha / rank folded in, in the served dtype).
+                published = Reader(store, model=adapter_model).read(version)
+                assert published.manifest.producer["weights_kind"] == "adapter"
+                (lora_id,) = vh.post_json(lora_vllm.url + "/collective_rpc", {
+                    "method": "weightsync_lora_info", "args": []})["results"][0]["ids"]
+                held_path = tmp_path / f"held-v{version}.safetensors"
+                vh.post_json(lora_vllm.url + "/collective_rpc", {"method": "weightsync_lora_save",
+                                                                 "args": [str(lora_id), str(held_path)]})
+                held = load_file(str(held_path))
+                weights = published.state_dict()
+                assert sorted(held) == sorted(weights) and any(n.startswith("lm_head.") for n in held)
+                scale = 32.0 / 4
+                for name, tensor in weights.items():
+                    want = tensor.to(torch.bfloat16)
+                    if name.endswith("lora_B.weight"):
+                        want = want * scale
+                    assert torch.equal(held[name], want), name
+
+                # The samples are the trained model's: their logprobs are the trainer's.
+                result = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=2,
+                                        sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=3,
+                                                                             stop=[])).result()
+                for seq in result.sequences:
+                    want = trainer_logprobs(client, PROMPT + seq.tokens)[len(PROMPT) - 1:]
+                    torch.testing.assert_close(torch.tensor(seq.logprobs), want, rtol=0, atol=BF16_ATOL)

@@ -192,6 +192,9 @@ class SamplingSession:
     """None: the base model's own weights."""
     version: int
     model_path: str | None
+    adapter: bool = False
+    """store_model holds adapter-only versions (a LoRA run sampled on vLLM with sampler weights
+    "adapter"): vLLM serves them as the LoRA adapter named after the store model."""
 
 
 ENGINES = ("reference", "vllm")
@@ -223,8 +226,9 @@ class SamplerHub:
         self._generators: dict[str, Generator] = {}
         self._builds: dict[Any, threading.Lock] = {}  # one per snapshot or generator being built
 
-    def ensure_agent(self, store_model: str, base_dir: str) -> str:
-        """Starts the agent for `store_model` if there is none; returns its gRPC address (push target)."""
+    def ensure_agent(self, store_model: str, base_dir: str, *, adapter: bool = False) -> str:
+        """Starts the agent for `store_model` if there is none; returns its gRPC address (push
+        target). `adapter`: the store model holds adapter-only versions (vLLM only)."""
         from weightsync.agents.config import AgentConfig
         from weightsync.agents.reference_engine import ReferenceEngine, ReferenceEngineConfig
         from weightsync.agents.server import AgentServer
@@ -233,7 +237,9 @@ class SamplerHub:
             server = self._agents.get(store_model)
             if server is None:
                 if self.engine == "vllm":
-                    engine = self._attach_vllm(store_model)
+                    engine = self._attach_vllm(store_model, adapter)
+                elif adapter:
+                    raise NotSupported("the reference sampler engine serves merged weights, not adapter-only versions")
                 else:
                     engine = ReferenceEngine(ReferenceEngineConfig(model=load_config(base_dir),
                                                                    compute_dtype="float32"))
@@ -241,7 +247,8 @@ class SamplerHub:
                 # response comes from one version (vLLM's spans would otherwise mix two).
                 config = AgentConfig(model=store_model, cache_dir=str(self.cache_root / store_model.replace("/", "_")),
                                      name=f"sampler-{store_model}", store=self.store_uri, poll_interval_s=0.5,
-                                     push_wait_s=1.0, workers=2, swap_policy="drain")
+                                     push_wait_s=1.0, workers=2, swap_policy="drain",
+                                     weights_kind="adapter" if adapter else "model")
                 try:
                     server = AgentServer(config, engine=engine).start()
                 except BaseException:
@@ -252,9 +259,9 @@ class SamplerHub:
                 self._agents[store_model] = server
             return server.address
 
-    def _attach_vllm(self, store_model: str) -> Any:
+    def _attach_vllm(self, store_model: str, adapter: bool) -> Any:
         """A VllmEngine on the configured server, which serves this store model from now on (under
-        self._lock)."""
+        self._lock); adapter-only versions as the LoRA adapter named `store_model`."""
         from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
         from weightsync.app.training.vllm_sampling import GENERATE_ROUTE
 
@@ -262,7 +269,8 @@ class SamplerHub:
             raise NotSupported(f"the vLLM server at {self.vllm_url} already serves the sampler weights of "
                                f"{self._vllm_owner}; one vLLM server serves one training run (start a vLLM server "
                                "and a training server per run, or sample on the reference engine)")
-        engine = VllmEngine(VllmEngineConfig(url=self.vllm_url, api_key=self.vllm_api_key, start_timeout_s=30.0))
+        engine = VllmEngine(VllmEngineConfig(url=self.vllm_url, api_key=self.vllm_api_key, start_timeout_s=30.0,
+                                             lora_name=store_model if adapter else None))
         if GENERATE_ROUTE not in engine.routes:
             raise TrainingError(f"the vLLM server at {self.vllm_url} lacks {GENERATE_ROUTE}, which reports the "
                                 "weight version of every token: start it with --enable-scale-out")
@@ -296,7 +304,8 @@ class SamplerHub:
         generator = self._generator(session.base_dir)
         version, sequences, prompt_lp = self._vllm_sampler.sample(
             prompt, num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs,
-            context=generator.config.max_position_embeddings, tokenizer=generator.tokenizer)
+            context=generator.config.max_position_embeddings, tokenizer=generator.tokenizer,
+            model=session.store_model if session.adapter else None)
         if version < session.version:
             raise SamplerUnavailable(f"vLLM at {self.vllm_url} answered with v{version}, older than the sampling "
                                      f"client's v{session.version}: something else swapped its weights")
@@ -349,7 +358,7 @@ class SamplerHub:
         with self._lock:
             server = self._agents.get(session.store_model)
         if server is None:
-            self.ensure_agent(session.store_model, session.base_dir)
+            self.ensure_agent(session.store_model, session.base_dir, adapter=session.adapter)
             with self._lock:
                 server = self._agents[session.store_model]
         if not server.agent.wait_for_version(session.version, self.wait_s):

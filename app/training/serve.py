@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler-engine", choices=("reference", "vllm"), default=None,
                         help="what sampling clients of saved weights run on (default: the profile's, else "
                              "reference)")
+    parser.add_argument("--sampler-weights", choices=("merged", "adapter"), default=None,
+                        help="what a LoRA run's sampling clients run on: merged weights (default: the profile's, "
+                             "else merged) or adapter-only versions, which vLLM serves as a LoRA adapter (--sampler-"
+                             "engine vllm; start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     parser.add_argument("--vllm-url", default=None, metavar="URL",
                         help="the vLLM server for --sampler-engine vllm (weightsync's worker extension, "
                              "VLLM_SERVER_DEV_MODE=1, --enable-scale-out; docs/training-api.md)")
@@ -85,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
         args.mixed_precision = profile.mixed_precision
         args.sampler_engine = args.sampler_engine or profile.sampler_engine
         args.vllm_url = args.vllm_url or profile.sampler_url
+        args.sampler_weights = args.sampler_weights or profile.sampler_weights
     args.sampler_engine = args.sampler_engine or "reference"
+    args.sampler_weights = args.sampler_weights or "merged"
+    if args.sampler_weights == "adapter" and args.sampler_engine != "vllm":
+        raise SystemExit("--sampler-weights adapter needs --sampler-engine vllm: the reference engine serves merged "
+                         "weights")
     if args.sampler_engine == "vllm" and not args.vllm_url:  # every rank stops here, before the process group
         raise SystemExit("sampler engine vllm needs the vLLM server's URL: --vllm-url URL (or the profile's "
                          "[sampler] url)")
@@ -122,7 +131,8 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         log.info("profile %s: %s", profile.key, profile.description)
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
                            known_models=tuple(args.model), store=args.store, model_aliases=aliases,
-                           sampler_engine=args.sampler_engine, vllm_url=args.vllm_url)
+                           sampler_engine=args.sampler_engine, vllm_url=args.vllm_url,
+                           sampler_weights=args.sampler_weights)
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
                                 max_body_bytes=int(args.max_body_mib * 1024 * 1024),

@@ -80,6 +80,10 @@ class ServiceConfig:
     "vllm" (the vLLM server at `vllm_url`, kept in sync by an agent this server attaches)."""
     vllm_url: str | None = None
     """The vLLM server's base URL for sampler_engine "vllm" (its API key: $VLLM_API_KEY)."""
+    sampler_weights: str = "merged"
+    """What a LoRA run's sampling clients run on: "merged" (W + scale·B·A, a delta of the whole
+    model each save) or "adapter" (adapter-only versions, which vLLM serves as a LoRA adapter on the
+    base model: sampler_engine "vllm" only). Full fine-tuning runs always sync whole weights."""
 
     @property
     def store_uri(self) -> str:
@@ -90,6 +94,11 @@ class ServiceConfig:
             raise ValueError("long_poll_s and gap_timeout_s must be > 0 and max_context_tokens >= 1")
         if self.sampler_engine == "vllm" and not self.vllm_url:
             raise ValueError("sampler_engine 'vllm' needs vllm_url, the vLLM server's base URL")
+        if self.sampler_weights not in ("merged", "adapter"):
+            raise ValueError(f"sampler_weights must be 'merged' or 'adapter', got {self.sampler_weights!r}")
+        if self.sampler_weights == "adapter" and self.sampler_engine != "vllm":
+            raise ValueError("sampler_weights 'adapter' needs sampler_engine 'vllm': the reference engine serves "
+                             "merged weights")
 
 
 @dataclasses.dataclass
@@ -357,17 +366,24 @@ class TrainingService:
         store_model = _store_model_name(record.model_id)
 
         def publish() -> Outcome:
-            address = self.samplers.ensure_agent(store_model, record.base_dir)
+            # A LoRA run sampled as an adapter pushes the adapter-only versions to its agent; the
+            # merged ones are published too (any other engine or reader can use them).
+            serve_adapter = record.lora is not None and self.config.sampler_weights == "adapter"
+            adapter_model = store_model + "-adapter"
+            address = self.samplers.ensure_agent(adapter_model if serve_adapter else store_model, record.base_dir,
+                                                 adapter=serve_adapter)
             kind = "full" if record.lora is None else "merged"
             result = self.commander.run(commands.PublishWeights(record.model_id, self.config.store_uri, store_model,
-                                                                (address,), kind))
+                                                                () if serve_adapter else (address,), kind))
             version = int(result["version"])
             extra = {}
             if record.lora is not None:
                 # Engines that serve adapters sync this store model instead: adapter-only versions.
                 adapter = self.commander.run(commands.PublishWeights(
-                    record.model_id, self.config.store_uri, store_model + "-adapter", (), "adapter"))
-                extra = {"adapter_store_model": store_model + "-adapter", "adapter_version": adapter["version"]}
+                    record.model_id, self.config.store_uri, adapter_model, (address,) if serve_adapter else (),
+                    "adapter"))
+                extra = {"adapter_store_model": adapter_model, "adapter_version": adapter["version"],
+                         "serves": "adapter" if serve_adapter else "merged"}
             label = name or f"sampler-v{version:06d}"
             path = f"tinker://{record.model_id}/sampler_weights/{label}"
             directory = self._run_dir(record.model_id) / "sampler_weights" / label
@@ -377,7 +393,11 @@ class TrainingService:
                                                      "kind": kind, **extra})
             if name is not None:
                 return Outcome(json={"type": "save_weights_for_sampler", "path": path})
-            session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
+            if serve_adapter:
+                session = self._add_sampling_session(record.base_model, record.base_dir, adapter_model,
+                                                     int(adapter["version"]), path, adapter=True)
+            else:
+                session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
             return Outcome(json={"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session})
 
         request_id = self._submit_ordered(record, seq_id, request_id, publish)
@@ -395,19 +415,23 @@ class TrainingService:
                 raise NotFound(f"no sampler weights at {model_path}")
             meta = json.loads(meta_path.read_text())
             run = json.loads((self._run_dir(match.group(1)) / "run.json").read_text())
-            session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["store_model"],
-                                                 int(meta["version"]), model_path)
+            if meta.get("serves") == "adapter":
+                session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["adapter_store_model"],
+                                                     int(meta["adapter_version"]), model_path, adapter=True)
+            else:
+                session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["store_model"],
+                                                     int(meta["version"]), model_path)
         else:
             base_model = _field(body, "base_model", str)
             session = self._add_sampling_session(base_model, self._resolve_base_model(base_model), None, 0, None)
         return {"type": "create_sampling_session", "sampling_session_id": session}
 
     def _add_sampling_session(self, base_model: str, base_dir: str, store_model: str | None, version: int,
-                              model_path: str | None) -> str:
+                              model_path: str | None, *, adapter: bool = False) -> str:
         session_id = f"sampler-{uuid.uuid4().hex[:16]}"
         with self._lock:
             self.sampling_sessions[session_id] = SamplingSession(session_id, base_model, base_dir, store_model,
-                                                                 version, model_path)
+                                                                 version, model_path, adapter)
         return session_id
 
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:

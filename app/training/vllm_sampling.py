@@ -62,9 +62,11 @@ class VllmSampler:
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")  # as the VllmEngine does
 
     def sample(self, prompt: Sequence[int], *, num_samples: int, params: Any, prompt_logprobs: bool,
-               context: int, tokenizer: Any | None) -> tuple[int, list[SampledSequence], np.ndarray | None]:
+               context: int, tokenizer: Any | None, model: str | None = None
+               ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
         """(the weight version that produced it, sequences, prompt logprobs or None). `params` is
-        sampling.SamplingParams; `context` the model's max_position_embeddings."""
+        sampling.SamplingParams; `context` the model's max_position_embeddings; `model` the LoRA
+        adapter to sample with (None: the served model)."""
         if params.stop_strings and tokenizer is None:
             raise UserInputError("stop strings need the model's tokenizer, which the base model directory lacks")
         prompt = [int(t) for t in prompt]
@@ -76,7 +78,10 @@ class VllmSampler:
             sampling_params["seed"] = params.seed
         if prompt_logprobs:
             sampling_params["prompt_logprobs"] = 0
-        reply = self._post({"token_ids": prompt, "sampling_params": sampling_params, "stream": False})
+        body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling_params, "stream": False}
+        if model is not None:
+            body["model"] = model
+        reply = self._post(body)
         choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != num_samples:
             raise VllmSamplingError(f"vLLM at {self.url} answered {len(choices)} choices for n={num_samples}")
