@@ -369,6 +369,10 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
                                                                                    started)))
         client.start()
         assert started.wait(600)
+        if policy == "in_flight":
+            # Freeze the generation first (what the swap's own pause does) so that the swap meets
+            # it however fast this machine generates; the swap pauses again, loads and resumes.
+            vh.post_json(server.url + "/pause?mode=keep")
         engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
         client.join(600)
         tokens, spans = answers[0]["token_ids"], answers[0]["weight_versions"]
