@@ -259,11 +259,18 @@ def _hf_names(model: torch.nn.Module) -> list[str]:
     packed = getattr(type(model), "packed_modules_mapping", None) or {}
     names = []
     for name, _ in model.named_parameters():
+        name = _unwrapped(name)
         module_name, _, pname = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
         subs = packed.get(leaf) if len(packed.get(leaf) or ()) > 1 else None
         names += [".".join(p for p in (parent, sub, pname) if p) for sub in subs] if subs else [name]
     return sorted(names)
+
+
+def _unwrapped(name: str) -> str:
+    """The parameter's name without the `.base_layer` a LoRA-enabled server (--enable-lora) wraps
+    each adaptable layer in: the checkpoint names the wrapped layer's weights without it."""
+    return name.replace(".base_layer.", ".")
 
 
 def _tp_rank_size(model: torch.nn.Module) -> tuple[int, int]:
@@ -284,6 +291,8 @@ def _split_to_hf(model: torch.nn.Module, name: str, param: torch.Tensor,
     module_name, _, pname = name.rpartition(".")
     if module is None:
         module = model.get_submodule(module_name) if module_name else model
+    name = _unwrapped(name)
+    module_name = name.rpartition(".")[0]
     dtype = str(param.dtype).removeprefix("torch.")
     tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
     parent, _, leaf = module_name.rpartition(".")

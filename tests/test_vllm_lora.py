@@ -221,3 +221,18 @@ def test_an_agent_syncs_adapter_versions_from_the_store(server, published, tmp_p
         vh.post_json(server.url + "/v1/unload_lora_adapter", {"lora_name": "synced"})
     except urllib.error.HTTPError:
         pass
+
+
+def test_a_lora_enabled_server_takes_whole_model_versions_too(server, model_dir):
+    """--enable-lora wraps each adaptable layer (`...qkv_proj.base_layer.weight`); a whole-model
+    version still loads through vLLM's reload and every tensor is digested under its HF name."""
+    base = load_file(str(model_dir / "model.safetensors"))
+    engine = VllmEngine(VllmEngineConfig(url=server.url))
+    assert engine.weights_kinds == ("model",)
+    before = [c["token_ids"] for c in generate(server, "m")]
+    engine.swap(7, {n: (t.float() * 1.5).to(t.dtype) for n, t in base.items()}, digest="v7")
+    assert engine.served_weight_version() == "7"
+    assert [c["token_ids"] for c in generate(server, "m")] != before
+    engine.swap(8, base, digest="v8")  # back to the weights the server started with: the same text
+    assert [c["token_ids"] for c in generate(server, "m")] == before
+    engine.close()
