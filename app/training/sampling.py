@@ -362,8 +362,10 @@ class SamplerHub:
             with self._lock:
                 server = self._agents[session.store_model]
         if not server.agent.wait_for_version(session.version, self.wait_s):
+            last_error = server.agent.status().get("last_error")
             raise SamplerUnavailable(f"the agent of {session.store_model} did not reach version {session.version} "
-                                     f"within {self.wait_s:g} s (it serves {server.agent.served_version()})")
+                                     f"within {self.wait_s:g} s (it serves {server.agent.served_version()}"
+                                     + (f"; last error: {last_error}" if last_error else "") + ")")
         return server
 
     def _base_engine(self, base_dir: str) -> Any:
