@@ -43,6 +43,18 @@ def vllm_python() -> str | None:
     return find_vllm_python()
 
 
+def require_vllm() -> None:
+    """At the top of a test module that runs the real vLLM: skips the module when there is no vLLM
+    venv, or fails it when WEIGHTSYNC_REQUIRE_VLLM=1 (CI), where a skip would hide a broken install."""
+    if vllm_python() is not None:
+        return
+    if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
+        raise RuntimeError("WEIGHTSYNC_REQUIRE_VLLM=1 but no vLLM venv: run scripts/setup_vllm.sh")
+    import pytest
+
+    pytest.skip("no vLLM venv (bash scripts/setup_vllm.sh makes .venv-vllm)", allow_module_level=True)
+
+
 def write_qwen3(directory: Path, *, seed: int = 0, **overrides) -> int:
     """A random Qwen3 written by transformers (config.json + model.safetensors, bf16) in
     `directory`; returns its parameter count. Runs in vLLM's venv, which has transformers."""

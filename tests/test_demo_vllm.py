@@ -5,19 +5,15 @@ carry the version vLLM reported before and after it was sampled."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from harness.vllm import vllm_python
+from harness.vllm import require_vllm
 from weightsync.app.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm]
 
-if vllm_python() is None:
-    if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
-        raise RuntimeError("WEIGHTSYNC_REQUIRE_VLLM=1 but no vLLM venv: run scripts/setup_vllm.sh")
-    pytest.skip("no vLLM venv (bash scripts/setup_vllm.sh makes .venv-vllm)", allow_module_level=True)
+require_vllm()
 
 
 @pytest.mark.timeout(1800)

@@ -28,10 +28,7 @@ from weightsync.store import LocalStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-if vh.vllm_python() is None:
-    if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
-        raise RuntimeError("WEIGHTSYNC_REQUIRE_VLLM=1 but no vLLM venv: run scripts/setup_vllm.sh")
-    pytest.skip("no vLLM venv (bash scripts/setup_vllm.sh makes .venv-vllm)", allow_module_level=True)
+vh.require_vllm()
 
 from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
 

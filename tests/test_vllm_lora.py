@@ -10,7 +10,6 @@ WEIGHTSYNC_REQUIRE_VLLM=1, so these tests fail there rather than skip when vLLM 
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 
@@ -26,10 +25,7 @@ from weightsync.store import LocalStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-if vh.vllm_python() is None:
-    if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
-        raise RuntimeError("WEIGHTSYNC_REQUIRE_VLLM=1 but no vLLM venv: run scripts/setup_vllm.sh")
-    pytest.skip("no vLLM venv (bash scripts/setup_vllm.sh makes .venv-vllm)", allow_module_level=True)
+vh.require_vllm()
 
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
