@@ -10,6 +10,7 @@ WEIGHTSYNC_REQUIRE_VLLM=1, so these tests fail there rather than skip when vLLM 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from harness import vllm as vh
 from weightsync import Publisher, Reader
-from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.publisher import PublisherConfig
 from weightsync.store import LocalStore
 
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 vh.require_vllm()
 
+from weightsync.agents import vllm_lora
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
@@ -178,6 +180,62 @@ def test_adapters_vllm_cannot_serve_are_refused_before_the_server_is_touched(ser
         engine.swap(2, whole, digest="x")
     assert engine.served_version() == 1 and not is_paused(server)
     assert engine.served_weight_version() == "1"
+    engine.close()
+
+
+def test_a_damaged_adapter_handoff_is_caught_in_the_engine_and_the_served_version_stays(server, published,
+                                                                                        monkeypatch):
+    store, _ = published
+    engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name="policy"))
+    weights1, digest1 = read_version(store, 1)
+    engine.swap(1, weights1, digest=digest1)
+    original = engine._write_handoff
+
+    def write_then_damage(path, weights):
+        hashes = original(path, weights)
+        with open(path, "r+b") as f:  # one flipped byte in the last tensor's data
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x40]))
+        return hashes
+
+    monkeypatch.setattr(engine, "_write_handoff", write_then_damage)
+    weights2, digest2 = read_version(store, 2)
+    with pytest.raises(IntegrityError, match="damaged between the agent and this worker"):
+        engine.swap(2, weights2, digest=digest2)
+    monkeypatch.undo()
+    assert engine.health()["healthy"] and engine.served_version() == 1 and not is_paused(server)
+    vllm_lora.verify(1, weights1, engine.rpc("weightsync_lora_digest", str(engine._lora_id)), SCALE, {},
+                     {"bfloat16": torch.bfloat16})  # the workers still hold v1's adapter exactly
+    engine.close()
+
+
+def test_a_worker_holding_another_adapter_keeps_the_server_paused_until_a_good_swap(server, published, monkeypatch,
+                                                                                   tmp_path):
+    store, _ = published
+    engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name="policy"))
+    weights1, digest1 = read_version(store, 1)
+    engine.swap(1, weights1, digest=digest1)
+    original = engine._load_adapter
+
+    def load_then_lie(path):
+        reports = original(path)
+        name = min(reports[0]["tensors"])
+        reports[0]["tensors"][name][1] = "0" * 32
+        return reports
+
+    monkeypatch.setattr(engine, "_load_adapter", load_then_lie)
+    weights2, digest2 = read_version(store, 2)
+    with pytest.raises(IntegrityError, match="does not serve what was published"):
+        engine.swap(2, weights2, digest=digest2)
+    monkeypatch.undo()
+    assert not engine.health()["healthy"] and engine.served_version() is None
+    assert is_paused(server), "an adapter nobody verified must not be served"
+    engine.swap(2, weights2, digest=digest2)  # registers the adapter afresh, verified
+    assert engine.health()["healthy"] and engine.served_version() == 2 and not is_paused(server)
+    held = held_adapter(engine, tmp_path)
+    assert all(torch.equal(held[n], t) for n, t in as_held(weights2).items())
     engine.close()
 
 
