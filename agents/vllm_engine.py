@@ -169,6 +169,7 @@ class VllmEngine:
                                                         else tempfile.gettempdir()))
         self.weights_kinds = ("adapter",) if config.lora_name else ("model",)
         self._lora_id: int | None = None  # vLLM's id for lora_name, once this engine registered it
+        self._remove_stale_handoffs()
         self._wait_until_up()
         self.routes = self._probe_routes()
         self.workers = self._probe_extension()
@@ -400,6 +401,20 @@ class VllmEngine:
                               f"{len(missing)} tensors missing {missing[:5]}, {len(unexpected)} unexpected "
                               f"{unexpected[:5]}; the published model's architecture does not match")
 
+    def _remove_stale_handoffs(self) -> None:
+        """Deletes handoffs (files, and staged adapter directories) that an agent killed mid-swap
+        left on the tmpfs: each would hold up to a model's bytes of memory until the host reboots.
+        Only those whose writer (the pid in the name) is no longer running are touched."""
+        for path in self._handoff_dir.glob("weightsync-v*-*-*"):
+            parts = path.name.split("-")
+            if len(parts) < 4 or not parts[2].isdigit() or _pid_alive(int(parts[2])):
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            logger.info("removed %s, a handoff left by a process that is gone", path)
+
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy, self._last_error = False, reason
         self._lora_id = None  # the next swap registers the adapter afresh
@@ -492,6 +507,16 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float
                        torch.int64: "I64", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
                        torch.float8_e5m2: "F8_E5M2"}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS_DTYPES}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,9 +286,12 @@ url = "{server.url}"
         agent.kill()
         agent.wait(timeout=60)
         long_request.join(timeout=600)
+        left = list(Path("/dev/shm").glob(f"weightsync-v*-{agent.pid}-*"))
 
         agent = start_agent()
         wait_serving(5)
+        # The handoff the killed agent left on the tmpfs is gone (it would hold a model's bytes).
+        assert not [p for p in left if p.exists()], left
         weights5, _ = read_version(store, 5)
         engine._verify(5, weights5, engine.rpc("weightsync_digest"))
         assert torch.equal(held_params(engine, tmp_path)["model.norm.weight"], weights5["model.norm.weight"])
