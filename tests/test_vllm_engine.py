@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -40,14 +39,14 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400]]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3")
-    vh.write_qwen3(directory, seed=0)
+    vh.write_qwen3(directory, seed=0, max_position_embeddings=2048)  # room for long generations
     return directory
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     # --enable-scale-out: the token-in/token-out route that reports weight versions per token span
-    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log",
+    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log", max_model_len=2048,
                        extra_args=("--enable-scale-out",)) as srv:
         srv.wait_ready()
         yield srv
@@ -331,58 +330,78 @@ def test_a_server_without_the_dev_routes_is_refused_naming_the_variable():
         server.server_close()
 
 
-def generate_streaming(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
-    """POST /inference/v1/generate, greedy, streamed; sets `started` at the first tokens; returns
-    {"token_ids", "weight_versions"} of the one choice (the spans come with the last chunk)."""
-    body = {"token_ids": prompt, "stream": True,
-            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
-    request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    tokens, spans = [], None
-    with urllib.request.urlopen(request, timeout=600) as reply:
-        for raw in reply:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[5:])["choices"]:
-                tokens += choice.get("token_ids") or []
-                spans = choice.get("weight_versions") or spans
-            if tokens:
-                started.set()
-    return {"token_ids": tokens, "weight_versions": spans}
+# A client in its own process (and session) that starts a greedy generation and, `delay_s` later,
+# freezes it (`freeze`: /pause?mode=keep, what an in_flight swap's own pause does) or only says
+# that it is under way. Neither can be timed from the test process: on a loaded machine the
+# kernel may not run the test's threads again until vLLM is idle (measured: a thread start
+# returned 9 s late, all of it run-queue wait), and vLLM's API process, behind its engine, then
+# delivers a stream in one burst and handles a pause only after the last token. The reply is not
+# streamed, which keeps the API process up with its engine.
+_GENERATE_AND_FREEZE = """
+import json, sys, threading, time, urllib.request
+url, prompt, max_tokens, delay_s, freeze = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), \
+    float(sys.argv[4]), sys.argv[5] == "freeze"
+body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+answers = []
+generation = threading.Thread(target=lambda: answers.append(json.load(urllib.request.urlopen(request, timeout=600))))
+generation.start()
+time.sleep(delay_s)
+if freeze:
+    urllib.request.urlopen(urllib.request.Request(url + "/pause?mode=keep", method="POST"), timeout=600).read()
+print(json.dumps({"under_way": True}), flush=True)
+generation.join()
+choice = answers[0]["choices"][0]
+print(json.dumps({"token_ids": choice["token_ids"], "weight_versions": choice["weight_versions"]}), flush=True)
+"""
+
+
+def generate_and_freeze(url: str, prompt: list[int], max_tokens: int, delay_s: float, freeze: bool) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _GENERATE_AND_FREEZE, url, json.dumps(prompt), str(max_tokens),
+                             str(delay_s), "freeze" if freeze else "run"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def read_line(process: subprocess.Popen) -> dict:
+    line = process.stdout.readline()
+    assert line, f"the generating client exited with {process.wait(60)} before answering"
+    return json.loads(line)
 
 
 @pytest.mark.parametrize("policy", ["in_flight", "drain"])
 def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engine, server, published, policy):
-    """in_flight (pause mode keep, running requests' KV recomputed): a long greedy generation spans
-    the swap, the response lists both versions with their token spans, and the tokens after the
-    switch are what the new version generates from that prefix (the server, now on the new version
-    alone, asked for the continuation of prompt + the tokens before the switch; the test above
-    shows it answers as a fresh server). drain (pause mode wait): the response is one version's."""
+    """A swap meets a long greedy generation. in_flight (pause mode keep, running requests' KV
+    recomputed; the generation is frozen the same way mid-way, then swapped): the response lists both versions with their token spans, and
+    the tokens after the switch are what the new version generates from that prefix (the server,
+    now on the new version alone, asked for the continuation of prompt + the tokens before the
+    switch; the test above shows it answers as a fresh server). drain (pause mode wait; the
+    generation is not frozen, it runs on while the swap waits): every response is one version's."""
     store, _ = published
-    prompt, new_tokens = PROMPTS[0], 200
+    prompt, new_tokens = PROMPTS[0], 1500
     versions = {v: read_version(store, v) for v in (3, 4)}  # v4 changes greedy text
-    for attempt in range(8):  # in_flight: until a swap lands mid-generation (a fast machine may finish first)
+    # The freeze must land after the first token and before the last: the wait before it adapts,
+    # shorter when all tokens were the old version's, longer when all were the new one's.
+    delay_s, outcomes = 0.3, []
+    for attempt in range(8):
         old, new = (3, 4) if attempt % 2 == 0 else (4, 3)
         engine.swap(old, versions[old][0], digest=versions[old][1])
-        started, answers = threading.Event(), []
-        client = threading.Thread(target=lambda: answers.append(generate_streaming(server.url, prompt, new_tokens,
-                                                                                   started)))
-        client.start()
-        assert started.wait(600)
-        if policy == "in_flight":
-            # Freeze the generation first (what the swap's own pause does) so that the swap meets
-            # it however fast this machine generates; the swap pauses again, loads and resumes.
-            vh.post_json(server.url + "/pause?mode=keep")
-        engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
-        client.join(600)
-        tokens, spans = answers[0]["token_ids"], answers[0]["weight_versions"]
+        client = generate_and_freeze(server.url, prompt, new_tokens, delay_s, freeze=policy == "in_flight")
+        try:
+            assert read_line(client)["under_way"]
+            engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
+            answer = read_line(client)
+        finally:
+            client.kill()
+            client.wait(60)
+        tokens, spans = answer["token_ids"], answer["weight_versions"]
+        outcomes.append({"wait_s": delay_s, "spans": spans})
         assert len(tokens) == new_tokens and spans[0]["start"] == 0 and spans[-1]["end"] == new_tokens
-        if policy == "drain":
-            assert spans == [{"version": str(old), "start": 0, "end": new_tokens}]
-            return
-        if len(spans) == 1:
-            assert spans[0]["version"] == str(old)  # it ended before the pause: try again
+        if len(spans) == 1 or policy == "drain":
+            assert len(spans) == 1 and spans[0]["version"] in (str(old), str(new)), spans
+            if policy == "drain":
+                return
+            delay_s = delay_s / 2 if spans[0]["version"] == str(old) else delay_s * 2
             continue
         assert [s["version"] for s in spans] == [str(old), str(new)]
         switch = spans[0]["end"]
@@ -391,7 +410,7 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
                                    ignore_eos=True)["token_ids"]
         assert tokens[switch:] == continuation, "the tokens after the switch are not the new version's"
         return
-    pytest.fail("no swap landed during a 200-token generation in 8 attempts")
+    pytest.fail(f"no freeze landed mid-generation in 8 attempts: {outcomes}")
 
 
 def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine, server, published, monkeypatch):
