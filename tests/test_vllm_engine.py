@@ -372,11 +372,12 @@ def read_line(process: subprocess.Popen) -> dict:
 @pytest.mark.parametrize("policy", ["in_flight", "drain"])
 def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engine, server, published, policy):
     """A swap meets a long greedy generation. in_flight (pause mode keep, running requests' KV
-    recomputed; the generation is frozen the same way mid-way, then swapped): the response lists both versions with their token spans, and
-    the tokens after the switch are what the new version generates from that prefix (the server,
-    now on the new version alone, asked for the continuation of prompt + the tokens before the
-    switch; the test above shows it answers as a fresh server). drain (pause mode wait; the
-    generation is not frozen, it runs on while the swap waits): every response is one version's."""
+    recomputed; the generation is frozen the same way mid-way, then swapped): the response lists
+    both versions with their token spans, and the tokens after the switch are what the new version
+    generates from that prefix (the server, now on the new version alone, asked for the
+    continuation of prompt + the tokens before the switch; the test above shows it answers as a
+    fresh server). drain (pause mode wait; the generation is not frozen, it runs on while the swap
+    waits): every response is one version's."""
     store, _ = published
     prompt, new_tokens = PROMPTS[0], 1500
     versions = {v: read_version(store, v) for v in (3, 4)}  # v4 changes greedy text
