@@ -460,6 +460,7 @@ def test_clock_skew_in_manifests_does_not_matter(gen, start_agent):
 # ------------------------------------------------------------------------------ known bugs
 
 
+@pytest.mark.slow
 def test_a_bogus_unsigned_offer_does_not_hide_the_stores_real_version(start_agent):
     server, store_dir = start_agent("open")
     wire = Wire(server.address)

@@ -190,6 +190,7 @@ def test_an_object_corrupted_in_flight_is_refused_and_fetched_from_the_store(tmp
     agent.stop(0)
 
 
+@pytest.mark.slow
 def test_an_agent_offline_for_five_versions_catches_up(tmp_path, cluster):
     store, agents, publisher, _ = cluster
     trainer = FakeTrainer(2)
@@ -340,6 +341,7 @@ def test_tls_and_mutual_tls(tmp_path):
     agent.stop(0)
 
 
+@pytest.mark.slow
 def test_requests_during_continuous_swaps_see_one_version_each_never_going_backwards(cluster):
     store, agents, publisher, _ = cluster
     trainer = FakeTrainer(6)

@@ -137,6 +137,7 @@ def pushers():
         pusher.close(timeout_s=1)
 
 
+@pytest.mark.slow
 def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_agent, pushers):
     """A relay that offers a version its peer already passed (the peer caught up from the store)
     gets FAILED_PRECONDITION: that version is done for that peer, and the next one must follow.
@@ -154,6 +155,7 @@ def test_a_stale_offer_does_not_hold_back_the_versions_after_it(gen, push_only_a
     assert agent.engine.served().digest == digest
 
 
+@pytest.mark.slow
 def test_a_pusher_survives_a_reply_lost_on_the_link(gen, push_only_agent, pushers):
     agent = push_only_agent
     pusher = pushers(agent, gen.MODEL)

@@ -149,6 +149,7 @@ def test_every_subcommand_has_help(command, capsys):
     assert "--json" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_real_subprocess_and_help_does_not_import_torch(tmp_path):
     _, second, _, c2 = _checkpoints(tmp_path)
     script = "import sys, weightsync.app.cli; sys.exit('torch' in sys.modules)"

@@ -551,6 +551,7 @@ def test_failed_chunk_write_fails_the_version_and_the_next_is_full(tmp_path, mak
     _assert_versions_read_back(store, {1: published_view(sd1), 3: published_view(sd3)}, assert_bit_equal)
 
 
+@pytest.mark.slow
 def test_commits_stay_in_version_order_when_a_version_fails_early(tmp_path, make_state_dict, perturb, published_view,
                                                                   assert_bit_equal):
     """v1 is slow to commit, v2 fails while encoding, v3 (a full version) must still commit

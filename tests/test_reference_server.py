@@ -113,6 +113,7 @@ def test_sampling_is_seeded_and_stop_tokens_end_completions(server):
     assert stopped["completions"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", SWAP_POLICIES)
 def test_hammer_every_token_comes_from_a_swapped_in_version(server, policy):
     """Clients generate without pause while the agent swaps versions and, as it would with double

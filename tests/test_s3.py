@@ -42,6 +42,7 @@ def test_create_only_commit_refuses_the_second_writer(s3_store):
     assert s3_store.get("models/m/versions/000000000001.json") == b"first"
 
 
+@pytest.mark.slow
 def test_cli_with_s3_uris(s3_store, s3_endpoint, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # how users point boto3 at MinIO/R2/...
     g = torch.Generator().manual_seed(0)

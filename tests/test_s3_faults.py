@@ -204,6 +204,7 @@ def test_connection_failures_botocore_gave_up_on_are_retried_by_the_store(proxy,
     assert store.get("k") == b"v" and not store.exists("new")
 
 
+@pytest.mark.slow
 def test_errors_left_unretried_once_botocores_retry_quota_is_spent_are_retried_by_the_store(proxy, bucket):
     """botocore's client-wide retry quota (500 units, 14 a retry, 1 back per plain success) is
     drained by a run of 500s; from then on it retries nothing, and a single 500 would fail a

@@ -159,6 +159,7 @@ def test_ranks_agree_on_rebases_whatever_the_timing(tmp_store, make_state_dict, 
         assert_bit_equal(reader.read(version).state_dict(), want)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_times_out_and_a_new_session_resumes(tmp_store, make_state_dict, perturb,
                                                            published_view, assert_bit_equal):
     ranks = [Publisher(tmp_store, model="m", config=CONFIG,
