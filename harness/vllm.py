@@ -129,6 +129,23 @@ class VllmServer:
         self.stop()
 
 
+def damage_handoffs(engine, monkeypatch) -> None:
+    """From now on every handoff the engine writes gets one byte flipped in its last tensor's data
+    after it was hashed: damage between the agent and the workers."""
+    original = engine._write_handoff
+
+    def write_then_damage(path, weights):
+        hashes = original(path, weights)
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x40]))
+        return hashes
+
+    monkeypatch.setattr(engine, "_write_handoff", write_then_damage)
+
+
 def complete(url: str, prompt: list[int], *, max_tokens: int = 8, timeout_s: float = 600.0, **extra) -> dict:
     """POST /v1/completions with token ids, greedy; the first choice (with `token_ids`)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,

@@ -10,7 +10,6 @@ WEIGHTSYNC_REQUIRE_VLLM=1, so these tests fail there rather than skip when vLLM 
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 
@@ -189,18 +188,7 @@ def test_a_damaged_adapter_handoff_is_caught_in_the_engine_and_the_served_versio
     engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name="policy"))
     weights1, digest1 = read_version(store, 1)
     engine.swap(1, weights1, digest=digest1)
-    original = engine._write_handoff
-
-    def write_then_damage(path, weights):
-        hashes = original(path, weights)
-        with open(path, "r+b") as f:  # one flipped byte in the last tensor's data
-            f.seek(-3, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-3, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0x40]))
-        return hashes
-
-    monkeypatch.setattr(engine, "_write_handoff", write_then_damage)
+    vh.damage_handoffs(engine, monkeypatch)
     weights2, digest2 = read_version(store, 2)
     with pytest.raises(IntegrityError, match="damaged between the agent and this worker"):
         engine.swap(2, weights2, digest=digest2)
