@@ -248,6 +248,13 @@ def test_the_encoder_gives_up_past_its_limit():
     assert np.array_equal(out, new)
 
 
+def test_warm_up_round_trips_every_dtype_it_is_given():
+    """What bench/chaos runs before its cluster starts, so no process compiles inside a measured bound."""
+    ctx_codec.warm_up(sorted(BY_NAME))
+    with pytest.raises(Exception, match="no_such_dtype"):
+        ctx_codec.warm_up(["no_such_dtype"])
+
+
 def test_a_wrong_changed_count_is_a_caller_bug():
     old = np.zeros(10, np.uint16)
     new = old.copy()
