@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from weightsync import ctx_codec
 from weightsync.dtypes import BY_NAME, dtype_by_name
-from weightsync.errors import FormatError
+from weightsync.errors import FormatError, UnsupportedFormatError
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -251,7 +251,7 @@ def test_the_encoder_gives_up_past_its_limit():
 def test_warm_up_round_trips_every_dtype_it_is_given():
     """What bench/chaos runs before its cluster starts, so no process compiles inside a measured bound."""
     ctx_codec.warm_up(sorted(BY_NAME))
-    with pytest.raises(Exception, match="no_such_dtype"):
+    with pytest.raises(UnsupportedFormatError, match="no_such_dtype"):
         ctx_codec.warm_up(["no_such_dtype"])
 
 
