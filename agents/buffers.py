@@ -8,7 +8,7 @@ delta. Copying engines keep their own copy, so one buffer is rewritten in place.
 about one or two models, never a copy per version of a chain.
 
 States of the spare (zero-copy): none (before the second swap) -> behind (it was served as an
-older version) -> caught up (advanced to the served version while idle) -> staging (rewritten
+older version) -> caught up (a copy of the served version, made while idle) -> staging (rewritten
 for the next version) -> served (swapped in; the old served buffer becomes the spare).
 
 Not here: applying versions (the Reader), deciding what to build (`sync.py`), the engine.
@@ -21,12 +21,14 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from weightsync.agents.engine import Engine
 from weightsync.dtypes import dtype_by_name
-from weightsync.errors import ResourceExhausted, WeightsyncError
+from weightsync.errors import ResourceExhausted
 from weightsync.hashing import xxh3_hex
 from weightsync.manifest import compute_digest
-from weightsync.reader import Reader, WeightsState
+from weightsync.reader import WeightsState
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +81,33 @@ class Buffers:
         """Versions the buffers hold: the cache must keep what brings them forward by deltas."""
         return {s.manifest.version for s in (self.served, self.spare) if s is not None and s.manifest is not None}
 
-    def catch_up_spare(self, reader: Reader, name: str) -> None:
+    def catch_up_spare(self) -> None:
         """While idle, brings the spare buffer (zero-copy engines: the one swapped out, a version
-        behind) up to the served version, so that the next version costs one delta on the
-        critical path instead of two. Skipped while requests still run on it; on any failure the
-        spare is simply rebuilt by the next sync."""
+        behind, or left invalid by a failed sync) up to the served version, so that the next
+        version costs one delta on the critical path instead of two or a whole base.
+
+        It copies the served bytes rather than applying the deltas again. A memcpy costs about a
+        tenth of decoding them (0.1 GiB: 10 ms against 0.12 CPU-seconds on this project's 2-core
+        machine), and this runs while the next version is being published and pushed, on cores
+        that its encode and receive may share. The copied bytes were verified when they were
+        applied, and the next version's apply hashes every byte of its target, changed or not.
+        Skipped while requests still run on the spare's memory."""
         spare, served = self.spare, self.served
-        if (spare is None or served is None or spare.manifest is None or served.manifest is None
-                or spare.manifest.version >= served.manifest.version):
+        if spare is None or served is None or served.manifest is None:
+            return
+        if spare.manifest is not None and (spare.manifest.version, spare.manifest.digest) == (
+                served.manifest.version, served.manifest.digest):
             return
         if not self.engine.wait_unused(self.spare_served_as, 0.2):
             return
-        try:
-            reader.advance(spare, served.manifest.version)
-        except WeightsyncError as e:
-            log.info("%s: spare buffer left for the next sync to rebuild (%s)", name, e)
+        spare.manifest = None  # invalid while it is rewritten
+        if spare.buffers.keys() != served.buffers.keys() or any(
+                spare.buffers[k].nbytes != b.nbytes for k, b in served.buffers.items()):
+            spare.buffers.clear()  # the layout changed (a rebase): new memory, the old freed first
+            spare.buffers.update({k: np.empty_like(b) for k, b in served.buffers.items()})
+        for k, b in served.buffers.items():
+            np.copyto(spare.buffers[k], b)
+        spare.manifest = served.manifest
 
     def served_digest(self) -> str:
         """The version digest recomputed from the bytes served now (every chunk range of the

@@ -223,7 +223,7 @@ class SyncAgent:
                 self._poll_store()
             target = self._newest()
             if target is None:
-                self.buffers.catch_up_spare(self.reader, self.config.name)
+                self.buffers.catch_up_spare()
                 continue
             try:
                 self._sync_to(target)

@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,9 +148,20 @@ class CorruptingPusher(Pusher):
         super().on_object(version, object_xxh3, obj)
 
 
+def _wait_for_spare(agent: AgentServer, version: int):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        spare = agent.agent.buffers.spare
+        if spare.manifest is not None and spare.manifest.version == version:  # None while it is rewritten
+            return spare
+        time.sleep(0.05)
+    raise AssertionError(f"the spare buffer never caught up with v{version} in {WAIT_S} s")
+
+
 def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
     """Zero-copy engines double-buffer; once idle, the agent catches the spare up with the served
-    version, so the next version is one delta on the critical path, not two."""
+    version (a copy of its bytes, in the spare's own memory), so the next version is one delta on
+    the critical path, not two; a spare a failed sync left invalid is rebuilt the same way."""
     store = LocalStore(tmp_path / "store")
     agent = _agent(tmp_path, "a", store)
     pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL))
@@ -157,15 +169,17 @@ def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
     with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher]) as publisher:
         for step in range(3):
             version = publisher.publish(trainer.state_dict(), step=step).result().version
-            _assert_serves(agent, version, trainer.published())
+            served = trainer.published()
+            _assert_serves(agent, version, served)
             trainer.step()
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            spare = agent.agent.buffers.spare.manifest  # None while the catch-up applies into it
-            if spare is not None and spare.version == 3:
-                break
-            time.sleep(0.05)
-        assert spare is not None and spare.version == 3, f"the spare buffer never caught up with v3 in {WAIT_S} s"
+        spare = _wait_for_spare(agent, 3)
+        assert_bit_equal(spare.state_dict(), served)
+        held = agent.agent.buffers.served
+        assert not any(np.shares_memory(spare.buffers[k], held.buffers[k]) for k in held.buffers)
+        spare.buffers.clear()  # what a sync that failed mid-apply leaves (weightsync/reader.py)
+        spare.manifest = None
+        spare = _wait_for_spare(agent, 3)
+        assert_bit_equal(spare.state_dict(), served)
         version = publisher.publish(trainer.state_dict(), step=3).result().version
         _assert_serves(agent, version, trainer.published())
     assert agent.agent.status()["ledger"][0]["path"] == "deltas 3->4"
