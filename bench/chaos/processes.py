@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -23,9 +24,24 @@ from bench.chaos.config import ARCH, MODEL, REPO
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free port below the kernel's ephemeral range, for an agent that is killed and restarted
+    on it. A port inside that range can be taken, while the agent is down, as the source port of
+    any outgoing connection on the machine (a loaded CI machine makes many), and the restart then
+    fails with "address in use"; ports below it are only ever taken by an explicit bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    pick = random.SystemRandom()
+    for _ in range(1000):
+        port = pick.randrange(max(1024, low - 10000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (starting at {low}) in 1000 tries")
 
 
 def rss_mb(pid: int) -> float | None:
