@@ -101,12 +101,13 @@ class Buffers:
         if not self.engine.wait_unused(self.spare_served_as, 0.2):
             return
         spare.manifest = None  # invalid while it is rewritten
-        if spare.buffers.keys() != served.buffers.keys() or any(
-                spare.buffers[k].nbytes != b.nbytes for k, b in served.buffers.items()):
-            spare.buffers.clear()  # the layout changed (a rebase): new memory, the old freed first
-            spare.buffers.update({k: np.empty_like(b) for k, b in served.buffers.items()})
+        # Each tensor's memory is reused when its size still fits (as the Reader does for a base).
+        old, spare.buffers = spare.buffers, {}
         for k, b in served.buffers.items():
+            buf = old.pop(k, None)
+            spare.buffers[k] = buf if buf is not None and buf.nbytes == b.nbytes else np.empty_like(b)
             np.copyto(spare.buffers[k], b)
+        old.clear()
         spare.manifest = served.manifest
 
     def served_digest(self) -> str:
