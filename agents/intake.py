@@ -1,16 +1,17 @@
 """intake: what pushers send a sync agent (a publisher, or the agent upstream of it in a relay).
 
 Runs on gRPC threads and only records: an offered manifest goes to the agent's `accept` (parsed,
-signature checked, version checked against what is served) and is relayed to the peers; a pushed
-object is checked against its content address and the pending-bytes quota, written to the cache
-and relayed. The sync thread asks it whether pushes are expected and waits while they make
-progress before it fetches the rest from the store.
+signature checked, version checked against what is served) and is relayed to the peers once this
+agent holds the version's objects; a pushed object is checked against its content address and the
+pending-bytes quota, written to the cache and relayed. The sync thread asks it whether pushes are
+expected and waits while they make progress before it fetches the rest from the store.
 
 Not here: choosing, verifying and applying versions (`sync.py`), the gRPC plumbing (`server.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,23 @@ from weightsync.hashing import is_hash_hex
 from weightsync.manifest import ChunkRef
 from weightsync.metrics import Metrics
 from weightsync.push import Pusher
+
+
+@dataclasses.dataclass
+class _HeldOffer:
+    """An offer to relay once the objects it still waits for have come (and gone on to the peers)."""
+
+    version: int
+    manifest: bytes
+    signature: bytes | None
+    hops: int
+    waiting: set[str]
+
+
+def _arrived(offer: _HeldOffer, address: str) -> bool:
+    """Marks `address` as here; whether `offer` waits for nothing more."""
+    offer.waiting.discard(address)
+    return not offer.waiting
 
 
 def check_model(serves: str, model: str) -> None:
@@ -46,6 +64,7 @@ class PushIntake:
         self.pending_bytes = 0  # pushed since the last swap: bounded by config.max_pending_bytes
         self.progress = 0  # objects received so far; the sync thread watches it to see pushes advance
         self.last_offer = float("-inf")  # monotonic time of the last offer that came by push
+        self._held: dict[int, _HeldOffer] = {}  # offers to relay, by version, until their objects are here
 
     def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
               origin: str, hops: int) -> tuple[bool, list[str]]:
@@ -64,11 +83,41 @@ class PushIntake:
         with self._cond:
             if version <= self._served_version():
                 return False, []
-        if self.relay is not None:
-            self.relay.offer(version, known.data, known.signature, hops=hops + 1)
         missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
                           if c.object and not self.cache.has_object(c.object)})
+        if self.relay is not None:
+            self._relay_offer(_HeldOffer(version, known.data, known.signature, hops + 1, set(missing)))
         return True, missing
+
+    def _relay_offer(self, offer: _HeldOffer) -> None:
+        """Relays `offer` now if none of its objects is still on the way, else once they are.
+
+        A pusher offers a commit while the version's last objects may still be in flight (it does
+        not wait for its stream's reply), so an offer can come before them. Relayed at once, it
+        would reach the peers before the objects this agent relays as they arrive, and a peer's
+        pusher that is done with a version drops its later objects: the peers would wait for
+        pushes that never come, then fetch from the store. Held until its objects have come by
+        push, or until the sync has fetched the rest (`objects_gathered`)."""
+        with self._cond:
+            offer.waiting = {a for a in offer.waiting if not self.cache.has_object(a)}
+            if offer.waiting:
+                self._held[offer.version] = offer
+                return
+        self.relay.offer(offer.version, offer.manifest, offer.signature, hops=offer.hops)
+
+    def _release(self, ready: Callable[[_HeldOffer], bool]) -> None:
+        with self._cond:
+            released = [offer for offer in self._held.values() if ready(offer)]
+            for offer in released:
+                del self._held[offer.version]
+        for offer in sorted(released, key=lambda o: o.version):
+            self.relay.offer(offer.version, offer.manifest, offer.signature, hops=offer.hops)
+
+    def objects_gathered(self, version: int) -> None:
+        """The sync holds every object up to `version` (pushed or fetched and relayed): held offers
+        up to it go to the peers."""
+        if self._held:
+            self._release(lambda offer: offer.version <= version)
 
     def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
         """One pushed object: kept (True) if new, verified against its address first."""
@@ -95,6 +144,8 @@ class PushIntake:
         self.metrics.inc("agent/bytes_received", len(data), source="push")
         if self.relay is not None:
             self.relay.on_object(version, address, data)
+            if self._held:
+                self._release(lambda offer: _arrived(offer, address))
         with self._cond:
             self.progress += 1
             self._cond.notify_all()

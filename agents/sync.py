@@ -437,6 +437,7 @@ class SyncAgent:
         entry.bytes_pushed += sum(r.size for r in refs.values()) - fetched
         for known in path:  # manifests after their objects: the cache stays a valid store
             self.cache.put_manifest(known.manifest.version, known.data)
+        self.intake.objects_gathered(target.manifest.version)
 
     def _fetch(self, missing: dict[str, ChunkRef], version: int) -> int:
         """Fetches objects from the store into the cache and relays them to the peers as part of

@@ -1,8 +1,10 @@
 """The Pusher against a real agent (gRPC on 127.0.0.1): a late object for a version the pusher is
-done with does not stall the versions after it, and confirmed objects leave its buffer."""
+done with does not stall the versions after it, confirmed objects leave its buffer, and a commit's
+offer does not wait for the version's object stream to close."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from test_agents import MODEL, PUBLISH, PUSH_ONLY, PUSH_ONLY_GIVE_UP_S, WAIT_S, _agent, _assert_serves
@@ -54,6 +56,62 @@ def test_a_late_object_for_a_finished_version_does_not_stall_the_next(tmp_path):
             time.sleep(0.05)
         assert pusher.idle(), "the late object left a version behind that never finishes"
         assert pusher._targets[0]._buffered == 0, "confirmed objects were released"
+    finally:
+        pusher.close(timeout_s=5)
+        agent.stop(0)
+
+
+class OfferGate:
+    """Makes an agent hold each pushed object of versions >= 2 until that version's offer has
+    arrived: the last objects of a version still in flight on a slow link when it commits."""
+
+    def __init__(self, intake) -> None:
+        self._lock = threading.Lock()
+        self._offered: dict[int, threading.Event] = {}
+        self.waits: list[bool] = []  # per held object: whether its version's offer came (else it timed out)
+        self._offer, self._receive = intake.offer, intake.receive_object
+        intake.offer, intake.receive_object = self.offer, self.receive_object
+
+    def _event(self, version: int) -> threading.Event:
+        with self._lock:
+            return self._offered.setdefault(version, threading.Event())
+
+    def offer(self, **kwargs):
+        result = self._offer(**kwargs)
+        self._event(kwargs["version"]).set()
+        return result
+
+    def receive_object(self, **kwargs):
+        if kwargs["version"] >= 2:
+            self.waits.append(self._event(kwargs["version"]).wait(WAIT_S))
+        return self._receive(**kwargs)
+
+
+def test_the_offer_does_not_wait_for_the_version_s_object_stream_to_close(tmp_path):
+    """The pusher offers a committed version while its object stream is still open. Waiting for
+    the stream's reply first cost every version a round trip before the agent learnt of it; here
+    the agent holds the stream until the offer comes, so a pusher that waited would time out."""
+    store = LocalStore(tmp_path / "store")
+    agent = _agent(tmp_path, "a", store, **PUSH_ONLY)
+    gate = OfferGate(agent.agent.intake)
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, give_up_after_s=PUSH_ONLY_GIVE_UP_S))
+    recorder = Recorder()
+    trainer = FakeTrainer(12)
+    try:
+        with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher, recorder]) as publisher:
+            publisher.publish(trainer.state_dict()).result()
+            _assert_serves(agent, 1, trainer.published())
+            trainer.step()
+            result = publisher.publish(trainer.state_dict()).result()
+            _assert_serves(agent, result.version, trainer.published())
+            deadline = time.monotonic() + WAIT_S
+            while not pusher.idle() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert gate.waits and all(gate.waits), "an object of v2 waited for an offer that never came while it was held"
+        assert agent.agent.status()["ledger"][0]["bytes_fetched"] == 0, "v2 came by push, not from the store"
+        made = {(version, address): len(obj) for version, address, obj in recorder.objects}  # equal chunks: one object
+        assert pusher.stats()[agent.address]["sent_bytes"] == sum(made.values()), \
+            "objects the offer overtook were sent again although the stream delivered them"
     finally:
         pusher.close(timeout_s=5)
         agent.stop(0)

@@ -5,8 +5,10 @@ it each chunk object as soon as it exists and the manifest once the version is c
 each target agent it keeps a worker thread and a bounded buffer, and per version:
 
     objects   -> streamed as they arrive, in one PushObjects stream per version
-    committed -> that stream is closed (its reply confirms receipt), the manifest is offered,
-                 and the objects the agent still lacks (its answer) are streamed again
+    committed -> that stream is closed and the manifest offered at once (not after the stream's
+                 reply: that would cost a round trip per version); the stream's reply confirms
+                 receipt, and objects the agent still lacks (the offer's answer) that the stream
+                 did not deliver are streamed again
     failed    -> the version's buffered objects are dropped
 
 A broken stream or refused connection is retried with backoff; the retry starts with an offer
@@ -189,18 +191,19 @@ class _Target:
             return
         if state.resume:
             self._resume(state)
-        if state.unsent:
-            self._stream(state)
-        with self._cond:
-            offer = state.offer if not state.unsent else None
-        if offer is not None:
+        reply = self._stream(state, offer=True) if state.unsent else None
+        if reply is None:
+            with self._cond:
+                offer = state.offer if not state.unsent else None
+            if offer is None:
+                return
             reply = self.client.offer(offer)
-            if reply.decision == sync_pb2.OfferReply.WANTED and reply.missing:
-                with self._cond:
-                    state.unsent.extend(a for a in reply.missing if a in state.objects)
-                if state.unsent:
-                    self._stream(state)
-            self._finish(state)
+        if reply.decision == sync_pb2.OfferReply.WANTED and reply.missing:
+            with self._cond:  # what the stream delivered has left state.objects: only the rest again
+                state.unsent.extend(a for a in reply.missing if a in state.objects)
+            if state.unsent:
+                self._stream(state, offer=False)
+        self._finish(state)
 
     def _resume(self, state: _Version) -> None:
         """After a broken stream: ask which buffered objects the agent still lacks."""
@@ -223,43 +226,57 @@ class _Target:
         newer_offer = any(v > state.version and s.offer is not None for v, s in self._versions.items())
         return newer_offer or time.monotonic() - state.started > self.config.give_up_after_s
 
-    def _stream(self, state: _Version) -> None:
+    def _stream(self, state: _Version, *, offer: bool) -> sync_pb2.OfferReply | None:
         """One PushObjects stream: sends unsent objects of `state` while more keep arriving,
         until the version's offer is known and nothing is left to send. Objects the stream's
-        reply confirms leave the buffer at once (the agent has them)."""
+        reply confirms leave the buffer at once (the agent has them).
+
+        With `offer`, a stream that ends because the version is committed sends the offer before
+        it waits for the stream's reply, and returns the offer's reply. Waiting first cost a round
+        trip per version (the half-close out, the reply back) before the agent even learnt of the
+        commit. The offer can then overtake the last objects, so its reply may list them as
+        missing; the caller resends only what the stream's reply did not confirm."""
         frames: queue.Queue = queue.Queue()
         call = self.client.push_future(iter(frames.get, _END))
         sent: list[str] = []
+        reply = None
         try:
-            while True:
-                with self._cond:
-                    while (not state.unsent and state.offer is None and not state.failed and not self._closed
-                           and not self._waiting_is_pointless(state)):
-                        self._cond.wait(timeout=0.5)
-                    if not state.unsent:
-                        if state.offer is None and not state.failed and self._waiting_is_pointless(state):
-                            state.failed = True  # finished without an offer: the agent fetches what it lacks
+            try:
+                while True:
+                    with self._cond:
+                        while (not state.unsent and state.offer is None and not state.failed and not self._closed
+                               and not self._waiting_is_pointless(state)):
+                            self._cond.wait(timeout=0.5)
+                        if not state.unsent:
+                            if state.offer is None and not state.failed and self._waiting_is_pointless(state):
+                                state.failed = True  # finished without an offer: the agent fetches what it lacks
+                            break
+                        address = state.unsent.popleft()
+                        obj = state.objects[address]
+                    if call.done():  # the stream broke; its error surfaces below
                         break
-                    address = state.unsent.popleft()
-                    obj = state.objects[address]
-                if call.done():  # the stream broke; its error surfaces below
-                    break
-                frames.put(ObjectFrame(self.config.model, state.version, address, obj))
-                sent.append(address)
-                self.sent_bytes += len(obj)
-                self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
+                    frames.put(ObjectFrame(self.config.model, state.version, address, obj))
+                    sent.append(address)
+                    self.sent_bytes += len(obj)
+                    self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
+            finally:
+                frames.put(_END)
+            with self._cond:
+                pending_offer = state.offer if offer and not state.failed and not call.done() else None
+            if pending_offer is not None:
+                reply = self.client.offer(pending_offer)
         finally:
-            frames.put(_END)
-        try:
-            call.result()
-        except Exception as e:  # noqa: BLE001 - grpc.RpcError or a cancelled future: map it like any call failure
-            raise error_from_rpc(e, f"push of v{state.version} to {self.address}") from None
+            try:
+                call.result()
+            except Exception as e:  # noqa: BLE001 - grpc.RpcError or a cancelled future: map it like any call failure
+                raise error_from_rpc(e, f"push of v{state.version} to {self.address}") from None
         with self._cond:
             for address in sent:
                 obj = state.objects.pop(address, None)
                 if obj is not None:
                     self._buffered -= len(obj)
             self._cond.notify_all()
+        return reply
 
     def _finish(self, state: _Version) -> None:
         with self._cond:
