@@ -241,31 +241,31 @@ class _Target:
         sent: list[str] = []
         reply = None
         try:
-            try:
-                while True:
-                    with self._cond:
-                        while (not state.unsent and state.offer is None and not state.failed and not self._closed
-                               and not self._waiting_is_pointless(state)):
-                            self._cond.wait(timeout=0.5)
-                        if not state.unsent:
-                            if state.offer is None and not state.failed and self._waiting_is_pointless(state):
-                                state.failed = True  # finished without an offer: the agent fetches what it lacks
-                            break
-                        address = state.unsent.popleft()
-                        obj = state.objects[address]
-                    if call.done():  # the stream broke; its error surfaces below
+            while True:
+                with self._cond:
+                    while (not state.unsent and state.offer is None and not state.failed and not self._closed
+                           and not self._waiting_is_pointless(state)):
+                        self._cond.wait(timeout=0.5)
+                    if not state.unsent:
+                        if state.offer is None and not state.failed and self._waiting_is_pointless(state):
+                            state.failed = True  # finished without an offer: the agent fetches what it lacks
                         break
-                    frames.put(ObjectFrame(self.config.model, state.version, address, obj))
-                    sent.append(address)
-                    self.sent_bytes += len(obj)
-                    self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
-            finally:
-                frames.put(_END)
+                    address = state.unsent.popleft()
+                    obj = state.objects[address]
+                if call.done():  # the stream broke; its error surfaces below
+                    break
+                frames.put(ObjectFrame(self.config.model, state.version, address, obj))
+                sent.append(address)
+                self.sent_bytes += len(obj)
+                self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
+        finally:
+            frames.put(_END)
+        try:
             with self._cond:
                 pending_offer = state.offer if offer and not state.failed and not call.done() else None
             if pending_offer is not None:
                 reply = self.client.offer(pending_offer)
-        finally:
+        finally:  # the stream's outcome, whatever the offer's
             try:
                 call.result()
             except Exception as e:  # noqa: BLE001 - grpc.RpcError or a cancelled future: map it like any call failure
