@@ -97,7 +97,9 @@ class PushIntake:
         would reach the peers before the objects this agent relays as they arrive, and a peer's
         pusher that is done with a version drops its later objects: the peers would wait for
         pushes that never come, then fetch from the store. Held until its objects have come by
-        push, or until the sync has fetched the rest (`objects_gathered`)."""
+        push, or until the sync has fetched the rest (`objects_gathered`). The objects are checked
+        again under the lock that `receive_object` takes after caching one, so none can arrive
+        unseen between this check and the offer being held."""
         with self._cond:
             offer.waiting = {a for a in offer.waiting if not self.cache.has_object(a)}
             if offer.waiting:
@@ -140,12 +142,12 @@ class PushIntake:
                 raise ResourceExhausted(f"{self.pending_bytes} pushed bytes await a version; "
                                         f"limit {self.config.max_pending_bytes}")
             self.pending_bytes += len(data)
+        if self.relay is not None:  # before the cache: an object an offer finds cached is relayed already
+            self.relay.on_object(version, address, data)
         self.cache.put_object(address, data)
         self.metrics.inc("agent/bytes_received", len(data), source="push")
-        if self.relay is not None:
-            self.relay.on_object(version, address, data)
-            if self._held:
-                self._release(lambda offer: _arrived(offer, address))
+        if self.relay is not None:  # under the lock (in _release): an offer held just now is seen
+            self._release(lambda offer: _arrived(offer, address))
         with self._cond:
             self.progress += 1
             self._cond.notify_all()
