@@ -166,6 +166,10 @@ class PushIntake:
         deadline = time.monotonic() + self.config.push_wait_s
         with self._cond:
             seen = self.progress
+        # Objects cached before `seen` was read announce no more progress: look for them once
+        # first, or an offer that overtook its last objects (they land while the sync starts)
+        # would wait push_wait_s for progress that already happened.
+        missing = self.cache.missing(missing)
         while missing and not closed():
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -115,3 +115,33 @@ def test_the_offer_does_not_wait_for_the_version_s_object_stream_to_close(tmp_pa
     finally:
         pusher.close(timeout_s=5)
         agent.stop(0)
+
+
+def test_a_relay_passes_an_early_offer_on_only_after_its_objects(tmp_path):
+    """The leader gets v2's offer before v2's objects (OfferGate) and relays both to its follower.
+    Relayed at once, the offer would reach the follower first; the leader's pusher would then be
+    done with v2 and drop the objects that came after, and the follower, which does not poll the
+    store here, would wait in vain. Held until the objects are here, everything arrives by push."""
+    store = LocalStore(tmp_path / "store")
+    follower = _agent(tmp_path, "follower", store, **PUSH_ONLY)
+    leader = _agent(tmp_path, "leader", store, peers=[follower.address], **PUSH_ONLY)
+    gate = OfferGate(leader.agent.intake)
+    pusher = Pusher(PushConfig(targets=(leader.address,), model=MODEL, give_up_after_s=PUSH_ONLY_GIVE_UP_S))
+    trainer = FakeTrainer(13)
+    try:
+        with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher]) as publisher:
+            for _ in range(2):
+                result = publisher.publish(trainer.state_dict()).result()
+                for agent in (leader, follower):
+                    _assert_serves(agent, result.version, trainer.published())
+                trainer.step()
+        assert gate.waits and all(gate.waits), "the leader's objects of v2 were not held until its offer"
+        for agent in (leader, follower):
+            ledger = agent.agent.status()["ledger"]
+            assert [e["version"] for e in ledger if e["outcome"] == "served"] == [2, 1]
+            assert all(e["bytes_fetched"] == 0 for e in ledger), f"{agent.config.name} fetched from the store"
+        assert [e["source"] for e in follower.agent.status()["ledger"]] == ["leader", "leader"]
+    finally:
+        pusher.close(timeout_s=5)
+        leader.stop(0)
+        follower.stop(0)
