@@ -28,7 +28,14 @@ from weightsync.push import Pusher
 
 @dataclasses.dataclass
 class _HeldOffer:
-    """An offer to relay once the objects it still waits for have come (and gone on to the peers)."""
+    """An offer to relay once the objects it still waits for have come (and gone on to the peers).
+
+    A pusher offers a commit while the version's last objects may still be in flight (it does not
+    wait for its stream's reply), so an offer can come before them. Relayed at once, it would
+    reach the peers before the objects this agent relays as they arrive, and a peer's pusher that
+    is done with a version drops its later objects: the peers would wait for pushes that never
+    come, then fetch from the store. Held until its objects have come by push, or until the sync
+    has fetched the rest (`PushIntake.objects_gathered`)."""
 
     version: int
     manifest: bytes
@@ -80,32 +87,19 @@ class PushIntake:
             return True, [a for a in objects if not self.cache.has_object(a)]
         known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
         self.last_offer = time.monotonic()
+        objects = {c.object for t in known.manifest.tensors for c in t.chunks if c.object}
         with self._cond:
             if version <= self._served_version():
                 return False, []
-        missing = sorted({c.object for t in known.manifest.tensors for c in t.chunks
-                          if c.object and not self.cache.has_object(c.object)})
-        if self.relay is not None:
-            self._relay_offer(_HeldOffer(version, known.data, known.signature, hops + 1, set(missing)))
+            # Looked for under the lock that receive_object takes after caching an object, so
+            # none can land unseen between this look and the offer being held (_HeldOffer).
+            missing = sorted(a for a in objects if not self.cache.has_object(a))
+            hold = self.relay is not None and bool(missing)
+            if hold:
+                self._held[version] = _HeldOffer(version, known.data, known.signature, hops + 1, set(missing))
+        if self.relay is not None and not hold:
+            self.relay.offer(version, known.data, known.signature, hops=hops + 1)
         return True, missing
-
-    def _relay_offer(self, offer: _HeldOffer) -> None:
-        """Relays `offer` now if none of its objects is still on the way, else once they are.
-
-        A pusher offers a commit while the version's last objects may still be in flight (it does
-        not wait for its stream's reply), so an offer can come before them. Relayed at once, it
-        would reach the peers before the objects this agent relays as they arrive, and a peer's
-        pusher that is done with a version drops its later objects: the peers would wait for
-        pushes that never come, then fetch from the store. Held until its objects have come by
-        push, or until the sync has fetched the rest (`objects_gathered`). The objects are checked
-        again under the lock that `receive_object` takes after caching one, so none can arrive
-        unseen between this check and the offer being held."""
-        with self._cond:
-            offer.waiting = {a for a in offer.waiting if not self.cache.has_object(a)}
-            if offer.waiting:
-                self._held[offer.version] = offer
-                return
-        self.relay.offer(offer.version, offer.manifest, offer.signature, hops=offer.hops)
 
     def _release(self, ready: Callable[[_HeldOffer], bool]) -> None:
         with self._cond:

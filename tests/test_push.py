@@ -31,6 +31,14 @@ class Recorder:
         pass
 
 
+def _wait_until_idle(pusher: Pusher) -> bool:
+    """Whether the pusher had nothing left to send within WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not pusher.idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pusher.idle()
+
+
 def test_a_late_object_for_a_finished_version_does_not_stall_the_next(tmp_path):
     store = LocalStore(tmp_path / "store")
     agent = _agent(tmp_path, "a", store, **PUSH_ONLY)  # the push alone must carry it
@@ -41,20 +49,14 @@ def test_a_late_object_for_a_finished_version_does_not_stall_the_next(tmp_path):
         with Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher, recorder]) as publisher:
             publisher.publish(trainer.state_dict()).result()
             _assert_serves(agent, 1, trainer.published())
-            deadline = time.monotonic() + WAIT_S
-            while not pusher.idle() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert pusher.idle()
+            assert _wait_until_idle(pusher)
             version, address, obj = recorder.objects[0]
             pusher.on_object(version, address, obj)  # late: e.g. relayed after a store fetch
             trainer.step()
             result = publisher.publish(trainer.state_dict()).result()
             _assert_serves(agent, result.version, trainer.published())
         assert agent.agent.status()["ledger"][0]["bytes_fetched"] == 0, "v2 came by push, not from the store"
-        deadline = time.monotonic() + WAIT_S
-        while not pusher.idle() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pusher.idle(), "the late object left a version behind that never finishes"
+        assert _wait_until_idle(pusher), "the late object left a version behind that never finishes"
         assert pusher._targets[0]._buffered == 0, "confirmed objects were released"
     finally:
         pusher.close(timeout_s=5)
@@ -104,9 +106,7 @@ def test_the_offer_does_not_wait_for_the_version_s_object_stream_to_close(tmp_pa
             trainer.step()
             result = publisher.publish(trainer.state_dict()).result()
             _assert_serves(agent, result.version, trainer.published())
-            deadline = time.monotonic() + WAIT_S
-            while not pusher.idle() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_until_idle(pusher)
         assert gate.waits and all(gate.waits), "an object of v2 waited for an offer that never came while it was held"
         assert agent.agent.status()["ledger"][0]["bytes_fetched"] == 0, "v2 came by push, not from the store"
         made = {(version, address): len(obj) for version, address, obj in recorder.objects}  # equal chunks: one object
