@@ -104,6 +104,10 @@ class AgentConfig:
     """Offers relayed more often than this are refused: a relay loop in the peer config."""
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)
     """Threads that decode and verify chunks."""
+    apply_early: bool = True
+    """Apply pushed chunks as they arrive, before their version's offer, into the spare buffer
+    (zero-copy engines; the manifest still decides what counts: agents/early_apply.py). Off:
+    every chunk is applied after the offer."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0: any free port); None: off."""
     ledger_size: int = 64

@@ -21,7 +21,7 @@ from weightsync.agents.config import AgentConfig
 from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
 from weightsync.errors import FormatError, IntegrityError, ResourceExhausted
 from weightsync.hashing import is_hash_hex
-from weightsync.manifest import ChunkRef
+from weightsync.manifest import ChunkPlacement, ChunkRef
 from weightsync.metrics import Metrics
 from weightsync.push import Pusher
 
@@ -59,8 +59,12 @@ class PushIntake:
     """Offers and objects pushed to one agent; `cond` is the agent's (progress is announced on it)."""
 
     def __init__(self, config: AgentConfig, cache: AgentCache, *, accept: Callable, served_version: Callable[[], int],
-                 relay: Pusher | None, metrics: Metrics, cond: threading.Condition) -> None:
+                 relay: Pusher | None, metrics: Metrics, cond: threading.Condition,
+                 apply_early: Callable[[int, str, memoryview | bytes, ChunkPlacement | None], None] | None = None
+                 ) -> None:
         self.config = config
+        self._apply_early = apply_early  # EarlyApply.submit: before the cache, so an offer that
+        # finds an object cached finds its early apply started (the sync waits for it)
         self.model = config.model
         self.cache = cache
         self._accept = accept
@@ -115,7 +119,8 @@ class PushIntake:
         if self._held:
             self._release(lambda offer: offer.version <= version)
 
-    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
+    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes,
+                       placement: ChunkPlacement | None = None) -> bool:
         """One pushed object: kept (True) if new, verified against its address first."""
         check_model(self.model, model)
         if not is_hash_hex(address):
@@ -137,7 +142,9 @@ class PushIntake:
                                         f"limit {self.config.max_pending_bytes}")
             self.pending_bytes += len(data)
         if self.relay is not None:  # before the cache: an object an offer finds cached is relayed already
-            self.relay.on_object(version, address, data)
+            self.relay.on_object(version, address, data, placement)
+        if self._apply_early is not None:
+            self._apply_early(version, address, data, placement)
         self.cache.put_object(address, data)
         self.metrics.inc("agent/bytes_received", len(data), source="push")
         if self.relay is not None:  # under the lock (in _release): an offer held just now is seen

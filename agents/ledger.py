@@ -26,6 +26,7 @@ class LedgerEntry:
     path: str = ""
     route: str = ""  # how the path was applied: "chain" (delta by delta) or "folded" (as one delta)
     route_reason: str = ""  # why that route (weightsync/fold.py plan_route)
+    applied_early: int = 0  # chunks applied as their objects arrived, before the offer (early_apply.py)
     source: str = ""
     bytes_pushed: int = 0
     bytes_fetched: int = 0

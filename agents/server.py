@@ -68,7 +68,7 @@ class _Servicer:
         try:
             for frame in frames:
                 if self.agent.receive_object(model=frame.model, version=frame.version, address=frame.object,
-                                             data=frame.data):
+                                             data=frame.data, placement=frame.placement):
                     kept += 1
                     size += len(frame.data)
                 else:

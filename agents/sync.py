@@ -50,6 +50,7 @@ import time
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
+from weightsync.agents.early_apply import EarlyApply
 from weightsync.agents.engine import Engine, check_swap_policy, check_weights_kind
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
@@ -60,7 +61,7 @@ from weightsync.errors import (
     StaleVersion,
     WeightsyncError,
 )
-from weightsync.manifest import KIND_FULL, ChunkRef, Manifest, parse_manifest
+from weightsync.manifest import KIND_FULL, ChunkPlacement, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.push import Pusher
 from weightsync.signing import Verifier
@@ -108,10 +109,12 @@ class SyncAgent:
         self._cond = threading.Condition()
         self._known: dict[int, _Known] = {}
         self.buffers = Buffers(engine, self._cond)
+        self.early = EarlyApply(self.buffers, enabled=config.apply_early, workers=config.workers, name=config.name)
         self._served_version = 0
         self._served_digest = ""
         self.intake = PushIntake(config, self.cache, accept=self._accept, served_version=lambda: self._served_version,
-                                 relay=relay, metrics=metrics, cond=self._cond)
+                                 relay=relay, metrics=metrics, cond=self._cond,
+                                 apply_early=lambda *obj: self.early.submit(*obj, self._served_version))
         self.ledger = Ledger(config.ledger_size)
         self.broken = BrokenVersions(_RETRY_S)
         self.last_error = ""
@@ -136,6 +139,7 @@ class SyncAgent:
         if self._thread is not None:
             self._thread.join(timeout=60)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self.early.close()
         if self.relay is not None:
             self.relay.close(timeout_s=2)
 
@@ -162,9 +166,12 @@ class SyncAgent:
         return self.intake.offer(model=model, version=version, manifest=manifest, signature=signature,
                                  objects=objects, origin=origin, hops=hops)
 
-    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes) -> bool:
-        """One pushed object: kept (True) if new, verified against its address first."""
-        return self.intake.receive_object(model=model, version=version, address=address, data=data)
+    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes,
+                       placement: ChunkPlacement | None = None) -> bool:
+        """One pushed object: kept (True) if new, verified against its address first; applied
+        into the spare at once when its placement allows (`early_apply.py`)."""
+        return self.intake.receive_object(model=model, version=version, address=address, data=data,
+                                          placement=placement)
 
     def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool,
                 expect_version: int | None = None) -> _Known:
@@ -223,7 +230,12 @@ class SyncAgent:
                 self._poll_store()
             target = self._newest()
             if target is None:
-                self.buffers.catch_up_spare()
+                if self.early.hold():  # not while pushed chunks are being applied into the spare
+                    try:
+                        self.buffers.catch_up_spare()
+                    finally:
+                        self.early.release()
+                self.early.resume(self._served_version)
                 continue
             try:
                 self._sync_to(target)
@@ -304,12 +316,14 @@ class SyncAgent:
             raise
         finally:
             self.buffers.rewriting = False
+            self.early.release()
 
     def _sync_version(self, target: _Known) -> None:
         version = target.manifest.version
         entry = self.ledger.entry(version)
         t0 = time.monotonic()
         staging, drain_s = self.buffers.staging(self.config.name, self.config.swap_policy)
+        early = self.early.take(staging, target.manifest)  # chunks applied as they arrived
         t_gather = time.monotonic()
         timings: dict[str, float] = {"drain": drain_s}
         try:
@@ -334,9 +348,13 @@ class SyncAgent:
             self.cache.repair(good, good.get)
             t_apply = time.monotonic()
             # Several deltas behind: folded into one apply pass when they compose (weightsync/fold.py).
-            route = self.reader.advance_route(staging, version)
+            done = early.done if len(path) == 1 else frozenset()
+            route = self.reader.advance_route(staging, version, done=done)
             if route is not None:
                 entry.route, entry.route_reason = route.kind, route.reason
+            entry.applied_early = len(done)
+            if early.busy_s:
+                timings["early_apply"] = early.busy_s
         except (IntegrityError, FormatError) as e:
             self._forget_failed_path(path)
             raise type(e)(f"v{version} failed verification ({e}); its unverified parts are dropped and "

@@ -141,11 +141,11 @@ class CorruptingPusher(Pusher):
         super().__init__(config)
         self.remaining = count
 
-    def on_object(self, version, object_xxh3, obj):
+    def on_object(self, version, object_xxh3, obj, placement=None):
         if self.remaining > 0:
             self.remaining -= 1
             obj = bytes([obj[0] ^ 0xFF]) + obj[1:]
-        super().on_object(version, object_xxh3, obj)
+        super().on_object(version, object_xxh3, obj, placement)
 
 
 def _wait_for_spare(agent: AgentServer, version: int):
@@ -444,10 +444,10 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
     class SlowPusher(Pusher):
         """A slow link: objects trickle out, so the kill lands mid-stream."""
 
-        def on_object(self, version, object_xxh3, obj):
+        def on_object(self, version, object_xxh3, obj, placement=None):
             if slow_link.is_set():
                 time.sleep(0.05)
-            super().on_object(version, object_xxh3, obj)
+            super().on_object(version, object_xxh3, obj, placement)
 
     pusher = SlowPusher(PushConfig(targets=(address,), model=MODEL, give_up_after_s=5))
     try:

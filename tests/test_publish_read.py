@@ -631,7 +631,7 @@ class _ObjectSeen:
     def __init__(self) -> None:
         self.first = threading.Event()
 
-    def on_object(self, version, object_xxh3, obj) -> None:
+    def on_object(self, version, object_xxh3, obj, placement) -> None:
         self.first.set()
 
     def on_commit(self, manifest, manifest_bytes, signature) -> None:

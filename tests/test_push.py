@@ -21,7 +21,7 @@ class Recorder:
     def __init__(self) -> None:
         self.objects: list[tuple[int, str, bytes]] = []
 
-    def on_object(self, version, object_xxh3, obj):
+    def on_object(self, version, object_xxh3, obj, placement=None):
         self.objects.append((version, object_xxh3, obj))
 
     def on_commit(self, manifest, manifest_bytes, signature):

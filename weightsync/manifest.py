@@ -53,6 +53,18 @@ _PACKED_CHUNK_KEYS = _CHUNK_KEYS | {"offset"}
 _SAME_CHUNK_KEYS = {"start", "stop", "codec", "raw"}
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkPlacement:
+    """Where a chunk object goes, sent beside it before its manifest exists (ObjectFrame fields
+    5-8), so that an agent can apply it as it arrives. A hint only: the signed manifest decides
+    (agents/early_apply.py)."""
+
+    tensor: str
+    start: int  # flat element range [start, stop) of the tensor
+    stop: int
+    parent: int  # the version the chunk was encoded against; 0 for a full chunk
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChunkRef:
     """One chunk of a tensor as the manifest names it."""

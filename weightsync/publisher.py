@@ -59,6 +59,7 @@ from weightsync.manifest import (
     FORMAT_VERSION,
     KIND_DELTA,
     KIND_FULL,
+    ChunkPlacement,
     ChunkRef,
     Manifest,
     TensorEntry,
@@ -185,8 +186,9 @@ class PublishListener(Protocol):
     """Sees a version's bytes as they are made (the gRPC push client is one). Called from the
     publisher's threads: implementations queue the work and return at once."""
 
-    def on_object(self, version: int, object_xxh3: str, obj: bytes) -> None:
-        """An encoded chunk object of `version`, before its upload is durable."""
+    def on_object(self, version: int, object_xxh3: str, obj: bytes, placement: ChunkPlacement) -> None:
+        """An encoded chunk object of `version`, before its upload is durable, and where it goes
+        (for receivers that apply objects as they arrive)."""
 
     def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
         """The version committed (on a sharded publish: called on every rank)."""
@@ -511,7 +513,7 @@ class Publisher:
                 tensor = snapshot[name]
                 futures[name] = [
                     self._encode_pool.submit(
-                        self._encode_one, version, tensor, parent_snapshot, name, start, stop,
+                        self._encode_one, version, tensor, parent_snapshot, job.parent or 0, name, start, stop,
                         placements[name].start, packer, job.changes.get(name, {}).get(start),
                     )
                     for start, stop in self._chunk_ranges(tensor)
@@ -660,11 +662,12 @@ class Publisher:
         return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
 
     def _encode_one(
-        self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, name: str, start: int, stop: int,
-        offset: int, packer: PackWriter | None, changes: Changes | None = None,
+        self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, parent_version: int, name: str,
+        start: int, stop: int, offset: int, packer: PackWriter | None, changes: Changes | None = None,
     ) -> tuple[ChunkRef, int, cf.Future | None, PackSlot | None]:
-        """Encodes local elements [start, stop) (global: + offset) and queues the upload, or adds
-        the object to the version's pack; returns (ref, changed elements, upload, pack slot).
+        """Encodes local elements [start, stop) (global: + offset) against `parent` (version
+        `parent_version`; None and 0 for a full version) and queues the upload, or adds the object
+        to the version's pack; returns (ref, changed elements, upload, pack slot).
         A packed ref gets its key and offset once its pack is sealed. `changes`: found on the
         device (device_diff)."""
         size = tensor.dtype.itemsize
@@ -681,7 +684,7 @@ class Publisher:
         ref = ChunkRef(
             start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
         )
-        self._notify("on_object", version, obj_hash, obj)
+        self._notify("on_object", version, obj_hash, obj, ChunkPlacement(name, start, stop, parent_version))
         if packer is not None:
             return ref, changed, None, packer.add(obj)
         self._pending_uploads.acquire()

@@ -31,7 +31,7 @@ import threading
 import time
 
 from weightsync.errors import StaleVersion, WeightsyncError
-from weightsync.manifest import Manifest
+from weightsync.manifest import ChunkPlacement, Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
 from weightsync.v1 import sync_pb2
@@ -76,6 +76,7 @@ class _Version:
     version: int
     started: float
     objects: dict[str, bytes] = dataclasses.field(default_factory=dict)  # buffered, by address
+    placements: dict[str, ChunkPlacement] = dataclasses.field(default_factory=dict)  # where known, by address
     unsent: collections.deque = dataclasses.field(default_factory=collections.deque)  # addresses
     offer: sync_pb2.OfferRequest | None = None
     failed: bool = False
@@ -103,7 +104,7 @@ class _Target:
 
     # -- producer side (publisher / relay threads): never blocks on the network
 
-    def add_object(self, version: int, address: str, obj: bytes) -> None:
+    def add_object(self, version: int, address: str, obj: bytes, placement: ChunkPlacement | None) -> None:
         with self._cond:
             if version <= self._finished:  # late (e.g. relayed after a store fetch): the agent has its path
                 return
@@ -114,6 +115,8 @@ class _Target:
                 self.dropped_objects += 1  # the agent will fetch it from the store
                 return
             state.objects[address] = obj
+            if placement is not None:
+                state.placements[address] = placement
             state.unsent.append(address)
             self._buffered += len(obj)
             self._cond.notify()
@@ -252,9 +255,10 @@ class _Target:
                         break
                     address = state.unsent.popleft()
                     obj = state.objects[address]
+                    placement = state.placements.get(address)
                 if call.done():  # the stream broke; its error surfaces below
                     break
-                frames.put(ObjectFrame(self.config.model, state.version, address, obj))
+                frames.put(ObjectFrame(self.config.model, state.version, address, obj, placement))
                 sent.append(address)
                 self.sent_bytes += len(obj)
                 self.metrics.inc("push/bytes_sent", len(obj), target=self.address)
@@ -294,9 +298,11 @@ class Pusher:
         self.config = config
         self._targets = [_Target(address, config, metrics) for address in config.targets]
 
-    def on_object(self, version: int, object_xxh3: str, obj: bytes) -> None:
+    def on_object(self, version: int, object_xxh3: str, obj: bytes, placement: ChunkPlacement | None = None) -> None:
+        """An object of `version` to push, and where it goes when known (a relay of an object
+        fetched from the store knows it from the manifest, which the peers get anyway)."""
         for target in self._targets:
-            target.add_object(version, object_xxh3, obj)
+            target.add_object(version, object_xxh3, obj, placement)
 
     def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
         self.offer(manifest.version, manifest_bytes, signature)

@@ -25,7 +25,7 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -100,10 +100,12 @@ class Reader:
 
     def advance_route(
         self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None,
-        fold: bool = True,
+        fold: bool = True, done: Collection[tuple[str, int, int]] = (),
     ) -> Route | None:
         """`advance`, folding the deltas into one when that is cheaper (`fold.plan_route`);
-        returns the route taken and why (None: `state` already held `version`)."""
+        returns the route taken and why (None: `state` already held `version`). `done`: chunk
+        ranges (tensor, start, stop) of `version` that `state` holds already, checked against its
+        manifest by the caller (an agent's early apply); used when `version` is one delta on."""
         version = self.resolve(version)
         current = state.manifest
         if current is not None and current.version == version:
@@ -116,7 +118,8 @@ class Reader:
                 if route.kind == FOLDED:
                     self._apply_folded(state, route, progress)
                 else:
-                    self._apply_chain(state, list(route.manifests), progress)
+                    self._apply_chain(state, list(route.manifests), progress,
+                                      done=done if len(route.manifests) == 1 else ())
                 return route
         route = Route(CHAIN, tuple(chain), f"from the base v{chain[0].version}: the state is not on its chain")
         self._apply_chain(state, chain, progress)
@@ -137,7 +140,8 @@ class Reader:
 
     # ------------------------------------------------------------------------------ private
 
-    def _apply_chain(self, state: WeightsState, chain: list[Manifest], progress: Progress | None) -> None:
+    def _apply_chain(self, state: WeightsState, chain: list[Manifest], progress: Progress | None, *,
+                     done: Collection[tuple[str, int, int]] = ()) -> None:
         cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-apply")
         io = cf.ThreadPoolExecutor(self.io_workers, thread_name_prefix="ws-fetch")
         try:
@@ -146,7 +150,7 @@ class Reader:
                 state_manifest, state.manifest = state.manifest, None  # invalid until this one is applied
                 try:
                     self._apply_version(state, state_manifest, manifest, cpu, io, verify_same=final,
-                                        progress=progress if final else None)
+                                        progress=progress if final else None, done=done if final else ())
                 except BaseException:
                     state.buffers.clear()
                     raise
@@ -201,7 +205,7 @@ class Reader:
 
     def _apply_version(
         self, state: WeightsState, current: Manifest | None, manifest: Manifest, cpu: cf.Executor, io: cf.Executor,
-        *, verify_same: bool, progress: Progress | None,
+        *, verify_same: bool, progress: Progress | None, done: Collection[tuple[str, int, int]] = (),
     ) -> None:
         if manifest.kind == KIND_FULL:
             # Reuse buffers of the right size (an agent re-basing keeps its memory).
@@ -219,16 +223,19 @@ class Reader:
                 )
             if current.layout != manifest.layout:
                 raise LayoutError(f"{self.model} v{manifest.version} changes tensor layout without a rebase")
-        self._fetch_and_apply(state.buffers, manifest, cpu, io, verify_same=verify_same, progress=progress)
+        self._fetch_and_apply(state.buffers, manifest, cpu, io, verify_same=verify_same, progress=progress,
+                              done=done if manifest.kind != KIND_FULL else ())
 
     def _fetch_and_apply(
         self, buffers: dict[str, np.ndarray], manifest: Manifest, cpu: cf.Executor, io: cf.Executor, *,
-        verify_same: bool, progress: Progress | None,
+        verify_same: bool, progress: Progress | None, done: Collection[tuple[str, int, int]] = (),
     ) -> None:
         """Fetches the version's objects on `io`, applies them on `cpu` as they arrive, and (with
-        verify_same) hashes its unchanged ranges; returns when all are done, raises the first error."""
+        verify_same) hashes its unchanged ranges; returns when all are done, raises the first error.
+        Ranges in `done` are in the buffers already (see advance_route)."""
         tensor_of = {id(c): t for t in manifest.tensors for c in t.chunks}
-        groups = iter(self.plan_reads([c for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME]))
+        groups = iter(self.plan_reads([c for t in manifest.tensors for c in t.chunks
+                                       if c.codec != CODEC_SAME and (t.name, c.start, c.stop) not in done]))
         window = 2 * self.io_workers  # reads fetching, fetched or being applied: the memory bound
         # Each running future maps to its stage: ("fetch", group), ("apply",) or ("check",).
         running: dict[cf.Future, tuple] = {

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from weightsync import errors
 from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes
-from weightsync.manifest import MAX_MANIFEST_BYTES
+from weightsync.manifest import MAX_MANIFEST_BYTES, ChunkPlacement
 from weightsync.v1 import sync_pb2
 
 SERVICE = "weightsync.v1.SyncAgent"
@@ -106,6 +106,7 @@ class ObjectFrame:
     version: int
     object: str  # xxh3-128 hex of data
     data: memoryview | bytes
+    placement: ChunkPlacement | None = None  # where it goes (fields 5-8), when the sender knows
 
 
 def _varint(n: int) -> bytes:
@@ -120,11 +121,17 @@ def _varint(n: int) -> bytes:
 
 
 def encode_object_frame(frame: ObjectFrame) -> bytes:
-    """`ObjectFrame` in protobuf wire format: fields 1-3, then field 4 (data) last."""
+    """`ObjectFrame` in protobuf wire format: fields 1-3, the placement (5-8), then field 4
+    (data) last."""
     model, obj = frame.model.encode(), frame.object.encode()
     head = (b"\x0a" + _varint(len(model)) + model + b"\x10" + _varint(frame.version)
-            + b"\x1a" + _varint(len(obj)) + obj + b"\x22" + _varint(len(frame.data)))
-    return head + frame.data
+            + b"\x1a" + _varint(len(obj)) + obj)
+    where = frame.placement
+    if where is not None:
+        tensor = where.tensor.encode()
+        head += (b"\x2a" + _varint(len(tensor)) + tensor + b"\x30" + _varint(where.start) + b"\x38"
+                 + _varint(where.stop) + b"\x40" + _varint(where.parent))
+    return head + b"\x22" + _varint(len(frame.data)) + frame.data
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -166,12 +173,14 @@ def decode_object_frame(data: bytes) -> ObjectFrame:
     try:
         model = bytes(fields.get(1, b"")).decode()
         obj = bytes(fields.get(3, b"")).decode()
+        tensor = bytes(fields.get(5, b"")).decode()
     except UnicodeDecodeError:
-        raise errors.FormatError("malformed object frame (model or object is not UTF-8)") from None
-    version = fields.get(2, 0)
-    if not isinstance(version, int):
-        raise errors.FormatError("malformed object frame (version)")
-    return ObjectFrame(model, version, obj, fields.get(4, memoryview(b"")))
+        raise errors.FormatError("malformed object frame (model, object or tensor is not UTF-8)") from None
+    version, start, stop, parent = (fields.get(n, 0) for n in (2, 6, 7, 8))
+    if not all(isinstance(v, int) for v in (version, start, stop, parent)):
+        raise errors.FormatError("malformed object frame (version or placement)")
+    placement = ChunkPlacement(tensor, start, stop, parent) if tensor else None
+    return ObjectFrame(model, version, obj, fields.get(4, memoryview(b"")), placement)
 
 
 # ------------------------------------------------------------------------------ security

@@ -75,7 +75,7 @@ def publisher_main(spec_path: str) -> int:
     class SlowLink:
         """A slow encoder/uplink: each object costs `slow_s`, so a kill lands mid-upload."""
 
-        def on_object(self, version, object_xxh3, obj):
+        def on_object(self, version, object_xxh3, obj, placement):
             if slow["s"]:
                 time.sleep(slow["s"])
 

@@ -44,16 +44,24 @@ class OfferReply(_message.Message):
     def __init__(self, decision: _Optional[_Union[OfferReply.Decision, str]] = ..., missing: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ...) -> None: ...
 
 class ObjectFrame(_message.Message):
-    __slots__ = ("model", "version", "object", "data")
+    __slots__ = ("model", "version", "object", "data", "tensor", "start", "stop", "parent")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     object: str
     data: bytes
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., object: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    tensor: str
+    start: int
+    stop: int
+    parent: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., object: _Optional[str] = ..., data: _Optional[bytes] = ..., tensor: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("objects", "bytes", "duplicates")
@@ -72,7 +80,7 @@ class StatusRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
-    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason")
+    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason", "applied_early")
     class TimingsSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +101,7 @@ class LedgerEntry(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_EARLY_FIELD_NUMBER: _ClassVar[int]
     version: int
     outcome: str
     path: str
@@ -106,7 +115,8 @@ class LedgerEntry(_message.Message):
     digest: str
     route: str
     route_reason: str
-    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ...) -> None: ...
+    applied_early: int
+    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ..., applied_early: _Optional[int] = ...) -> None: ...
 
 class BrokenVersion(_message.Message):
     __slots__ = ("version", "digest", "error", "failures", "first_failed_unix_ms", "retry_in_s")
