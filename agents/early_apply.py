@@ -219,8 +219,9 @@ class EarlyApply:
                 reason = f"{written - len(done)} of {written} chunks written early do not match the manifest"
         if claim.state is staging:
             self._restore(claim, done)
-        if reason:
-            log.warning("%s: redoing chunks applied early for v%d: %s", self.name, claim.version, reason)
+        if reason:  # another target is routine (a newer version overtook); unconfirmed ranges are not
+            level = logging.INFO if target.version != claim.version else logging.WARNING
+            log.log(level, "%s: redoing chunks applied early for v%d: %s", self.name, claim.version, reason)
         return Taken(frozenset(done), reason, claim.busy_s)
 
     def _restore(self, claim: _Claim, keep: set[Range]) -> None:

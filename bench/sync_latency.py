@@ -134,7 +134,7 @@ def _fake_aws_env() -> None:
 
 
 def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, store_uri: str,
-                  env_for: dict[int, dict]) -> list[dict]:
+                  env_for: dict[int, dict], apply_early: bool = True) -> list[dict]:
     """Agent processes, a pipeline per region (last first, so each knows its downstream peer)."""
     root.mkdir(parents=True, exist_ok=True)
     agents: list[dict] = [{} for _ in regions]
@@ -150,6 +150,7 @@ def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, stor
                 f'[agent]\nmodel = "{MODEL}"\nname = "agent-{i}"\nregion = "r{region}"\n'
                 f'cache_dir = "{root / f"agent-{i}"}"\nstore = "{store_uri}"\nlisten = "{listen_host}:0"\n'
                 f"peers = {json.dumps(peers)}\npoll_interval_s = 30.0\npush_wait_s = 5.0\n"
+                f"apply_early = {str(apply_early).lower()}\n"
                 f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n')
             argv = [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config), "-v"]
             with open(root / f"agent-{i}.log", "w") as errors:
@@ -182,7 +183,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None,
-             timeout_s: float, push_buffer_mib: int = 0) -> dict:
+             timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.push import PushConfig, Pusher
@@ -196,7 +197,7 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
     else:
         store = S3Store(moto.bucket, "ours", endpoint_url=f"http://{moto.address}")
         env_for = {r: {"AWS_ENDPOINT_URL": "http://" + net.out_of(r, moto.address)} for r in set(regions)}
-    agents = _start_agents(net, regions, root, arch, store.uri, env_for)
+    agents = _start_agents(net, regions, root, arch, store.uri, env_for, apply_early)
     leaders = [next(a["push"] for a in agents if a["region"] == r) for r in sorted(set(regions))]
     push_config = PushConfig(targets=tuple(leaders), model=MODEL)
     if push_buffer_mib:
@@ -232,8 +233,9 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
                     "fetched_bytes": sum(e.bytes_fetched for e in entries),
                     "relayed_bytes": sum(e.bytes_pushed for e in entries),
                     "first_agent_s": min(served), "all_agents_s": max(served),
+                    "object_chunks": sum(1 for t in result.manifest.tensors for c in t.chunks if c.object),
                     "per_agent": [{"served_s": round(s, 3), "path": e.path, "route": e.route,
-                                   "route_reason": e.route_reason,
+                                   "route_reason": e.route_reason, "applied_early": e.applied_early,
                                    **{k: round(v, 3) for k, v in e.timings_s.items()}}
                                   for s, e in zip(served, entries)],
                 })
@@ -266,7 +268,7 @@ def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
         log.info("cell %s GiB lr %g, %d agents in %d regions, %s store", cell.size, cell.lr, cell.agents,
                  len(set(regions)), cell.store)
         out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s,
-                               args.push_buffer_mib)
+                               args.push_buffer_mib, not args.no_apply_early)
         log.info("  ours: steady %.2f s, first %.2f s", out["ours"]["steady"]["all_agents_s"],
                  out["ours"]["first"]["all_agents_s"])
         out["baselines"] = run_baselines(net, series, cell, regions, root / "baselines", moto, args)
@@ -358,6 +360,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--label", default="", help="names the result files sync-latency-LABEL-... (quick: 'quick')")
     parser.add_argument("--push-buffer-mib", type=int, default=0,
                         help="publisher Pusher max_buffered_bytes in MiB (0: PushConfig's default, 512)")
+    parser.add_argument("--no-apply-early", action="store_true",
+                        help="agents apply every chunk after the offer (apply_early = false), to measure what "
+                             "applying pushed chunks as they arrive saves")
     parser.add_argument("--repeat", type=int, default=1, help="run each cell this many times (the headline uses medians)")
     parser.add_argument("--keep-logs", help="copy each cell's agent logs into this directory")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per version / per baseline transfer")
@@ -391,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "zstd_patch": bl.zstd_patch_args(args.zstd_level, args.zstd_threads), "chunk_bytes": 4 * 1024**2,
                    "engine": "reference (bf16, zero-copy, double-buffered)",
                    "publisher_push_buffer_mib": args.push_buffer_mib or "default", "topology": "pipeline per region",
+                   "apply_early": not args.no_apply_early,
                    "checkpoints": {f"{s:g}": {"arch": dataclasses.asdict(series[s].config.model),
                                               "cache": series[s].path.name, "changed_fraction": changed[s]}
                                    for s in sizes},

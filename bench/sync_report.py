@@ -120,22 +120,27 @@ def markdown(record: dict) -> str:
                    "from the version's start (it starts on each tensor as soon as it is copied, so it overlaps the "
                    "snapshot); manifest = waiting for earlier versions + the commit; commit = publish() -> committed: "
                    "snapshot + encode + manifest above it is the overlap; agents = commit -> last agent serving "
-                   "(offer, relay, verify + apply into the spare buffer, swap); apply = the slowest agent's apply; "
+                   "(offer, relay, verify + apply into the spare buffer, swap); apply = the slowest agent's apply after the "
+                   "offer; early = chunks every agent applied as they arrived, before the offer, of the version's "
+                   "chunk objects (agents/early_apply.py), and the decode seconds that took off the critical path; "
                    "route = how it applied the delta(s): chain or folded; objects = store objects the version wrote "
                    "besides its manifest (chunk objects or packs: its PUTs)."), "",
                   ("| size GiB | lr | agents | store | total | snapshot | encode | manifest | commit | overlap | "
-                   "agents | apply | route | objects | pushed MB | fetched MB |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "agents | apply | early | route | objects | pushed MB | fetched MB |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in done:
             o = c["ours"]["steady"]
             apply = max((a.get("apply", 0.0) for a in o["per_agent"]), default=0.0)
             stages = [o.get(k) for k in ("snapshot_s", "encode_upload_s", "manifest_s")]
             overlap = sum(stages) - o["commit_s"] if None not in stages else None
             routes = sorted({a.get("route") or "-" for a in o["per_agent"]})
+            early = min((a.get("applied_early", 0) for a in o["per_agent"]), default=0)
+            early_s = max((a.get("early_apply", 0.0) for a in o["per_agent"]), default=0.0)
+            early_cell = f"{early}/{o['object_chunks']} ({early_s:.2f} s)" if "object_chunks" in o else "—"
             lines.append(f"| {c['size_gib']:g} | {c['lr']:g} | {c['agents']} | {c['store']} | {o['all_agents_s']:.2f} | "
                          f"{_s(o.get('snapshot_s'))} | {_s(o.get('encode_upload_s'))} | {_s(o.get('manifest_s'))} | "
                          f"{o['commit_s']:.2f} | {_s(overlap)} | "
-                         f"{o['all_agents_s'] - o['commit_s']:.2f} | {apply:.2f} | {'/'.join(routes)} | "
+                         f"{o['all_agents_s'] - o['commit_s']:.2f} | {apply:.2f} | {early_cell} | {'/'.join(routes)} | "
                          f"{o.get('store_objects', '—')} | "
                          f"{o['pushed_bytes'] / 1e6:.1f} | {o['fetched_bytes'] / 1e6:.1f} |")
         lines.append("")

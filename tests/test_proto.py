@@ -36,3 +36,20 @@ def test_the_hand_encoded_frame_is_the_proto_message():
     back = decode_object_frame(sync_pb2.ObjectFrame(model="m", version=7, object="c" * 32, data=b"xyz")
                                .SerializeToString())
     assert (back.model, back.version, back.object, bytes(back.data)) == ("m", 7, "c" * 32, b"xyz")
+
+
+def test_a_frame_s_placement_crosses_the_wire():
+    from weightsync.manifest import ChunkPlacement
+    from weightsync.rpc import ObjectFrame, decode_object_frame, encode_object_frame
+    from weightsync.v1 import sync_pb2
+
+    where = ChunkPlacement("model.layers.0.mlp.up_proj.weight", 2**21, 2**22, 41)
+    frame = ObjectFrame("org/model", 42, "ab" * 16, b"payload", where)
+    parsed = sync_pb2.ObjectFrame.FromString(encode_object_frame(frame))
+    assert (parsed.tensor, parsed.start, parsed.stop, parsed.parent, parsed.data) == (
+        where.tensor, where.start, where.stop, where.parent, b"payload")
+    assert decode_object_frame(encode_object_frame(frame)).placement == where
+    assert decode_object_frame(parsed.SerializeToString()).placement == where
+    # A sender that does not know where its objects go (a relay of store fetches, older pushers).
+    assert decode_object_frame(sync_pb2.ObjectFrame(model="m", version=7, object="c" * 32, data=b"x")
+                               .SerializeToString()).placement is None
