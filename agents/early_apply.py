@@ -80,17 +80,19 @@ class _Claim:
     written: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # sorted, per tensor
     applied: dict[Range, _Applied] = dataclasses.field(default_factory=dict)  # written and checked
     running: int = 0
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    busy_s: float = 0.0  # decode seconds spent on it
+    first_start: float | None = None  # monotonic: the first early decode began
+    last_end: float | None = None  # and the last one ended
 
 
 @dataclasses.dataclass(frozen=True)
 class Taken:
-    """What the sync got from a claim: the ranges done (for the reader to skip), and for the ledger."""
+    """What the sync got from a claim: the ranges done (for the reader to skip), and for the
+    ledger how long the early decodes ran (first start to last end) and how long the sync waited
+    for the last of them."""
 
     done: frozenset[Range] = frozenset()
-    reason: str = ""  # why ranges written early were redone, if any
-    busy_s: float = 0.0
+    span_s: float = 0.0
+    wait_s: float = 0.0
 
 
 class EarlyApply:
@@ -162,7 +164,9 @@ class EarlyApply:
     # ------------------------------------------------------------------ decode threads
 
     def _apply(self, claim: _Claim, address: str, data: bytes | memoryview, placement: ChunkPlacement) -> None:
-        started = time.perf_counter()
+        with self._lock:
+            if claim.first_start is None:
+                claim.first_start = time.monotonic()
         where: Range = (placement.tensor, placement.start, placement.stop)
         try:
             tensor = claim.tensors.get(placement.tensor)
@@ -188,7 +192,7 @@ class EarlyApply:
         finally:
             with self._lock:
                 claim.running -= 1
-                claim.busy_s += time.perf_counter() - started
+                claim.last_end = time.monotonic()
                 self._lock.notify_all()
 
     # ------------------------------------------------------------------ sync thread
@@ -202,7 +206,9 @@ class EarlyApply:
             claim, self._claim = self._claim, None
             if claim is None:
                 return Taken()
+            waited = time.monotonic()
             self._lock.wait_for(lambda: claim.running == 0)
+            waited = time.monotonic() - waited
         refs = {(t.name, c.start, c.stop): c for t in target.tensors for c in t.chunks if c.codec != CODEC_SAME}
         done, reason = set(), ""
         if claim.state is not staging:
@@ -222,7 +228,8 @@ class EarlyApply:
         if reason:  # another target is routine (a newer version overtook); unconfirmed ranges are not
             level = logging.INFO if target.version != claim.version else logging.WARNING
             log.log(level, "%s: redoing chunks applied early for v%d: %s", self.name, claim.version, reason)
-        return Taken(frozenset(done), reason, claim.busy_s)
+        span = claim.last_end - claim.first_start if claim.first_start and claim.last_end else 0.0
+        return Taken(frozenset(done), span, waited)
 
     def _restore(self, claim: _Claim, keep: set[Range]) -> None:
         """Puts the parent's bytes back into every range written early but not kept (from the

@@ -3,8 +3,9 @@
 Runs on gRPC threads and only records: an offered manifest goes to the agent's `accept` (parsed,
 signature checked, version checked against what is served) and is relayed to the peers once this
 agent holds the version's objects; a pushed object is checked against its content address and the
-pending-bytes quota, written to the cache and relayed. The sync thread asks it whether pushes are
-expected and waits while they make progress before it fetches the rest from the store.
+pending-bytes quota, relayed, handed to the early apply (`early_apply.py`) and written to the
+cache. The sync thread asks it whether pushes are expected and waits while they make progress
+before it fetches the rest from the store.
 
 Not here: choosing, verifying and applying versions (`sync.py`), the gRPC plumbing (`server.py`).
 """

@@ -13,10 +13,12 @@ then written to the local cache). One sync thread does the rest, one version at 
                 object of the path is brought into the cache: by push, or from the store once
                 pushes stall for push_wait_s (or at once when nobody is pushing). Manifests
                 enter the cache after their objects.
-    apply    -> the Reader applies the path from the cache into the staging buffer, checking
-                each object's hash before decoding and each chunk's raw hash after; at the
-                target every byte is covered by a checked hash, and the raw hashes by the
-                version digest. Two or more xor/sparse deltas are applied folded (one pass per
+    apply    -> chunks pushed with their placement were applied into the spare as they arrived
+                (`early_apply.py`); those the target's manifest confirms are kept, the others get
+                the parent's bytes back. The Reader applies the rest of the path from the cache
+                into the staging buffer, checking each object's hash before decoding and each
+                chunk's raw hash after; at the target every byte is covered by a checked hash,
+                and the raw hashes by the version digest. Two or more xor/sparse deltas are applied folded (one pass per
                 chunk, `weightsync/fold.py`); the ledger records the route (chain or folded) and why.
     swap     -> engine.swap under the agent's swap policy (drain / in_flight / abort: what running
                 requests do, engine.SWAP_POLICIES); the state file records the served version
@@ -353,8 +355,8 @@ class SyncAgent:
             if route is not None:
                 entry.route, entry.route_reason = route.kind, route.reason
             entry.applied_early = len(done)
-            if early.busy_s:
-                timings["early_apply"] = early.busy_s
+            if early.span_s:  # the early decodes' span, and how much of it the sync waited out
+                timings.update(early_apply=early.span_s, early_wait=early.wait_s)
         except (IntegrityError, FormatError) as e:
             self._forget_failed_path(path)
             raise type(e)(f"v{version} failed verification ({e}); its unverified parts are dropped and "

@@ -122,7 +122,9 @@ def markdown(record: dict) -> str:
                    "snapshot + encode + manifest above it is the overlap; agents = commit -> last agent serving "
                    "(offer, relay, verify + apply into the spare buffer, swap); apply = the slowest agent's apply after the "
                    "offer; early = chunks every agent applied as they arrived, before the offer, of the version's "
-                   "chunk objects (agents/early_apply.py), and the decode seconds that took off the critical path; "
+                   "chunk objects (agents/early_apply.py), and how long the sync waited after the offer for the "
+                   "last early decodes (they run at a lower CPU priority, so on a shared machine the encoder comes "
+                   "first); "
                    "route = how it applied the delta(s): chain or folded; objects = store objects the version wrote "
                    "besides its manifest (chunk objects or packs: its PUTs)."), "",
                   ("| size GiB | lr | agents | store | total | snapshot | encode | manifest | commit | overlap | "
@@ -135,8 +137,8 @@ def markdown(record: dict) -> str:
             overlap = sum(stages) - o["commit_s"] if None not in stages else None
             routes = sorted({a.get("route") or "-" for a in o["per_agent"]})
             early = min((a.get("applied_early", 0) for a in o["per_agent"]), default=0)
-            early_s = max((a.get("early_apply", 0.0) for a in o["per_agent"]), default=0.0)
-            early_cell = f"{early}/{o['object_chunks']} ({early_s:.2f} s)" if "object_chunks" in o else "—"
+            early_wait = max((a.get("early_wait", 0.0) for a in o["per_agent"]), default=0.0)
+            early_cell = f"{early}/{o['object_chunks']}, waited {early_wait:.2f}" if "object_chunks" in o else "—"
             lines.append(f"| {c['size_gib']:g} | {c['lr']:g} | {c['agents']} | {c['store']} | {o['all_agents_s']:.2f} | "
                          f"{_s(o.get('snapshot_s'))} | {_s(o.get('encode_upload_s'))} | {_s(o.get('manifest_s'))} | "
                          f"{o['commit_s']:.2f} | {_s(overlap)} | "
