@@ -18,8 +18,9 @@ then written to the local cache). One sync thread does the rest, one version at 
                 the parent's bytes back. The Reader applies the rest of the path from the cache
                 into the staging buffer, checking each object's hash before decoding and each
                 chunk's raw hash after; at the target every byte is covered by a checked hash,
-                and the raw hashes by the version digest. Two or more xor/sparse deltas are applied folded (one pass per
-                chunk, `weightsync/fold.py`); the ledger records the route (chain or folded) and why.
+                and the raw hashes by the version digest. Two or more deltas are applied folded
+                (range by range, one hash pass per chunk, `weightsync/fold.py`); the ledger
+                records the route (chain or folded) and why.
     swap     -> engine.swap under the agent's swap policy (drain / in_flight / abort: what running
                 requests do, engine.SWAP_POLICIES); the state file records the served version
                 (crash-safe), the ledger its timings; old cache entries are collected. A version
@@ -349,7 +350,7 @@ class SyncAgent:
             good = {known.manifest.version: known.data for known in chain[:start]}
             self.cache.repair(good, good.get)
             t_apply = time.monotonic()
-            # Several deltas behind: folded into one apply pass when they compose (weightsync/fold.py).
+            # Several deltas behind: folded into one pass per chunk range (weightsync/fold.py).
             done = early.done if len(path) == 1 else frozenset()
             route = self.reader.advance_route(staging, version, done=done)
             if route is not None:

@@ -1,6 +1,6 @@
-"""Folded deltas (weightsync/fold.py): a reader several deltas behind applies them as one when
-they compose, bit-exactly; otherwise the chain, with the reason; the agent's ledger records the
-route it took."""
+"""Folded deltas (weightsync/fold.py): a reader several deltas behind applies them as one, range by
+range, bit-exactly, in every codec; the chain when it cannot (chunk boundaries that differ, a base
+on the path), with the reason; the agent's ledger records the route it took."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from weightsync.agents.server import AgentServer
 from weightsync.errors import IntegrityError
 from weightsync.fold import CHAIN, FOLDED, plan_route
 from weightsync.layout import model_prefix
-from weightsync.manifest import CODEC_SAME
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.push import PushConfig, Pusher
 from weightsync.reader import Reader
@@ -25,13 +24,13 @@ from weightsync.versions import read_manifest, read_manifest_bytes
 
 MODEL = "fold/model"
 WAIT_S = 60
+CTX_DENSITY = codec.CTX_DENSITY  # the default, before the fixture below turns ctx off
 
 
 @pytest.fixture(autouse=True)
 def xor_codecs(monkeypatch):
-    """Folding composes XORs, so these deltas are written in the XOR codecs (`xor`, `sparse`);
-    `ctx` (the default at these change rates) codes steps against its parent's bits and takes the
-    chain (test_ctx_deltas_take_the_chain)."""
+    """These deltas are written in the XOR codecs (`xor`, `sparse`); `ctx`, the default at these
+    change rates, has its own test (test_ctx_deltas_fold_too)."""
     monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)
 
 
@@ -58,7 +57,7 @@ def test_several_deltas_are_folded_bit_exactly(tmp_store, make_state_dict, pertu
     state = reader.read(1)
     route = reader.advance_route(state, 5)
     assert route.kind == FOLDED and [m.version for m in route.manifests] == [2, 3, 4, 5]
-    assert "4 xor/sparse deltas v1->v5 applied as one" in route.reason
+    assert "4 deltas v1->v5 applied as one" in route.reason
     assert state.manifest == read_manifest(tmp_store, MODEL, 5)
     assert_bit_equal(state.state_dict(), published_view(sds[4]))
     chained = reader.read(1)
@@ -66,16 +65,21 @@ def test_several_deltas_are_folded_bit_exactly(tmp_store, make_state_dict, pertu
     assert_bit_equal(chained.state_dict(), state.state_dict())
 
 
-def test_ctx_deltas_take_the_chain(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, monkeypatch):
-    monkeypatch.setattr(codec, "CTX_DENSITY", 0.20)  # the default
+def test_ctx_deltas_fold_too(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, monkeypatch):
+    """ctx decodes against its parent's bits: folded range by range, each delta finds them there."""
+    monkeypatch.setattr(codec, "CTX_DENSITY", CTX_DENSITY)
     sds = _series(make_state_dict, perturb, 4)
     _publish(tmp_store, sds)
-    assert "ctx" in {c.codec for t in read_manifest(tmp_store, MODEL, 3).tensors for c in t.chunks}
+    codecs = {c.codec for v in (2, 3, 4) for t in read_manifest(tmp_store, MODEL, v).tensors for c in t.chunks}
+    assert "ctx" in codecs
     reader = Reader(tmp_store, model=MODEL)
     state = reader.read(1)
     route = reader.advance_route(state, 4)
-    assert route.kind == CHAIN and "parent's bits" in route.reason
+    assert route.kind == FOLDED and [m.version for m in route.manifests] == [2, 3, 4]
     assert_bit_equal(state.state_dict(), published_view(sds[3]))
+    chained = reader.read(1)
+    assert reader.advance_route(chained, 4, fold=False).kind == CHAIN
+    assert_bit_equal(chained.state_dict(), state.state_dict())
 
 
 def test_one_delta_and_a_state_off_the_chain_take_the_chain(tmp_store, make_state_dict, perturb):
@@ -91,17 +95,11 @@ def test_one_delta_and_a_state_off_the_chain_take_the_chain(tmp_store, make_stat
     assert reader.advance_route(state, 3) is None  # already there
 
 
-def test_deltas_that_do_not_compose_take_the_chain(tmp_store, make_state_dict, perturb):
+def test_a_path_through_a_base_and_folding_off_take_the_chain(tmp_store, make_state_dict, perturb):
     _publish(tmp_store, _series(make_state_dict, perturb, 3))
-    v2, v3 = (read_manifest(tmp_store, MODEL, v) for v in (2, 3))
+    v1, v2, v3 = (read_manifest(tmp_store, MODEL, v) for v in (1, 2, 3))
     assert plan_route([v2, v3]).kind == FOLDED
-    # A chunk that overwrites its range ("full", or a codec that decodes against its parent's bits).
-    tensor = next(t for t in v3.tensors if any(c.codec != CODEC_SAME for c in t.chunks))
-    chunks = tuple(dataclasses.replace(c, codec="full") if c.codec != CODEC_SAME else c for c in tensor.chunks)
-    overwriting = dataclasses.replace(v3, tensors=tuple(dataclasses.replace(t, chunks=chunks) if t is tensor else t
-                                                        for t in v3.tensors))
-    route = plan_route([v2, overwriting])
-    assert route.kind == CHAIN and "'full' chunks, which decode against their parent's bits" in route.reason
+    assert plan_route([v1, v2, v3]).reason == "a full version first: nothing to fold"
     assert plan_route([v2, v3], fold=False).reason == "folding is off"
 
 
@@ -163,7 +161,7 @@ def test_a_lagging_agent_records_the_folded_route_in_its_ledger(tmp_path):
         assert agent.agent.wait_for_version(version, WAIT_S)
         entry = agent.agent.status()["ledger"][0]
         assert entry["version"] == 5 and entry["path"] == "deltas 2->5"
-        assert entry["route"] == FOLDED and "3 xor/sparse deltas v2->v5 applied as one" in entry["route_reason"]
+        assert entry["route"] == FOLDED and "3 deltas v2->v5 applied as one" in entry["route_reason"]
         status = agent.agent.status()
         assert status["current_version"] == 5
         assert agent.agent.verify_served() == read_manifest(store, MODEL, 5).digest

@@ -1,17 +1,20 @@
 """fold: several consecutive deltas applied as one (a *folded* delta), for a reader that lags.
 
-A reader k versions behind normally applies the chain: every delta in turn rewrites and
-re-hashes each chunk range it touches, k passes over the changed ranges. XOR deltas compose
-(new = old ^ d1 ^ ... ^ dk), so for the chunk ranges the chain's deltas share, the reader can
-instead XOR their decoded masks together in a scratch buffer and apply the sum once, checking
-only the target's raw hash: one write and one hash pass per range, whatever k is. The
-intermediate versions are never materialised, and need not be: only the target is served, and
-its raw hashes (covered by its digest) check every byte of the result.
+A reader k versions behind normally applies the chain: version after version, every delta
+rewrites and re-hashes each chunk range it touches, so the changed ranges stream through memory
+and through the hash k times. Folded, the reader goes range by range instead: it decodes the
+path's objects for one range one after another while the range is hot in cache, and checks only
+the target's raw hash: one hash pass and one trip through memory per range, whatever k is.
+
+Every codec folds this way, because each decodes against the bytes its range holds (`xor` and
+`sparse` XOR into them, `ctx` reads its parent's bits, `full` overwrites them), and when a delta's
+turn comes the range holds exactly the previous version's bytes: every object was checked
+against its content hash before it is decoded, so it is the one the publisher made. The
+intermediate versions are never checked or served, and need not be: only the target is served,
+and its raw hashes (covered by its digest) check every byte of the result.
 
 `plan_route` decides between the chain and the fold and says why; the fold needs
 - at least two deltas (one delta *is* its own fold),
-- every stored chunk of them in a codec that only XORs into its range (`xor`, `sparse`): a
-  context-modelled codec decodes against its parent's actual bits, so it needs the chain,
 - the same chunk boundaries in every version of the path (they MAY differ between versions).
 
 Not here: fetching objects (`reader.py`), the codecs themselves (`codec.py`).
@@ -29,9 +32,6 @@ from weightsync.dtypes import DType
 from weightsync.errors import FormatError, IntegrityError
 from weightsync.hashing import xxh3_digest
 from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest
-
-XOR_CODECS = frozenset({"xor", "sparse"})
-"""Codecs whose decode XORs a mask into the parent's bytes: the ones that compose."""
 
 CHAIN, FOLDED = "chain", "folded"
 
@@ -58,19 +58,13 @@ def plan_route(manifests: list[Manifest], *, fold: bool = True) -> Route:
     if len(path) < 2 or len(deltas) != len(path):
         what = "a full version first" if len(deltas) != len(path) else "one delta"
         return Route(CHAIN, path, f"{what}: nothing to fold")
-    for m in path:
-        for t in m.tensors:
-            for c in t.chunks:
-                if c.codec != CODEC_SAME and c.codec not in XOR_CODECS:
-                    return Route(CHAIN, path, f"v{m.version} has {c.codec!r} chunks, which decode against "
-                                               "their parent's bits (only xor/sparse compose)")
     first = path[0]
     for m in path[1:]:
         if [[(c.start, c.stop) for c in t.chunks] for t in m.tensors] != \
                 [[(c.start, c.stop) for c in t.chunks] for t in first.tensors]:
             return Route(CHAIN, path, f"chunk boundaries differ between v{first.version} and v{m.version}")
-    return Route(FOLDED, path, f"{len(path)} xor/sparse deltas v{first.parent}->v{path[-1].version} applied as one: "
-                               f"one write and hash pass per chunk instead of {len(path)}")
+    return Route(FOLDED, path, f"{len(path)} deltas v{first.parent}->v{path[-1].version} applied as one: "
+                               f"range by range, one hash pass per chunk instead of {len(path)}")
 
 
 def folded_refs(route: Route, tensor_index: int, chunk_index: int) -> tuple[ChunkRef, list[ChunkRef]]:
@@ -80,14 +74,14 @@ def folded_refs(route: Route, tensor_index: int, chunk_index: int) -> tuple[Chun
 
 
 def apply_folded(objects: list[bytes], refs: list[ChunkRef], out: np.ndarray, dtype: DType, target: ChunkRef) -> None:
-    """XORs the masks of `objects` (the stored refs of one range, oldest first) into `out` (the
-    range's bytes before the first of them) and checks the target's raw hash.
+    """Decodes `objects` (the stored refs of one range, oldest first, each checked against its
+    content hash already) into `out` in turn, starting from the range's bytes before the first
+    of them, and checks the target's raw hash.
 
-    Each object's header is checked against its ref before decoding (codec, dtype, count); its
-    own raw hash is not, since it describes an intermediate version nobody holds. On a mismatch
-    `out` holds garbage and the caller must discard the whole version.
+    Each object's header is checked against its ref before decoding (codec, dtype, count, raw
+    hash); the decoded bytes of an intermediate version are not hashed, since nobody holds that
+    version. On a mismatch `out` holds garbage and the caller must discard the whole version.
     """
-    mask = np.zeros(out.nbytes, np.uint8)
     for obj, ref in zip(objects, refs):
         header, payload = unpack_chunk(obj)
         if codec.CODEC_NAMES.get(header.codec_id) != ref.codec:
@@ -98,7 +92,6 @@ def apply_folded(objects: list[bytes], refs: list[ChunkRef], out: np.ndarray, dt
                               f"{out.nbytes // dtype.itemsize} {dtype.name}")
         if header.raw_xxh3.hex() != ref.raw:
             raise IntegrityError("chunk header's raw hash differs from the manifest's")
-        codec.decode_into(header.codec_id, payload, mask, dtype.itemsize)
-    np.bitwise_xor(out, mask, out=out)
+        codec.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)
     if xxh3_digest(out).hex() != target.raw:
         raise IntegrityError("folded deltas produced bytes whose hash differs from the published one")

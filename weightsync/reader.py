@@ -161,8 +161,9 @@ class Reader:
             cpu.shutdown(wait=True, cancel_futures=True)
 
     def _apply_folded(self, state: WeightsState, route: Route, progress: Progress | None) -> None:
-        """Applies a folded route: per chunk range, the path's objects XOR-composed and applied
-        once (`fold.apply_folded`), unchanged ranges hashed; the state is invalid until done."""
+        """Applies a folded route: per chunk range, the path's objects decoded one after another
+        and the target's hash checked once (`fold.apply_folded`), unchanged ranges hashed; the
+        state is invalid until done."""
         first, target = route.manifests[0], route.manifests[-1]
         current = state.manifest
         if current is None or current.version != first.parent:
