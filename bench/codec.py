@@ -46,7 +46,7 @@ from harness.machine import describe_machine
 from weightsync import __version__, codec
 from weightsync.chunk import apply_chunk, encode_chunk, object_hash
 from weightsync.codec import DEFAULT_ZSTD_LEVEL
-from weightsync.diff import diff_chunk
+from weightsync.diff import diff_ranges
 from weightsync.hashing import xxh3_hex
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
@@ -187,10 +187,14 @@ def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
 
 
 def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
-    """`weightsync.diff.diff_chunk` over every chunk, on CPU tensors, 1 thread (the lead measures
-    it on a GPU). GB/s of bf16 model bytes; also checks its payloads decode to the new bytes."""
+    """`weightsync.diff.diff_ranges` over every tensor (its chunks together, as the publisher's
+    device_diff does), on CPU tensors, 1 thread (`bench.device_diff` measures it on a GPU). GB/s
+    of bf16 model bytes; also checks its payloads decode to the new bytes."""
     items = _chunks(new)
     raw_bytes = sum(t.nbytes for t in new.values())
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for name, start, stop in items:
+        ranges.setdefault(name, []).append((start, stop))
 
     def views(name, start, stop):
         t, size = new[name], new[name].dtype.itemsize
@@ -199,7 +203,11 @@ def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
         return a, b, t.dtype
 
     def run():
-        return [diff_chunk(*views(*item)) for item in items]
+        found = {}
+        for name, chunks in ranges.items():
+            new_t, old_t, dtype = views(name, 0, chunks[-1][1])
+            found.update({(name, start): c for start, c in diff_ranges(new_t, old_t, chunks, dtype).items()})
+        return [found[name, start] for name, start, _ in items]
 
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)

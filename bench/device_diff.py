@@ -1,14 +1,21 @@
-"""device_diff: GB/s of codec ctx's device scan (`weightsync.diff.diff_chunk`) where the weights live.
+"""device_diff: GB/s of codec ctx's device scan (`weightsync.diff`) where the weights live.
 
-A bf16 model of `--gib` GiB in `--chunk-mib` chunks, and its next step: `--changed` of the
-elements moved by one ULP up or down (what lr 1e-6 does, FACTS.md). Times the diff of every chunk
-against its parent on the device (CUDA when there is one, else CPU; `--device` to pick), the
-changed elements' fields copied to the host included, and reports GB/s of bf16 model bytes. Then
-checks, on a few chunks, that the device's fields equal the host scan's (`ctx_codec.scan_changes`)
-and that the host copy would have had to move: the whole model twice (new and parent) for the
-host scan, against the changed elements' bytes here.
+A bf16 model of `--gib` GiB, as tensors of `--tensor-mib` MiB cut into `--chunk-mib` chunks, and
+its next step: `--changed` of the elements moved by one ULP up or down (what lr 1e-6 does,
+FACTS.md). Times the diff of the whole model against its parent on the device (CUDA when there is
+one, else CPU; `--device` to pick), the changed elements' fields copied to the host included, and
+reports GB/s of bf16 model bytes, two ways in the same run:
 
-    python -m bench.device_diff [--gib 1] [--chunk-mib 4] [--changed 0.013] [--device cuda]
+- `whole_tensor`: what the publisher does (`DeviceParent`): `diff_ranges` per tensor, every
+  chunk of it in the same kernels and one copy to the host;
+- `per_chunk` (the baseline): `diff_chunk` per chunk, kernels and a host copy per chunk (what the
+  publisher did before).
+
+Then checks, on a few chunks, that the device's fields equal the host scan's
+(`ctx_codec.scan_changes`), and reports what crossed to the host against what the host scan would
+have had to copy (the whole model twice: new and parent).
+
+    python -m bench.device_diff [--gib 1] [--tensor-mib 64] [--chunk-mib 4] [--changed 0.013] [--device cuda]
 
 Prints one JSON record. Not a test: it asserts no times.
 """
@@ -22,9 +29,11 @@ import time
 import numpy as np
 import torch
 
-from weightsync import ctx_codec
-from weightsync.diff import diff_chunk
+from weightsync import ctx_codec, diff
+from weightsync.diff import diff_chunk, diff_ranges
 from weightsync.dtypes import dtype_by_name
+
+FIELDS = ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts")
 
 
 def _sync(device: torch.device) -> None:
@@ -32,17 +41,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(fn, device: torch.device, repeat: int) -> tuple[list[float], object]:
+    fn()  # warm-up (kernels, allocator)
+    times, result = [], None
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--tensor-mib", type=float, default=64.0, help="size of each tensor of the model")
     parser.add_argument("--chunk-mib", type=float, default=4.0)
     parser.add_argument("--changed", type=float, default=0.013)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--slab-elements", type=int, default=0,
+                        help="elements diffed together (weightsync.diff.SLAB_ELEMENTS; 0: the default)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.slab_elements:
+        diff.SLAB_ELEMENTS[device.type] = args.slab_elements
     bf16 = dtype_by_name("bfloat16")
     count = int(args.gib * 2**30) // 2
+    per_tensor = int(args.tensor_mib * 2**20) // 2
     per_chunk = int(args.chunk_mib * 2**20) // 2
     gen = torch.Generator(device=device).manual_seed(0)
     old = (torch.randn(count, generator=gen, device=device) * 0.02).to(torch.bfloat16)
@@ -50,34 +77,41 @@ def main() -> None:
     moved = torch.rand(count, generator=gen, device=device) < args.changed
     step = torch.where(torch.rand(count, generator=gen, device=device) < 0.5, 1, -1).to(torch.int16)
     bits[moved] += step[moved]  # one ULP in magnitude, either way (sign-magnitude bits)
+    del moved, step
     new = bits.view(torch.bfloat16)
-    ranges = [(s, min(s + per_chunk, count)) for s in range(0, count, per_chunk)]
+    tensors = [(s, min(s + per_tensor, count)) for s in range(0, count, per_tensor)]
 
-    diff_chunk(new[: ranges[0][1]], old[: ranges[0][1]], bf16)  # warm-up (kernels, allocator)
-    times, changed = [], 0
-    for _ in range(args.repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        changed = sum(len(diff_chunk(new[s:e], old[s:e], bf16).positions) for s, e in ranges)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    def chunks_of(start: int, stop: int) -> list[tuple[int, int]]:
+        return [(s, min(s + per_chunk, stop - start)) for s in range(0, stop - start, per_chunk)]
+
+    def whole_tensor():
+        return [diff_ranges(new[a:b], old[a:b], chunks_of(a, b), bf16) for a, b in tensors]
+
+    def per_chunk_baseline():
+        return [diff_chunk(new[a + s : a + e], old[a + s : a + e], bf16) for a, b in tensors for s, e in chunks_of(a, b)]
+
+    whole_s, found = _timed(whole_tensor, device, args.repeat)
+    chunk_s, _ = _timed(per_chunk_baseline, device, args.repeat)
+    changed = sum(len(c.positions) for per_tensor_found in found for c in per_tensor_found.values())
 
     # The device's fields are the host scan's, on the first, a middle and the last chunk.
     agree = True
-    for s, e in (ranges[0], ranges[len(ranges) // 2], ranges[-1]):
-        dev = diff_chunk(new[s:e], old[s:e], bf16)
-        n_np, o_np = (t[s:e].view(torch.int16).cpu().numpy().view(np.uint16) for t in (new, old))
+    flat = [(a, s, e) for a, b in tensors for s, e in chunks_of(a, b)]
+    for ti, s, e in (flat[0], flat[len(flat) // 2], flat[-1]):
+        dev = found[tensors.index(next(t for t in tensors if t[0] == ti))][s]
+        n_np, o_np = (t[ti + s : ti + e].view(torch.int16).cpu().numpy().view(np.uint16) for t in (new, old))
         host = ctx_codec.scan_changes(n_np, o_np, "bfloat16", 2, int((n_np != o_np).sum()))
-        agree &= all(np.array_equal(getattr(dev, f), getattr(host, f))
-                     for f in ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts"))
+        agree &= all(np.array_equal(getattr(dev, f), getattr(host, f)) for f in FIELDS)
         agree &= dev.class_base == host.class_base
     model_bytes = count * 2
-    best = min(times)
     record = {
         "bench": "device_diff", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "model_gib": args.gib, "chunk_mib": args.chunk_mib, "chunks": len(ranges),
-        "changed_fraction": changed / count, "seconds": times, "gb_per_s": model_bytes / best / 1e9,
-        "host_bytes_device_path": changed * (8 * 3 + 8 * 2),  # positions, classes, ranks + old/new bits as int64
+        "torch": torch.__version__, "slab_elements": diff.slab_elements(device), "model_gib": args.gib, "tensor_mib": args.tensor_mib, "tensors": len(tensors),
+        "chunk_mib": args.chunk_mib, "chunks": len(flat), "changed_fraction": changed / count,
+        "whole_tensor_seconds": whole_s, "whole_tensor_gb_per_s": model_bytes / min(whole_s) / 1e9,
+        "per_chunk_seconds": chunk_s, "per_chunk_gb_per_s": model_bytes / min(chunk_s) / 1e9,
+        "speedup": min(chunk_s) / min(whole_s),
+        "host_bytes_device_path": changed * (4 + 1 + 4 + 2 + 2),  # int32 position and rank, class, old/new bits
         "host_bytes_host_scan": 2 * model_bytes, "fields_equal_host_scan": bool(agree),
     }
     print(json.dumps(record, indent=2))

@@ -1,6 +1,7 @@
 """weightsync.diff: the device path of codec ctx, driven on CPU tensors (the same torch code runs on
-CUDA). Its changes equal the host scan's field for field, so the payloads are identical, and
-applying them to the parent gives the new tensor bit for bit (torch.equal), for every dtype."""
+CUDA). Its changes equal the host scan's field for field, chunk by chunk when a whole tensor is
+diffed at once, so the payloads are identical, and applying them to the parent gives the new
+tensor bit for bit (torch.equal), for every dtype."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import torch
 
 from weightsync import codec, ctx_codec
 from weightsync.chunk import apply_chunk, encode_chunk
-from weightsync.diff import diff_chunk
+from weightsync.diff import diff_chunk, diff_ranges
 from weightsync.dtypes import BY_NAME, dtype_by_name
 from weightsync.tensors import raw_bytes
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs CUDA")])
 
 
 def _pair(name: str, count: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +106,7 @@ def test_tensors_must_be_alike():
         diff_chunk(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), dtype_by_name("bfloat16"))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp_path, monkeypatch, device):
     """PublisherConfig(device_diff=True) on CPU tensors drives the device path end to end: deltas
     use the device changes (ctx chunks), a cast tensor and a new tensor layout fall back cleanly,
@@ -116,11 +118,11 @@ def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp
 
     diffed = []
 
-    def counting(new, old, dtype):
-        diffed.append((new.numel(), dtype.name))
-        return diff_chunk(new, old, dtype)
+    def counting(new, old, ranges, dtype):
+        diffed.extend((stop - start, dtype.name) for start, stop in ranges)
+        return diff_ranges(new, old, ranges, dtype)
 
-    monkeypatch.setattr(diff, "diff_chunk", counting)
+    monkeypatch.setattr(diff, "diff_ranges", counting)
     g = torch.Generator().manual_seed(3)
     master = {"w": torch.randn(300, 512, generator=g) * 0.02, "b": torch.randn(4096, generator=g) * 0.02}
     master = {k: v.to(device) for k, v in master.items()}
@@ -145,7 +147,56 @@ def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp
             assert torch.equal(got[name], tensor), (version, name)
 
 
-@pytest.mark.parametrize("block", [1, 7, 256, 4096])
+SCAN_FIELDS = ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts")
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("slab", [1, 9000, 1 << 21])
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("count, per_chunk", [(1, 1), (97, 10), (5000, 700), (70_000, 4096), (70_000, 70_000)])
+def test_a_whole_tensor_diffs_as_each_chunk_alone(monkeypatch, name, count, per_chunk, slab, device):
+    """diff_ranges over every chunk of a tensor at once gives, for each chunk, the host scan of
+    that chunk (class bases, ranks and first positions are the chunk's own, not the tensor's),
+    whether the chunks are diffed one by one, a few together or all in one slab."""
+    from weightsync import diff
+
+    monkeypatch.setitem(diff.SLAB_ELEMENTS, device, slab)
+    dtype = dtype_by_name(name)
+    new, old = _pair(name, count, 0.03, seed=count + per_chunk)
+    scaled = dtype.floating and not name.startswith("float8") and count > 2000
+    if scaled:  # weights whose scale grows along the tensor: each chunk picks its own class base
+        scale = torch.logspace(-3, 3, count).to(old.dtype)
+        old, new = old * scale, new * scale
+    ranges = [(s, min(s + per_chunk, count)) for s in range(0, count, per_chunk)]
+    got = diff_ranges(new.to(device), old.to(device), ranges, dtype)
+    assert list(got) == [s for s, _ in ranges]
+    if scaled and len(ranges) > 2:
+        assert len({changes.class_base for changes in got.values()}) > 1
+    utype = UINT[dtype.itemsize]
+    for start, stop in ranges:
+        n, o = raw_bytes(new[start:stop]), raw_bytes(old[start:stop])
+        changed = int(np.count_nonzero(n.view(utype) != o.view(utype)))
+        changes = got[start]
+        assert changes.count == stop - start and len(changes.positions) == changed
+        alone = diff_chunk(new[start:stop], old[start:stop], dtype)
+        assert changes.class_base == alone.class_base
+        for field in SCAN_FIELDS:
+            assert np.array_equal(getattr(changes, field), getattr(alone, field)), (start, field)
+        if changed:
+            host = ctx_codec.scan_changes(n, o, name, dtype.itemsize, changed)
+            assert changes.class_base == host.class_base
+            for field in SCAN_FIELDS:
+                assert np.array_equal(getattr(changes, field), getattr(host, field)), (start, field)
+
+
+@pytest.mark.parametrize("ranges", [[], [(0, 5)], [(0, 4), (5, 10)], [(0, 6), (5, 10)], [(0, 5), (5, 5), (5, 10)]])
+def test_ranges_must_cover_the_tensor_exactly(ranges):
+    t = torch.zeros(10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="covering all 10 elements"):
+        diff_ranges(t, t.clone(), ranges, dtype_by_name("bfloat16"))
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 256, 4096])
 def test_ranks_are_the_host_scans_for_any_block_length(monkeypatch, block):
     """Ranks within a class add the counts of earlier blocks to those earlier in the own block."""
     from weightsync import diff
@@ -156,8 +207,10 @@ def test_ranks_are_the_host_scans_for_any_block_length(monkeypatch, block):
     bits = old.view(torch.int16).clone()
     bits[torch.rand(50_000, generator=g) < 0.05] += 1
     new = bits.view(torch.bfloat16)
-    got = diff_chunk(new, old, dtype_by_name("bfloat16"))
-    n, o = (t.view(torch.int16).numpy().view(np.uint16) for t in (new, old))
-    want = ctx_codec.scan_changes(n, o, "bfloat16", 2, int((n != o).sum()))
-    for field in ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts"):
-        assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    ranges = [(0, 20_000), (20_000, 33_333), (33_333, 50_000)]
+    got = diff_ranges(new, old, ranges, dtype_by_name("bfloat16"))
+    for start, stop in ranges:
+        n, o = (t[start:stop].view(torch.int16).numpy().view(np.uint16) for t in (new, old))
+        want = ctx_codec.scan_changes(n, o, "bfloat16", 2, int((n != o).sum()))
+        for field in SCAN_FIELDS:
+            assert np.array_equal(getattr(got[start], field), getattr(want, field)), field

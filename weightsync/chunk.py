@@ -110,7 +110,7 @@ def encode_chunk(
 
     Returns (codec id, raw hash hex, object bytes or None when unchanged, changed elements).
     An unchanged chunk has no object at all (docs/format.md: codec "same"). `changes`: the
-    chunk's changes found on the tensors' device (`weightsync.diff.diff_chunk`), optional.
+    chunk's changes found on the tensors' device (`weightsync.diff`), optional.
     """
     raw_digest = xxh3_digest(new)
     count = new.nbytes // dtype.itemsize
