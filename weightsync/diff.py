@@ -33,6 +33,7 @@ _NC = ctx_codec.NUM_CLASSES
 # of the blocks before its own to those of its class earlier in its block, read for it alone.
 _RANK_BLOCK = 256  # below 2^15: a block's counts are int16
 
+
 def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.Changes:
     """The changes of flat tensor `new` against `old` (same dtype, shape and device), as one chunk.
 
