@@ -198,10 +198,12 @@ def test_ranges_must_cover_the_tensor_exactly(ranges):
 
 @pytest.mark.parametrize("block", [1, 7, 64, 256, 4096])
 def test_ranks_are_the_host_scans_for_any_block_length(monkeypatch, block):
-    """Ranks within a class add the counts of earlier blocks to those earlier in the own block."""
+    """Ranks within a class add the counts of earlier blocks to those earlier in the own block
+    (read in batches of changed elements)."""
     from weightsync import diff
 
     monkeypatch.setattr(diff, "_RANK_BLOCK", block)
+    monkeypatch.setattr(diff, "_WITHIN_BYTES", 7 * block)  # the changed elements' blocks, 7 at a time
     g = torch.Generator().manual_seed(1)
     old = (torch.randn(50_000, generator=g) * 0.02).to(torch.bfloat16)
     bits = old.view(torch.int16).clone()

@@ -32,6 +32,10 @@ _NC = ctx_codec.NUM_CLASSES
 # Block length of the per-class counts (`_class_stats`): a changed element's rank adds the counts
 # of the blocks before its own to those of its class earlier in its block, read for it alone.
 _RANK_BLOCK = 256  # below 2^15: a block's counts are int16
+_WITHIN_BYTES = 1 << 26
+"""Bytes of each temporary for the in-block counts of the changed elements (a block read per
+element): in batches, so a slab where many elements changed (lr 1e-5: 10 % or more) does not
+need gigabytes at once on the trainer's GPU."""
 
 
 def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.Changes:
@@ -207,9 +211,15 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
     def before(at: torch.Tensor, of_class: torch.Tensor) -> torch.Tensor:
         """Elements of class `of_class` at positions below `at` (same shapes)."""
         b, offset = at // block, at % block
-        earlier = torch.arange(block, device=device) < offset.unsqueeze(-1)
-        same = rows[b] == of_class.to(torch.uint8).unsqueeze(-1)  # uint8 both: no widened copy of the rows
-        within = (same & earlier).view(torch.uint8).sum(-1, dtype=torch.int16)
+        within = torch.empty(at.shape, dtype=torch.int16, device=device)
+        flat_b, flat_offset, flat_class, flat_within = b.reshape(-1), offset.reshape(-1), of_class.reshape(-1), \
+            within.view(-1)
+        step = max(1, _WITHIN_BYTES // block)  # positions at a time: their blocks are read whole
+        for lo in range(0, flat_b.numel(), step):
+            hi = lo + step
+            earlier = torch.arange(block, device=device) < flat_offset[lo:hi].unsqueeze(-1)
+            same = rows[flat_b[lo:hi]] == flat_class[lo:hi].to(torch.uint8).unsqueeze(-1)  # uint8: no widened copy
+            flat_within[lo:hi] = (same & earlier).view(torch.uint8).sum(-1, dtype=torch.int16)
         return before_block[of_class, b] + within
 
     at_start = _chunk_before(before, starts, device)  # [chunk, class]
