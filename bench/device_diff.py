@@ -88,7 +88,8 @@ def main() -> None:
         return [diff_ranges(new[a:b], old[a:b], chunks_of(a, b), bf16) for a, b in tensors]
 
     def per_chunk_baseline():
-        return [diff_chunk(new[a + s : a + e], old[a + s : a + e], bf16) for a, b in tensors for s, e in chunks_of(a, b)]
+        return [diff_chunk(new[a + s : a + e], old[a + s : a + e], bf16)
+                for a, b in tensors for s, e in chunks_of(a, b)]
 
     whole_s, found = _timed(whole_tensor, device, args.repeat)
     chunk_s, _ = _timed(per_chunk_baseline, device, args.repeat)
@@ -98,7 +99,7 @@ def main() -> None:
     agree = True
     flat = [(a, s, e) for a, b in tensors for s, e in chunks_of(a, b)]
     for ti, s, e in (flat[0], flat[len(flat) // 2], flat[-1]):
-        dev = found[tensors.index(next(t for t in tensors if t[0] == ti))][s]
+        dev = found[[a for a, _ in tensors].index(ti)][s]
         n_np, o_np = (t[ti + s : ti + e].view(torch.int16).cpu().numpy().view(np.uint16) for t in (new, old))
         host = ctx_codec.scan_changes(n_np, o_np, "bfloat16", 2, int((n_np != o_np).sum()))
         agree &= all(np.array_equal(getattr(dev, f), getattr(host, f)) for f in FIELDS)
@@ -106,7 +107,8 @@ def main() -> None:
     model_bytes = count * 2
     record = {
         "bench": "device_diff", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "slab_elements": diff.slab_elements(device), "model_gib": args.gib, "tensor_mib": args.tensor_mib, "tensors": len(tensors),
+        "torch": torch.__version__, "slab_elements": diff.slab_elements(device), "model_gib": args.gib,
+        "tensor_mib": args.tensor_mib, "tensors": len(tensors),
         "chunk_mib": args.chunk_mib, "chunks": len(flat), "changed_fraction": changed / count,
         "whole_tensor_seconds": whole_s, "whole_tensor_gb_per_s": model_bytes / min(whole_s) / 1e9,
         "per_chunk_seconds": chunk_s, "per_chunk_gb_per_s": model_bytes / min(chunk_s) / 1e9,
