@@ -131,7 +131,7 @@ def _diff_slab(nb: torch.Tensor, ob: torch.Tensor, starts: np.ndarray, stops: np
         cls = exponents.sub_(base_of).clamp_(0, _NC - 1).to(torch.uint8)
         del exponents, base_of, steps
         classes = cls[positions].long()
-        ranks, counts = _class_stats(cls, positions, classes, home, starts, stops)
+        ranks, counts = _class_stats(cls, positions, classes, home, starts_d, int(stops[-1]))
     index = torch.int32 if count < 2**31 else torch.int64
     fields = _to_host({  # widest first, so every field's view of the bytes stays aligned
         "class_base": class_base.to(torch.int64), "counts": counts.to(torch.int64),
@@ -180,12 +180,12 @@ def _class_bases(exponents: torch.Tensor, starts: np.ndarray, stops: np.ndarray)
 
 
 def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tensor, home: torch.Tensor,
-                 starts: np.ndarray, stops: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+                 starts: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(each changed element's index among its chunk's elements of its class; per chunk, its
     elements per class, then each class's first position in the chunk or -1), in a few wide
     kernels, no sort: per-class counts of blocks of _RANK_BLOCK elements, summed over the blocks
     before a position (`before`), plus those of its class earlier in its own block. A chunk's
-    counts are `before` its stop minus `before` its start; a class's first element in a chunk is
+    counts are `before` its stop (the next one's start, or `end`) minus `before` its start; a class's first element in a chunk is
     the class's element number `before(start)` in the whole tensor, found by a binary search over
     the blocks' running counts and then in its block."""
     block, device = _RANK_BLOCK, cls.device
@@ -208,6 +208,8 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
     running = flat - torch.cat([flat.new_zeros(1), flat[:-1, -1]]).unsqueeze(1)  # up to each block's end
     before_block = running - by_class
 
+    in_block = torch.arange(block, device=device)
+
     def before(at: torch.Tensor, of_class: torch.Tensor) -> torch.Tensor:
         """Elements of class `of_class` at positions below `at` (same shapes)."""
         b, offset = at // block, at % block
@@ -217,31 +219,26 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
         step = max(1, _WITHIN_BYTES // block)  # positions at a time: their blocks are read whole
         for lo in range(0, flat_b.numel(), step):
             hi = lo + step
-            earlier = torch.arange(block, device=device) < flat_offset[lo:hi].unsqueeze(-1)
+            earlier = in_block < flat_offset[lo:hi].unsqueeze(-1)
             same = rows[flat_b[lo:hi]] == flat_class[lo:hi].to(torch.uint8).unsqueeze(-1)  # uint8: no widened copy
             flat_within[lo:hi] = (same & earlier).view(torch.uint8).sum(-1, dtype=torch.int16)
         return before_block[of_class, b] + within
 
-    at_start = _chunk_before(before, starts, device)  # [chunk, class]
-    ranks = before(positions, classes) - at_start[home, classes]
-    per_class = _chunk_before(before, stops, device) - at_start
-    # A class's first element in a chunk: number at_start of that class in the whole tensor.
     ids = torch.arange(_NC, device=device)
+    bounds = torch.cat([starts, starts.new_full((1,), end)])  # every chunk's start, then the end
+    at_bound = before(bounds.unsqueeze(1).expand(-1, _NC), ids.unsqueeze(0).expand(len(bounds), -1))
+    at_start = at_bound[:-1]  # [chunk, class]
+    ranks = before(positions, classes) - at_start[home, classes]
+    per_class = at_bound[1:] - at_start
+    # A class's first element in a chunk: number at_start of that class in the whole tensor.
     found = torch.searchsorted(running, at_start.t().contiguous(), right=True).t()
     found = found.clamp_(max=blocks - 1)  # [chunk, class]; meaningful where per_class > 0
     nth = at_start - before_block[ids, found]  # 0-based, within its block
     hits = (rows[found] == ids.view(1, _NC, 1)).cumsum(-1)  # [chunk, class, block]
     first = found * block + (hits > nth.unsqueeze(-1)).to(torch.int8).argmax(-1)
-    first = torch.where(per_class > 0, first - torch.from_numpy(starts).to(device).unsqueeze(1),
+    first = torch.where(per_class > 0, first - starts.unsqueeze(1),
                         torch.full_like(first, -1))
     return ranks, torch.cat([per_class, first], dim=1)
-
-
-def _chunk_before(before, at: np.ndarray, device) -> torch.Tensor:
-    """[chunk, class]: `before` each position of `at`, for every class."""
-    at_d = torch.from_numpy(at).to(device)
-    ids = torch.arange(_NC, device=device)
-    return before(at_d.unsqueeze(1).expand(-1, _NC), ids.unsqueeze(0).expand(len(at), -1))
 
 
 def _to_host(fields: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
