@@ -236,7 +236,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
                  if getattr(args, k) is not None}
     if args.quick:  # what the CI test runs: enough SFT that some samples are right (else no group teaches
         # anything and the trainer waits for rollouts), then a few GRPO steps
-        overrides = {"warmup_steps": 30, "rl_steps": 4, "group_size": 4, "groups_per_step": 2, **overrides}
+        overrides = {"warmup_steps": 30, "rl_steps": 2, "group_size": 4, "groups_per_step": 2, **overrides}
     summary = run_demo(DemoConfig(**overrides), echo=(lambda _: None) if args.json else print)
     if not summary["all_bit_exact"]:
         raise _Failed(summary, "some agents do not serve the last version bit for bit")

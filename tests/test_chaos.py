@@ -1,9 +1,10 @@
 """The chaos benchmark (bench/chaos/) as a test: a few seeded rounds of faults against a real cluster
 (a publisher process, 2 regions x 2 agent processes, a store), with zero invariant violations.
 
-`python -m bench.chaos --rounds 100` is the long run; CI runs 10 rounds on a local store (swap policy
-drain), 4 under each of in_flight and abort, and 2 on S3 (moto behind harness/fault_proxy.py), through
-the same command line (tests never import bench/).
+`python -m bench.chaos --rounds 100` is the long run; CI runs 10 rounds on a local store, its agents
+under the three swap policies at once (`--swap-policy mixed`: drain, in_flight, abort, in_flight), and
+2 on S3 (moto behind harness/fault_proxy.py, swap policy drain), through the same command line (tests
+never import bench/).
 What the rounds do and which invariants they check is in bench/chaos/__init__.py. Every process the
 harness starts is stopped by PID when it ends.
 
@@ -63,19 +64,14 @@ def run_chaos(tmp_path: Path, *, rounds: int, seed: int, store: str, swap_policy
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ten_chaos_rounds_on_a_local_store_violate_nothing(tmp_path):
-    summary = run_chaos(tmp_path, rounds=10, seed=7, store="local")
+    """Under every swap policy at once (one cluster, a policy per agent): running requests wait for
+    (drain), move to (in_flight) or restart on (abort) each new version, and every token range still
+    comes from a committed version's bytes."""
+    summary = run_chaos(tmp_path, rounds=10, seed=7, store="local", swap_policy="mixed")
     _check(summary, 10)
     assert len([k for k, n in summary["faults"].items() if n]) >= 6, summary["faults"]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("swap_policy", ["in_flight", "abort"])
-def test_chaos_rounds_under_the_other_swap_policies_violate_nothing(tmp_path, swap_policy):
-    """The same faults with running requests moved to (in_flight) or restarted on (abort) each new
-    version: every token range still comes from a committed version's bytes."""
-    summary = run_chaos(tmp_path, rounds=4, seed=5, store="local", swap_policy=swap_policy)
-    _check(summary, 4)
+    for policy in ("drain", "in_flight", "abort"):
+        assert summary["checks"].get(f"generation_ranges_checked_{policy}", 0) > 0, (policy, summary["checks"])
 
 
 @pytest.mark.slow

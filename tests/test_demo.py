@@ -23,12 +23,12 @@ def test_the_demo_loop_runs_and_every_agent_ends_bit_exact(tmp_path):
     # teaches something only then), a few GRPO steps.
     # Long rollouts under the in_flight swap policy: generations run past the answer, swaps meet
     # them, and the trainer learns from what the versions that made the answer sampled.
-    config = DemoConfig(out_dir=str(tmp_path / "demo"), warmup_steps=30, rl_steps=4, group_size=4,
+    config = DemoConfig(out_dir=str(tmp_path / "demo"), warmup_steps=30, rl_steps=2, group_size=4,
                         groups_per_step=2, timeout_s=850, swap_policy="in_flight", rollout_tokens=48)
     summary = run_demo(config, echo=lines.append)
 
     last = summary["last_version"]
-    assert last >= 34 and summary["all_bit_exact"]
+    assert last >= 32 and summary["all_bit_exact"]
     assert {a["version"] for a in summary["agents"].values()} == {last}
     assert all(a["bit_exact"] for a in summary["agents"].values())
     rows = summary["versions"]

@@ -1,6 +1,6 @@
 """chaos: seeded rounds of faults against a real weightsync cluster, with invariants checked throughout.
 
-    .venv/bin/python -m bench.chaos --rounds 100 --seed 1 [--store local|s3|both] [--swap-policy in_flight]
+    .venv/bin/python -m bench.chaos --rounds 100 --seed 1 [--store local|s3|both] [--swap-policy in_flight|mixed]
 
 One machine: a publisher process (it can be SIGKILLed), a store (a local directory, or S3 served by
 moto behind harness/fault_proxy.py), and 2 regions x 2 agent processes (`weightsync agent`, each with
@@ -26,7 +26,8 @@ Invariants, checked continuously by a monitor thread and at the end of each roun
                      step: long greedy generations run on every agent through the faults and
                      swaps, and each token range of their answers is what its version's published
                      weights generate from the prefix before it (one range per answer except
-                     under `--swap-policy in_flight`).
+                     on an agent whose swap policy is in_flight;
+                     `--swap-policy mixed` gives the four agents drain, in_flight, abort, in_flight).
   readable           every version in the store verifies (Reader.verify) at the end of each round,
                      and its digest equals that of the trainer's weights for its step.
   monotonic          within an agent process, the served version never goes backwards; a process

@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--versions-per-round", type=int, default=3)
     parser.add_argument("--convergence-bound-s", type=float, default=60.0)
     parser.add_argument("--fault-scale", type=float, default=1.0, help="multiplies every fault's probability")
-    parser.add_argument("--swap-policy", choices=["drain", "in_flight", "abort"], default="drain",
-                        help="every agent's swap policy (docs/agents.md)")
+    parser.add_argument("--swap-policy", choices=["drain", "in_flight", "abort", "mixed"], default="drain",
+                        help="every agent's swap policy (docs/agents.md); mixed: all three in one cluster, one "
+                             "per agent (bench/chaos/config.py, MIXED_POLICIES)")
     parser.add_argument("--workdir", help="where processes keep caches and logs (default: a temp dir)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and caches (kept anyway on violations)")
     args = parser.parse_args(argv)

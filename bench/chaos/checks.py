@@ -34,11 +34,11 @@ class Checks:
         for name, answer in generations:
             completion = answer["completions"][0]
             tokens, ranges = completion["token_ids"], completion["versions"]
+            policy = self.config.policy_of(name)
             if len(ranges) > 1:
                 self.checks["generations_spanning_versions"] += 1
-                if self.config.swap_policy != "in_flight":
-                    self.violation("served_digest", name, f"a {self.config.swap_policy} response mixes versions "
-                                                          f"{ranges}")
+                if policy != "in_flight":
+                    self.violation("served_digest", name, f"a {policy} response mixes versions {ranges}")
             for r in ranges:
                 version, start, stop = r["version"], r["start"], r["stop"]
                 expected = alone.get(version) if start == 0 else None
@@ -55,6 +55,7 @@ class Checks:
                     if start == 0:
                         alone[version] = expected
                 self.checks["generation_ranges_checked"] += 1
+                self.checks[f"generation_ranges_checked_{policy}"] += 1
                 if tokens[start:stop] != expected[:stop - start]:
                     self.violation("served_digest", name, f"tokens {start}..{stop} said to be v{version}'s are "
                                                           f"{tokens[start:stop]}; its published weights give "

@@ -17,6 +17,10 @@ GENERATION_PROMPT = [256, 99, 104, 97, 111, 115]
 GENERATION_TOKENS = 96
 """The long generations kept running on every agent during the rounds (run.py, checks.py)."""
 REPO = Path(__file__).resolve().parents[2]
+SWAP_POLICIES = ("drain", "in_flight", "abort")
+MIXED_POLICIES = ("drain", "in_flight", "abort", "in_flight")
+"""Under swap_policy "mixed": east-1, east-2, west-1, west-2. in_flight twice: it is the policy whose
+responses span versions, the one with the most to check per token range."""
 FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",
                "flip_store_object", "flip_agent_cache", "stale_cache_restart", "s3_faults", "clock_skew",
                "gc_during_publish")
@@ -44,16 +48,24 @@ class ChaosConfig:
     fault_scale: float = 1.0
     """Multiplies every fault's per-round probability (capped at 1)."""
     swap_policy: str = "drain"
-    """Every agent's swap policy (docs/agents.md); long generations run during the faults and each
+    """Every agent's swap policy (docs/agents.md), or "mixed": each agent its own, from
+    MIXED_POLICIES, so one cluster runs all three. Long generations run during the faults and each
     token range of their responses is checked against the published weights of its version."""
     workdir: str | None = None
     keep_workdir: bool = False
 
+    def policy_of(self, agent: str) -> str:
+        """The swap policy of agent `agent` ("east-1" ...)."""
+        if self.swap_policy != "mixed":
+            return self.swap_policy
+        region, index = agent.rsplit("-", 1)
+        return MIXED_POLICIES[2 * REGIONS.index(region) + int(index) - 1]
+
     def __post_init__(self) -> None:
         if self.store not in ("local", "s3"):
             raise ValueError(f"store must be local or s3, got {self.store!r}")
-        if self.swap_policy not in ("drain", "in_flight", "abort"):
-            raise ValueError(f"swap_policy must be drain, in_flight or abort, got {self.swap_policy!r}")
+        if self.swap_policy not in (*SWAP_POLICIES, "mixed"):
+            raise ValueError(f"swap_policy must be drain, in_flight, abort or mixed, got {self.swap_policy!r}")
         if self.rounds < 1 or self.versions_per_round < 1:
             raise ValueError("rounds and versions_per_round must be >= 1")
 

@@ -100,7 +100,7 @@ class Run(Faults, Checks):
                 agent = AgentProc(name, region, ports[name], self.work, env)
                 peers = [self.proxies[f"{leader}->{follower}"].address] if name == leader else []
                 agent.write_config(store=self.store_uri, peers=peers, token_file=self.work / "token",
-                                   public_key=self.work / "publisher.pub", swap_policy=self.config.swap_policy)
+                                   public_key=self.work / "publisher.pub", swap_policy=self.config.policy_of(name))
                 self.agents[name] = agent
         spec = {"store": self.store_uri, "seed": self.config.seed, "chunk_bytes": self.config.chunk_bytes,
                 "rebase_every": self.config.rebase_every, "token": self.token, "push_give_up_s": 30.0,
