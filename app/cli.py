@@ -235,8 +235,9 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
                                                "rollout_tokens")
                  if getattr(args, k) is not None}
     if args.quick:  # what the CI test runs: enough SFT that some samples are right (else no group teaches
-        # anything and the trainer waits for rollouts), then a few GRPO steps
-        overrides = {"warmup_steps": 30, "rl_steps": 2, "group_size": 4, "groups_per_step": 2, **overrides}
+        # anything and the trainer waits for rollouts: after 30 steps, reward ~0.03, it sampled ~13
+        # groups per group it used; after 60, reward ~0.07, ~3.5), then two GRPO steps
+        overrides = {"warmup_steps": 60, "rl_steps": 2, "group_size": 4, "groups_per_step": 2, **overrides}
     summary = run_demo(DemoConfig(**overrides), echo=(lambda _: None) if args.json else print)
     if not summary["all_bit_exact"]:
         raise _Failed(summary, "some agents do not serve the last version bit for bit")
