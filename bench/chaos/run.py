@@ -343,6 +343,7 @@ class Run(Faults, Checks):
         s3 = self.s3_proxy.counts() if self.s3_proxy is not None else {}
         return {
             "store": self.config.store,
+            "swap_policies": {name: self.config.policy_of(name) for name in self.agents},
             "rounds": self.round,
             "versions_committed": self.details["versions_committed"],
             "faults": {k: self.faults[k] for k in FAULT_KINDS if k in self.faults},
