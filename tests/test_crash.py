@@ -75,11 +75,7 @@ class _StoreCheck:
 
     def after_kill(self, seen: set[int]) -> list[int]:
         versions = self._listed(seen)
-        newer = [v for v in versions if self.state is None or v > self.state.manifest.version]
-        self._sweep(newer)
-        if versions:
-            fresh = self.reader.read(versions[-1])  # and from scratch, not by advancing
-            assert fresh.manifest.digest == self.state.manifest.digest
+        self._sweep([v for v in versions if self.state is None or v > self.state.manifest.version])
         return versions
 
     def full_sweep(self, seen: set[int]) -> list[int]:
@@ -102,6 +98,9 @@ class _StoreCheck:
             assert self.state.manifest == manifest
             got = {t.name: (t.dtype, xxh3_hex(self.state.buffers[t.name])) for t in manifest.tensors}
             assert got == self.expected(version), f"version {version} does not hold what was published"
+        if self.state is not None:
+            fresh = self.reader.read(self.state.manifest.version)  # and from scratch, not by advancing
+            assert fresh.manifest.digest == self.state.manifest.digest
 
 
 def _start(root: str, log: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
