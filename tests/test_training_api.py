@@ -50,6 +50,7 @@ def server(tmp_path_factory, model_dir):
 def service(server, monkeypatch_module):
     client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     yield client
+    client.close("success").result(timeout=60)  # else its heartbeat outlives the server, warning
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,42 @@ def fwdbwd_proto(model_id, seq_id, loss_fn="cross_entropy", forward_only=True):
 def raw_model(server, service, model_dir):
     client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
     return client, client.model_id
+
+
+def test_a_client_closed_by_its_with_block_finishes_its_session(server, model_dir):
+    """`with tinker.ServiceClient() as service:` (and `service.close(status)`) finishes the session
+    on the server: leaving the block raises nothing, the session's heartbeat gets 410 (on which the
+    SDK stops beating), its models refuse further requests, and its saved weights still load."""
+    with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service:
+        client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
+        client.forward_backward(sft_batch(), "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        saved = client.save_state("closed-session").result().path
+        expected = forward_logprobs(client, SEQS)
+    session = client.model_id.split(":", 1)[0]
+    status, _, body = post(server, "/api/v1/session_heartbeat", {"session_id": session})
+    assert status == 410 and b"finished (success)" in body, body
+    status, _, body = post(server, "/api/v1/optim_step", {"model_id": client.model_id, "seq_id": 99,
+                                                          "adam_params": {"learning_rate": 1e-3}})
+    assert status == 410, body
+    status, _, body = post(server, "/api/v1/create_model", {"session_id": session, "model_seq_id": 7,
+                                                            "base_model": model_dir})
+    assert status == 410, body
+    # A second finish is no error and keeps the first reason.
+    status, _, body = post(server, f"/api/v1/sessions/{session}/finish", {"reason": {"type": "errored"}})
+    assert status == 200, body
+    status, _, body = post(server, "/api/v1/session_heartbeat", {"session_id": session})
+    assert b"finished (success)" in body, body
+    status, _, body = post(server, f"/api/v1/sessions/{session}/finish", {"reason": {"type": "done"}})
+    assert status == 400 and b"finish reason" in body, body
+
+    fresh = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    try:
+        restored = fresh.create_training_client_from_state(saved).result()
+        for got, want in zip(forward_logprobs(restored, SEQS), expected, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        fresh.close("success").result(timeout=60)
 
 
 def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server, service, model_dir):

@@ -44,7 +44,9 @@ def server(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def service(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield client
+    client.close("success").result(timeout=60)  # else its heartbeat outlives the server, warning
 
 
 def train_step(client, lr=1e-2):

@@ -77,7 +77,9 @@ def server(tmp_path_factory, vllm_server):
 
 @pytest.fixture(scope="module")
 def service(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield client
+    client.close("success").result(timeout=60)  # else its heartbeat outlives the server, warning
 
 
 def train_steps(client, steps, sequence=SEQUENCE, lr=1e-2):

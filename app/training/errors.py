@@ -50,5 +50,12 @@ class NotSupported(NotFound):
     silently wrong answer."""
 
 
+class SessionFinished(UserInputError):
+    """A request in a session its client finished (`ServiceClient.close`, or leaving its `with`
+    block): 410, on which the SDK stops that session's heartbeat."""
+
+    http_status = 410
+
+
 class PayloadTooLarge(UserInputError):
     http_status = 413

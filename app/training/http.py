@@ -76,7 +76,7 @@ def _routes(service: TrainingService, client_config: dict[str, Any]) -> dict[tup
         ("POST", "/api/v1/client/dynamic_config"): lambda *_: DYNAMIC_CONFIG,
         ("POST", "/api/v1/telemetry"): lambda *_: {"status": "accepted"},
         ("POST", "/api/v1/create_session"): json_route(service.create_session),
-        ("POST", "/api/v1/session_heartbeat"): lambda *_: {"type": "session_heartbeat"},
+        ("POST", "/api/v1/session_heartbeat"): json_route(service.heartbeat),
         ("POST", "/api/v1/create_model"): json_route(service.create_model),
         ("POST", "/api/v1/get_info"): json_route(service.get_info),
         ("POST", "/api/v1/forward_backward"): lambda body: service.forward_backward(decode_forward_backward(body)),
@@ -119,6 +119,9 @@ class _Handler(BaseHTTPRequestHandler):
                 result = route(body)
             elif method == "GET" and path.startswith("/api/v1/training_runs/") and path.endswith("/checkpoints"):
                 result = self.server.service.list_checkpoints(path[len("/api/v1/training_runs/"):-len("/checkpoints")])
+            elif method == "POST" and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
+                result = self.server.service.finish_session(path[len("/api/v1/sessions/"):-len("/finish")],
+                                                            _json(body))
             elif method == "GET" and path.startswith("/api/v1/samplers/"):
                 result = self.server.service.get_sampler(path[len("/api/v1/samplers/"):])
             else:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.app.training import worker as commands
-from weightsync.app.training.errors import NotFound, NotSupported, UserInputError
+from weightsync.app.training.errors import NotFound, NotSupported, SessionFinished, UserInputError
 from weightsync.app.training.futures import FutureTable, Outcome
 from weightsync.app.training.lora import LoraSettings
 from weightsync.app.training.losses import check_inputs, loss_spec, resolve_config
@@ -123,6 +123,7 @@ class TrainingService:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.sessions: set[str] = set()
+        self.finished: dict[str, dict[str, Any]] = {}  # session id -> its finish reason (the first one)
         self.models: dict[str, ModelRecord] = {}
         self._jobs: queue.Queue[tuple[str, Callable[[], Outcome]] | None] = queue.Queue()
         self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
@@ -141,6 +142,31 @@ class TrainingService:
         with self._lock:
             self.sessions.add(session_id)
         return {"type": "create_session", "session_id": session_id}
+
+    def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if isinstance(body.get("session_id"), str):
+            self._check_open(body["session_id"])
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """`ServiceClient.close(status)`: the session ends; its heartbeats and new models are refused
+        from now on. A second finish changes nothing (the first reason stays). Its models stay loaded
+        and their saved checkpoints and samplers usable; only requests in its name end. Unknown ids
+        are accepted: a server restarted from its state directory has forgotten its sessions, and
+        a client closing after the restart must not fail."""
+        reason = body.get("reason") or {}
+        status = reason.get("type") if isinstance(reason, Mapping) else None
+        if status not in ("success", "errored", "interrupted"):
+            raise UserInputError(f"finish reason must be success, errored or interrupted, got {status!r}")
+        with self._lock:
+            self.finished.setdefault(session_id, {"type": status, "detail": body.get("detail")})
+        return {"type": "finish_session", "session_id": session_id}
+
+    def _check_open(self, session_id: str) -> None:
+        with self._lock:
+            finished = self.finished.get(session_id)
+        if finished is not None:
+            raise SessionFinished(f"session {session_id} was finished ({finished['type']}) by its client")
 
     def capabilities(self) -> dict[str, Any]:
         models = []
@@ -167,6 +193,7 @@ class TrainingService:
 
     def create_model(self, body: Mapping[str, Any]) -> dict[str, Any]:
         session_id = _field(body, "session_id", str)
+        self._check_open(session_id)
         model_seq_id = _field(body, "model_seq_id", int)
         base_model = _field(body, "base_model", str)
         lora = LoraSettings.from_request(body.get("lora_config"))
@@ -216,6 +243,7 @@ class TrainingService:
             record = self.models.get(model_id)
         if record is None:
             raise NotFound(f"unknown model {model_id!r}: create it with create_model (or load_weights) first")
+        self._check_open(model_id.split(":", 1)[0])  # model ids are "<session id>:train:<seq id>"
         return record
 
     # ------------------------------------------------------------------ training requests
