@@ -244,6 +244,8 @@ def test_a_client_closed_by_its_with_block_finishes_its_session(server, model_di
     status, _, body = post(server, "/api/v1/create_model", {"session_id": session, "model_seq_id": 7,
                                                             "base_model": model_dir})
     assert status == 410, body
+    status, _, body = post(server, "/api/v1/load_weights", {"session_id": session, "model_seq_id": 8, "path": saved})
+    assert status == 410, body
     # A second finish is no error and keeps the first reason.
     status, _, body = post(server, f"/api/v1/sessions/{session}/finish", {"reason": {"type": "errored"}})
     assert status == 200, body

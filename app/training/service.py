@@ -329,6 +329,7 @@ class TrainingService:
         if body.get("session_id") is not None:
             # Create-via-load: this request creates the model (the SDK's create_training_client_from_state*).
             session_id = _field(body, "session_id", str)
+            self._check_open(session_id)
             model_id = f"{session_id}:train:{_field(body, 'model_seq_id', int)}"
             run = json.loads((self._run_dir(source_run) / "run.json").read_text())
             base_model = body.get("base_model") or run["base_model"]
