@@ -185,9 +185,9 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
     elements per class, then each class's first position in the chunk or -1), in a few wide
     kernels, no sort: per-class counts of blocks of _RANK_BLOCK elements, summed over the blocks
     before a position (`before`), plus those of its class earlier in its own block. A chunk's
-    counts are `before` its stop (the next one's start, or `end`) minus `before` its start; a class's first element in a chunk is
-    the class's element number `before(start)` in the whole tensor, found by a binary search over
-    the blocks' running counts and then in its block."""
+    counts are `before` its stop (the next chunk's start, or `end`) minus `before` its start; a
+    class's first element in a chunk is the class's element number `before(start)` in the whole
+    tensor, found by a binary search over the blocks' running counts and then in its block."""
     block, device = _RANK_BLOCK, cls.device
     count = cls.numel()
     blocks = count // block + 1  # one more: a position at the very end has a block too
@@ -213,16 +213,16 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
     def before(at: torch.Tensor, of_class: torch.Tensor) -> torch.Tensor:
         """Elements of class `of_class` at positions below `at` (same shapes)."""
         b, offset = at // block, at % block
-        within = torch.empty(at.shape, dtype=torch.int16, device=device)
-        flat_b, flat_offset, flat_class, flat_within = b.reshape(-1), offset.reshape(-1), of_class.reshape(-1), \
-            within.view(-1)
+        flat_b, flat_offset = b.reshape(-1), offset.reshape(-1)
+        flat_class = of_class.reshape(-1).to(torch.uint8)  # uint8 like the rows: no widened copy of them
+        within = torch.empty(flat_b.shape, dtype=torch.int16, device=device)
         step = max(1, _WITHIN_BYTES // block)  # positions at a time: their blocks are read whole
         for lo in range(0, flat_b.numel(), step):
             hi = lo + step
             earlier = in_block < flat_offset[lo:hi].unsqueeze(-1)
-            same = rows[flat_b[lo:hi]] == flat_class[lo:hi].to(torch.uint8).unsqueeze(-1)  # uint8: no widened copy
-            flat_within[lo:hi] = (same & earlier).view(torch.uint8).sum(-1, dtype=torch.int16)
-        return before_block[of_class, b] + within
+            same = rows[flat_b[lo:hi]] == flat_class[lo:hi].unsqueeze(-1)
+            within[lo:hi] = (same & earlier).view(torch.uint8).sum(-1, dtype=torch.int16)
+        return before_block[of_class, b] + within.view(at.shape)
 
     ids = torch.arange(_NC, device=device)
     bounds = torch.cat([starts, starts.new_full((1,), end)])  # every chunk's start, then the end
