@@ -4,7 +4,8 @@ A bf16 model of `--gib` GiB, as tensors of `--tensor-mib` MiB cut into `--chunk-
 its next step: `--changed` of the elements moved by one ULP up or down (what lr 1e-6 does,
 FACTS.md). Times the diff of the whole model against its parent on the device (CUDA when there is
 one, else CPU; `--device` to pick), the changed elements' fields copied to the host included, and
-reports GB/s of bf16 model bytes, two ways in the same run:
+reports GB/s of bf16 model bytes, two ways in the same run (and, on CUDA, the whole-tensor diff's
+peak device memory above the two models it reads):
 
 - `whole_tensor`: what the publisher does (`DeviceParent`): `diff_ranges` per tensor, every
   chunk of it in the same kernels and one copy to the host;
@@ -91,7 +92,12 @@ def main() -> None:
         return [diff_chunk(new[a + s : a + e], old[a + s : a + e], bf16)
                 for a, b in tensors for s, e in chunks_of(a, b)]
 
+    if device.type == "cuda":  # what the diff needs beyond the two models it reads
+        torch.cuda.synchronize(device)
+        resident = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     whole_s, found = _timed(whole_tensor, device, args.repeat)
+    scratch_peak = torch.cuda.max_memory_allocated(device) - resident if device.type == "cuda" else None
     chunk_s, _ = _timed(per_chunk_baseline, device, args.repeat)
     changed = sum(len(c.positions) for per_tensor_found in found for c in per_tensor_found.values())
 
@@ -113,7 +119,8 @@ def main() -> None:
         "whole_tensor_seconds": whole_s, "whole_tensor_gb_per_s": model_bytes / min(whole_s) / 1e9,
         "per_chunk_seconds": chunk_s, "per_chunk_gb_per_s": model_bytes / min(chunk_s) / 1e9,
         "speedup": min(chunk_s) / min(whole_s),
-        "host_bytes_device_path": changed * (4 + 1 + 4 + 2 + 2),  # int32 position and rank, class, old/new bits
+        "whole_tensor_scratch_peak_bytes": scratch_peak,  # CUDA only: the peak above the resident models
+        "host_bytes_device_path": changed * 5 * 8,  # position, class, rank, old and new bits: 8 bytes each
         "host_bytes_host_scan": 2 * model_bytes, "fields_equal_host_scan": bool(agree),
     }
     print(json.dumps(record, indent=2))
