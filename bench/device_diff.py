@@ -16,7 +16,13 @@ Then checks, on a few chunks, that the device's fields equal the host scan's
 (`ctx_codec.scan_changes`), and reports what crossed to the host against what the host scan would
 have had to copy (the whole model twice: new and parent).
 
+With `--publish N`, then publishes the model and N next steps (each moving another `--changed`
+of the elements) through two publishers on local stores, taking turns version by version: one
+with `device_diff` (the changes found on the device) and one without (the host scans the
+snapshot), and reports each one's delta commit times and stages.
+
     python -m bench.device_diff [--gib 1] [--tensor-mib 64] [--chunk-mib 4] [--changed 0.013] [--device cuda]
+                                [--publish 4]
 
 Prints one JSON record. Not a test: it asserts no times.
 """
@@ -25,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -62,6 +71,8 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.013)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--publish", type=int, default=0, metavar="N",
+                        help="then publish the model and N next steps, with and without device_diff")
     parser.add_argument("--slab-elements", type=int, default=0,
                         help="elements diffed together (weightsync.diff.SLAB_ELEMENTS; 0: the default)")
     args = parser.parse_args()
@@ -123,7 +134,52 @@ def main() -> None:
         "host_bytes_device_path": changed * 5 * 8,  # position, class, rank, old and new bits: 8 bytes each
         "host_bytes_host_scan": 2 * model_bytes, "fields_equal_host_scan": bool(agree),
     }
+    if args.publish:
+        del found
+        record["publish"] = _publish(bits, tensors, args.publish, args.changed, per_chunk * 2, gen)
     print(json.dumps(record, indent=2))
+
+
+def _publish(bits: torch.Tensor, tensors: list[tuple[int, int]], steps: int, changed: float, chunk_bytes: int,
+             gen: torch.Generator) -> dict:
+    """Publishes the model in `bits` and `steps` next steps of it (moving `changed` of its
+    elements by one ULP each time, in place, as a trainer's step does) through two publishers,
+    with and without device_diff, taking turns so both see the same machine; per mode, the
+    delta commits' seconds and stages."""
+    from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.store import LocalStore
+
+    weights = bits.view(torch.bfloat16)
+    state = {f"layer{i}.weight": weights[a:b] for i, (a, b) in enumerate(tensors)}
+    modes = {"device_diff": True, "host_scan": False}
+    records: dict[str, list[dict]] = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory(prefix="ws-device-diff-") as scratch:
+        publishers = {mode: Publisher(LocalStore(Path(scratch) / mode), model="bench-device-diff",
+                                      config=PublisherConfig(chunk_bytes=chunk_bytes, device_diff=on))
+                      for mode, on in modes.items()}
+        try:
+            for step in range(steps + 1):
+                if step:
+                    moved = torch.rand(bits.numel(), generator=gen, device=bits.device) < changed
+                    bits[moved] += torch.where(torch.rand(int(moved.sum()), generator=gen, device=bits.device) < 0.5,
+                                               1, -1).to(torch.int16)
+                    del moved
+                for mode, publisher in publishers.items():
+                    result = publisher.publish(state).result()
+                    records[mode].append({"version": result.version, "kind": result.manifest.kind,
+                                          "commit_s": result.total_s, "snapshot_s": result.snapshot_s,
+                                          "encode_upload_s": result.encode_s, "manifest_s": result.commit_s,
+                                          "stored_bytes": result.stored_bytes})
+        finally:
+            for publisher in publishers.values():
+                publisher.close()
+    out = {"stored_bytes_equal": [v["stored_bytes"] for v in records["device_diff"]]
+           == [v["stored_bytes"] for v in records["host_scan"]]}  # the same chunks, found either way
+    for mode, versions in records.items():
+        deltas = [v for v in versions if v["kind"] == "delta"]
+        out[mode] = {"versions": versions,
+                     "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None}
+    return out
 
 
 if __name__ == "__main__":

@@ -165,6 +165,29 @@ def test_successive_versions_read_back_exactly(tmp_store, make_state_dict, pertu
         assert empty.shape == (0, 16) and empty.chunks == ()
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects touches torch's deprecated aliases
+@pytest.mark.parametrize("device_diff", [False, True])
+def test_a_publisher_keeps_no_finished_versions(tmp_store, make_state_dict, perturb, device_diff):
+    """Each version's job links to the one before (commits wait for it); a finished job must let
+    go of it, or every version since the publisher started stays in memory: its manifest, its
+    snapshot dict and, with device_diff, its host copies of the changes."""
+    import gc
+
+    from weightsync.publisher import _Job
+
+    config = _config(device_diff=device_diff)
+    with Publisher(tmp_store, model=MODEL, config=config) as publisher:
+        state = make_state_dict(0)
+        for step in range(8):
+            publisher.publish(state, step=step).result(timeout=WAIT_S)
+            state = perturb(state, 0.02, step + 1)
+        gc.collect()
+        live = [o for o in gc.get_objects() if isinstance(o, _Job)]
+        assert len(live) <= 2, f"{len(live)} jobs alive after 8 versions"
+        assert not any(job.changes for job in live)
+    assert list_versions(tmp_store, MODEL) == list(range(1, 9))
+
+
 def test_unchanged_chunks_store_no_objects(tmp_store, make_state_dict, published_view, assert_bit_equal):
     sd = make_state_dict(1)
     with Publisher(tmp_store, model=MODEL, config=_config()) as publisher:
