@@ -10,6 +10,7 @@ same weights, computed here in the test.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -225,17 +226,33 @@ def raw_model(server, service, model_dir):
     return client, client.model_id
 
 
+def loaded_models(server) -> list[str]:
+    request = urllib.request.Request(server.url + "/api/v1/healthz", headers={"X-API-Key": API_KEY})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["loaded_models"]
+
+
+def wait_unloaded(server, model_id: str) -> None:
+    deadline = time.monotonic() + 120  # the unload runs after the requests queued before it
+    while model_id in loaded_models(server):
+        assert time.monotonic() < deadline, f"{model_id} still loaded 120 s after its session finished"
+        time.sleep(0.2)
+
+
 def test_a_client_closed_by_its_with_block_finishes_its_session(server, model_dir):
     """`with tinker.ServiceClient() as service:` (and `service.close(status)`) finishes the session
     on the server: leaving the block raises nothing, the session's heartbeat gets 410 (on which the
-    SDK stops beating), its models refuse further requests, and its saved weights still load."""
+    SDK stops beating), its models refuse further requests and are unloaded, and its saved
+    weights still load."""
     with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service:
         client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
         client.forward_backward(sft_batch(), "cross_entropy").result()
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         saved = client.save_state("closed-session").result().path
         expected = forward_logprobs(client, SEQS)
+        assert client.model_id in loaded_models(server)
     session = client.model_id.split(":", 1)[0]
+    wait_unloaded(server, client.model_id)
     status, _, body = post(server, "/api/v1/session_heartbeat", {"session_id": session})
     assert status == 410 and b"finished (success)" in body, body
     status, _, body = post(server, "/api/v1/optim_step", {"model_id": client.model_id, "seq_id": 99,
@@ -261,6 +278,7 @@ def test_a_client_closed_by_its_with_block_finishes_its_session(server, model_di
             assert torch.equal(got, want)
     finally:
         fresh.close("success").result(timeout=60)
+    wait_unloaded(server, restored.model_id)
 
 
 def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server, service, model_dir):
@@ -435,16 +453,15 @@ def test_a_killed_server_restarted_resumes_from_the_last_saved_state_bit_identic
     state = tmp_path / "state"
     first = TrainingServer(state).start()
     try:
-        client = tinker.ServiceClient(base_url=first.url, api_key=API_KEY).create_lora_training_client(
-            base_model=model_dir, rank=0).result()
-        train_steps(client, 2)
-        path = client.save_state("mid-run").result().path
-        train_steps(client, 2)
-        want = forward_logprobs(client, SEQS)
+        with tinker.ServiceClient(base_url=first.url, api_key=API_KEY) as service:
+            client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
+            train_steps(client, 2)
+            path = client.save_state("mid-run").result().path
+            train_steps(client, 2)
+            want = forward_logprobs(client, SEQS)
     finally:
-        first.stop(kill=True)  # SIGKILL: no clean shutdown
-    with TrainingServer(state) as second:
-        service = tinker.ServiceClient(base_url=second.url, api_key=API_KEY)
+        first.stop(kill=True)  # SIGKILL: no clean shutdown (the client's session closed first)
+    with TrainingServer(state) as second, tinker.ServiceClient(base_url=second.url, api_key=API_KEY) as service:
         resumed = service.create_training_client_from_state_with_optimizer(path).result()
         train_steps(resumed, 2)
         for a, b in zip(forward_logprobs(resumed, SEQS), want, strict=True):

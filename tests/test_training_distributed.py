@@ -29,9 +29,9 @@ def batch(scale: float = 1.0):
 
 
 def run_api(state_dir, model_dir, ranks, *, steps, weight_scale=1.0, extra_args=()):
-    with TrainingServer(state_dir, ranks=ranks, extra_args=tuple(extra_args)) as server:
-        client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY).create_lora_training_client(
-            base_model=model_dir, rank=0).result()
+    with (TrainingServer(state_dir, ranks=ranks, extra_args=tuple(extra_args)) as server,
+          tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service):
+        client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
         losses = []
         for _ in range(steps):
             out = client.forward_backward(batch(weight_scale), "cross_entropy")

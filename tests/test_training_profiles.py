@@ -88,17 +88,17 @@ def test_a_server_from_the_demo_profile_trains_the_profile_model_on_two_ranks(tm
         threading.Thread(target=read_ready, daemon=True).start()
         assert seen.wait(300), (tmp_path / "server.log").read_text()[-3000:]
         assert ready[0]["world_size"] == 2 and ready[0]["profile"] == "demo-lm@1"
-        service = tinker.ServiceClient(base_url=ready[0]["url"], api_key="tml-profile")
-        client = service.create_lora_training_client(base_model="demo-lm", rank=0).result()
-        tokens = [256, 49, 43, 50, 61, 51, 257]
-        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 6})
-        losses = []
-        for _ in range(3):
-            out = client.forward_backward([datum, datum, datum], "cross_entropy")
-            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-            losses.append(out.result().metrics["loss:sum"])
-        assert losses[-1] < losses[0]
+        with tinker.ServiceClient(base_url=ready[0]["url"], api_key="tml-profile") as service:
+            client = service.create_lora_training_client(base_model="demo-lm", rank=0).result()
+            tokens = [256, 49, 43, 50, 61, 51, 257]
+            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 6})
+            losses = []
+            for _ in range(3):
+                out = client.forward_backward([datum, datum, datum], "cross_entropy")
+                client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+                losses.append(out.result().metrics["loss:sum"])
+            assert losses[-1] < losses[0]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)

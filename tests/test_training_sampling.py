@@ -183,8 +183,8 @@ def test_concurrent_first_samples_on_a_fresh_server_all_succeed(model_dir, tmp_p
     requests. The sampler's generator (and its tokenizer: a first `import transformers`) is built
     once, not raced by every request: a race made the first requests fail with ImportError (the
     SDK retried them, so only the server's log showed it)."""
-    with TrainingServer(tmp_path / "state", extra_args=("--long-poll-s", "1")) as srv:
-        service = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+    with (TrainingServer(tmp_path / "state", extra_args=("--long-poll-s", "1")) as srv,
+          tinker.ServiceClient(base_url=srv.url, api_key=API_KEY) as service):
         sampler = service.create_sampling_client(base_model=model_dir).result()
         futures = [sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=3, seed=i))
                    for i in range(16)]

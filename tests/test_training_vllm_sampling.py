@@ -229,10 +229,10 @@ def test_a_lora_run_samples_its_adapter_only_versions_on_vllm(tmp_path, model_di
     with vh.VllmServer(model_dir, tmp_path / "vllm.log", extra_args=lora_args,
                        extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as lora_vllm:
         lora_vllm.wait_ready()
-        with TrainingServer(tmp_path / "state", extra_args=(
+        with (TrainingServer(tmp_path / "state", extra_args=(
                 "--long-poll-s", "1", "--sampler-engine", "vllm", "--vllm-url", lora_vllm.url,
-                "--sampler-weights", "adapter")) as srv:
-            service = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+                "--sampler-weights", "adapter")) as srv,
+              tinker.ServiceClient(base_url=srv.url, api_key=API_KEY) as service):
             client = service.create_lora_training_client(base_model=str(model_dir), rank=4, seed=1).result()
             adapter_model = "tinker-" + client.model_id.replace(":", "-") + "-adapter"
             store = open_store(f"file://{(srv.state_dir / 'store').resolve()}")

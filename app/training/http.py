@@ -70,7 +70,7 @@ def _routes(service: TrainingService, client_config: dict[str, Any]) -> dict[tup
         return lambda body: fn(_json(body))
 
     return {
-        ("GET", "/api/v1/healthz"): lambda *_: {"status": "ok"},
+        ("GET", "/api/v1/healthz"): lambda *_: service.health(),
         ("GET", "/api/v1/get_server_capabilities"): lambda *_: service.capabilities(),
         ("POST", "/api/v1/client/config"): lambda *_: client_config,
         ("POST", "/api/v1/client/dynamic_config"): lambda *_: DYNAMIC_CONFIG,

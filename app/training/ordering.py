@@ -10,7 +10,7 @@ request's future and runs nothing. Any other seq_id at or below one already rele
 never comes is failed as a user error naming the missing id; the model is untouched.
 
 States of one seq_id: absent -> buffered (waiting for a predecessor) -> released, or
-buffered -> expired (failed after gap_timeout_s).
+buffered -> expired (failed after gap_timeout_s, or at once when its model is unloaded).
 
 Not here: running the released requests (service.py).
 """
@@ -73,6 +73,13 @@ class SeqIdOrder:
             self._on_expired(seq_id, request_id, UserInputError(
                 f"seq_id gap: request seq_id {seq_id} waited {self.gap_timeout_s:g} s for seq_id "
                 f"{self.next_seq_id}, which never arrived; a model's requests must carry consecutive seq_ids"))
+
+    def fail_all(self, error: Exception) -> None:
+        """Fails every buffered request with `error` (its model is gone: nothing will release them)."""
+        with self._lock:
+            failed, self._buffered = self._buffered, {}
+        for seq_id, (_, request_id, _) in sorted(failed.items()):
+            self._on_expired(seq_id, request_id, error)
 
     def _pop_ready(self) -> list[Callable[[], None]]:
         ready = []

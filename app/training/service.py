@@ -149,24 +149,45 @@ class TrainingService:
         return {"type": "session_heartbeat"}
 
     def finish_session(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """`ServiceClient.close(status)`: the session ends; its heartbeats and new models are refused
-        from now on. A second finish changes nothing (the first reason stays). Its models stay loaded
-        and their saved checkpoints and samplers usable; only requests in its name end. Unknown ids
-        are accepted: a server restarted from its state directory has forgotten its sessions, and
-        a client closing after the restart must not fail."""
+        """`ServiceClient.close(status)`: the session ends; its heartbeats, new models and requests
+        to its models are refused from now on, and its models are unloaded from every rank once
+        the requests queued before the finish have run. Their saved checkpoints and samplers stay
+        usable. A second finish changes nothing (the first reason stays). Unknown ids are accepted:
+        a server restarted from its state directory has forgotten its sessions, and a client
+        closing after the restart must not fail."""
         reason = body.get("reason") or {}
         status = reason.get("type") if isinstance(reason, Mapping) else None
         if status not in ("success", "errored", "interrupted"):
             raise UserInputError(f"finish reason must be success, errored or interrupted, got {status!r}")
         with self._lock:
+            first = session_id not in self.finished
             self.finished.setdefault(session_id, {"type": status, "detail": body.get("detail")})
+        if first:  # on the executor, after every job queued so far (a last save_state, say)
+            self._enqueue(self.futures.create("unload"), lambda: self._unload_session(session_id))
         return {"type": "finish_session", "session_id": session_id}
+
+    def _unload_session(self, session_id: str) -> Outcome:
+        with self._lock:
+            records = [r for model_id, r in self.models.items() if model_id.split(":", 1)[0] == session_id]
+        for record in records:
+            self.commander.run(commands.Unload(record.model_id))
+            with self._lock:
+                self.models.pop(record.model_id, None)
+            record.order.fail_all(SessionFinished(f"session {session_id} was finished by its client before this "
+                                                  "request's turn came"))
+            log.info("model %s unloaded: its session finished", record.model_id)
+        return Outcome(json={"type": "unload", "session_id": session_id,
+                             "model_ids": [r.model_id for r in records]})
 
     def _check_open(self, session_id: str) -> None:
         with self._lock:
             finished = self.finished.get(session_id)
         if finished is not None:
             raise SessionFinished(f"session {session_id} was finished ({finished['type']}) by its client")
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return {"status": "ok", "loaded_models": sorted(self.models)}
 
     def capabilities(self) -> dict[str, Any]:
         models = []
@@ -215,6 +236,9 @@ class TrainingService:
         return str(path.resolve())
 
     def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: LoraSettings | None) -> Outcome:
+        # Checked again on the executor: a finish accepted after the request was queued has
+        # unloaded the session's models already, and would not see this one.
+        self._check_open(model_id.split(":", 1)[0])
         with self._lock:
             if model_id in self.models:
                 raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
@@ -239,11 +263,11 @@ class TrainingService:
         return self.state_dir / "runs" / model_id
 
     def _model(self, model_id: str) -> ModelRecord:
+        self._check_open(model_id.split(":", 1)[0])  # model ids are "<session id>:train:<seq id>"
         with self._lock:
             record = self.models.get(model_id)
         if record is None:
             raise NotFound(f"unknown model {model_id!r}: create it with create_model (or load_weights) first")
-        self._check_open(model_id.split(":", 1)[0])  # model ids are "<session id>:train:<seq id>"
         return record
 
     # ------------------------------------------------------------------ training requests
@@ -529,11 +553,24 @@ class TrainingService:
         """The request id to answer with: `request_id`, or for a retried seq_id the first
         request's (the new future is then dropped unused)."""
         kind = request_id.rsplit("-", 1)[0]
-        answered = record.order.submit(seq_id, request_id, lambda: self._enqueue(request_id, job), kind=kind)
+        answered = record.order.submit(seq_id, request_id, lambda: self._enqueue(request_id, self._while_loaded(record, job)),
+                                       kind=kind)
         if answered != request_id:
             log.info("seq_id %d of %s retried: answering with %s", seq_id, record.model_id, answered)
             self.futures.discard(request_id)
         return answered
+
+    def _while_loaded(self, record: ModelRecord, job: Callable[[], Outcome]) -> Callable[[], Outcome]:
+        """`job`, refused if its model was unloaded before it ran: a request accepted just before
+        its session finished, queued behind the unload."""
+        def run() -> Outcome:
+            with self._lock:
+                loaded = self.models.get(record.model_id) is record
+            if not loaded:
+                self._check_open(record.model_id.split(":", 1)[0])
+                raise NotFound(f"model {record.model_id} is no longer loaded")
+            return job()
+        return run
 
     def _expired(self, seq_id: int, request_id: str, error: Exception) -> None:
         log.warning("%s", error)

@@ -20,6 +20,7 @@ Not here: HTTP, ordering, futures (service.py); the loss formulas (losses.py).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import shutil
 import threading
@@ -200,6 +201,10 @@ class Worker:
         trained = self.models.pop(command.model_id, None)
         for publisher in trained.publishers.values() if trained is not None else ():
             publisher.close()
+        del trained
+        gc.collect()  # the sharded modules hold reference cycles: free their memory now
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _ForwardBackward(self, command: ForwardBackward) -> tuple[list[dict[str, np.ndarray]], dict[str, float]] | None:
         trained = self.models[command.model_id]
