@@ -145,3 +145,56 @@ def test_a_relay_passes_an_early_offer_on_only_after_its_objects(tmp_path):
         pusher.close(timeout_s=5)
         leader.stop(0)
         follower.stop(0)
+
+
+def test_a_version_that_never_commits_does_not_hold_back_the_next(tmp_path):
+    """A relay gets objects of a version whose commit then fails upstream: no offer and no failure
+    ever reach it. Here the version has nothing buffered either (no room), so no stream runs for
+    it. Once a newer version's offer is queued the pusher gives that version up and delivers the
+    offer; before, it waited on the version for good and queued every later one behind it."""
+    store = LocalStore(tmp_path / "store")
+    # Only an offer brings it a version; it fetches what no push brings at once.
+    agent = _agent(tmp_path, "a", store, poll_interval_s=3600.0, push_wait_s=0.1)
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, max_buffered_bytes=0,
+                               give_up_after_s=PUSH_ONLY_GIVE_UP_S))
+    recorder = Recorder()
+    trainer = FakeTrainer(11)
+    try:
+        with Publisher(store, model=MODEL, config=PUBLISH, listeners=[recorder]) as publisher:
+            results = []
+            for step in range(3):
+                trainer.advance_to(step)
+                results.append(publisher.publish(trainer.state_dict()).result())
+        version, address, obj = next(o for o in recorder.objects if o[0] == 2)
+        pusher.on_object(version, address, obj)  # v2's object, which the relay has no room for; no offer follows
+        latest = results[-1]
+        pusher.offer(latest.version, latest.manifest.to_bytes(), None)
+        _assert_serves(agent, latest.version, trainer.published())
+        assert _wait_until_idle(pusher), "a version with nothing to send and no offer stayed queued"
+        assert pusher._targets[0].dropped_objects == 1
+    finally:
+        pusher.close(timeout_s=5)
+        agent.stop(0)
+
+
+def test_a_version_left_with_nothing_to_send_gives_way_to_a_newer_offer():
+    """A version with nothing to send and no offer (what a stream broken before the commit can
+    leave once its resume finds nothing missing, when the commit then fails upstream) has nothing
+    to wait for: once a newer offer is queued it is given up (the agent fetches from the store).
+    Before, it held back every later version for good. The state is set up directly; the target
+    refuses connections (a real socket, nothing listening)."""
+    from weightsync.push import _Version
+
+    pusher = Pusher(PushConfig(targets=("127.0.0.1:1",), model=MODEL, give_up_after_s=3600.0,
+                               retry_backoff_s=(0.05, 0.1)))
+    target = pusher._targets[0]
+    try:
+        with target._cond:
+            target._versions[1] = _Version(1, time.monotonic())
+        pusher.offer(2, b"manifest", None)
+        deadline = time.monotonic() + WAIT_S
+        while 1 in target._versions:
+            assert time.monotonic() < deadline, "v1 still holds back v2 after a newer offer was queued"
+            time.sleep(0.05)
+    finally:
+        pusher.close(timeout_s=0.1)

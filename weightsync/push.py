@@ -108,11 +108,11 @@ class _Target:
         with self._cond:
             if version <= self._finished:  # late (e.g. relayed after a store fetch): the agent has its path
                 return
-            state = self._versions.setdefault(version, _Version(version, time.monotonic()))
-            if state.failed or address in state.objects:
-                return
             if self._buffered + len(obj) > self.config.max_buffered_bytes:
                 self.dropped_objects += 1  # the agent will fetch it from the store
+                return
+            state = self._versions.setdefault(version, _Version(version, time.monotonic()))
+            if state.failed or address in state.objects:
                 return
             state.objects[address] = obj
             if placement is not None:
@@ -186,6 +186,11 @@ class _Target:
         if not self._versions:
             return False
         state = self._versions[min(self._versions)]
+        if not state.unsent and state.offer is None and not state.failed and self._waiting_is_pointless(state):
+            # Nothing to send and no offer coming: a relay got objects of a version whose commit
+            # failed upstream (no failure reaches it), or a broken stream's resume found nothing
+            # missing. Waiting on it would hold back every later version for good.
+            state.failed = True
         return bool(state.unsent) or state.offer is not None or state.failed
 
     def _work(self, state: _Version) -> None:
@@ -247,7 +252,7 @@ class _Target:
             while True:
                 with self._cond:
                     while (not state.unsent and state.offer is None and not state.failed and not self._closed
-                           and not self._waiting_is_pointless(state)):
+                           and not self._waiting_is_pointless(state) and not call.done()):  # done: it broke
                         self._cond.wait(timeout=0.5)
                     if not state.unsent:
                         if state.offer is None and not state.failed and self._waiting_is_pointless(state):
