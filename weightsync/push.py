@@ -108,12 +108,14 @@ class _Target:
         with self._cond:
             if version <= self._finished:  # late (e.g. relayed after a store fetch): the agent has its path
                 return
+            state = self._versions.get(version)
+            if state is not None and (state.failed or address in state.objects):
+                return
             if self._buffered + len(obj) > self.config.max_buffered_bytes:
                 self.dropped_objects += 1  # the agent will fetch it from the store
                 return
-            state = self._versions.setdefault(version, _Version(version, time.monotonic()))
-            if state.failed or address in state.objects:
-                return
+            if state is None:  # only now: a version with nothing buffered would wait for an offer alone
+                state = self._versions[version] = _Version(version, time.monotonic())
             state.objects[address] = obj
             if placement is not None:
                 state.placements[address] = placement

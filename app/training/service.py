@@ -553,8 +553,10 @@ class TrainingService:
         """The request id to answer with: `request_id`, or for a retried seq_id the first
         request's (the new future is then dropped unused)."""
         kind = request_id.rsplit("-", 1)[0]
-        answered = record.order.submit(seq_id, request_id, lambda: self._enqueue(request_id, self._while_loaded(record, job)),
-                                       kind=kind)
+        def release() -> None:
+            self._enqueue(request_id, self._while_loaded(record, job))
+
+        answered = record.order.submit(seq_id, request_id, release, kind=kind)
         if answered != request_id:
             log.info("seq_id %d of %s retried: answering with %s", seq_id, record.model_id, answered)
             self.futures.discard(request_id)
