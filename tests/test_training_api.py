@@ -281,6 +281,31 @@ def test_a_client_closed_by_its_with_block_finishes_its_session(server, model_di
     wait_unloaded(server, restored.model_id)
 
 
+def test_a_session_whose_client_went_silent_expires_and_its_model_is_unloaded(tmp_path, model_dir):
+    """A client that dies without closing its session stops beating: after --session-timeout-s
+    without a heartbeat, a request or a job of its own running, the session is finished (expired)
+    and its model unloaded, and a late heartbeat gets 410. Raw HTTP, so that no SDK heartbeat
+    keeps the session alive. The model's creation is a job of the session: the silence counts
+    from its end, so the model exists before it expires, however slow the machine."""
+    with TrainingServer(tmp_path / "state", extra_args=("--session-timeout-s", "2", "--long-poll-s", "1")) as srv:
+        status, _, body = post(srv, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"})
+        assert status == 200, body
+        session = json.loads(body)["session_id"]
+        status, _, body = post(srv, "/api/v1/create_model", {"session_id": session, "model_seq_id": 0,
+                                                             "base_model": model_dir})
+        assert status == 200, body
+        model_id = json.loads(body)["model_id"]
+        deadline = time.monotonic() + 120
+        while f"model {model_id} unloaded" not in srv.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, "the silent session's model was never unloaded"
+            time.sleep(0.2)
+        assert model_id not in loaded_models(srv)
+        status, _, body = post(srv, "/api/v1/session_heartbeat", {"session_id": session})
+        assert status == 410 and b"(expired)" in body, body
+        log = srv.log_path.read_text(errors="replace")
+        assert f"session {session} expired" in log and f"model {model_id} unloaded" in log, log[-3000:]
+
+
 def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server, service, model_dir):
     _, model_id = raw_model(server, service, model_dir)
     # seq 2 (optim_step) arrives before seq 1 (forward_backward): run first, it would see no gradient.

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-poll-s", type=float, default=10.0, help="how long retrieve_future waits")
     parser.add_argument("--gap-timeout-s", type=float, default=120.0,
                         help="how long a request waits for a missing earlier seq_id before it fails")
+    parser.add_argument("--session-timeout-s", type=float, default=600.0,
+                        help="a session with no heartbeat or request for this long is finished and its models "
+                             "unloaded (the SDK beats every 10 s)")
     parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body accepted")
     parser.add_argument("--fwdbwd-max-chunk-len", type=int, default=1024,
                         help="datums per forward_backward request the SDK is told to send (it splits larger calls "
@@ -130,6 +133,7 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         aliases = ((profile.name, directory), (profile.key, directory))
         log.info("profile %s: %s", profile.key, profile.description)
     config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
+                           session_timeout_s=args.session_timeout_s,
                            known_models=tuple(args.model), store=args.store, model_aliases=aliases,
                            sampler_engine=args.sampler_engine, vllm_url=args.vllm_url,
                            sampler_weights=args.sampler_weights)

@@ -18,6 +18,7 @@ Not here: HTTP and status codes (http.py), the bodies' encoding (wire.py), the m
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import json
@@ -27,6 +28,7 @@ import os
 import queue
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -63,6 +65,9 @@ class ServiceConfig:
     """How long retrieve_future waits for a result before answering try_again."""
     gap_timeout_s: float = 120.0
     """How long a request may wait for a missing earlier seq_id before it fails."""
+    session_timeout_s: float = 600.0
+    """A session with no heartbeat and no request for this long is finished as interrupted and its
+    models are unloaded: its client died without closing it (the SDK beats every 10 s)."""
     max_context_tokens: int = 4096
     """Longest model_input accepted in one datum."""
     known_models: tuple[str, ...] = ()
@@ -90,8 +95,9 @@ class ServiceConfig:
         return self.store or f"file://{Path(self.state_dir).resolve() / 'store'}"
 
     def __post_init__(self) -> None:
-        if self.long_poll_s <= 0 or self.gap_timeout_s <= 0 or self.max_context_tokens < 1:
-            raise ValueError("long_poll_s and gap_timeout_s must be > 0 and max_context_tokens >= 1")
+        if self.long_poll_s <= 0 or self.gap_timeout_s <= 0 or self.session_timeout_s <= 0 \
+                or self.max_context_tokens < 1:
+            raise ValueError("long_poll_s, gap_timeout_s and session_timeout_s must be > 0 and max_context_tokens >= 1")
         if self.sampler_engine == "vllm" and not self.vllm_url:
             raise ValueError("sampler_engine 'vllm' needs vllm_url, the vLLM server's base URL")
         if self.sampler_weights not in ("merged", "adapter"):
@@ -124,6 +130,8 @@ class TrainingService:
         self._lock = threading.Lock()
         self.sessions: set[str] = set()
         self.finished: dict[str, dict[str, Any]] = {}  # session id -> its finish reason (the first one)
+        self._last_seen: dict[str, float] = {}  # open session id -> monotonic time of its last heartbeat or request
+        self._busy: collections.Counter[str] = collections.Counter()  # session id -> its jobs queued or running
         self.models: dict[str, ModelRecord] = {}
         self._jobs: queue.Queue[tuple[str, Callable[[], Outcome]] | None] = queue.Queue()
         self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
@@ -133,7 +141,7 @@ class TrainingService:
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self._sampling_pool = cf.ThreadPoolExecutor(config.sampling_threads, thread_name_prefix="sampling")
         self._closed = threading.Event()
-        threading.Thread(target=self._expire_gaps, name="seq-id-gaps", daemon=True).start()
+        threading.Thread(target=self._expire, name="expiry", daemon=True).start()
 
     # ------------------------------------------------------------------ sessions, info
 
@@ -141,6 +149,7 @@ class TrainingService:
         session_id = f"s{uuid.uuid4().hex[:16]}"
         with self._lock:
             self.sessions.add(session_id)
+        self._check_open(session_id)  # marks it seen
         return {"type": "create_session", "session_id": session_id}
 
     def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,12 +168,19 @@ class TrainingService:
         status = reason.get("type") if isinstance(reason, Mapping) else None
         if status not in ("success", "errored", "interrupted"):
             raise UserInputError(f"finish reason must be success, errored or interrupted, got {status!r}")
+        self._finish(session_id, status, body.get("detail"))
+        return {"type": "finish_session", "session_id": session_id}
+
+    def _finish(self, session_id: str, status: str, detail: Any) -> bool:
+        """Marks the session finished (the first reason stays) and, the first time, queues the
+        unload of its models; whether this was the first time."""
         with self._lock:
             first = session_id not in self.finished
-            self.finished.setdefault(session_id, {"type": status, "detail": body.get("detail")})
+            self.finished.setdefault(session_id, {"type": status, "detail": detail})
+            self._last_seen.pop(session_id, None)
         if first:  # on the executor, after every job queued so far (a last save_state, say)
             self._enqueue(self.futures.create("unload"), lambda: self._unload_session(session_id))
-        return {"type": "finish_session", "session_id": session_id}
+        return first
 
     def _unload_session(self, session_id: str) -> Outcome:
         with self._lock:
@@ -180,10 +196,15 @@ class TrainingService:
                              "model_ids": [r.model_id for r in records]})
 
     def _check_open(self, session_id: str) -> None:
+        """Refuses a finished session; an open one (known or not: a restarted server forgot its
+        sessions) counts as seen now, for its expiry."""
         with self._lock:
             finished = self.finished.get(session_id)
+            if finished is None:
+                self._last_seen[session_id] = time.monotonic()
         if finished is not None:
-            raise SessionFinished(f"session {session_id} was finished ({finished['type']}) by its client")
+            by = "by its client" if finished["type"] != "expired" else f"({finished['detail']})"
+            raise SessionFinished(f"session {session_id} was finished ({finished['type']}) {by}")
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -224,7 +245,7 @@ class TrainingService:
         model_id = f"{session_id}:train:{model_seq_id}"
         base_dir = self._resolve_base_model(base_model)
         request_id = self.futures.create("create_model")
-        self._enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora))
+        self._enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora), session_id)
         return {"request_id": request_id, "model_id": model_id}
 
     def _resolve_base_model(self, base_model: str) -> str:
@@ -367,7 +388,7 @@ class TrainingService:
                 self.commander.run(commands.LoadState(model_id, str(directory), with_optimizer))
                 return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
 
-            self._enqueue(request_id, create_and_load)
+            self._enqueue(request_id, create_and_load, session_id)
             return {"request_id": request_id, "model_id": model_id}
         record = self._model(_field(body, "model_id", str))
         seq_id = _field(body, "seq_id", int)
@@ -554,7 +575,7 @@ class TrainingService:
         request's (the new future is then dropped unused)."""
         kind = request_id.rsplit("-", 1)[0]
         def release() -> None:
-            self._enqueue(request_id, self._while_loaded(record, job))
+            self._enqueue(request_id, self._while_loaded(record, job), record.model_id.split(":", 1)[0])
 
         answered = record.order.submit(seq_id, request_id, release, kind=kind)
         if answered != request_id:
@@ -578,19 +599,32 @@ class TrainingService:
         log.warning("%s", error)
         self.futures.fail(request_id, error)
 
-    def _expire_gaps(self) -> None:
-        while not self._closed.wait(min(1.0, self.config.gap_timeout_s / 4)):
+    def _expire(self) -> None:
+        """Fails requests waiting too long for a missing seq_id, and finishes sessions whose
+        client went silent."""
+        every = min(1.0, self.config.gap_timeout_s / 4, self.config.session_timeout_s / 4)
+        while not self._closed.wait(every):
             with self._lock:
                 records = list(self.models.values())
+                cutoff = time.monotonic() - self.config.session_timeout_s
+                silent = [s for s, seen in self._last_seen.items() if seen < cutoff and s not in self._busy]
             for record in records:
                 record.order.expire()
+            for session_id in silent:
+                detail = f"no heartbeat or request for {self.config.session_timeout_s:g} s"
+                if self._finish(session_id, "expired", detail):
+                    log.warning("session %s expired: %s; its models are unloaded", session_id, detail)
 
-    def _enqueue(self, request_id: str, job: Callable[[], Outcome]) -> None:
-        self._jobs.put((request_id, job))
+    def _enqueue(self, request_id: str, job: Callable[[], Outcome], session_id: str | None = None) -> None:
+        """Queues `job` for the executor; a session with jobs queued or running does not expire."""
+        if session_id is not None:
+            with self._lock:
+                self._busy[session_id] += 1
+        self._jobs.put((request_id, job, session_id))
 
     def _run_jobs(self) -> None:
         while (item := self._jobs.get()) is not None:
-            request_id, job = item
+            request_id, job, session_id = item
             try:
                 outcome = job()
             except Exception as e:  # every failure goes to the caller's future, with its category
@@ -599,6 +633,18 @@ class TrainingService:
                 self.futures.fail(request_id, e)
             else:
                 self.futures.resolve(request_id, outcome)
+            finally:
+                if session_id is not None:
+                    self._done_for(session_id)
+
+    def _done_for(self, session_id: str) -> None:
+        """One of the session's jobs ended: its silence counts from now."""
+        with self._lock:
+            self._busy[session_id] -= 1
+            if not self._busy[session_id]:
+                del self._busy[session_id]
+            if session_id in self._last_seen:
+                self._last_seen[session_id] = time.monotonic()
 
     def close(self) -> None:
         self._closed.set()
