@@ -66,8 +66,8 @@ class ServiceConfig:
     gap_timeout_s: float = 120.0
     """How long a request may wait for a missing earlier seq_id before it fails."""
     session_timeout_s: float = 600.0
-    """A session with no heartbeat and no request for this long is finished as interrupted and its
-    models are unloaded: its client died without closing it (the SDK beats every 10 s)."""
+    """A session with no heartbeat, no request and no job of its own for this long is finished as
+    expired and its models are unloaded: its client died without closing it (the SDK beats every 10 s)."""
     max_context_tokens: int = 4096
     """Longest model_input accepted in one datum."""
     known_models: tuple[str, ...] = ()
@@ -128,12 +128,11 @@ class TrainingService:
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self.sessions: set[str] = set()
         self.finished: dict[str, dict[str, Any]] = {}  # session id -> its finish reason (the first one)
         self._last_seen: dict[str, float] = {}  # open session id -> monotonic time of its last heartbeat or request
         self._busy: collections.Counter[str] = collections.Counter()  # session id -> its jobs queued or running
         self.models: dict[str, ModelRecord] = {}
-        self._jobs: queue.Queue[tuple[str, Callable[[], Outcome]] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, Callable[[], Outcome], str | None] | None] = queue.Queue()
         self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
         self._executor.start()
         self.samplers = SamplerHub(store_uri=config.store_uri, cache_root=self.state_dir / "sampler-agents",
@@ -147,9 +146,7 @@ class TrainingService:
 
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
         session_id = f"s{uuid.uuid4().hex[:16]}"
-        with self._lock:
-            self.sessions.add(session_id)
-        self._check_open(session_id)  # marks it seen
+        self._check_open(session_id)  # marks it seen: its expiry counts from now
         return {"type": "create_session", "session_id": session_id}
 
     def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,13 +181,13 @@ class TrainingService:
 
     def _unload_session(self, session_id: str) -> Outcome:
         with self._lock:
-            records = [r for model_id, r in self.models.items() if model_id.split(":", 1)[0] == session_id]
+            records = [r for model_id, r in self.models.items() if _session_of(model_id) == session_id]
         for record in records:
             self.commander.run(commands.Unload(record.model_id))
             with self._lock:
                 self.models.pop(record.model_id, None)
-            record.order.fail_all(SessionFinished(f"session {session_id} was finished by its client before this "
-                                                  "request's turn came"))
+            record.order.fail_all(SessionFinished(f"session {session_id} was finished before this request's "
+                                                  "turn came"))
             log.info("model %s unloaded: its session finished", record.model_id)
         return Outcome(json={"type": "unload", "session_id": session_id,
                              "model_ids": [r.model_id for r in records]})
@@ -259,7 +256,7 @@ class TrainingService:
     def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: LoraSettings | None) -> Outcome:
         # Checked again on the executor: a finish accepted after the request was queued has
         # unloaded the session's models already, and would not see this one.
-        self._check_open(model_id.split(":", 1)[0])
+        self._check_open(_session_of(model_id))
         with self._lock:
             if model_id in self.models:
                 raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
@@ -284,7 +281,7 @@ class TrainingService:
         return self.state_dir / "runs" / model_id
 
     def _model(self, model_id: str) -> ModelRecord:
-        self._check_open(model_id.split(":", 1)[0])  # model ids are "<session id>:train:<seq id>"
+        self._check_open(_session_of(model_id))
         with self._lock:
             record = self.models.get(model_id)
         if record is None:
@@ -575,7 +572,7 @@ class TrainingService:
         request's (the new future is then dropped unused)."""
         kind = request_id.rsplit("-", 1)[0]
         def release() -> None:
-            self._enqueue(request_id, self._while_loaded(record, job), record.model_id.split(":", 1)[0])
+            self._enqueue(request_id, self._while_loaded(record, job), _session_of(record.model_id))
 
         answered = record.order.submit(seq_id, request_id, release, kind=kind)
         if answered != request_id:
@@ -590,7 +587,7 @@ class TrainingService:
             with self._lock:
                 loaded = self.models.get(record.model_id) is record
             if not loaded:
-                self._check_open(record.model_id.split(":", 1)[0])
+                self._check_open(_session_of(record.model_id))
                 raise NotFound(f"model {record.model_id} is no longer loaded")
             return job()
         return run
@@ -675,6 +672,11 @@ def _number(params: Mapping[str, Any], name: str, default: float, *, low: float,
         bound = f"in [{low}, {below})" if below is not None else f">= {low}"
         raise UserInputError(f"adam_params.{name} must be {bound}, got {value}")
     return value
+
+
+def _session_of(model_id: str) -> str:
+    """The session a model belongs to: model ids are "<session id>:train:<seq id>"."""
+    return model_id.split(":", 1)[0]
 
 
 def _store_model_name(model_id: str) -> str:
