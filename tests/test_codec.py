@@ -418,13 +418,14 @@ def test_ambiguous_band_keeps_the_smaller_payload(monkeypatch, changed):
 
 
 @pytest.mark.parametrize("density", [0.0005, 0.05, 0.5, 1.0])
-@pytest.mark.parametrize("forced", [codec.CODEC_SPARSE, codec.CODEC_XOR, codec.CODEC_CTX])
+@pytest.mark.parametrize("forced", [codec.CODEC_SPARSE, codec.CODEC_XOR, codec.CODEC_CTX, codec.CODEC_RANS])
 def test_every_delta_codec_decodes_at_any_density(monkeypatch, density, forced):
     """Whatever a (future, or foreign) publisher chose, every delta codec must decode exactly."""
     count = 5000
     old, new = _with_changes("float32", count, max(1, int(count * density)), seed=3)
     threshold = 1.0 if forced == codec.CODEC_SPARSE else 0.0
-    monkeypatch.setattr(codec, "CTX_DENSITY", 1.0 if forced == codec.CODEC_CTX else 0.0)
+    monkeypatch.setattr(codec, "CTX_DENSITY", 1.0 if forced in (codec.CODEC_CTX, codec.CODEC_RANS) else 0.0)
+    monkeypatch.setattr(codec, "RANS_MIN_CHANGES", 1 if forced == codec.CODEC_RANS else 0)
     monkeypatch.setattr(codec, "SPARSE_DENSITY", threshold)
     monkeypatch.setattr(codec, "DENSE_DENSITY", threshold)
     dtype = _dtype("float32")

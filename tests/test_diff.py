@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync import codec, ctx_codec
+from weightsync import codec, ctx_codec, rans_codec
 from weightsync.chunk import apply_chunk, encode_chunk
 from weightsync.diff import diff_chunk, diff_ranges
 from weightsync.dtypes import BY_NAME, dtype_by_name
@@ -63,11 +63,12 @@ def test_device_diff_round_trips_bit_exactly(name, count, density):
             assert getattr(changes, field) == getattr(host, field), field
         for field in ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts"):
             assert np.array_equal(getattr(changes, field), getattr(host, field)), field
-        payload = ctx_codec.emit(changes, name, dtype.itemsize, 1 << 30)
-        assert payload == ctx_codec.emit(host, name, dtype.itemsize, 1 << 30)
-        out = old.clone()
-        ctx_codec.decode_into(payload, raw_bytes(out), name, dtype.itemsize)
-        assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
+        for coder in (ctx_codec, rans_codec):
+            payload = coder.emit(changes, name, dtype.itemsize, 1 << 30)
+            assert payload == coder.emit(host, name, dtype.itemsize, 1 << 30)
+            out = old.clone()
+            coder.decode_into(payload, raw_bytes(out), name, dtype.itemsize)
+            assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
     # Through the chunk API, as the publisher calls it.
     codec_id, raw_hex, obj, n = encode_chunk(new_raw, old_raw, dtype, 1, changes=changes)
     assert n == changed
@@ -136,7 +137,7 @@ def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp
             result = publisher.publish(state, step=step).result()
             if step:
                 codecs = {c.codec for t in result.manifest.tensors if t.name == "w" for c in t.chunks}
-                assert codecs <= {"ctx", "same"} and "ctx" in codecs
+                assert codecs <= {"ctx", "rans", "same"} and codecs & {"ctx", "rans"}
             master = {k: v + 3e-6 * torch.randn(v.shape, generator=g).sign().to(device) for k, v in master.items()}
     chunks_of_w = -(-300 * 512 * 2 // (64 * 1024))
     assert len(diffed) == 3 * chunks_of_w and {name for _, name in diffed} == {"bfloat16"}  # w only, deltas only

@@ -230,7 +230,7 @@ def _tail_json(path: Path) -> list[dict]:
 
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    from weightsync import ctx_codec
+    from weightsync import codec
     from weightsync.app.demo.report import build_report, write_plot
     from weightsync.app.demo.rollout_queue import RolloutQueue
     from weightsync.rpc import AgentClient
@@ -247,10 +247,10 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
     deadline = time.monotonic() + config.timeout_s
     python = sys.executable
     try:
-        # numba compiles codec ctx's kernels on their first use (seconds per element width on a fresh
+        # numba compiles the ctx and rans kernels on their first use (seconds per element width on a fresh
         # install) and caches them on disk: once here, not in the trainer and every agent at once
         # when the first delta comes.
-        ctx_codec.warm_up(["bfloat16", "float32"])
+        codec.warm_up(["bfloat16", "float32"])
         vllm_urls = _start_vllm_servers(config, root, children) if config.engine == "vllm" else {}
         # -- agents: per region, followers first so the leader knows where to relay
         agents: dict[str, dict] = {}

@@ -109,13 +109,13 @@ class Run(Faults, Checks):
         (self.work / "publisher.json").write_text(json.dumps(spec))
         self.publisher = PublisherProc(self.work / "publisher.json", self.work / "publisher.log", env)
         self.trainer = fake_trainer(self.config.seed)
-        # numba compiles codec ctx's kernels on their first use (~20-25 s per element width on a
+        # numba compiles the ctx and rans kernels on their first use (~20-25 s per element width on a
         # fresh clone) and caches them on disk: once here, not in five processes at once inside
         # round 1's convergence bound.
-        from weightsync import ctx_codec
+        from weightsync import codec
         from weightsync.tensors import dtype_of
 
-        ctx_codec.warm_up({dtype_of(t).name for t in self.trainer.published().values()})
+        codec.warm_up({dtype_of(t).name for t in self.trainer.published().values()})
         starters = [threading.Thread(target=a.start, args=(self.config.start_deadline_s,)) for a in self.agents.values()]
         starters.append(threading.Thread(target=self.publisher.start, args=(self.config.start_deadline_s,)))
         for t in starters:

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from weightsync import codec
+from weightsync import codec, rans_codec
 from weightsync.chunk import HEADER, encode_chunk
-from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_SPARSE, CODEC_XOR
+from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
 from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import xxh3_digest
 from weightsync.layout import chunk_key, pack_key
@@ -179,7 +179,7 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         mutate(lambda d: packed(d, [member(0, 2048, 0), dict(member(2048, COUNT, 150), object="e" * 32)])),
         "FormatError", "overlap (a bad pack index)")
     add("manifest_unknown_codec.json", chunk0(codec="lz4"), "UnsupportedFormatError",
-        "unknown codec 'lz4'; supported: ['ctx', 'full', 'same', 'sparse', 'xor']")
+        "unknown codec 'lz4'; supported: ['ctx', 'full', 'rans', 'same', 'sparse', 'xor']")
     add("manifest_codec_not_string.json", chunk0(codec=3), "FormatError", "codec must be a string")
     add("manifest_unknown_dtype.json", tensor0(dtype="complex64"), "UnsupportedFormatError",
         "unsupported dtype 'complex64'")
@@ -301,6 +301,12 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
     assert (codec_id, changed) == (CODEC_SPARSE, 82)
     ctx_id, _, good_ctx, _ = encode_chunk(new, old, BF16, 1)
     assert ctx_id == CODEC_CTX
+    rans_min, codec.RANS_MIN_CHANGES = codec.RANS_MIN_CHANGES, 1
+    try:
+        rans_id, _, good_rans, _ = encode_chunk(new, old, BF16, 1)
+    finally:
+        codec.RANS_MIN_CHANGES = rans_min
+    assert rans_id == CODEC_RANS
     full_id, _, full, _ = encode_chunk(new, None, BF16, 1)
     assert full_id == CODEC_FULL
     other_raw = xxh3_digest(old)  # the hash of bytes a chunk does not decode to
@@ -339,7 +345,7 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
     add("chunk_bad_magic.bin", b"NOPE" + good[4:], "FormatError", "not a weightsync chunk", stage="unpack")
     add("chunk_unknown_version.bin", header(fmt=7), "UnsupportedFormatError",
         "chunk format version 7 is not supported; supported: [1]", stage="unpack")
-    add("chunk_unknown_codec.bin", header(codec=9), "UnsupportedFormatError", "unknown codec id 9; supported: [1, 2, 3, 4]",
+    add("chunk_unknown_codec.bin", header(codec=9), "UnsupportedFormatError", "unknown codec id 9; supported: [1, 2, 3, 4, 5]",
         stage="unpack")
     add("chunk_unknown_dtype.bin", header(dtype=200), "UnsupportedFormatError", "unknown dtype code 200",
         stage="unpack")
@@ -467,6 +473,50 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
         "ctx payload is corrupt", **ctx)
     add("chunk_ctx_applied_to_wrong_parent.bin", good_ctx, "FormatError", "ctx payload is corrupt", parent_seed=1,
         **ctx)
+
+    # rans (docs/format.md, "Codec rans"): u64 changed, u16 class base, u16 class mask, u32 rANS
+    # words; the class tables, the rANS words, the raw bit words.
+    rans = {"codec": CODEC_RANS}
+    body = good_rans[64:]
+    changed_rans, base_rans, mask_rans, nwords = struct.unpack_from("<QHHI", body, 0)
+    table_bytes = rans_codec._read_tables(np.frombuffer(body[16:], np.uint8), mask_rans, 16, np.zeros(16, np.int64),
+                                          np.zeros(2 * 16 * 2048, np.uint32), np.zeros(390, np.int64))[1]
+    tables, rest = body[16 : 16 + table_bytes], body[16 + table_bytes :]
+    words, raw_bits = rest[: 2 * nwords], rest[2 * nwords :]
+
+    def rans_payload(changed=changed_rans, base=base_rans, mask=mask_rans, n=nwords, t=tables, w=words, r=raw_bits):
+        return struct.pack("<QHHI", changed, base, mask, n) + t + w + r
+
+    def add_rans(name, payload, match):
+        add(f"chunk_rans_{name}.bin", header(good_rans, payload=payload), "FormatError", match, **rans)
+
+    add_rans("truncated_header", body[:10], "rans payload of 10 bytes is shorter than its 16-byte header")
+    add_rans("too_many_changes", rans_payload(changed=COUNT + 1),
+             "rans payload claims 4097 changed elements in a chunk of 4096")
+    add_rans("class_base_out_of_range", rans_payload(base=256), "rans class base 256 is out of range for bfloat16")
+    add_rans("tables_truncated", rans_payload(t=tables[:3], w=b"", r=b""),
+             "class table section runs past the payload")
+    add_rans("declares_more_changes", rans_payload(changed=changed_rans + 1),
+             "per-class change counts do not add up to the header's")
+    unused_class = next(c for c in range(16) if not mask_rans >> c & 1)
+    add_rans("extra_class_in_mask", rans_payload(mask=mask_rans | 1 << unused_class), "rans payload is corrupt")
+    add_rans("declares_too_many_words", rans_payload(n=nwords + len(raw_bits)),
+             f"rans payload declares {nwords + len(raw_bits)} rANS words")
+    add_rans("raw_bits_not_whole_words", rans_payload(r=raw_bits + b"\0\0\0"),
+             "rans raw bit stream of")
+    add_rans("raw_bits_extra_word", rans_payload(r=raw_bits + bytes(8)), "raw bit stream has extra words")
+    add_rans("initial_state_zero", rans_payload(w=bytes(4) + words[4:]), "rANS initial state out of range")
+    add_rans("words_left_over", rans_payload(n=nwords + 4, w=words + bytes([1, 0, 0, 1, 0, 0, 1, 0])),
+             "rANS stream has words left over")
+    flipped = bytearray(words)
+    flipped[len(words) // 2] ^= 0x10
+    add_rans("stream_bit_flip", rans_payload(w=bytes(flipped)), "rans payload is corrupt")
+    for k in range(4):  # random words and raw bits: whatever they decode to, the decoder stops with a FormatError
+        noise = rng.integers(0, 256, 2 * nwords + len(raw_bits), dtype=np.uint8).tobytes()
+        add_rans(f"random_stream_{k}", rans_payload(w=noise[: 2 * nwords], r=noise[2 * nwords :]),
+                 "rans payload is corrupt")
+    add("chunk_rans_applied_to_wrong_parent.bin", good_rans, "FormatError", "rans payload is corrupt",
+        parent_seed=1, **rans)
     return out
 
 
