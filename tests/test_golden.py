@@ -25,7 +25,7 @@ import zstandard
 
 from weightsync.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, object_hash, unpack_chunk
 from weightsync import codec
-from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_SPARSE
+from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE
 from weightsync.dtypes import dtype_by_name
 from weightsync.hashing import xxh3_digest, xxh3_hex
 from weightsync.manifest import ChunkRef, Manifest, TensorEntry, canonical_json, compute_digest, parse_manifest
@@ -78,6 +78,19 @@ CTX_OBJECT_HEX = (
     "e7e2a3db24cb6369f72990af667302e568e71178996749419f6534ca421c7de2"
     "0700000000000000" "7800"  # 7 changed elements, class base 120 (exponent of 2^-7)
     "00082fdc3c06c7c9236895200000"  # the range coder's bytes (the first is always 0)
+)
+
+# The same step as a rans object (docs/format.md, "Codec rans"), which publishers write for chunks
+# of >= 4096 changes: classes 0 and 15 have changes; each a varint count, a gap parameter, the gap
+# and step alphabet sizes, the step frequencies; then the rANS words and one raw-bit word.
+RANS_OBJECT_HEX = (
+    "5753434b01000501010040000000000040000000000000003600000000000000"  # header: codec 5, 64 elements
+    "e7e2a3db24cb6369f72990af667302e5f3009444b793a69eac90167d3aced77e"
+    "0700000000000000" "7800" "0180" "05000000"  # 7 changed, class base 120, classes 0 and 15, 5 words
+    "06" "1b" "0a" "07" "d502" "d60a" "00" "00" "00" "00" "d502"  # class 0: 6 changes, gamma 27, 10, 7 freqs
+    "01" "00" "01" "01" "8010"  # class 15: 1 change, gamma 0, one gap symbol, one step symbol of 2048
+    "f4b8b50021d91f00b7a2"  # the rANS words: X0, X1, then one more
+    "3001000000000000"  # the raw bits
 )
 
 
@@ -151,12 +164,23 @@ def test_ctx_delta_object_bytes():
     assert struct.unpack_from("<QH", obj, 64) == (7, 120) and obj[74] == 0
 
 
-@pytest.mark.parametrize("which", ["full", "sparse", "ctx"])
+def test_rans_delta_object_bytes(monkeypatch):
+    monkeypatch.setattr(codec, "RANS_MIN_CHANGES", 1)
+    parent, new = bytes.fromhex(CTX_PARENT_HEX), bytes.fromhex(CTX_NEW_HEX)
+    codec_id, raw_hex, obj, changed = encode_chunk(
+        np.frombuffer(new, np.uint8), np.frombuffer(parent, np.uint8), BF16, 1
+    )
+    assert (codec_id, changed, raw_hex) == (CODEC_RANS, 7, CTX_RAW_XXH3)
+    assert obj.hex() == RANS_OBJECT_HEX
+
+
+@pytest.mark.parametrize("which", ["full", "sparse", "ctx", "rans"])
 def test_pinned_objects_still_decode(which):
     """Objects written by earlier builds stay readable whatever zstd version wrote them."""
-    if which == "ctx":
+    if which in ("ctx", "rans"):
         out = np.frombuffer(bytes.fromhex(CTX_PARENT_HEX), np.uint8).copy()
-        apply_chunk(bytes.fromhex(CTX_OBJECT_HEX), out, BF16, CTX_RAW_XXH3, CODEC_CTX)
+        obj, codec_id = (CTX_OBJECT_HEX, CODEC_CTX) if which == "ctx" else (RANS_OBJECT_HEX, CODEC_RANS)
+        apply_chunk(bytes.fromhex(obj), out, BF16, CTX_RAW_XXH3, codec_id)
         assert out.tobytes().hex() == CTX_NEW_HEX
         return
     if which == "full":
