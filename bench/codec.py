@@ -125,15 +125,16 @@ def _median_time(fn, repeats: int, setup=None) -> float:
     return statistics.median(times)
 
 
-def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig, *, ctx: bool = True) -> dict:
-    """Ratio and throughput of the codecs as the publisher chooses them; `ctx=False`: the codecs
-    before codec ctx (sparse/xor), for comparison in the same run."""
-    saved = codec.CTX_DENSITY
-    codec.CTX_DENSITY = saved if ctx else 0.0
+def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig, *, ctx: bool = True, rans: bool = True) -> dict:
+    """Ratio and throughput of the codecs as the publisher chooses them, for comparison in the same
+    run: `ctx=False`, the codecs before codec ctx (sparse/xor); `rans=False`, before codec rans."""
+    saved = codec.CTX_DENSITY, codec.RANS_MIN_CHANGES
+    codec.CTX_DENSITY = saved[0] if ctx else 0.0
+    codec.RANS_MIN_CHANGES = saved[1] if rans else 0
     try:
         return _measure_ours(old_sd, new_sd, config)
     finally:
-        codec.CTX_DENSITY = saved
+        codec.CTX_DENSITY, codec.RANS_MIN_CHANGES = saved
 
 
 def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
@@ -274,6 +275,7 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
             ours = measure_ours(old_sd, new_sd, config)
             ours.update(measure_device_diff(take_snapshot(old_sd), take_snapshot(new_sd), config.repeats))
             v1 = measure_ours(old_sd, new_sd, dataclasses.replace(config, threads=(2,)), ctx=False)
+            ctx_only = measure_ours(old_sd, new_sd, dataclasses.replace(config, threads=(2,)), rans=False)
             log.info("lr %g pair %d: ratio %.1fx (%.2f of the bound), codecs before ctx %.1fx", lr, i,
                      ours["ratio"], ours["ratio"] / bound, v1["ratio"])
             record = {
@@ -287,6 +289,9 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
                 "v1": {k: v for k, v in v1.items() if k in ("ratio", "bits_per_changed", "chunk_codecs")
                        or k.endswith("_2t")},
                 "v1_vs_bound": v1["ratio"] / bound,
+                "ctx_only": {k: v for k, v in ctx_only.items() if k in ("ratio", "bits_per_changed", "chunk_codecs")
+                             or k.endswith("_2t")},
+                "ctx_only_vs_bound": ctx_only["ratio"] / bound,
             }
             if i < config.baseline_pairs:
                 results, skipped = run_baselines(
@@ -332,6 +337,9 @@ def _summary(pairs: list[dict]) -> dict:
             "v1_ratio_vs_bound": statistics.mean(p["v1_vs_bound"] for p in rows),
             "v1_bits_per_changed": statistics.mean(p["v1"]["bits_per_changed"] for p in rows),
             **{f"v1_{k}": statistics.mean(p["v1"][k] for p in rows) for k in rows[0]["v1"] if k.endswith("_2t")},
+            "ctx_only_ratio_vs_bound": statistics.mean(p["ctx_only_vs_bound"] for p in rows),
+            **{f"ctx_only_{k}": statistics.mean(p["ctx_only"][k] for p in rows) for k in rows[0]["ctx_only"]
+               if k.endswith("_2t")},
             **{k: statistics.mean(p["ours"][k] for p in rows) for k in keys},
         }
         with_x = [p["ours_vs_xdelta3"] for p in rows if "ours_vs_xdelta3" in p]
@@ -383,6 +391,10 @@ def markdown(record: dict) -> str:
     lines += ["", "Before ctx (sparse/xor only), 2 threads: " + "; ".join(
         f"lr {lr}: encode {e.get('v1_encode_GBps_2t', 0):.2f} GB/s, decode+apply "
         f"{e.get('v1_decode_apply_GBps_2t', 0):.2f} GB/s" for lr, e in s.items()) + "."]
+    lines += ["", "Before rans (ctx where it applies, as the last release wrote), 2 threads: " + "; ".join(
+        f"lr {lr}: ratio / bound {e.get('ctx_only_ratio_vs_bound', 0):.2f}, encode "
+        f"{e.get('ctx_only_encode_GBps_2t', 0):.2f} GB/s, decode+apply {e.get('ctx_only_decode_apply_GBps_2t', 0):.2f}"
+        " GB/s" for lr, e in s.items()) + "."]
     first = record["pairs"][0]["ours"]
     lines += ["", f"Full versions (first version and rebases): ratio {first['full_ratio']:.2f}x, encode "
               f"{first.get('full_encode_GBps_1t', 0):.2f} / {first.get('full_encode_GBps_2t', 0):.2f} GB/s, "
@@ -393,9 +405,12 @@ def markdown(record: dict) -> str:
     for p in record["pairs"]:
         if "baselines" not in p:
             continue
-        lines.append(f"| {p['lr']:g} | **weightsync (ctx)** | **{p['ours']['ratio']:.1f}x** | "
+        lines.append(f"| {p['lr']:g} | **weightsync (rans/ctx)** | **{p['ours']['ratio']:.1f}x** | "
                      f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['encode_GBps_1t']:.3f} (1t) | "
                      f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['decode_apply_GBps_1t']:.3f} (1t) |")
+        lines.append(f"| {p['lr']:g} | weightsync before rans (ctx) | {p['ctx_only']['ratio']:.1f}x | "
+                     f"{p['ours']['raw_bytes'] / 1e9 / p['ctx_only']['encode_GBps_2t']:.3f} (2t) | "
+                     f"{p['ours']['raw_bytes'] / 1e9 / p['ctx_only']['decode_apply_GBps_2t']:.3f} (2t) |")
         lines.append(f"| {p['lr']:g} | weightsync before ctx (sparse/xor) | {p['v1']['ratio']:.1f}x | "
                      f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['encode_GBps_2t']:.3f} (2t) | "
                      f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['decode_apply_GBps_2t']:.3f} (2t) |")

@@ -122,7 +122,7 @@ class Kit:
             return None
         try:
             return int(current.name[1:]), load_pretrained(current)[1]
-        except (OSError, ValueError):
+        except (OSError, ValueError, RuntimeError):  # safetensors says "unable to open file" as a RuntimeError
             if current.exists():
                 raise  # a snapshot that exists must always be complete
             return None  # pruned by a later swap while we read it
