@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from weightsync import ctx_codec
-from weightsync.ctx_codec import NUM_CLASSES, Changes, key, unkey
+from weightsync.ctx_codec import NUM_CLASSES, Changes, bit_length, key, unkey
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import FormatError
 
@@ -99,15 +99,6 @@ def _scratch(name: str, count: int, dtype) -> np.ndarray:
 
 
 @_jit
-def _bit_length(v):
-    n = 0
-    while v:
-        v >>= 1
-        n += 1
-    return n
-
-
-@_jit
 def _normalize(hist, base, k, freq, cum, every):
     """Scales weights hist[base:base+k] to frequencies summing to PROB_SCALE: floors, at least 1
     for every symbol of nonzero weight (every symbol if `every`), then the difference from
@@ -143,36 +134,47 @@ def _normalize(hist, base, k, freq, cum, every):
 
 
 @_jit
-def _fp_pow(q, e):
-    """q^e for q a fraction in units of 2^-32 (< 1), by squaring, each product floored."""
-    r = np.uint64(1) << np.uint64(32)
-    while e:
-        if e & 1:
-            r = (r * q) >> np.uint64(32)
-        q = (q * q) >> np.uint64(32)
-        e >>= 1
-    return r
-
-
-@_jit
 def _gap_table(g, k, weights, freq, cum, base):
     """The gap table of a class with parameter g and k symbols, into freq/cum[base:base+k]:
     geometric gaps of change probability p = HALF_STEPS[g % 8] >> (g // 8) (units of 2^-32),
     symbol s weighing P(lo_s - 1 <= gap <= hi_s - 1) = q^(lo_s - 1) - q^hi_s with q = 1 - p, where
-    [lo_s, hi_s] are the values of gap + 1 that s stands for. weights: int64 scratch >= base + k."""
+    [lo_s, hi_s] are the values of gap + 1 that s stands for. weights: int64 scratch >= base + k.
+
+    q^e is docs/format.md's pow (square-and-multiply from the lowest bit, every product floored),
+    with the squares q^(2^j) computed once for the table instead of once per power."""
     p = HALF_STEPS[g & 7] >> np.uint64(g >> 3)
-    q = (np.uint64(1) << np.uint64(32)) - p
+    squares = weights[base + k : base + k + 32]  # q^(2^j), as the pow loop computes them
+    x = (np.uint64(1) << np.uint64(32)) - p
+    for j in range(32):
+        squares[j] = np.int64(x)
+        x = (x * x) >> np.uint64(32)
+    previous = np.int64(1) << 32  # q^0
     for s in range(k):
-        lo = 1
         hi = 1
         if s > 0:
             t = (s + 1) >> 1
-            b = (s + 1) & 1
-            lo = (2 + b) << (t - 1)
-            hi = ((3 + b) << (t - 1)) - 1
-        w = np.int64(_fp_pow(q, lo - 1)) - np.int64(_fp_pow(q, hi))
-        weights[base + s] = max(w, 0)
+            hi = ((3 + ((s + 1) & 1)) << (t - 1)) - 1
+        r = np.uint64(1) << np.uint64(32)
+        e = hi
+        j = 0
+        while e:
+            if e & 1:
+                r = (r * np.uint64(squares[j])) >> np.uint64(32)
+            e >>= 1
+            j += 1
+        weights[base + s] = max(previous - np.int64(r), 0)  # symbols are contiguous: lo_s - 1 = hi_(s-1)
+        previous = np.int64(r)
     _normalize(weights, base, k, freq, cum, True)
+
+
+@_jit
+def _rans_put(x, f, c):
+    """The state after coding a symbol of frequency f and cumulative c (x already renormalized).
+    One unsigned division: numba's signed // and % are two, each with Python's floor fix-up."""
+    ux = np.uint64(x)
+    uf = np.uint64(f)
+    quotient = ux // uf
+    return np.int64((quotient << np.uint64(PROB_BITS)) + (ux - quotient * uf) + np.uint64(c))
 
 
 @_jit
@@ -189,7 +191,8 @@ def _put_varint(out, op, v):
 def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, width, work, raw, words, out):
     """Codes the changes (in position order, as ctx_codec.Changes holds them) after the fixed
     header. Returns (table bytes, rANS words, raw words) with all three sections written one after
-    the other into out, or (-1, 0, 0) if out cannot hold them (the caller gave its size limit).
+    the other into out, (-1, 0, 0) if out cannot hold them (the caller gave its size limit), or
+    (-2, 0, 0) for changes whose ranks go back within a class.
 
     class_sizes: elements per class. work: int64 scratch of 4 * m + 7 * 16 * 130 + 3 * 16 entries; raw: uint64, zeroed by the caller, room
     for every raw bit (m * (31 + width) bits) plus a word; words: uint16, 2 * m + 8 entries."""
@@ -210,7 +213,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
     for k in range(nc * 130):
         ghist[k] = 0
         shist[k] = 0
-    gweights = work[t0 + 6 * nc * 130 : t0 + 7 * nc * 130]
+    gweights = work[t0 + 6 * nc * 130 : t0 + 7 * nc * 130]  # a class's 63 weights + 32 squares fit its 130
     t1 = t0 + 7 * nc * 130
     last = work[t1 : t1 + nc]
     first = work[t1 + nc : t1 + 2 * nc]
@@ -228,8 +231,10 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
         c = cls[j]
         g = rank[j] - last[c]
         last[c] = rank[j] + 1
+        if g < 0:  # ranks not increasing within a class: changes that do not describe one chunk
+            return -2, 0, 0
         v = g + 1
-        t = _bit_length(v) - 1
+        t = bit_length(v) - 1
         if t > 31:  # beyond the alphabet (chunks of at most 64 MiB never get here)
             return -1, 0, 0
         if t == 0:
@@ -250,7 +255,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
         if mag == 1:
             ss = sign
         else:
-            ss = 2 + 2 * (_bit_length(mag - np.uint64(1)) - 1) + sign
+            ss = 2 + 2 * (bit_length(np.int64(mag - np.uint64(1))) - 1) + sign
         ssym[j] = ss
         shist[c * 130 + ss] += 1
         if first[c] < 0:
@@ -354,14 +359,14 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
                 wp -= 1
                 words[wp] = x1 & 0xFFFF
                 x1 >>= 16
-            x1 = ((x1 // f) << PROB_BITS) + (x1 % f) + gcum[s]
+            x1 = _rans_put(x1, f, gcum[s])
         s = c * 130 + ssym[j]
         f = sfreq[s]
         if x0 >= (f << (32 - PROB_BITS)):
             wp -= 1
             words[wp] = x0 & 0xFFFF
             x0 >>= 16
-        x0 = ((x0 // f) << PROB_BITS) + (x0 % f) + scum[s]
+        x0 = _rans_put(x0, f, scum[s])
     for c in range(nc - 1, -1, -1):
         j = first[c]
         if j >= 0:
@@ -371,7 +376,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
                 wp -= 1
                 words[wp] = x1 & 0xFFFF
                 x1 >>= 16
-            x1 = ((x1 // f) << PROB_BITS) + (x1 % f) + gcum[s]
+            x1 = _rans_put(x1, f, gcum[s])
     wp -= 4
     words[wp] = x0 & 0xFFFF
     words[wp + 1] = x0 >> 16
@@ -475,7 +480,8 @@ def _read_tables(buf, class_mask, width, mc, slots, tables):
 
 @_jit
 def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, words, raw, state, pos, vals):
-    """Decodes into (pos, vals); returns (status, changed). Writes nothing else.
+    """Decodes into (pos, vals), then, if the whole payload checked out, writes them into `old`;
+    returns (status, changed). On an error it writes nothing but pos and vals.
 
     words: the rANS words plus one zero word; raw: the raw bit words plus two zero words;
     state: int64 scratch of 2 * 16."""
@@ -585,6 +591,8 @@ def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, word
         return 12, m
     if bp & 63 and raw[nraw - 1] >> np.uint64(bp & 63):
         return 12, m
+    for k in range(m):  # the payload checked out: apply (here, without the GIL, not as numpy fancy indexing)
+        old[pos[k]] = vals[k]
     return 0, m
 
 
@@ -605,10 +613,12 @@ def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes 
         changes.positions, changes.classes, changes.ranks, changes.old_bits, changes.new_bits,
         changes.class_counts[:NUM_CLASSES], dtype_name in ctx_codec._FLOAT_LAYOUT, width, work, raw, words, out,
     )
+    if table_bytes == -2:
+        raise ValueError("rans: the changes' ranks do not increase within their classes (not one chunk's changes)")
     if table_bytes < 0:
         return None
     mask = 0
-    for c in np.unique(changes.classes):
+    for c in np.flatnonzero(work[len(work) - NUM_CLASSES :]):  # the kernel's changes per class
         mask |= 1 << int(c)
     body = table_bytes + 2 * nwords + 8 * raw_words
     return HEADER.pack(m, changes.class_base, mask, nwords) + out[:body].tobytes()
@@ -664,7 +674,6 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
                                raw, state, pos, vals)
     if status:
         raise FormatError(f"rans payload is corrupt: {_ERRORS.get(status, status)} (after {m} changed elements)")
-    target[pos[:m]] = vals[:m]
 
 
 def warm_up(dtype_names: Iterable[str]) -> None:
