@@ -1,4 +1,4 @@
-"""codec_cpu: codec ctx against the codecs before it (sparse/xor), per core, in CPU time.
+"""codec_cpu: codecs rans/ctx against the codecs before them (sparse/xor), per core, in CPU time.
 
 `bench.codec` measures wall-clock throughput, which a shared, loaded machine distorts; this
 measures the CPU time of the calling thread (`time.thread_time`) to encode every chunk of a
@@ -45,7 +45,7 @@ def main() -> None:
                 x = new_sd[name].reshape(-1).view(torch.uint8).numpy()
                 items += [(o[i : i + CHUNK_BYTES], x[i : i + CHUNK_BYTES]) for i in range(0, len(o), CHUNK_BYTES)]
             raw = sum(len(x) for _, x in items)
-            for label, density in (("ctx", saved), ("sparse/xor", 0.0)):
+            for label, density in (("rans/ctx", saved), ("sparse/xor", 0.0)):
                 codec.CTX_DENSITY = density
                 encode_s = decode_s = float("inf")
                 for _ in range(3):

@@ -7,9 +7,9 @@ path's objects for one range one after another while the range is hot in cache, 
 the target's raw hash: one hash pass and one trip through memory per range, whatever k is.
 
 Every codec folds this way, because each decodes against the bytes its range holds (`xor` and
-`sparse` XOR into them, `ctx` reads its parent's bits, `full` overwrites them), and when a delta's
-turn comes the range holds exactly the previous version's bytes: every object was checked
-against its content hash before it is decoded, so it is the one the publisher made. The
+`sparse` XOR into them, `ctx` and `rans` read their parent's bits, `full` overwrites them), and
+when a delta's turn comes the range holds exactly the previous version's bytes: every object was
+checked against its content hash before it is decoded, so it is the one the publisher made. The
 intermediate versions are never checked or served, and need not be: only the target is served,
 and its raw hashes (covered by its digest) check every byte of the result.
 
