@@ -2,7 +2,7 @@
 
 A chunk is `count` elements of `itemsize` bytes, seen as little-endian unsigned integers (the
 bit patterns; a codec never interprets them as numbers, so NaN payloads, -0.0 and subnormals
-survive untouched). Three codecs, ids fixed by docs/format.md:
+survive untouched). Five codecs, ids fixed by docs/format.md:
 
 - `full` (1): byte planes of the raw bits, each plane a zstd frame. Needs no parent.
 - `xor` (2): byte planes of (new XOR parent), zstd. Dense; wins when many elements changed.
