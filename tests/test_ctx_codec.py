@@ -183,6 +183,19 @@ def _pairs(draw):
     return name, old_bits, new_bits
 
 
+def extreme_pairs(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(old, new) bit patterns: steps of +-1, of half the key space (the most negative step), sign
+    crossings through zero, every pattern to its complement."""
+    itemsize = dtype_by_name(name).itemsize
+    w = 8 * itemsize
+    top, mask = 1 << (w - 1), (1 << w) - 1
+    olds = [0, top, 1, top + 1, top - 1, mask, 5, top + 5, 0, top]
+    news = [top, 0, 0, top, top, 0, (5 + top) & mask, 5, mask, top - 1]
+    if name == "bool":
+        olds, news = [0, 1, 1, 0], [1, 0, 1, 1]
+    return np.array(olds, dtype=UINT[itemsize]), np.array(news, dtype=UINT[itemsize])
+
+
 def _encode(name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> bytes | None:
     itemsize = old_bits.itemsize
     changed = int(np.count_nonzero(old_bits != new_bits))
@@ -207,14 +220,8 @@ def test_round_trip_agrees_with_the_documented_decoder(pair):
 def test_extreme_steps_and_sign_crossings(name):
     """Steps of +-1, of half the key space (the most negative step), sign crossings through zero,
     every pattern to its complement: all exact."""
-    itemsize = dtype_by_name(name).itemsize
-    w = 8 * itemsize
-    top, mask = 1 << (w - 1), (1 << w) - 1
-    olds = [0, top, 1, top + 1, top - 1, mask, 5, top + 5, 0, top]
-    news = [top, 0, 0, top, top, 0, (5 + top) & mask, 5, mask, top - 1]
-    if name == "bool":
-        olds, news = [0, 1, 1, 0], [1, 0, 1, 1]
-    old_bits, new_bits = np.array(olds, dtype=UINT[itemsize]), np.array(news, dtype=UINT[itemsize])
+    old_bits, new_bits = extreme_pairs(name)
+    itemsize = old_bits.itemsize
     payload = _encode(name, old_bits, new_bits)
     out = old_bits.copy()
     ctx_codec.decode_into(payload, out.view(np.uint8), name, itemsize)

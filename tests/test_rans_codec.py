@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from test_ctx_codec import DTYPES, FLOATS, HYPO, UINT, _pairs
+from test_ctx_codec import DTYPES, FLOATS, HYPO, _pairs, extreme_pairs
 
 from weightsync import codec, ctx_codec, rans_codec
 from weightsync.chunk import apply_chunk, encode_chunk
@@ -207,14 +207,7 @@ def test_round_trip_agrees_with_the_documented_decoder(pair):
 def test_extreme_steps_and_sign_crossings(name):
     """Steps of +-1, of half the key space (the most negative step), sign crossings through zero,
     every pattern to its complement: all exact."""
-    itemsize = dtype_by_name(name).itemsize
-    w = 8 * itemsize
-    top, mask = 1 << (w - 1), (1 << w) - 1
-    olds = [0, top, 1, top + 1, top - 1, mask, 5, top + 5, 0, top]
-    news = [top, 0, 0, top, top, 0, (5 + top) & mask, 5, mask, top - 1]
-    if name == "bool":
-        olds, news = [0, 1, 1, 0], [1, 0, 1, 1]
-    _round_trip(name, np.array(olds, dtype=UINT[itemsize]), np.array(news, dtype=UINT[itemsize]))
+    _round_trip(name, *extreme_pairs(name))
 
 
 @pytest.mark.parametrize("changed", [1, 5000, 100_000])

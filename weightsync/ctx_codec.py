@@ -254,6 +254,14 @@ def bit_length(v):
     return n + (1 if v else 0)
 
 @_inline
+def order_masks(width):
+    """(sign_shift, mask, top, low_mask) of w-bit elements, as `key`, `unkey` and the steps use them."""
+    sign_shift = np.uint64(width - 1)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+    top = np.uint64(1) << sign_shift
+    return sign_shift, mask, top, mask ^ top
+
+@_inline
 def key(x, is_float, sign_shift, top, low_mask):
     """The dtype's monotone order of bit pattern x (docs/format.md, "Element order"), branch-free:
     the sign of a weight is a coin flip, a branch on it mispredicts half the time."""
@@ -427,10 +435,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
             order[k] = order[k - 1]
             k -= 1
         order[k] = c
-    sign_shift = np.uint64(width - 1)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-    top = np.uint64(1) << sign_shift
-    low_mask = mask ^ top
+    sign_shift, mask, top, low_mask = order_masks(width)
     for k in range(TOTAL_CELLS):
         probs[k] = PROB_INIT
         probs[TOTAL_CELLS + k] = 0
@@ -564,10 +569,7 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
         return 9, 0
     for c in range(nc):
         rem[c] = -1
-    sign_shift = np.uint64(width - 1)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-    top = np.uint64(1) << sign_shift
-    low_mask = mask ^ top
+    sign_shift, mask, top, low_mask = order_masks(width)
     m = 0
     for i in range(n):
         o = old[i]

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from weightsync import ctx_codec
-from weightsync.ctx_codec import NUM_CLASSES, Changes, bit_length, key, unkey
+from weightsync.ctx_codec import NUM_CLASSES, Changes, bit_length, key, order_masks, unkey
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import FormatError
 
@@ -51,8 +51,11 @@ except ImportError:  # ctx_codec.require_numba says why
 
     def _jit(fn):
         return fn
+
+    _inline = _jit
 else:
     _jit = numba.njit(nogil=True, cache=True, _nrt=False)
+    _inline = numba.njit(nogil=True, cache=True, _nrt=False, inline="always")  # as in ctx_codec
 
 HEADER = struct.Struct("<QHHI")  # changed elements, class_base, classes with changes (bit c), rANS words
 PROB_BITS = 11
@@ -164,14 +167,30 @@ def _gap_table(g, k, weights, freq, cum, base):
     _normalize(weights, base, k, freq, cum, True)
 
 
-@_jit
-def _rans_put(x, f, c):
-    """The state after coding a symbol of frequency f and cumulative c (x already renormalized).
-    One unsigned division: numba's signed // and % are two, each with Python's floor fix-up."""
+@_inline
+def _rans_put(x, f, c, words, wp):
+    """Codes a symbol of frequency f and cumulative c into state x: (new x, new wp). A word that
+    must leave first goes to words[wp - 1] (the stream fills backwards). One unsigned division:
+    numba's signed // and % are two, each with Python's floor fix-up."""
+    if x >= (f << (32 - PROB_BITS)):
+        wp -= 1
+        words[wp] = x & 0xFFFF
+        x >>= 16
     ux = np.uint64(x)
     uf = np.uint64(f)
     quotient = ux // uf
-    return np.int64((quotient << np.uint64(PROB_BITS)) + (ux - quotient * uf) + np.uint64(c))
+    return np.int64((quotient << np.uint64(PROB_BITS)) + (ux - quotient * uf) + np.uint64(c)), wp
+
+
+@_inline
+def _put_bits(raw, bp, v, n):
+    """Appends the n (< 64) low bits of v to the raw bit stream at bit bp; returns the new bp."""
+    if n:
+        v &= (np.uint64(1) << np.uint64(n)) - np.uint64(1)
+        raw[bp >> 6] |= v << np.uint64(bp & 63)
+        if (bp & 63) + n > 64:
+            raw[(bp >> 6) + 1] |= v >> np.uint64(64 - (bp & 63))
+    return bp + n
 
 
 @_jit
@@ -220,10 +239,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
         last[c] = 0
         first[c] = -1
         mc[c] = 0
-    sign_shift = np.uint64(width - 1)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-    top = np.uint64(1) << sign_shift
-    low_mask = mask ^ top
+    sign_shift, mask, top, low_mask = order_masks(width)
     # Symbols. The step's raw bits are recomputed in the bit pass below; the gap's are kept.
     for j in range(m):
         c = cls[j]
@@ -314,34 +330,18 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
     for c in range(nc):
         j = first[c]
         if j >= 0:
-            n = max((gsym[j] + 1) // 2 - 1, 0)
-            if n:
-                raw[bp >> 6] |= np.uint64(graw[j]) << np.uint64(bp & 63)
-                if (bp & 63) + n > 64:
-                    raw[(bp >> 6) + 1] |= np.uint64(graw[j]) >> np.uint64(64 - (bp & 63))
-                bp += n
+            bp = _put_bits(raw, bp, np.uint64(graw[j]), max((gsym[j] + 1) // 2 - 1, 0))
     for j in range(m):
         ss = ssym[j]
-        if ss >= 2:
+        if ss >= 4:  # |step| >= 3: slot u >= 1, u raw bits (|step| = 2 is slot 0: none)
             n = (ss - 2) >> 1
-            if n:
-                o = np.uint64(old_bits[j])
-                d = (key(np.uint64(new_bits[j]), is_float, sign_shift, top, low_mask)
-                     - key(o, is_float, sign_shift, top, low_mask)) & mask
-                negative = np.uint64(0) - np.uint64(ss & 1)
-                v = ((((d ^ negative) - negative) & mask) - np.uint64(1)) & ((np.uint64(1) << np.uint64(n)) - np.uint64(1))
-                raw[bp >> 6] |= v << np.uint64(bp & 63)
-                if (bp & 63) + n > 64:
-                    raw[(bp >> 6) + 1] |= v >> np.uint64(64 - (bp & 63))
-                bp += n
+            d = (key(np.uint64(new_bits[j]), is_float, sign_shift, top, low_mask)
+                 - key(np.uint64(old_bits[j]), is_float, sign_shift, top, low_mask)) & mask
+            negative = np.uint64(0) - np.uint64(ss & 1)
+            bp = _put_bits(raw, bp, (((d ^ negative) - negative) & mask) - np.uint64(1), n)
         k = nxt[j]
         if k >= 0:
-            n = max((gsym[k] + 1) // 2 - 1, 0)
-            if n:
-                raw[bp >> 6] |= np.uint64(graw[k]) << np.uint64(bp & 63)
-                if (bp & 63) + n > 64:
-                    raw[(bp >> 6) + 1] |= np.uint64(graw[k]) >> np.uint64(64 - (bp & 63))
-                bp += n
+            bp = _put_bits(raw, bp, np.uint64(graw[k]), max((gsym[k] + 1) // 2 - 1, 0))
     raw_words = (bp + 63) >> 6
     # rANS, backwards through the decoding order: words fill `words` from its end.
     wp = words.shape[0]
@@ -351,30 +351,12 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
         c = cls[j]
         k = nxt[j]
         if k >= 0:
-            s = c * 130 + gsym[k]
-            f = gfreq[s]
-            if x1 >= (f << (32 - PROB_BITS)):
-                wp -= 1
-                words[wp] = x1 & 0xFFFF
-                x1 >>= 16
-            x1 = _rans_put(x1, f, gcum[s])
-        s = c * 130 + ssym[j]
-        f = sfreq[s]
-        if x0 >= (f << (32 - PROB_BITS)):
-            wp -= 1
-            words[wp] = x0 & 0xFFFF
-            x0 >>= 16
-        x0 = _rans_put(x0, f, scum[s])
+            x1, wp = _rans_put(x1, gfreq[c * 130 + gsym[k]], gcum[c * 130 + gsym[k]], words, wp)
+        x0, wp = _rans_put(x0, sfreq[c * 130 + ssym[j]], scum[c * 130 + ssym[j]], words, wp)
     for c in range(nc - 1, -1, -1):
         j = first[c]
         if j >= 0:
-            s = c * 130 + gsym[j]
-            f = gfreq[s]
-            if x1 >= (f << (32 - PROB_BITS)):
-                wp -= 1
-                words[wp] = x1 & 0xFFFF
-                x1 >>= 16
-            x1 = _rans_put(x1, f, gcum[s])
+            x1, wp = _rans_put(x1, gfreq[c * 130 + gsym[j]], gcum[c * 130 + gsym[j]], words, wp)
     wp -= 4
     words[wp] = x0 & 0xFFFF
     words[wp + 1] = x0 >> 16
@@ -495,10 +477,7 @@ def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, word
         return 6, 0
     ip = 4
     bp = np.int64(0)
-    sign_shift = np.uint64(width - 1)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-    top = np.uint64(1) << sign_shift
-    low_mask = mask ^ top
+    sign_shift, mask, top, low_mask = order_masks(width)
     big = np.int64(1) << 62
     rem = state[0:nc]
     left = state[nc : 2 * nc]
@@ -527,6 +506,8 @@ def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, word
         rem[c] = g
         left[c] -= 1
     m = 0
+    # The element walk is ctx's (ctx_codec._decode_kernel), written out in both: it is the hot
+    # loop, ~0.7 ns per element, and only what happens at a change differs.
     for i in range(n):
         o = old[i]
         c = table[o >> shift]
