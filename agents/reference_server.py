@@ -221,6 +221,14 @@ def _list(value: Any, what: str, max_len: int) -> list:
     return value
 
 
+class _UnreadableBody(Exception):
+    """A request body that cannot be read; `status` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class _Handler(BaseHTTPRequestHandler):
     """HTTP/JSON front of a ReferenceServer (`self.server.engine`); holds no logic of its own."""
 
@@ -253,27 +261,27 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": f"no such path {self.path!r}; POST /v1/generate"})
             return
         started = time.perf_counter()
-        outcome = "ok"
+        outcome, status, error, headers = "ok", 200, "", []  # an error's status and message, or the answer's body
         try:
-            body = self._read_body(engine.config.max_body_bytes)
-            if body is None:
-                outcome = "bad_request"
-                return
-            answer = engine.handle_generate(body)
-            self._send(200, answer, [("X-Weight-Version", str(answer["weight_version"]))])
+            answer = engine.handle_generate(self._read_body(engine.config.max_body_bytes))
+            body = json.dumps(answer, allow_nan=False).encode()  # here: an answer that cannot be sent is a 500
+            headers = [("X-Weight-Version", str(answer["weight_version"]))]
+        except _UnreadableBody as e:
+            outcome, status, error = "bad_request", e.status, str(e)
         except BadRequest as e:
-            outcome = "bad_request"
-            self._send(400, {"error": str(e)})
+            outcome, status, error = "bad_request", 400, str(e)
         except NotReady as e:
-            outcome = "unavailable"
-            self._send(503, {"error": str(e)}, [("Retry-After", "1")])
+            outcome, status, error, headers = "unavailable", 503, str(e), [("Retry-After", "1")]
         except Exception as e:  # a bug must cost one request, never the server
-            outcome = "error"
+            outcome, status, error = "error", 500, f"internal error: {type(e).__name__}: {e}"
             logger.exception("generate failed")
-            self._send(500, {"error": f"internal error: {type(e).__name__}: {e}"})
-        finally:
-            engine.metrics.requests.labels(outcome).inc()
-            engine.metrics.request_seconds.observe(time.perf_counter() - started)
+        if outcome != "ok":
+            body = json.dumps({"error": error}).encode()
+        # Counted before the answer leaves: a client that reads /metrics after its answer sees its
+        # request there (counted after the send, a quick /metrics could miss it).
+        engine.metrics.requests.labels(outcome).inc()
+        engine.metrics.request_seconds.observe(time.perf_counter() - started)
+        self._send_raw(status, body, "application/json", headers)
 
     def handle_expect_100(self) -> bool:
         # A client that asks before sending (Expect: 100-continue) learns of an oversized body
@@ -286,25 +294,23 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return super().handle_expect_100()
 
-    def _read_body(self, max_bytes: int) -> bytes | None:
-        """The request body, or None after answering a request whose body cannot be read."""
+    def _read_body(self, max_bytes: int) -> bytes:
+        """The request body; raises _UnreadableBody (the connection then closes) for one that
+        cannot be read."""
         length = self.headers.get("Content-Length")
         if self.headers.get("Transfer-Encoding") or length is None:
             self.close_connection = True
-            self._send(411, {"error": "send the JSON body with a Content-Length (chunked bodies are not supported)"})
-            return None
+            raise _UnreadableBody(411, "send the JSON body with a Content-Length (chunked bodies are not supported)")
         if not length.isdigit():
             self.close_connection = True
-            self._send(400, {"error": f"bad Content-Length {length!r}"})
-            return None
+            raise _UnreadableBody(400, f"bad Content-Length {length!r}")
         if int(length) > max_bytes:
             if int(length) <= 8 * max_bytes:  # read and dropped, so the client gets the 413, not a reset
                 remaining = int(length)
                 while remaining > 0 and (chunk := self.rfile.read(min(1 << 16, remaining))):
                     remaining -= len(chunk)
             self.close_connection = True
-            self._send(413, {"error": f"body of {int(length)} bytes exceeds the limit of {max_bytes} bytes"})
-            return None
+            raise _UnreadableBody(413, f"body of {int(length)} bytes exceeds the limit of {max_bytes} bytes")
         return self.rfile.read(int(length))
 
     def _send(self, status: int, doc: Any, headers: Sequence[tuple[str, str]] = ()) -> None:
