@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -214,12 +215,20 @@ def suite_kill(out: Path) -> dict:
             if self.rank == 1 and self.step == KILL_STEP:
                 self.publisher.collect(wait=True)  # earlier versions settle first: kill this one only
                 store = self.publisher._publisher.store
+                rank0_parts = out / "store" / "models" / "tiny" / "parts" / f"{KILL_STEP:012d}"
                 for name in ("put", "put_new"):
                     original = getattr(store, name)
 
                     def die(key, data, _original=original, _name=name):
                         if _name == "put" and "/parts/" not in key:
                             _original(key, data)  # a chunk of this version lands, then the rank dies
+                        # ... once rank 0's part of this version is durable (what the test checks is that
+                        # a version with one rank's part and not the other's does not exist). Waiting on
+                        # the file, not on time: rank 0 publishes concurrently, and once this rank dies
+                        # torchrun stops it, part or not (seen on a loaded CI machine).
+                        deadline = time.monotonic() + 300
+                        while not list(rank0_parts.glob("*/rank-00000.json")) and time.monotonic() < deadline:
+                            time.sleep(0.05)
                         os.kill(os.getpid(), signal.SIGKILL)  # before this rank's part exists
 
                     setattr(store, name, die)
