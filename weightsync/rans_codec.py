@@ -34,13 +34,12 @@ Not here: the classes and the scan that finds the changes (`ctx_codec.py`), choo
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Iterable
 
 import numpy as np
 
 from weightsync import ctx_codec
-from weightsync.ctx_codec import NUM_CLASSES, Changes, bit_length, key, order_masks, unkey
+from weightsync.ctx_codec import NUM_CLASSES, Changes, _scratch, bit_length, key, order_masks, unkey
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import FormatError
 
@@ -83,17 +82,6 @@ _ERRORS = {
     11: "raw bit stream read past its end",
     12: "raw bit stream has extra words or nonzero padding",
 }
-
-_local = threading.local()
-
-
-def _scratch(name: str, count: int, dtype) -> np.ndarray:
-    buf = _local.__dict__.get(name)
-    if buf is None or buf.nbytes < count * np.dtype(dtype).itemsize:
-        buf = np.empty(max(count * np.dtype(dtype).itemsize, 1 << 16), dtype=np.uint8)
-        _local.__dict__[name] = buf
-    return buf[: count * np.dtype(dtype).itemsize].view(dtype)
-
 
 # ----------------------------------------------------------------------------- numba kernels
 
@@ -583,11 +571,11 @@ def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes 
     ctx_codec.require_numba()
     m = len(changes.positions)
     width = 8 * itemsize
-    work = _scratch("work", 4 * m + 7 * NUM_CLASSES * 130 + 3 * NUM_CLASSES, np.int64)
-    raw = _scratch("raw", (m * (31 + width)) // 64 + 2, np.uint64)
+    work = _scratch("rans_work", 4 * m + 7 * NUM_CLASSES * 130 + 3 * NUM_CLASSES, np.int64)
+    raw = _scratch("rans_raw", (m * (31 + width)) // 64 + 2, np.uint64)
     raw[:] = 0
-    words = _scratch("words", 2 * m + 8, np.uint16)
-    out = _scratch("out", max(limit - HEADER.size, 0), np.uint8)
+    words = _scratch("rans_words", 2 * m + 8, np.uint16)
+    out = _scratch("rans_out", max(limit - HEADER.size, 0), np.uint8)
     table_bytes, nwords, raw_words = _emit_kernel(
         changes.positions, changes.classes, changes.ranks, changes.old_bits, changes.new_bits,
         changes.class_counts[:NUM_CLASSES], dtype_name in ctx_codec._FLOAT_LAYOUT, width, work, raw, words, out,
@@ -624,9 +612,9 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
     if layout is None and class_mask > 1:
         raise FormatError(f"rans payload has changes in classes {class_mask:#x}; {dtype_name} has one class")
     body = np.frombuffer(view, dtype=np.uint8, offset=HEADER.size)
-    mc = _scratch("mc", NUM_CLASSES, np.int64)
-    slots = _scratch("slots", 2 * NUM_CLASSES * PROB_SCALE, np.uint32)
-    tables = _scratch("tables", 3 * 130, np.int64)
+    mc = _scratch("rans_mc", NUM_CLASSES, np.int64)
+    slots = _scratch("rans_slots", 2 * NUM_CLASSES * PROB_SCALE, np.uint32)
+    tables = _scratch("rans_tables", 3 * 130, np.int64)
     status, table_bytes = _read_tables(body, class_mask, 8 * itemsize, mc, slots, tables)
     if status:
         raise FormatError(f"rans payload is corrupt: {_ERRORS[status]}")
@@ -638,17 +626,17 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
     raw_bytes = rest - 2 * nwords
     if raw_bytes % 8:
         raise FormatError(f"rans raw bit stream of {raw_bytes} bytes is not whole 64-bit words")
-    words = _scratch("dwords", nwords + 1, np.uint16)
+    words = _scratch("rans_dwords", nwords + 1, np.uint16)
     words[:nwords] = np.frombuffer(view, dtype="<u2", count=nwords, offset=HEADER.size + table_bytes)
     words[nwords] = 0
-    raw = _scratch("draw", raw_bytes // 8 + 2, np.uint64)
+    raw = _scratch("rans_draw", raw_bytes // 8 + 2, np.uint64)
     raw[: raw_bytes // 8] = np.frombuffer(view, dtype="<u8", count=raw_bytes // 8,
                                           offset=HEADER.size + table_bytes + 2 * nwords)
     raw[raw_bytes // 8 :] = 0
     table, shift = ctx_codec._table(dtype_name, itemsize, class_base)
-    pos = _scratch("dpos", changed, np.int64)
-    vals = _scratch("dvals", changed, utype)
-    state = _scratch("state", 2 * NUM_CLASSES, np.int64)
+    pos = _scratch("rans_dpos", changed, np.int64)
+    vals = _scratch("rans_dvals", changed, utype)
+    state = _scratch("rans_state", 2 * NUM_CLASSES, np.int64)
     status, m = _decode_kernel(target, table, shift, layout is not None, 8 * itemsize, changed, mc, slots, words,
                                raw, state, pos, vals)
     if status:
