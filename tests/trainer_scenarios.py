@@ -260,7 +260,7 @@ def suite_gpu(out: Path) -> dict:
 
 def main() -> None:
     from weightsync.trainer.config import ParallelConfig
-    from weightsync.trainer.parallel import close_runtime, init_runtime
+    from weightsync.trainer.parallel import close_runtime, exit_worker, init_runtime
 
     suite, out, *more = sys.argv[1], Path(sys.argv[2]), *map(Path, sys.argv[3:])
     runtime = init_runtime(ParallelConfig(device="cuda" if suite == "gpu" else "cpu"))
@@ -271,6 +271,7 @@ def main() -> None:
         torch.save(results, out / f"{suite}.pt")
     dist.barrier()
     close_runtime(runtime)
+    exit_worker(0)  # the gloo group outlives close_runtime (FSDP holds it): see exit_worker
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from weightsync.trainer.parallel import (
     build_sharded_model,
     close_runtime,
     dp_rank_and_size,
+    exit_worker,
     init_runtime,
     set_gradient_sync,
 )
@@ -314,4 +315,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())  # an exception still ends the process the usual way, with its traceback

@@ -216,4 +216,6 @@ def _configure_logging(level: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from weightsync.trainer.parallel import exit_worker
+
+    exit_worker(main())  # without finalization: see exit_worker; an exception still ends it the usual way
