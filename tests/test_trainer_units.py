@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -331,3 +333,16 @@ def test_only_complete_checkpoints_are_found(tmp_path):
     # step 30 has no .metadata (not written by this trainer's commit); the .tmp one is a crashed save
     assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 10]
     assert list_checkpoints(tmp_path / "missing") == []
+
+
+def test_exit_worker_flushes_output_and_logs_then_exits_with_the_code():
+    """A finished worker skips finalization (the gloo group FSDP keeps alive could abort it
+    there) but loses no output: buffered stdout and the log handlers are flushed first."""
+    script = ("import logging, sys; logging.basicConfig(stream=sys.stderr); print('result line', end=''); "
+              "logging.getLogger('w').warning('last log line'); "
+              "import atexit; atexit.register(print, 'finalized'); "
+              "from weightsync.trainer.parallel import exit_worker; exit_worker(3)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert proc.stdout == "result line"  # flushed, and no finalization (atexit did not run)
+    assert "last log line" in proc.stderr
