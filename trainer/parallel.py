@@ -97,12 +97,13 @@ def exit_worker(code: int) -> NoReturn:
     """Ends a torchrun worker whose work is done and whose process group is closed, without
     interpreter finalization (logs and stdio flushed first).
 
-    FSDP2's mesh info keeps the gloo process group alive after destroy_process_group (its
-    `pt_gloo_runloop` threads stay up until the model's last reference goes), so the group is
-    torn down only while the interpreter finalizes. A gloo thread that drops a collective's
-    tensor then needs the GIL and aborts the process ("terminate called without an active
-    exception"): a finished run exits -6 and torchrun reports it failed. Seen once in CI, on a
-    loaded machine, after every step of a two-rank run had finished.
+    FSDP2 keeps the gloo process group alive after destroy_process_group: its `pt_gloo_runloop`
+    threads were still up after the model was deleted and gc had run (its mesh info outlives
+    both), so the group is torn down only while the interpreter finalizes. A two-rank run that
+    had finished every step then aborted there in CI, on a loaded machine ("terminate called
+    without an active exception", exit -6, and torchrun reports the run failed). Our reading,
+    which torch's own destroy_process_group comments describe for hooks: a gloo thread that
+    drops a collective's tensor needs the GIL while the interpreter is going away.
     """
     logging.shutdown()
     sys.stdout.flush()
