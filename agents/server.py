@@ -14,6 +14,7 @@ Not here: what the agent does (`sync.py`), engines (`engine.py`), the CLI (app/c
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import logging
 import signal
 import threading
@@ -174,6 +175,11 @@ def run_agent(config: AgentConfig, *, ready=None) -> None:
     """Runs an agent until SIGTERM/SIGINT, then shuts it down gracefully. `ready(server)` is
     called once it listens (the CLI prints the address)."""
     server = AgentServer(config).start()
+    # What starting made (modules, the engine, compiled kernels) lives as long as the process: frozen,
+    # the collector's full passes no longer walk it. They did, 0.18-0.25 s each, and one that landed
+    # in a sync (parsing a version's manifests allocates enough to trigger it) held up serving by
+    # as much: a third of the 1 GiB benchmark's versions on 2 cores.
+    gc.freeze()
     if ready is not None:
         ready(server)
     stop = threading.Event()
