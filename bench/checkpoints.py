@@ -400,12 +400,16 @@ class LMSeries:
     def file(self, lr: float, j: int) -> Path:
         return self.path / self.files[self.config.lrs.index(lr)][j]
 
-    def load(self, lr: float, j: int) -> dict[str, torch.Tensor]:
-        """Checkpoint j of `lr` as bf16 tensors in the model's parameter order."""
+    def load(self, lr: float, j: int, *, resident: bool = False) -> dict[str, torch.Tensor]:
+        """Checkpoint j of `lr` as bf16 tensors in the model's parameter order.
+
+        The tensors map the file's pages until first read. `resident`: copies in memory, as a
+        trainer's weights are, for benchmarks that time reading them (faulting in 1 GiB of
+        mapped pages cost the 2-core machine ~0.07 CPU-s per GiB inside a publish())."""
         from safetensors.torch import load_file
 
         tensors = load_file(self.file(lr, j))
-        return {name: tensors[name] for name in self.names}
+        return {name: tensors[name].clone() if resident else tensors[name] for name in self.names}
 
 
 def make_lm_series(config: LMSeriesConfig, *, cache_dir: str | os.PathLike[str]) -> LMSeries:

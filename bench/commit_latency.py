@@ -66,7 +66,7 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
         for j in range(args.versions):
             # In memory, as a trainer's weights are (a loaded file's pages would fault in during the
             # first publisher's copy only).
-            state = {name: t.clone() for name, t in series.load(args.lr, j % (series.config.steps_per_lr + 1)).items()}
+            state = series.load(args.lr, j % (series.config.steps_per_lr + 1), resident=True)
             for publisher, out in zip(publishers, versions):
                 out.append(_record(publisher.publish(state).result()))
     finally:
