@@ -178,7 +178,7 @@ def run_agent(config: AgentConfig, *, ready=None) -> None:
     # What starting made (modules, the engine, compiled kernels) lives as long as the process: frozen,
     # the collector's full passes no longer walk it. They did, 0.18-0.25 s each, and one that landed
     # in a sync (parsing a version's manifests allocates enough to trigger it) held up serving by
-    # as much: a third of the 1 GiB benchmark's versions on 2 cores.
+    # as much: a third of the 1 GiB benchmark's steady versions on 2 cores.
     gc.freeze()
     if ready is not None:
         ready(server)
