@@ -324,10 +324,12 @@ def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op
     return low, rng, cache, cache_size, op
 
 @_jit
-def _scan_kernel(old, new, table, shift, pos, cls, rank, counts, banks):
-    """The per-element pass: for each changed element its position, class and rank in its
-    class; per class its element count (counts[:nc]) and first position (counts[nc:]).
-    Returns the number of changed elements, or -1 if there are more than pos can hold.
+def _scan_kernel(old, new, table, shift, pos, cls, rank, old_bits, new_bits, counts, banks):
+    """The per-element pass: for each changed element its position, class, rank in its class
+    and old and new bits (as uint64: a gather of them afterwards from the chunk, out of cache by
+    then, cost ~0.08 CPU-s per GiB at RL change rates); per class its element count (counts[:nc])
+    and first position (counts[nc:]). Returns the number of changed elements, or -1 if there are
+    more than pos can hold.
 
     Counting elements per class is a chain through memory (load, add, store the same counter
     when neighbours share a class, ~5 cycles each), so four elements at a time go to four
@@ -376,6 +378,8 @@ def _scan_kernel(old, new, table, shift, pos, cls, rank, counts, banks):
                 cls[m] = c
                 pos[m] = i + k
                 rank[m] = r
+                old_bits[m] = old[i + k]
+                new_bits[m] = new[i + k]
                 m += 1
     for i in range(n - n % 4, n):  # the last 1-3 elements: bank 0
         c = table[old[i] >> shift]
@@ -389,6 +393,8 @@ def _scan_kernel(old, new, table, shift, pos, cls, rank, counts, banks):
             cls[m] = c
             pos[m] = i
             rank[m] = banks[c] + banks[nc + c] + banks[2 * nc + c] + banks[3 * nc + c] - 1
+            old_bits[m] = old[i]
+            new_bits[m] = new[i]
             m += 1
     for c in range(nc):
         counts[c] = banks[c] + banks[nc + c] + banks[2 * nc + c] + banks[3 * nc + c]
@@ -674,15 +680,16 @@ def find_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: in
     pos = _scratch("pos", at_most, np.int64)
     cls = _scratch("cls", at_most, np.int64)
     rank = _scratch("rank", at_most, np.int64)
+    old_bits = _scratch("old_bits", at_most, np.uint64)
+    new_bits = _scratch("new_bits", at_most, np.uint64)
     counts = np.empty(2 * NUM_CLASSES, dtype=np.int64)
     banks = _scratch("banks", 8 * NUM_CLASSES, np.int64)
-    found = scan_kernel(o, x, table, shift, pos, cls, rank, counts, banks)
+    found = scan_kernel(o, x, table, shift, pos, cls, rank, old_bits, new_bits, counts, banks)
     if found < 0:
         return None
-    pos, cls, rank = pos[:found], cls[:found], rank[:found]
     return Changes(
-        count=len(o), class_base=class_base, positions=pos, classes=cls, ranks=rank,
-        old_bits=o[pos].astype(np.uint64), new_bits=x[pos].astype(np.uint64), class_counts=counts,
+        count=len(o), class_base=class_base, positions=pos[:found], classes=cls[:found], ranks=rank[:found],
+        old_bits=old_bits[:found], new_bits=new_bits[:found], class_counts=counts,
     )
 
 
