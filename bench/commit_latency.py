@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from bench.output import write_results
-from bench.sync_latency import CACHE, RESULTS, Moto, _fake_aws_env
+from bench.sync_latency import CACHE, RESULTS, Moto, _fake_aws_env, trainer_heap_frozen
 
 log = logging.getLogger("bench.commit_latency")
 
@@ -63,12 +63,13 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
                 config = PublisherConfig(chunk_bytes=4 * 1024**2, pack_bytes=pack_bytes)
             publishers.append(Publisher(store, model="bench-commit", config=config))
         versions: list[list[dict]] = [[] for _ in MODES]
-        for j in range(args.versions):
-            # In memory, as a trainer's weights are (a loaded file's pages would fault in during the
-            # first publisher's copy only).
-            state = series.load(args.lr, j % (series.config.steps_per_lr + 1), resident=True)
-            for publisher, out in zip(publishers, versions):
-                out.append(_record(publisher.publish(state).result()))
+        with trainer_heap_frozen():
+            for j in range(args.versions):
+                # In memory, as a trainer's weights are (a loaded file's pages would fault in during
+                # the first publisher's copy only).
+                state = series.load(args.lr, j % (series.config.steps_per_lr + 1), resident=True)
+                for publisher, out in zip(publishers, versions):
+                    out.append(_record(publisher.publish(state).result()))
     finally:
         for publisher in publishers:
             publisher.close()

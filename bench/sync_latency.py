@@ -7,7 +7,8 @@
 Checkpoints are real: `bench.checkpoints.make_lm_series` trains `weightsync.models.CausalLM` (fp32
 masters, AdamW, warm moments) and keeps base + 3 successive bf16 checkpoints per lr (1e-6, 3e-6,
 1e-5). Each version is handed over in memory, as a trainer's weights are (not as the file's mapped
-pages, which would fault in inside the timed copy), to us and to the baselines alike. Our path: a
+pages, which would fault in inside the timed copy), to us and to the baselines alike, by a driver
+whose heap is frozen once set up, as weightsync's trainer does (`trainer_heap_frozen`). Our path: a
 `Publisher` (+ `Pusher` to one leader per region) publishes the base and the three deltas to agent
 processes (`weightsync agent`, reference engine) that relay along a pipeline inside each region;
 per version we read publish() -> served from the agents' ledgers (`served_unix_ms`). The third
@@ -32,8 +33,10 @@ what a flag changes: `--push-buffer-mib` sets the publisher Pusher's per-target 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import logging
 import os
@@ -184,6 +187,19 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+@contextlib.contextmanager
+def trainer_heap_frozen():
+    """The driver plays a trainer whose setup is done: its heap so far is frozen, as weightsync's
+    trainer freezes its own (trainer/train.py), so a full collection that walks it (0.10-0.15 s
+    in this process on 2 cores, in about a third of the 1 GiB cell's versions) does not land in a
+    timed version. What each version allocates is still collected; the heap is thawed after."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None,
              timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
@@ -271,11 +287,12 @@ def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
         moto = Moto(scratch / f"moto-{root.name}.log") if cell.store == "s3" else None
         log.info("cell %s GiB lr %g, %d agents in %d regions, %s store", cell.size, cell.lr, cell.agents,
                  len(set(regions)), cell.store)
-        out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s,
-                               args.push_buffer_mib, not args.no_apply_early)
-        log.info("  ours: steady %.2f s, first %.2f s", out["ours"]["steady"]["all_agents_s"],
-                 out["ours"]["first"]["all_agents_s"])
-        out["baselines"] = run_baselines(net, series, cell, regions, root / "baselines", moto, args)
+        with trainer_heap_frozen():  # for ours and the baselines alike
+            out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s,
+                                   args.push_buffer_mib, not args.no_apply_early)
+            log.info("  ours: steady %.2f s, first %.2f s", out["ours"]["steady"]["all_agents_s"],
+                     out["ours"]["first"]["all_agents_s"])
+            out["baselines"] = run_baselines(net, series, cell, regions, root / "baselines", moto, args)
         steady = out["ours"]["steady"]["all_agents_s"]
         out["speedup"] = {name: b["all_s"] / steady for name, b in out["baselines"].items() if "all_s" in b}
     except Exception as e:  # noqa: BLE001 -- one broken cell must not lose an hour of others: record it

@@ -21,6 +21,7 @@ are published (publish.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -307,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     job = load_job_config(args.config, args.overrides)
     trainer = Trainer(job)
+    # What setup made (modules, the model, the optimizer, compiled kernels) lives as long as the
+    # process: frozen, the collector's full passes no longer walk it, so one that a step's
+    # allocations trigger does not stall the step or the publish (the agent does the same).
+    gc.freeze()
     try:
         trainer.train()
     finally:
