@@ -310,11 +310,11 @@ def _scan_reference(name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> di
 
 
 @pytest.mark.parametrize("name", DTYPES)
-@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 7, 8, 9, 63, 1001])
+@pytest.mark.parametrize("count", [1, 2, 3, 63, 64, 65, 127, 128, 1001, 255 * 64, 255 * 64 + 1, 40_003])
 @pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
 def test_the_scan_finds_every_change_with_its_class_and_rank(name, count, density):
-    """The scan counts classes four elements at a time in four banks, with the last 1-3 elements
-    apart: every length mod 4, none / some / all changed, every dtype."""
+    """The scan works in blocks of 64 elements, with the last 0-63 apart, and adds its byte-wide
+    counters up every 255 blocks: lengths around both, none / some / all changed, every dtype."""
     itemsize = dtype_by_name(name).itemsize
     rng = np.random.default_rng(count * 7 + int(density * 100))
     old_bits = rng.integers(0, 256, count * itemsize, dtype=np.uint8).view(UINT[itemsize]).copy()
