@@ -336,7 +336,7 @@ def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old
     pos can hold. A class is clip(((x >> shift) & exponent_mask) - class_base, 0, nc - 1), as
     `class_table` makes it (integers: exponent_mask 0, one class).
 
-    Blocks of 64 elements, in loops of fixed length that LLVM turns into vector code: the block's
+    Blocks of 64 elements, in loops of fixed length, which LLVM can turn into vector code: the block's
     classes (into `blk`), its change mask, and per class a count in each of 64 byte lanes (`lanes`,
     added up into `total` every 255 blocks, before a byte could overflow). A changed element's
     rank is then its class's total, its lanes' sum, and its class's elements before it in the
@@ -345,7 +345,7 @@ def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old
     changed, with a gather of the bits afterwards from a chunk out of cache by then; this takes
     0.37 (reading both inputs alone ~0.14), and less than the old way at every density up to ctx's.
 
-    scratch: uint8, at least (nc + 1) * 64 + 16 * nc bytes."""
+    scratch: uint8, at least (nc + 1) * 64 + 8 * nc bytes, the last 8 * nc of them 8-byte aligned."""
     nc = NUM_CLASSES
     b = SCAN_BLOCK
     n = old.shape[0]
