@@ -328,6 +328,12 @@ def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op
 SCAN_BLOCK = 64  # elements per block of the scan: one bit each in a 64-bit change mask
 
 
+@_inline
+def class_of(x, shift, exponent_mask, class_base):
+    """An element's class, as `class_table` has it, computed (a select, so block loops vectorize)."""
+    return min(max(np.int64((x >> shift) & exponent_mask) - class_base, 0), NUM_CLASSES - 1)
+
+
 @_jit
 def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old_bits, new_bits, counts, scratch):
     """The per-element pass: for each changed element its position, class, rank in its class and
@@ -363,8 +369,7 @@ def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old
         s = q * b
         mask = np.uint64(0)
         for k in range(b):
-            e = np.int64((old[s + k] >> shift) & exponent_mask) - class_base
-            blk[k] = min(max(e, 0), nc - 1)
+            blk[k] = class_of(old[s + k], shift, exponent_mask, class_base)
             mask |= np.uint64(old[s + k] != new[s + k]) << np.uint64(k)
         while mask:  # the block's changes, in order (counted before the block's own counts go in)
             k = np.int64(trailing_zeros(mask))
@@ -397,7 +402,7 @@ def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old
         for k in range(b):
             total[c] += lanes[c * b + k]
     for i in range(blocks * b, n):  # the last 0-63 elements, one at a time
-        c = min(max(np.int64((old[i] >> shift) & exponent_mask) - class_base, 0), nc - 1)
+        c = class_of(old[i], shift, exponent_mask, class_base)
         if old[i] != new[i]:
             if m == pos.shape[0]:
                 return -1
@@ -418,7 +423,7 @@ def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old
             left += 1
     i = 0
     while left:
-        c = min(max(np.int64((old[i] >> shift) & exponent_mask) - class_base, 0), nc - 1)
+        c = class_of(old[i], shift, exponent_mask, class_base)
         if counts[nc + c] < 0:
             counts[nc + c] = i
             left -= 1
