@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import ConfigError
+from weightsync.cpus import usable_cpus
 from weightsync.layout import check_model_name
 from weightsync.rpc import TlsConfig
 
@@ -102,8 +103,8 @@ class AgentConfig:
     """Object bytes held per downstream peer for relaying; beyond it the peer fetches from the store."""
     max_hops: int = 16
     """Offers relayed more often than this are refused: a relay loop in the peer config."""
-    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)
-    """Threads that decode and verify chunks."""
+    workers: int = dataclasses.field(default_factory=usable_cpus)
+    """Threads that decode and verify chunks; default: the CPUs this process may run on."""
     apply_early: bool = True
     """Apply pushed chunks as they arrive, before their version's offer, into the spare buffer
     (zero-copy engines; the manifest still decides what counts: agents/early_apply.py). Off:

@@ -49,6 +49,7 @@ from typing import Protocol
 from weightsync import __version__, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
+from weightsync.cpus import usable_cpus
 from weightsync.ctx_codec import Changes
 from weightsync.diff import DeviceParent
 from weightsync.dtypes import DType, dtype_by_name
@@ -101,8 +102,9 @@ class PublisherConfig:
     None keeps every dtype as handed in."""
     zstd_level: int = DEFAULT_ZSTD_LEVEL
     """zstd level for every chunk (1 = fastest, 19 = smallest)."""
-    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)
-    """Threads that encode and upload chunks (zstd and numpy release the GIL)."""
+    workers: int = dataclasses.field(default_factory=usable_cpus)
+    """Threads that encode and upload chunks (zstd and numpy release the GIL); default: the CPUs
+    this process may run on."""
     max_in_flight: int = 2
     """Versions encoding or uploading at once; publish() blocks while this many run."""
     rebase_every: int = 16

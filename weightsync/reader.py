@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Collection
 
 import numpy as np
@@ -32,6 +31,7 @@ import numpy as np
 from weightsync import layout
 from weightsync.chunk import apply_chunk, object_hash
 from weightsync.codec import CODEC_IDS
+from weightsync.cpus import usable_cpus
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
 from weightsync.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
@@ -76,7 +76,7 @@ class Reader:
         # or not; a publisher's store holds packed objects in their packs.
         self.objects_by_address = objects_by_address
         self.model = layout.check_model_name(model)
-        self.workers = workers or os.cpu_count() or 2
+        self.workers = workers or usable_cpus()
         self.io_workers = max(1, int(getattr(store, "io_concurrency", 4)))  # fetches wait on the store, not the CPU
         self._prefix = layout.model_prefix(model)
 
