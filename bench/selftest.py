@@ -1,5 +1,5 @@
 """selftest: the benchmarks' checks of their own pure helpers (sync_latency's matrix plan, region split,
-memory estimate, loopback addressing; sync_report's markdown). No timings, no processes, no namespaces.
+CPU split, memory estimate, loopback addressing; sync_report's markdown). No timings, no processes, no namespaces.
 
     python -m bench.selftest    # prints one line per check; exits 1 if one fails
 
@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from bench.netns import Network
-from bench.sync_latency import memory_need_gib, plan_cells, regions_for
+from bench.sync_latency import CpuPlan, memory_need_gib, plan_cells, regions_for
 from bench.sync_report import headline, markdown
 
 
@@ -40,6 +40,20 @@ def check_memory_estimate_counts_two_buffers_per_agent():
     assert memory_need_gib(1.0, 8) > 2 * memory_need_gib(1.0, 2)
     assert memory_need_gib(1.0, 8) > 21  # does not fit this 24 GiB machine beside anything else
     assert memory_need_gib(0.1, 8) < 8
+
+
+def check_cpu_plan_gives_each_receiver_its_own_cpus_and_the_trainer_the_rest():
+    plan = CpuPlan.split(set(range(16)), receivers=8, per_receiver=1)
+    assert plan.trainer == frozenset(range(8))
+    assert [sorted(c) for c in plan.receivers] == [[8 + i] for i in range(8)]
+    plan = CpuPlan.split({0, 1, 2, 3, 4, 5, 6}, receivers=3, per_receiver=2)
+    assert plan.trainer == {0} and [sorted(c) for c in plan.receivers] == [[1, 2], [3, 4], [5, 6]]
+    try:
+        CpuPlan.split({0, 1}, receivers=2, per_receiver=1)
+    except ValueError as e:
+        assert "no CPU for the trainer" in str(e)
+    else:
+        raise AssertionError("a split that leaves the trainer no CPU must be refused")
 
 
 def check_loopback_network_leaves_addresses_and_commands_alone():
@@ -69,6 +83,9 @@ def check_report_renders_a_finished_and_a_skipped_cell():
     assert "12.00 (12.0x)" in text and "needs 23 GiB" in text and "shardcast: no wget" in text
     assert "full safetensors via store 12.00 s (12.0x)" in "\n".join(headline(record))
     assert "| 1 | 1e-06 | 1 | local | 1.00 |" in text  # the time breakdown
+    assert "CPUs: every process may run on every CPU" in text
+    record["config"]["cpus"] = CpuPlan.split(set(range(4)), 2, 1).describe()
+    assert "on 1 CPU(s) of its own, as on its own machine ([2], [3])" in markdown(record)
 
 
 def main() -> int:

@@ -263,14 +263,18 @@ def worker_main(directory: str) -> None:
 class Workers:
     """Worker processes, each in a region (None: the trainer's site); stopped by PID on close."""
 
-    def __init__(self, net, regions: list[int | None], root: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, net, regions: list[int | None], root: Path, env: dict[str, str] | None = None,
+                 cpus: list[frozenset[int]] | None = None) -> None:
+        """`cpus`: worker i runs on cpus[i] only (its own machine's CPUs); None: anywhere."""
         self.procs: list[subprocess.Popen] = []
         self.regions = regions
         try:
             for i, region in enumerate(regions):
                 argv = [sys.executable, "-m", "bench.sync_baselines", "worker", str(root / f"worker-{i}")]
+                own = cpus[i] if cpus else None
                 proc = subprocess.Popen(net.command(region, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+                                        text=True, cwd=ROOT, env={**os.environ, **(env or {})},
+                                        preexec_fn=None if own is None else (lambda own=own: os.sched_setaffinity(0, own)))
                 self.procs.append(proc)
             for proc in self.procs:
                 if not json.loads(proc.stdout.readline() or "{}").get("ready"):

@@ -22,12 +22,16 @@ every agent count), "change" (largest size, every lr, fewest agents), "store" (l
 1e-6, fewest and most agents, every store). 1 agent = 1 region; more = 2 regions, split evenly.
 Cells that would not fit in memory (agents double-buffer: ~2 models each) are skipped, with the
 reason. Network: `bench/netns.py` (namespaces, 1 Gbit/s and 40 ms RTT per region link) or loopback.
+CPUs: shared by every process, or with `--cpus-per-agent N` split as machines would be (`CpuPlan`):
+N CPUs of its own per agent and per baseline receiver, the rest for the publisher's site. One host
+that runs 8 agents on shared CPUs measures its CPUs, not the sync: each agent decodes its own copy.
 
 Writes bench/results/sync-latency[-<label>]-<cores>cpu-<arch>-<date>.{json,md} and -<plot>.png
 (rewritten after every cell, so a cut run keeps what it measured; `--label`, quick: "quick") and
 prints the JSON record; `python -m bench.sync_report FILE.json` re-renders one. `--repeat N` runs
 each cell N times (the headline then uses medians). Agents run as users get them (defaults), except
-what a flag changes: `--push-buffer-mib` sets the publisher Pusher's per-target buffer. Not a test.
+what a flag changes: `--push-buffer-mib` sets the publisher Pusher's per-target buffer;
+`--no-baselines` measures weightsync alone. Not a test.
 """
 
 from __future__ import annotations
@@ -110,6 +114,44 @@ def mem_available_gib() -> float:
     return float("nan")
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuPlan:
+    """Which CPUs each simulated machine runs on (`--cpus-per-agent`): each receiver (agent, or a
+    baseline's receiver) gets CPUs of its own, as it would have its own machine; the trainer's site
+    (the driver, i.e. the publisher, its store server, a baseline's sender) gets the rest. The same
+    split serves every cell, so 1 agent and 8 agents are compared with equal CPUs per agent and for
+    the publisher. None (the default): every process may run on every CPU."""
+
+    trainer: frozenset[int]
+    receivers: tuple[frozenset[int], ...]
+
+    @classmethod
+    def split(cls, cpus: set[int], receivers: int, per_receiver: int) -> CpuPlan:
+        ordered = sorted(cpus)
+        left = len(ordered) - receivers * per_receiver
+        if left < 1:
+            raise ValueError(f"{receivers} receivers x {per_receiver} CPUs each leave no CPU for the trainer's site "
+                             f"({len(ordered)} CPUs usable)")
+        own = tuple(frozenset(ordered[left + i * per_receiver: left + (i + 1) * per_receiver])
+                    for i in range(receivers))
+        return cls(frozenset(ordered[:left]), own)
+
+    def describe(self) -> dict:
+        return {"trainer_site": sorted(self.trainer), "per_receiver": [sorted(c) for c in self.receivers]}
+
+
+def pin_this_process(cpus: frozenset[int]) -> None:
+    """Every thread of this process onto `cpus` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def run_on(cpus: frozenset[int] | None):
+    """A Popen preexec_fn that puts the child on `cpus` before it runs anything (None: no pinning)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 # ------------------------------------------------------------------------------ S3 (moto)
 
 
@@ -139,8 +181,9 @@ def _fake_aws_env() -> None:
 
 
 def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, store_uri: str,
-                  env_for: dict[int, dict], apply_early: bool = True) -> list[dict]:
-    """Agent processes, a pipeline per region (last first, so each knows its downstream peer)."""
+                  env_for: dict[int, dict], apply_early: bool = True, cpus: CpuPlan | None = None) -> list[dict]:
+    """Agent processes, a pipeline per region (last first, so each knows its downstream peer);
+    with `cpus`, agent i runs on receiver i's CPUs (and sizes its decode threads to them)."""
     root.mkdir(parents=True, exist_ok=True)
     agents: list[dict] = [{} for _ in regions]
     listen_host = "0.0.0.0" if net.mode == "netns" else "127.0.0.1"
@@ -160,7 +203,8 @@ def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, stor
             argv = [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config), "-v"]
             with open(root / f"agent-{i}.log", "w") as errors:
                 proc = subprocess.Popen(net.command(region, argv), stdout=subprocess.PIPE, stderr=errors, text=True,
-                                        env={**os.environ, **env_for.get(region, {})}, cwd=ROOT)
+                                        env={**os.environ, **env_for.get(region, {})}, cwd=ROOT,
+                                        preexec_fn=run_on(cpus.receivers[i] if cpus else None))
             agents[i] = {"proc": proc, "region": region}
             line = proc.stdout.readline()
             if not line:
@@ -201,7 +245,7 @@ def trainer_heap_frozen():
 
 
 def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None,
-             timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True) -> dict:
+             timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True, cpus: CpuPlan | None = None) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.push import PushConfig, Pusher
@@ -215,7 +259,7 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
     else:
         store = S3Store(moto.bucket, "ours", endpoint_url=f"http://{moto.address}")
         env_for = {r: {"AWS_ENDPOINT_URL": "http://" + net.out_of(r, moto.address)} for r in set(regions)}
-    agents = _start_agents(net, regions, root, arch, store.uri, env_for, apply_early)
+    agents = _start_agents(net, regions, root, arch, store.uri, env_for, apply_early, cpus)
     leaders = [next(a["push"] for a in agents if a["region"] == r) for r in sorted(set(regions))]
     push_config = PushConfig(targets=tuple(leaders), model=MODEL)
     if push_buffer_mib:
@@ -289,10 +333,11 @@ def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
                  len(set(regions)), cell.store)
         with trainer_heap_frozen():  # for ours and the baselines alike
             out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s,
-                                   args.push_buffer_mib, not args.no_apply_early)
+                                   args.push_buffer_mib, not args.no_apply_early, args.cpu_plan)
             log.info("  ours: steady %.2f s, first %.2f s", out["ours"]["steady"]["all_agents_s"],
                      out["ours"]["first"]["all_agents_s"])
-            out["baselines"] = run_baselines(net, series, cell, regions, root / "baselines", moto, args)
+            out["baselines"] = ({} if args.no_baselines else
+                                run_baselines(net, series, cell, regions, root / "baselines", moto, args))
         steady = out["ours"]["steady"]["all_agents_s"]
         out["speedup"] = {name: b["all_s"] / steady for name, b in out["baselines"].items() if "all_s" in b}
     except Exception as e:  # noqa: BLE001 -- one broken cell must not lose an hour of others: record it
@@ -319,7 +364,9 @@ def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Pa
     old_file = series.file(cell.lr, steps - 1)
     # Worker 0 sits at the trainer's site (it serves the local store's directory over HTTP to the
     # regions: a directory there is no closer to a remote region than S3 is); 1.. are the receivers.
-    workers = bl.Workers(net, [None, *regions], root)
+    plan = args.cpu_plan
+    workers = bl.Workers(net, [None, *regions], root,
+                         cpus=[plan.trainer, *plan.receivers[:len(regions)]] if plan else None)
     receivers = list(range(1, len(regions) + 1))
     results: dict[str, dict] = {}
     try:
@@ -387,6 +434,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeat", type=int, default=1, help="run each cell this many times (the headline uses medians)")
     parser.add_argument("--keep-logs", help="copy each cell's agent logs into this directory")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per version / per baseline transfer")
+    parser.add_argument("--cpus-per-agent", type=int, default=0,
+                        help="give each agent (and each baseline receiver) this many CPUs of its own, as on its own "
+                             "machine; the publisher's site gets the rest (0: all processes share all CPUs)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="measure weightsync only (e.g. the agents-scaling cells); no full-file or patch runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sizes = [float(s) for s in (args.sizes or ("0.1" if args.quick else "0.1,0.5,1")).split(",")]
@@ -396,6 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
     if not set(stores) <= {"local", "s3"}:
         parser.error("--stores takes local and/or s3")
     _fake_aws_env()
+    args.cpu_plan = None
+    if args.cpus_per_agent:
+        try:
+            args.cpu_plan = CpuPlan.split(os.sched_getaffinity(0), max(agents), args.cpus_per_agent)
+        except ValueError as e:
+            parser.error(str(e))
+        pin_this_process(args.cpu_plan.trainer)  # before any thread, server or child starts
 
     from bench.checkpoints import lm_series_config, make_lm_series, pair_stats
     from bench.sync_report import write_report
@@ -418,6 +477,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "engine": "reference (bf16, zero-copy, double-buffered)",
                    "publisher_push_buffer_mib": args.push_buffer_mib or "default", "topology": "pipeline per region",
                    "apply_early": not args.no_apply_early,
+                   "cpus": args.cpu_plan.describe() if args.cpu_plan else "shared (no pinning)",
+                   "baselines": not args.no_baselines,
                    "checkpoints": {f"{s:g}": {"arch": dataclasses.asdict(series[s].config.model),
                                               "cache": series[s].path.name, "changed_fraction": changed[s]}
                                    for s in sizes},

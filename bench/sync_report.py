@@ -42,6 +42,16 @@ def _baseline_cell(cell: dict, name: str) -> str:
     return "skipped" if "skipped" in b else "error" if "error" in b else "—"
 
 
+def _cpus(plan) -> str:
+    """The run's CPU split (bench/sync_latency.py `--cpus-per-agent`), in words."""
+    if not isinstance(plan, dict):
+        return "every process may run on every CPU (agents, publisher and baselines share them)."
+    each = plan["per_receiver"]
+    return (f"each agent (and each baseline receiver) on {len(each[0])} CPU(s) of its own, as on its own machine "
+            f"({', '.join(str(c) for c in each)}); the publisher's site (driver, publisher, store server, baseline "
+            f"sender) on CPUs {plan['trainer_site']}.")
+
+
 def headline(record: dict) -> list[str]:
     cells = _done(record)
     if not cells:
@@ -67,8 +77,8 @@ def headline(record: dict) -> list[str]:
             loads = ", ".join(f"{c['load_avg_start'][0]:.1f}->{c['load_avg_end'][0]:.1f}" for c in runs)
             runs_note = f" (medians of {len(runs)} runs)" if len(runs) > 1 else ""
             lines.append(f"- {big:g} GiB, lr {lr0:g} ({runs[0]['changed_fraction']:.2%} changed), {n} agent(s), "
-                         f"{store0} store{runs_note}: weightsync {ours[size, n]:.2f} s; {'; '.join(parts)}. "
-                         f"Load avg {loads}.")
+                         f"{store0} store{runs_note}: weightsync {ours[size, n]:.2f} s"
+                         + "".join(f"; {part}" for part in parts) + f". Load avg {loads}.")
     for size in sorted({s for s, _ in ours}, reverse=True):
         counts = sorted(n for s, n in ours if s == size)
         if counts[0] == 1 and len(counts) > 1:
@@ -86,6 +96,7 @@ def markdown(record: dict) -> str:
              f"other work; load average per cell below. torch {hw['torch']}, weightsync {hw['weightsync']}; "
              f"tools: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()) + ".", "",
              "Network: " + ", ".join(f"{k}: {v}" for k, v in net.items()) + ".", "",
+             "CPUs: " + _cpus(record["config"].get("cpus")), "",
              "Checkpoints: weightsync.models.CausalLM trained with AdamW on fp32 masters (bench/checkpoints.py); "
              "the measured pair's changed fraction per size and lr: "
              + "; ".join(f"{s} GiB " + ", ".join(f"lr {lr} {f:.2%}" for lr, f in c["changed_fraction"].items())
