@@ -39,7 +39,6 @@ import bisect
 import concurrent.futures as cf
 import dataclasses
 import logging
-import os
 import threading
 import time
 
@@ -48,14 +47,13 @@ import numpy as np
 from weightsync.agents.buffers import Buffers
 from weightsync.chunk import apply_chunk, unpack_chunk
 from weightsync.codec import CODEC_NAMES
+from weightsync.cpus import lower_this_thread_priority
 from weightsync.dtypes import dtype_by_name
 from weightsync.errors import WeightsyncError
 from weightsync.manifest import CODEC_SAME, ChunkPlacement, Manifest, TensorEntry
 from weightsync.reader import WeightsState
 
 log = logging.getLogger(__name__)
-
-NICE = 10  # niceness of the decode threads (Linux sets it per thread)
 
 Range = tuple[str, int, int]  # tensor name, flat element range [start, stop)
 
@@ -107,7 +105,7 @@ class EarlyApply:
         self._sync_holds_spare = False  # the sync thread is using the spare: no claim now
         self._waiting: list[tuple[int, str, bytes | memoryview, ChunkPlacement]] = []  # one version's
         self._pool = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="ws-early",
-                                           initializer=_lower_priority) if self.enabled else None
+                                           initializer=lower_this_thread_priority) if self.enabled else None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -299,10 +297,3 @@ def _take_range(ranges: list[tuple[int, int]], start: int, stop: int) -> bool:
 
 def _itemsize(tensor: TensorEntry) -> int:
     return dtype_by_name(tensor.dtype).itemsize
-
-
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: run at the normal priority
-        pass

@@ -517,3 +517,28 @@ def test_status_command_reports_the_ledger(cluster, capsys):
     assert main(["status", "--agent", agents["west-2"].address, "--verify"]) == 0
     out = capsys.readouterr().out
     assert f"v{version}" in out and "bit-exact" in out
+
+
+def test_an_agent_warms_up_the_codec_kernels_at_start_for_what_it_serves(tmp_path):
+    # So that a machine whose numba cache is empty does not compile them inside its first delta.
+    store = LocalStore(tmp_path / "store")
+    first = _agent(tmp_path, "a", store)
+    try:
+        assert first.agent.codecs_warm.wait(timeout=600)
+        assert first.agent.codecs_warmed == ("bfloat16",)  # nothing served yet: what publishers cast to
+        trainer = FakeTrainer()
+        with Publisher(store, model=MODEL, config=PUBLISH) as publisher:
+            for step in range(2):  # a base and a delta
+                version = publisher.publish(trainer.state_dict(), step=step).result().version
+                trainer.step()
+        assert first.agent.wait_for_version(version, WAIT_S)
+    finally:
+        first.stop()
+    restarted = _agent(tmp_path, "a", store)  # the same cache: it serves the delta again first
+    try:
+        assert restarted.agent.served_version == version
+        assert restarted.agent.codecs_warm.wait(timeout=600)
+        served = {t.dtype for t in restarted.agent.buffers.served.manifest.tensors}
+        assert set(restarted.agent.codecs_warmed) == served | {"bfloat16"}
+    finally:
+        restarted.stop()

@@ -1,4 +1,5 @@
-"""How many CPUs this process may run on: what sizes the encode and decode thread pools.
+"""The CPUs a process may use: how many (what sizes the encode and decode thread pools), and the
+lower priority its background work runs at.
 
 `os.cpu_count()` counts the machine's CPUs, not the ones the process is allowed on. An agent
 started under `taskset`, a container's cpuset or a Kubernetes pod with the static CPU manager
@@ -9,6 +10,7 @@ node: 64 decode threads time-slicing 2 CPUs). The affinity mask is the number th
 from __future__ import annotations
 
 import os
+import threading
 
 
 def usable_cpus() -> int:
@@ -17,3 +19,16 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
         return os.cpu_count() or 2
+
+
+BACKGROUND_NICE = 10
+"""Niceness of work that must not slow what it runs beside (an agent's early decodes and kernel
+warm-up beside a publisher or an inference server on the same host)."""
+
+
+def lower_this_thread_priority(niceness: int = BACKGROUND_NICE) -> None:
+    """Runs the calling thread (only it: Linux sets niceness per thread) at `niceness`."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at the normal priority
+        pass
