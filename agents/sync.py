@@ -129,6 +129,7 @@ class SyncAgent:
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._warm_up: threading.Thread | None = None
         self.codecs_warm = threading.Event()  # set once `_warm_up_codecs` is done (or gave up)
         self.codecs_warmed: tuple[str, ...] = ()  # the dtypes whose kernels it compiled or loaded
         self._fetch_pool = cf.ThreadPoolExecutor(
@@ -140,7 +141,9 @@ class SyncAgent:
         """Serves the last good version from the cache (if any), then starts syncing; the delta
         codecs' kernels warm up beside it (`_warm_up_codecs`)."""
         self._restore()
-        threading.Thread(target=self._warm_up_codecs, name=f"ws-agent-warm-up-{self.config.name}", daemon=True).start()
+        self._warm_up = threading.Thread(target=self._warm_up_codecs, name=f"ws-agent-warm-up-{self.config.name}",
+                                         daemon=True)
+        self._warm_up.start()
         self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
         self._thread.start()
 
@@ -168,6 +171,8 @@ class SyncAgent:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self._warm_up is not None:  # a compile that the process's exit cuts short can crash the exit
+            self._warm_up.join(timeout=60)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.early.close()
         if self.relay is not None:
