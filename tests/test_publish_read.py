@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import collections.abc
 import concurrent.futures as cf
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -698,3 +701,26 @@ def test_encoding_starts_while_publish_is_still_copying(tmp_store, make_state_di
         result = publisher.publish(gated).result(timeout=WAIT_S)
     assert gated.gate_was_open, "no object was encoded before publish() copied the last tensor"
     _assert_versions_read_back(tmp_store, {result.version: published_view(sd)}, assert_bit_equal)
+
+
+def test_the_first_publish_warms_up_the_delta_kernels_for_its_dtypes(tmp_path):
+    # On a machine whose numba cache is empty, the first (full) version starts compiling what the
+    # next version, a delta, needs; close() waits for it. Observed in numba's on-disk cache.
+    numba_cache = tmp_path / "numba"
+    code = (
+        "import torch\n"
+        "from weightsync.publisher import Publisher, PublisherConfig\n"
+        "from weightsync.store import LocalStore\n"
+        f"store = LocalStore({str(tmp_path / 'store')!r})\n"
+        "with Publisher(store, model='m', config=PublisherConfig(cast_floats_to=None, workers=2)) as publisher:\n"
+        "    state = {'w': torch.ones(64, dtype=torch.bfloat16), 'f': torch.ones(64, dtype=torch.float32)}\n"
+        "    assert publisher.publish(state).result().manifest.kind == 'full'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600,
+                   env={**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)})
+    cached = {p.name for p in numba_cache.rglob("*.nbi")}
+    for kernel in ("ctx_codec._scan_kernel", "ctx_codec._emit_kernel", "rans_codec."):
+        assert any(name.startswith(kernel) for name in cached), (kernel, sorted(cached))
+    # one compiled variant per element width (bf16: 2 bytes, fp32: 4) in the scan's index
+    scan_index = next(p for p in numba_cache.rglob("ctx_codec._scan_kernel*.nbi"))
+    assert len(list(scan_index.parent.glob(scan_index.stem + ".*.nbc"))) >= 2

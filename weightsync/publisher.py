@@ -27,6 +27,9 @@ local shards, each with a `Placement` (global shape, flat element offset), and t
 commits once every rank's part is durable. It never reads a parent from the store: a new job
 session starts with a full version.
 
+The first publish() also starts compiling the delta codecs' kernels (numba) in a low-priority
+thread, so that on a machine whose numba cache is empty the first delta does not compile them.
+
 Listeners (the gRPC push client) see each encoded object as soon as it exists, concurrently
 with its upload, and the manifest once committed; they must queue, not block.
 Not here: reading versions back (`reader.py`), deleting them (`retention.py`).
@@ -46,10 +49,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from weightsync import __version__, layout
+from weightsync import __version__, codec, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
-from weightsync.cpus import usable_cpus
+from weightsync.cpus import lower_this_thread_priority, usable_cpus
 from weightsync.ctx_codec import Changes
 from weightsync.diff import DeviceParent
 from weightsync.dtypes import DType, dtype_by_name
@@ -293,6 +296,7 @@ class Publisher:
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
         self._device_parent = DeviceParent() if self.config.device_diff else None
+        self._warm_up: threading.Thread | None = None  # see _warm_up_codecs
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -323,6 +327,8 @@ class Publisher:
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
+            if self._warm_up is None:
+                self._warm_up_codecs(sorted({dtype.name for dtype, _ in planned.values()}))
             with self._lock:
                 spare, self._spare = self._spare, None
                 job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
@@ -356,12 +362,30 @@ class Publisher:
             job.finished.set()
         self._slots.release()
 
+    def _warm_up_codecs(self, dtype_names: list[str]) -> None:
+        """Compiles the delta codecs' kernels for these dtypes, or loads them from numba's cache,
+        in a low-priority thread started by the first publish(): that version is usually a full
+        one, which needs no kernel, and the next one a delta, which does. On a machine whose numba
+        cache is empty (a new pod, say), that delta would otherwise compile them itself (~13 s of
+        one CPU on the 2-core machine) before its commit."""
+        def warm_up() -> None:
+            lower_this_thread_priority()
+            try:
+                codec.warm_up(dtype_names)
+            except Exception:  # noqa: BLE001 -- only a head start: the first delta compiles what this could not
+                log.warning("warming up the codec kernels failed", exc_info=True)
+
+        self._warm_up = threading.Thread(target=warm_up, name="ws-publisher-warm-up", daemon=True)
+        self._warm_up.start()
+
     def close(self, wait: bool = True) -> None:
         """Stops accepting versions; with wait, returns when every accepted one has finished."""
         self._closed = True
         self._version_pool.shutdown(wait=wait, cancel_futures=not wait)
         self._encode_pool.shutdown(wait=wait, cancel_futures=not wait)
         self._io_pool.shutdown(wait=wait, cancel_futures=not wait)
+        if wait and self._warm_up is not None:  # a compile that the process's exit cuts short can crash the exit
+            self._warm_up.join(timeout=60)
 
     def __enter__(self) -> Publisher:
         return self
