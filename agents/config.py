@@ -39,8 +39,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from weightsync.errors import ConfigError
 from weightsync.cpus import usable_cpus
+from weightsync.errors import ConfigError
 from weightsync.layout import check_model_name
 from weightsync.rpc import TlsConfig
 

@@ -61,7 +61,6 @@ from weightsync.agents.early_apply import EarlyApply
 from weightsync.agents.engine import Engine, check_swap_policy, check_weights_kind
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
-from weightsync.cpus import lower_this_thread_priority
 from weightsync.errors import (
     FormatError,
     IntegrityError,
@@ -129,9 +128,8 @@ class SyncAgent:
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._warm_up: threading.Thread | None = None
-        self.codecs_warm = threading.Event()  # set once `_warm_up_codecs` is done (or gave up)
-        self.codecs_warmed: tuple[str, ...] = ()  # the dtypes whose kernels it compiled or loaded
+        self.warm_up: threading.Thread | None = None  # the kernels' warm-up, started by start()
+        self.warm_up_dtypes: list[str] = []
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
 
@@ -139,31 +137,15 @@ class SyncAgent:
 
     def start(self) -> None:
         """Serves the last good version from the cache (if any), then starts syncing; the delta
-        codecs' kernels warm up beside it (`_warm_up_codecs`)."""
+        codecs' kernels warm up beside it (`codec.warm_up_in_background`)."""
         self._restore()
-        self._warm_up = threading.Thread(target=self._warm_up_codecs, name=f"ws-agent-warm-up-{self.config.name}",
-                                         daemon=True)
-        self._warm_up.start()
+        # Kernels for bf16 (what publishers cast floats to) and what it serves, compiled while it waits.
+        served = self.buffers.served.manifest.tensors if self.buffers.served is not None else ()
+        self.warm_up_dtypes = sorted({"bfloat16"} | {t.dtype for t in served})
+        self.warm_up = codec.warm_up_in_background(self.warm_up_dtypes,
+                                                   thread_name=f"ws-agent-warm-up-{self.config.name}")
         self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
         self._thread.start()
-
-    def _warm_up_codecs(self) -> None:
-        """Compiles the delta codecs' kernels, or loads them from numba's cache, for the dtypes this
-        agent serves (the served version's, and bf16, what publishers cast floats to), at a low
-        priority while the agent waits for its next version. Without it, a machine whose numba
-        cache is empty compiles them inside the first delta the agent applies: ~13 s of one CPU
-        per element width on the 2-core machine, against ~0.1 s to load them once cached. A
-        decode that needs a kernel meanwhile waits for numba's compile lock, no longer."""
-        lower_this_thread_priority()
-        served = self.buffers.served
-        dtypes = sorted({"bfloat16"} | ({t.dtype for t in served.manifest.tensors} if served is not None else set()))
-        try:
-            codec.warm_up(dtypes)
-        except Exception:  # noqa: BLE001 -- only a head start: the first delta compiles what this could not
-            log.warning("%s: warming up the codec kernels failed", self.config.name, exc_info=True)
-        else:
-            self.codecs_warmed = tuple(dtypes)
-        self.codecs_warm.set()
 
     def close(self) -> None:
         with self._cond:
@@ -171,8 +153,8 @@ class SyncAgent:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        if self._warm_up is not None:  # a compile that the process's exit cuts short can crash the exit
-            self._warm_up.join(timeout=60)
+        if self.warm_up is not None:  # a compile that the process's exit cuts short can crash the exit
+            self.warm_up.join(timeout=60)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.early.close()
         if self.relay is not None:

@@ -524,8 +524,9 @@ def test_an_agent_warms_up_the_codec_kernels_at_start_for_what_it_serves(tmp_pat
     store = LocalStore(tmp_path / "store")
     first = _agent(tmp_path, "a", store)
     try:
-        assert first.agent.codecs_warm.wait(timeout=600)
-        assert first.agent.codecs_warmed == ("bfloat16",)  # nothing served yet: what publishers cast to
+        first.agent.warm_up.join(timeout=600)
+        assert not first.agent.warm_up.is_alive()
+        assert first.agent.warm_up_dtypes == ["bfloat16"]  # nothing served yet: what publishers cast to
         trainer = FakeTrainer()
         with Publisher(store, model=MODEL, config=PUBLISH) as publisher:
             for step in range(2):  # a base and a delta
@@ -537,8 +538,7 @@ def test_an_agent_warms_up_the_codec_kernels_at_start_for_what_it_serves(tmp_pat
     restarted = _agent(tmp_path, "a", store)  # the same cache: it serves the delta again first
     try:
         assert restarted.agent.served_version == version
-        assert restarted.agent.codecs_warm.wait(timeout=600)
         served = {t.dtype for t in restarted.agent.buffers.served.manifest.tensors}
-        assert set(restarted.agent.codecs_warmed) == served | {"bfloat16"}
+        assert set(restarted.agent.warm_up_dtypes) == served | {"bfloat16"}
     finally:
         restarted.stop()

@@ -41,7 +41,6 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import math
-import os
 import queue
 import socket
 import threading
@@ -52,7 +51,7 @@ from typing import Protocol
 from weightsync import __version__, codec, layout
 from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
-from weightsync.cpus import lower_this_thread_priority, usable_cpus
+from weightsync.cpus import usable_cpus
 from weightsync.ctx_codec import Changes
 from weightsync.diff import DeviceParent
 from weightsync.dtypes import DType, dtype_by_name
@@ -296,7 +295,7 @@ class Publisher:
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
         self._device_parent = DeviceParent() if self.config.device_diff else None
-        self._warm_up: threading.Thread | None = None  # see _warm_up_codecs
+        self._warm_up: threading.Thread | None = None  # codec.warm_up_in_background, from the first publish()
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -327,8 +326,9 @@ class Publisher:
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
-            if self._warm_up is None:
-                self._warm_up_codecs(sorted({dtype.name for dtype, _ in planned.values()}))
+            if self._warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
+                self._warm_up = codec.warm_up_in_background({dtype.name for dtype, _ in planned.values()},
+                                                            thread_name="ws-publisher-warm-up")
             with self._lock:
                 spare, self._spare = self._spare, None
                 job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
@@ -361,22 +361,6 @@ class Publisher:
             job.future.set_exception(PublishError(f"publisher closed before version {job.version} ran"))
             job.finished.set()
         self._slots.release()
-
-    def _warm_up_codecs(self, dtype_names: list[str]) -> None:
-        """Compiles the delta codecs' kernels for these dtypes, or loads them from numba's cache,
-        in a low-priority thread started by the first publish(): that version is usually a full
-        one, which needs no kernel, and the next one a delta, which does. On a machine whose numba
-        cache is empty (a new pod, say), that delta would otherwise compile them itself (~13 s of
-        one CPU on the 2-core machine) before its commit."""
-        def warm_up() -> None:
-            lower_this_thread_priority()
-            try:
-                codec.warm_up(dtype_names)
-            except Exception:  # noqa: BLE001 -- only a head start: the first delta compiles what this could not
-                log.warning("warming up the codec kernels failed", exc_info=True)
-
-        self._warm_up = threading.Thread(target=warm_up, name="ws-publisher-warm-up", daemon=True)
-        self._warm_up.start()
 
     def close(self, wait: bool = True) -> None:
         """Stops accepting versions; with wait, returns when every accepted one has finished."""
