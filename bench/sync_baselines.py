@@ -360,8 +360,11 @@ def run_zstd_patch(workers: Workers, receivers: list[int], new_sd: dict, old_fil
                                     "patch_bytes": patch_bytes, "zstd_args": zstd_patch_args(level, threads)})
 
 
-def run_shardcast(net, scratch: Path, new_sd: dict, receiver_regions: list[int], timeout_s: float) -> dict:
-    """Baseline 2 with its own processes: origin at the trainer's site, middle nodes, clients."""
+def run_shardcast(net, scratch: Path, new_sd: dict, receiver_regions: list[int], timeout_s: float,
+                  cpus: tuple[frozenset[int], list[frozenset[int]]] | None = None) -> dict:
+    """Baseline 2 with its own processes: origin at the trainer's site, middle nodes, clients.
+    `cpus`: (the trainer site's, each receiver's) CPUs; the origin and the middle nodes run on the
+    trainer site's, client i on receiver i's."""
     from safetensors.torch import save_file
 
     by_region: dict[int, int] = {}
@@ -370,7 +373,8 @@ def run_shardcast(net, scratch: Path, new_sd: dict, receiver_regions: list[int],
     middles = [r for r, n in by_region.items() if n > 1]
     # worker 0: origin; then one middle node per crowded region; then the receivers
     layout: list[int | None] = [None, *middles, *receiver_regions]
-    workers = Workers(net, layout, scratch / "shardcast")
+    workers = Workers(net, layout, scratch / "shardcast",
+                      cpus=[cpus[0]] * (1 + len(middles)) + list(cpus[1][:len(receiver_regions)]) if cpus else None)
     try:
         origin_port = workers.call(0, "shardcast_origin")["port"]
         server_for: dict[int, str] = {}

@@ -118,7 +118,8 @@ def mem_available_gib() -> float:
 class CpuPlan:
     """Which CPUs each simulated machine runs on (`--cpus-per-agent`): each receiver (agent, or a
     baseline's receiver) gets CPUs of its own, as it would have its own machine; the trainer's site
-    (the driver, i.e. the publisher, its store server, a baseline's sender) gets the rest. The same
+    (the driver, i.e. the publisher, its store server, a baseline's sender, shardcast's origin and
+    middle nodes) gets the rest. The same
     split serves every cell, so 1 agent and 8 agents are compared with equal CPUs per agent and for
     the publisher. None (the default): every process may run on every CPU."""
 
@@ -399,7 +400,8 @@ def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Pa
         results["shardcast"] = {"skipped": reason}
     else:
         try:
-            results["shardcast"] = bl.run_shardcast(net, root, new_sd, list(regions), args.timeout_s)
+            results["shardcast"] = bl.run_shardcast(net, root, new_sd, list(regions), args.timeout_s,
+                                                    (plan.trainer, list(plan.receivers)) if plan else None)
         except Exception as e:  # noqa: BLE001 -- recorded; the cell's other results stand
             log.error("shardcast failed: %s", traceback.format_exc())
             results["shardcast"] = {"error": f"{type(e).__name__}: {e}"}

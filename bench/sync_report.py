@@ -49,7 +49,7 @@ def _cpus(plan) -> str:
     each = plan["per_receiver"]
     return (f"each agent (and each baseline receiver) on {len(each[0])} CPU(s) of its own, as on its own machine "
             f"({', '.join(str(c) for c in each)}); the publisher's site (driver, publisher, store server, baseline "
-            f"sender) on CPUs {plan['trainer_site']}.")
+            f"sender, shardcast's origin and middle nodes) on CPUs {plan['trainer_site']}.")
 
 
 def headline(record: dict) -> list[str]:
