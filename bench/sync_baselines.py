@@ -260,6 +260,11 @@ def worker_main(directory: str) -> None:
 # ------------------------------------------------------------------------------ driver side
 
 
+def run_on(cpus: frozenset[int] | None):
+    """A Popen preexec_fn that puts the child on `cpus` before it runs anything (None: no pinning)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 class Workers:
     """Worker processes, each in a region (None: the trainer's site); stopped by PID on close."""
 
@@ -271,10 +276,9 @@ class Workers:
         try:
             for i, region in enumerate(regions):
                 argv = [sys.executable, "-m", "bench.sync_baselines", "worker", str(root / f"worker-{i}")]
-                own = cpus[i] if cpus else None
                 proc = subprocess.Popen(net.command(region, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True, cwd=ROOT, env={**os.environ, **(env or {})},
-                                        preexec_fn=None if own is None else (lambda own=own: os.sched_setaffinity(0, own)))
+                                        preexec_fn=run_on(cpus[i] if cpus else None))
                 self.procs.append(proc)
             for proc in self.procs:
                 if not json.loads(proc.stdout.readline() or "{}").get("ready"):

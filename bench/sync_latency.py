@@ -119,9 +119,9 @@ class CpuPlan:
     """Which CPUs each simulated machine runs on (`--cpus-per-agent`): each receiver (agent, or a
     baseline's receiver) gets CPUs of its own, as it would have its own machine; the trainer's site
     (the driver, i.e. the publisher, its store server, a baseline's sender, shardcast's origin and
-    middle nodes) gets the rest. The same
-    split serves every cell, so 1 agent and 8 agents are compared with equal CPUs per agent and for
-    the publisher. None (the default): every process may run on every CPU."""
+    middle nodes) gets the rest. The same split serves every cell, so 1 agent and 8 agents are
+    compared with equal CPUs per agent and for the publisher. None (the default): every process
+    may run on every CPU."""
 
     trainer: frozenset[int]
     receivers: tuple[frozenset[int], ...]
@@ -146,11 +146,6 @@ def pin_this_process(cpus: frozenset[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(int(tid), cpus)
-
-
-def run_on(cpus: frozenset[int] | None):
-    """A Popen preexec_fn that puts the child on `cpus` before it runs anything (None: no pinning)."""
-    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
 
 # ------------------------------------------------------------------------------ S3 (moto)
@@ -205,7 +200,7 @@ def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, stor
             with open(root / f"agent-{i}.log", "w") as errors:
                 proc = subprocess.Popen(net.command(region, argv), stdout=subprocess.PIPE, stderr=errors, text=True,
                                         env={**os.environ, **env_for.get(region, {})}, cwd=ROOT,
-                                        preexec_fn=run_on(cpus.receivers[i] if cpus else None))
+                                        preexec_fn=bl.run_on(cpus.receivers[i] if cpus else None))
             agents[i] = {"proc": proc, "region": region}
             line = proc.stdout.readline()
             if not line:
