@@ -104,7 +104,7 @@ class AgentConfig:
     max_hops: int = 16
     """Offers relayed more often than this are refused: a relay loop in the peer config."""
     workers: int = dataclasses.field(default_factory=usable_cpus)
-    """Threads that decode and verify chunks; default: the CPUs this process may run on."""
+    """Threads that decode and verify chunks; default: the CPUs this process may use (weightsync.cpus)."""
     apply_early: bool = True
     """Apply pushed chunks as they arrive, before their version's offer, into the spare buffer
     (zero-copy engines; the manifest still decides what counts: agents/early_apply.py). Off:

@@ -106,7 +106,7 @@ class PublisherConfig:
     """zstd level for every chunk (1 = fastest, 19 = smallest)."""
     workers: int = dataclasses.field(default_factory=usable_cpus)
     """Threads that encode and upload chunks (zstd and numpy release the GIL); default: the CPUs
-    this process may run on."""
+    this process may use (weightsync.cpus.usable_cpus)."""
     max_in_flight: int = 2
     """Versions encoding or uploading at once; publish() blocks while this many run."""
     rebase_every: int = 16
