@@ -83,6 +83,11 @@ def test_no_cpu_limit_when_the_quota_is_unset_or_unreadable(tmp_path):
     assert cgroup_cpu_limit(tmp_path / "no-such-proc") is None
     garbled = _fake_proc(tmp_path / "g", "nonsense\n", "also nonsense\n")
     assert cgroup_cpu_limit(garbled) is None
+    _write(tmp_path / "v2" / "cpu.max", "100000 0\n")  # a zero period
+    empty_path = _fake_proc(tmp_path / "e", "0::\n", f"30 23 0:26 / {tmp_path / 'v2'} rw - cgroup2 cgroup2 rw\n")
+    assert cgroup_cpu_limit(empty_path) is None
+    zero_period = _fake_proc(tmp_path / "z", "0::/\n", f"30 23 0:26 / {tmp_path / 'v2'} rw - cgroup2 cgroup2 rw\n")
+    assert cgroup_cpu_limit(zero_period) is None
 
 
 def test_usable_cpus_is_capped_by_this_processs_own_cpu_quota():

@@ -63,8 +63,11 @@ def cgroup_cpu_limit(proc_self: Path = Path("/proc/self")) -> float | None:
 def _lowest_along(mount_point: Path, root: str, path: str, read: Callable[[Path], float | None]) -> float | None:
     """The lowest limit from the cgroup's directory up to the mount point (a parent's quota bounds
     its children). `root`: the part of the hierarchy the mount shows (a container's own cgroup)."""
-    if os.path.commonpath([root, path]) != root:
-        return None  # the process's cgroup is outside what this mount shows
+    try:
+        if os.path.commonpath([root, path]) != root:
+            return None  # the process's cgroup is outside what this mount shows
+    except ValueError:  # not two absolute paths: a line we do not understand
+        return None
     here = mount_point / os.path.relpath(path, root)
     limits = []
     while True:
@@ -79,7 +82,7 @@ def _lowest_along(mount_point: Path, root: str, path: str, read: Callable[[Path]
 def _cgroup2_limit(directory: Path) -> float | None:
     try:
         quota, period = (directory / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+        return None if quota == "max" or int(quota) <= 0 or int(period) <= 0 else int(quota) / int(period)
     except (OSError, ValueError):
         return None
 
