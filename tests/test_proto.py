@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ["sync_pb2.py", "sync_pb2.pyi", "sync_pb2_grpc.py"]
 
@@ -53,3 +55,31 @@ def test_a_frame_s_placement_crosses_the_wire():
     # A sender that does not know where its objects go (a relay of store fetches, older pushers).
     assert decode_object_frame(sync_pb2.ObjectFrame(model="m", version=7, object="c" * 32, data=b"x")
                                .SerializeToString()).placement is None
+
+
+@pytest.mark.parametrize("raw", [
+    # Field 1 (model) as a varint of ~8e9: read as bytes(n), it once allocated 8 GB (found by the RPC fuzzer).
+    b"\x08\x80\x80\x80\xec\x1d",
+    b"\x12\x01m",  # field 2 (version) length-delimited
+    b"\x20\x05",  # field 4 (data) as a varint
+    b"\x0a\x01m\x49\x00\x00",  # an unknown fixed64 field (9) cut short
+    b"\x0a\x01m\x4d\x00",  # an unknown fixed32 field (9) cut short
+    b"\x22\x09abc",  # data longer than the frame
+    b"\x0b",  # wire type 3 (groups)
+])
+def test_a_malformed_frame_is_a_format_error_and_allocates_nothing_it_names(raw):
+    from weightsync.errors import FormatError
+    from weightsync.rpc import decode_object_frame
+
+    with pytest.raises(FormatError, match="malformed object frame"):
+        decode_object_frame(raw)
+
+
+def test_unknown_fields_of_any_wire_type_are_skipped_as_protobuf_does():
+    from weightsync.rpc import decode_object_frame
+    from weightsync.v1 import sync_pb2
+
+    known = sync_pb2.ObjectFrame(model="m", version=7, object="c" * 32, data=b"xyz").SerializeToString()
+    unknown = b"\x48\x05" + b"\x51" + b"\x00" * 8 + b"\x5d" + b"\x00" * 4 + b"\x62\x02hi"  # fields 9-12
+    back = decode_object_frame(unknown + known)
+    assert (back.model, back.version, back.object, bytes(back.data)) == ("m", 7, "c" * 32, b"xyz")

@@ -51,7 +51,9 @@ from weightsync.store import LocalStore
 from weightsync.v1 import sync_pb2
 
 EXAMPLES = int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
+# Hypothesis's own default: a fresh random search on a developer's machine, a fixed one where CI is
+# set (so a submission never fails on a bug it did not bring). Long searches: docs/testing.md.
+FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FUZZ_CHANNEL = settings(FUZZ, max_examples=max(10, EXAMPLES // 3))
 CORPUS = Path(__file__).parent / "hostile" / "agent"

@@ -32,7 +32,7 @@ def test_rotation_trusts_several_keys():
     assert verifier.verify(DATA, new.sign(DATA)) == new.key_id
 
 
-@pytest.mark.parametrize("case", ["tampered", "untrusted", "unsigned", "malformed", "alg", "oversized", "bad_hex"])
+@pytest.mark.parametrize("case", ["tampered", "untrusted", "unsigned", "malformed", "alg", "oversized", "bad_hex", "not_an_object", "key_id_list", "alg_object", "sig_number"])
 def test_bad_signatures_are_refused(case):
     signer = Signer.generate()
     verifier = Verifier([signer._key.public_key()])
@@ -52,6 +52,14 @@ def test_bad_signatures_are_refused(case):
         sig = b" " * 5000
     elif case == "bad_hex":
         sig = json.dumps({**json.loads(sig), "sig": "zz"}).encode()
+    elif case == "not_an_object":
+        sig = json.dumps([json.loads(sig)]).encode()
+    elif case == "key_id_list":  # found by the RPC fuzz test: once an INTERNAL TypeError (unhashable)
+        sig = json.dumps({**json.loads(sig), "key_id": []}).encode()
+    elif case == "alg_object":
+        sig = json.dumps({**json.loads(sig), "alg": {"name": "ed25519"}}).encode()
+    elif case == "sig_number":
+        sig = json.dumps({**json.loads(sig), "sig": 7}).encode()
     with pytest.raises(SignatureError) as info:
         verifier.verify(data, sig)
     assert isinstance(info.value, IntegrityError)

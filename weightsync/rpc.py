@@ -147,6 +147,11 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+# ObjectFrame's fields by number: 0 = varint, 2 = length-delimited (model, version, object, data,
+# tensor, start, stop, parent).
+_FRAME_WIRE_TYPES = {1: 2, 2: 0, 3: 2, 4: 2, 5: 2, 6: 0, 7: 0, 8: 0}
+
+
 def decode_object_frame(data: bytes) -> ObjectFrame:
     """Parses an `ObjectFrame` in any field order (skipping unknown fields, as protobuf does);
     the payload is a view into `data`, not a copy."""
@@ -163,12 +168,17 @@ def decode_object_frame(data: bytes) -> ObjectFrame:
             if pos + length > len(view):
                 raise errors.FormatError("malformed object frame (truncated field)")
             value, pos = view[pos:pos + length], pos + length
-        elif wire == 1:
-            value, pos = view[pos:pos + 8], pos + 8
-        elif wire == 5:
-            value, pos = view[pos:pos + 4], pos + 4
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            if pos + width > len(view):
+                raise errors.FormatError("malformed object frame (truncated field)")
+            value, pos = view[pos:pos + width], pos + width
         else:
             raise errors.FormatError(f"malformed object frame (wire type {wire})")
+        # A known field with the wrong wire type would be read as the wrong Python type: a varint
+        # where bytes belong makes bytes(n) allocate n bytes, so a 10-byte frame could ask for GBs.
+        if _FRAME_WIRE_TYPES.get(number, wire) != wire:
+            raise errors.FormatError(f"malformed object frame (field {number} has wire type {wire})")
         fields[number] = value
     try:
         model = bytes(fields.get(1, b"")).decode()

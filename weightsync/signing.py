@@ -116,7 +116,12 @@ class Verifier:
             raise SignatureError(f"signature document of {len(signature)} bytes is over {MAX_SIGNATURE_BYTES}")
         try:
             doc = json.loads(signature)
-            alg, key_id, sig = doc["alg"], doc["key_id"], bytes.fromhex(doc["sig"])
+            alg, key_id, sig_hex = doc["alg"], doc["key_id"], doc["sig"]
+            # Every field is a string; a list or object here would otherwise surface later as an
+            # unhashable-key TypeError, i.e. an INTERNAL error instead of a refused signature.
+            if not all(isinstance(field, str) for field in (alg, key_id, sig_hex)):
+                raise TypeError("signature fields must be strings")
+            sig = bytes.fromhex(sig_hex)
         except (ValueError, KeyError, TypeError):
             raise SignatureError("malformed signature document") from None
         if alg != ALGORITHM:
