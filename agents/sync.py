@@ -128,7 +128,7 @@ class SyncAgent:
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.warm_up: threading.Thread | None = None  # the kernels' warm-up, started by start()
+        self.warm_up: codec.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
         self.warm_up_dtypes: list[str] = []
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
@@ -137,13 +137,12 @@ class SyncAgent:
 
     def start(self) -> None:
         """Serves the last good version from the cache (if any), then starts syncing; the delta
-        codecs' kernels warm up beside it (`codec.warm_up_in_background`)."""
+        codecs' kernels warm up beside it (`codec.BackgroundWarmUp`)."""
         self._restore()
         # Kernels for bf16 (what publishers cast floats to) and what it serves, compiled while it waits.
         served = self.buffers.served.manifest.tensors if self.buffers.served is not None else ()
         self.warm_up_dtypes = sorted({"bfloat16"} | {t.dtype for t in served})
-        self.warm_up = codec.warm_up_in_background(self.warm_up_dtypes,
-                                                   thread_name=f"ws-agent-warm-up-{self.config.name}")
+        self.warm_up = codec.BackgroundWarmUp(self.warm_up_dtypes, thread_name=f"ws-agent-warm-up-{self.config.name}")
         self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
         self._thread.start()
 
@@ -151,10 +150,12 @@ class SyncAgent:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self.warm_up is not None:
+            self.warm_up.stop()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        if self.warm_up is not None:  # a compile that the process's exit cuts short can crash the exit
-            self.warm_up.join(timeout=60)
+        if self.warm_up is not None:
+            self.warm_up.close()
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.early.close()
         if self.relay is not None:

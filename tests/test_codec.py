@@ -581,3 +581,45 @@ def test_ctx_is_tried_up_to_exactly_its_density():
         out = old.copy()
         codec.decode_into(codec_id, payload, out.view(np.uint8), 2, dtype_name="bfloat16")
         assert np.array_equal(out, new)
+
+
+def test_a_stopped_background_warm_up_compiles_nothing_after_the_kernel_under_way(monkeypatch):
+    # close() before a short-lived process exits waits for one compile, not for every kernel.
+    import threading
+
+    from weightsync import ctx_codec, rans_codec
+
+    under_way, release, calls = threading.Event(), threading.Event(), []
+
+    def ctx_warm_up(names):
+        calls.append(("ctx", *names))
+        under_way.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(ctx_codec, "warm_up", ctx_warm_up)
+    monkeypatch.setattr(rans_codec, "warm_up", lambda names: calls.append(("rans", *names)))
+    warm_up = codec.BackgroundWarmUp(["float32", "bfloat16", "bfloat16"], thread_name="test-warm-up")
+    assert under_way.wait(60)
+    warm_up.stop()
+    release.set()
+    assert warm_up.wait(60)
+    assert calls == [("ctx", "bfloat16")]
+
+
+def test_a_background_warm_up_compiles_each_codec_for_each_dtype_and_survives_a_failure(monkeypatch, caplog):
+    from weightsync import ctx_codec, rans_codec
+
+    calls = []
+
+    def ctx_warm_up(names):
+        calls.append(("ctx", *names))
+        if names == ["bfloat16"]:
+            raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(ctx_codec, "warm_up", ctx_warm_up)
+    monkeypatch.setattr(rans_codec, "warm_up", lambda names: calls.append(("rans", *names)))
+    warm_up = codec.BackgroundWarmUp(["float32", "bfloat16"], thread_name="test-warm-up")
+    assert warm_up.wait(60)
+    warm_up.close()
+    assert calls == [("ctx", "bfloat16"), ("rans", "bfloat16"), ("ctx", "float32"), ("rans", "float32")]
+    assert "warming up" in caplog.text and "no compiler" in caplog.text

@@ -285,26 +285,52 @@ def warm_up(dtype_names: Iterable[str]) -> None:
     rans_codec.warm_up(names)
 
 
-def warm_up_in_background(dtype_names: Iterable[str], *, thread_name: str) -> threading.Thread:
-    """`warm_up` in a started, low-priority daemon thread, for a long-lived process (a publisher,
-    an agent) to compile the kernels while it waits for its first delta: on a machine whose
-    numba cache is empty (a new pod), that delta would otherwise compile them itself (~13 s of one
-    CPU on the 2-core machine; loading them once cached takes ~0.1 s). A delta that needs a kernel
-    meanwhile waits for numba's compile lock, no longer. A failure is logged, not raised: the
-    first delta compiles what this could not. Join the thread before the process exits: a
-    compile that the exit cuts short can crash it."""
-    names = sorted(set(dtype_names))
+class BackgroundWarmUp:
+    """`warm_up` in a low-priority daemon thread, for a long-lived process (a publisher, an agent)
+    to compile the kernels while it waits for its first delta: on a machine whose numba cache is
+    empty (a new pod), that delta would otherwise compile them itself (~13 s of one CPU on the
+    2-core machine; loading them once cached takes ~0.1 s). A delta that needs a kernel meanwhile
+    waits for numba's compile lock, no longer. A failure is logged, not raised: the first delta
+    compiles what this could not.
 
-    def run() -> None:
+    It compiles one codec and element width at a time, so that `close()` (which the owner calls
+    before its process exits: a compile that the exit cuts short can crash it) waits for the one
+    under way, not for the rest: at low priority on a busy machine the whole set can take minutes,
+    and a short-lived process need not pay for kernels it will never use."""
+
+    CLOSE_TIMEOUT_S = 300.0
+
+    def __init__(self, dtype_names: Iterable[str], *, thread_name: str) -> None:
+        self.dtype_names = sorted(set(dtype_names))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
         lower_this_thread_priority()
-        try:
-            warm_up(names)
-        except Exception:  # noqa: BLE001 -- only a head start (see above)
-            log.warning("warming up the codec kernels for %s failed", names, exc_info=True)
+        for name in self.dtype_names:
+            for kernels in (ctx_codec, rans_codec):
+                if self._stop.is_set():
+                    return
+                try:
+                    kernels.warm_up([name])
+                except Exception:  # noqa: BLE001 -- only a head start (see above)
+                    log.warning("warming up the %s kernels for %s failed", kernels.__name__, name, exc_info=True)
 
-    thread = threading.Thread(target=run, name=thread_name, daemon=True)
-    thread.start()
-    return thread
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every kernel is compiled (or the warm-up was stopped)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Compiles nothing after the kernel under way."""
+        self._stop.set()
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stops, and waits for the compile under way."""
+        self.stop()
+        if not self.wait(timeout):
+            log.warning("the codec warm-up (%s) is still compiling after %.0f s", self._thread.name, timeout)
 
 
 def _emit_modelled(changes: ctx_codec.Changes, dtype_name: str, itemsize: int) -> tuple[int, bytes] | None:

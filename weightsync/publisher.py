@@ -295,7 +295,7 @@ class Publisher:
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
         self._device_parent = DeviceParent() if self.config.device_diff else None
-        self._warm_up: threading.Thread | None = None  # codec.warm_up_in_background, from the first publish()
+        self.warm_up: codec.BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -326,9 +326,9 @@ class Publisher:
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
-            if self._warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
-                self._warm_up = codec.warm_up_in_background({dtype.name for dtype, _ in planned.values()},
-                                                            thread_name="ws-publisher-warm-up")
+            if self.warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
+                self.warm_up = codec.BackgroundWarmUp({dtype.name for dtype, _ in planned.values()},
+                                                      thread_name="ws-publisher-warm-up")
             with self._lock:
                 spare, self._spare = self._spare, None
                 job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
@@ -365,11 +365,13 @@ class Publisher:
     def close(self, wait: bool = True) -> None:
         """Stops accepting versions; with wait, returns when every accepted one has finished."""
         self._closed = True
+        if self.warm_up is not None:  # no more versions: no delta will need the kernels not yet compiled
+            self.warm_up.stop()
         self._version_pool.shutdown(wait=wait, cancel_futures=not wait)
         self._encode_pool.shutdown(wait=wait, cancel_futures=not wait)
         self._io_pool.shutdown(wait=wait, cancel_futures=not wait)
-        if wait and self._warm_up is not None:  # a compile that the process's exit cuts short can crash the exit
-            self._warm_up.join(timeout=60)
+        if wait and self.warm_up is not None:
+            self.warm_up.close()
 
     def __enter__(self) -> Publisher:
         return self
