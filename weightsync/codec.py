@@ -290,8 +290,9 @@ class BackgroundWarmUp:
     to compile the kernels while it waits for its first delta: on a machine whose numba cache is
     empty (a new pod), that delta would otherwise compile them itself (~13 s of one CPU on the
     2-core machine; loading them once cached takes ~0.1 s). A delta that needs a kernel meanwhile
-    waits for numba's compile lock, no longer. A failure is logged, not raised: the first delta
-    compiles what this could not.
+    waits for numba's compile lock; on a saturated machine that wait can exceed compiling the
+    kernel itself, as the warm-up also compiles kernels this process may not need (docs/agents.md).
+    A failure is logged, not raised: the first delta compiles what this could not.
 
     It compiles one codec and element width at a time, so that `close()` (which the owner calls
     before its process exits: a compile that the exit cuts short can crash it) waits for the one
