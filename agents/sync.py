@@ -129,7 +129,6 @@ class SyncAgent:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.warm_up: codec.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
-        self.warm_up_dtypes: list[str] = []
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
 
@@ -141,8 +140,8 @@ class SyncAgent:
         self._restore()
         # Kernels for bf16 (what publishers cast floats to) and what it serves, compiled while it waits.
         served = self.buffers.served.manifest.tensors if self.buffers.served is not None else ()
-        self.warm_up_dtypes = sorted({"bfloat16"} | {t.dtype for t in served})
-        self.warm_up = codec.BackgroundWarmUp(self.warm_up_dtypes, thread_name=f"ws-agent-warm-up-{self.config.name}")
+        self.warm_up = codec.BackgroundWarmUp({"bfloat16"} | {t.dtype for t in served},
+                                              thread_name=f"ws-agent-warm-up-{self.config.name}")
         self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
         self._thread.start()
 

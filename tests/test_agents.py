@@ -526,7 +526,7 @@ def test_an_agent_warms_up_the_codec_kernels_at_start_for_what_it_serves(tmp_pat
     first = _agent(tmp_path, "a", store)
     try:
         assert first.agent.warm_up.wait(timeout=900)  # low priority: minutes on a busy machine
-        assert first.agent.warm_up_dtypes == ["bfloat16"]  # nothing served yet: what publishers cast to
+        assert first.agent.warm_up.dtype_names == ["bfloat16"]  # nothing served yet: what publishers cast to
         trainer = FakeTrainer()
         with Publisher(store, model=MODEL, config=PUBLISH) as publisher:
             for step in range(2):  # a base and a delta
@@ -539,6 +539,6 @@ def test_an_agent_warms_up_the_codec_kernels_at_start_for_what_it_serves(tmp_pat
     try:
         assert restarted.agent.served_version == version
         served = {t.dtype for t in restarted.agent.buffers.served.manifest.tensors}
-        assert set(restarted.agent.warm_up_dtypes) == served | {"bfloat16"}
+        assert set(restarted.agent.warm_up.dtype_names) == served | {"bfloat16"}
     finally:
         restarted.stop()

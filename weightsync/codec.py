@@ -277,12 +277,15 @@ def encode_delta(
     return codec_id, payload, changed
 
 
+_KERNEL_MODULES = (ctx_codec, rans_codec)  # the codecs with numba kernels, each with its own warm_up
+
+
 def warm_up(dtype_names: Iterable[str]) -> None:
     """Compiles (or loads from numba's cache) the ctx and rans kernels for these dtypes' element
     widths: a process that must not pay the first compile inside a latency it measures calls this."""
     names = list(dtype_names)
-    ctx_codec.warm_up(names)
-    rans_codec.warm_up(names)
+    for kernels in _KERNEL_MODULES:
+        kernels.warm_up(names)
 
 
 class BackgroundWarmUp:
@@ -310,7 +313,7 @@ class BackgroundWarmUp:
     def _run(self) -> None:
         lower_this_thread_priority()
         for name in self.dtype_names:
-            for kernels in (ctx_codec, rans_codec):
+            for kernels in _KERNEL_MODULES:
                 if self._stop.is_set():
                     return
                 try:
