@@ -24,10 +24,10 @@ import time
 import numpy as np
 
 from weightsync.agents.engine import Engine
-from weightsync.dtypes import dtype_by_name
+from weightsync.format.dtypes import dtype_by_name
 from weightsync.errors import ResourceExhausted
-from weightsync.hashing import xxh3_hex
-from weightsync.manifest import compute_digest
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.manifest import compute_digest
 from weightsync.reader import WeightsState
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ matches its content address is deleted (fetched again by the next sync). `collec
 cache gc, repairing first when damage stops it.
 
 Not here: deciding what to fetch or serve (`sync.py`), verifying versions (the Reader), the
-upstream store's gc (`weightsync/retention.py`).
+upstream store's gc (`weightsync/stores/retention.py`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from weightsync import layout
-from weightsync.chunk import object_hash
+from weightsync.format import layout
+from weightsync.format.chunk import object_hash
 from weightsync.errors import FormatError, IntegrityError, ObjectNotFound, WeightsyncError
-from weightsync.manifest import ChunkRef, Manifest, parse_manifest
+from weightsync.format.manifest import ChunkRef, Manifest, parse_manifest
 from weightsync.reader import Reader
-from weightsync.retention import collect_garbage
-from weightsync.store import LocalStore, Store
+from weightsync.stores.retention import collect_garbage
+from weightsync.stores import LocalStore, Store
 from weightsync.versions import list_versions
 
 log = logging.getLogger(__name__)

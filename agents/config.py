@@ -41,8 +41,8 @@ from typing import Any
 
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ConfigError
-from weightsync.layout import check_model_name
-from weightsync.rpc import TlsConfig
+from weightsync.format.layout import check_model_name
+from weightsync.transport.rpc import TlsConfig
 
 # engine.SWAP_POLICIES, spelled here so that loading a config does not import torch.
 _SWAP_POLICIES = ("drain", "in_flight", "abort")

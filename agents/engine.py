@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightsync.errors import LayoutError
-from weightsync.layout import MAX_VERSION
+from weightsync.format.layout import MAX_VERSION
 
 SWAP_POLICIES = ("drain", "in_flight", "abort")
 """How requests running at a swap meet the new version (docs/agents.md, "Swap policies"):

@@ -25,7 +25,7 @@ class LedgerEntry:
     outcome: str = "pending"  # served | failed | superseded
     path: str = ""
     route: str = ""  # how the path was applied: "chain" (delta by delta) or "folded" (as one delta)
-    route_reason: str = ""  # why that route (weightsync/fold.py plan_route)
+    route_reason: str = ""  # why that route (weightsync/format/codecs/fold.py plan_route)
     applied_early: int = 0  # chunks applied as their objects arrived, before the offer (early_apply.py)
     source: str = ""
     bytes_pushed: int = 0

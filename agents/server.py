@@ -1,7 +1,7 @@
 """server: runs one sync agent — its engine, its SyncAgent and the gRPC server in front of them.
 
 The servicer is thin: it converts protobuf messages to the agent's calls and back, and maps
-errors to status codes with the one table in `weightsync.rpc`; it holds no logic. The server
+errors to status codes with the one table in `weightsync.transport.rpc`; it holds no logic. The server
 has explicit message limits, a bearer-token interceptor and TLS/mTLS when configured, the
 standard gRPC health service (SERVING once the agent runs, NOT_SERVING while it shuts down; also
 alone on a plaintext `health_listen` port for probes that cannot speak TLS), and Prometheus
@@ -28,8 +28,8 @@ from weightsync.agents.engine import Engine, open_engine
 from weightsync.agents.sync import SyncAgent
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
-from weightsync.push import PushConfig, Pusher
-from weightsync.rpc import (
+from weightsync.transport.push import PushConfig, Pusher
+from weightsync.transport.rpc import (
     SERVER_OPTIONS,
     SERVICE,
     ObjectFrame,
@@ -39,9 +39,9 @@ from weightsync.rpc import (
     server_credentials,
     status_for,
 )
-from weightsync.signing import Verifier
-from weightsync.store import open_store
-from weightsync.v1 import sync_pb2
+from weightsync.transport.signing import Verifier
+from weightsync.stores import open_store
+from weightsync.transport.v1 import sync_pb2
 
 log = logging.getLogger(__name__)
 

@@ -82,8 +82,8 @@ from weightsync.agents.snapshot_dir import (
 )
 from weightsync.checkpoint_io import INDEX_NAME
 from weightsync.errors import WeightsyncError
-from weightsync.hashing import xxh3_hex
-from weightsync.tensors import raw_bytes
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.tensors import raw_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from weightsync.checkpoint_io import INDEX_NAME
 from weightsync.errors import WeightsyncError
-from weightsync.layout import VERSION_DIGITS
+from weightsync.format.layout import VERSION_DIGITS
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ then written to the local cache). One sync thread does the rest, one version at 
                 into the staging buffer, checking each object's hash before decoding and each
                 chunk's raw hash after; at the target every byte is covered by a checked hash,
                 and the raw hashes by the version digest. Two or more deltas are applied folded
-                (range by range, one hash pass per chunk, `weightsync/fold.py`); the ledger
+                (range by range, one hash pass per chunk, `weightsync/format/codecs/fold.py`); the ledger
                 records the route (chain or folded) and why.
     swap     -> engine.swap under the agent's swap policy (drain / in_flight / abort: what running
                 requests do, engine.SWAP_POLICIES); the state file records the served version
@@ -53,7 +53,7 @@ import logging
 import threading
 import time
 
-from weightsync import codec
+from weightsync.format import codecs
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
@@ -68,11 +68,11 @@ from weightsync.errors import (
     StaleVersion,
     WeightsyncError,
 )
-from weightsync.manifest import KIND_FULL, ChunkPlacement, ChunkRef, Manifest, parse_manifest
+from weightsync.format.manifest import KIND_FULL, ChunkPlacement, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
-from weightsync.push import Pusher
-from weightsync.signing import Verifier
-from weightsync.store import Store
+from weightsync.transport.push import Pusher
+from weightsync.transport.signing import Verifier
+from weightsync.stores import Store
 from weightsync.versions import latest_version, list_versions, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class SyncAgent:
         self.started_unix_ms = int(time.time() * 1000)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.warm_up: codec.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
+        self.warm_up: codecs.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
         self._fetch_pool = cf.ThreadPoolExecutor(
             max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
 
@@ -136,11 +136,11 @@ class SyncAgent:
 
     def start(self) -> None:
         """Serves the last good version from the cache (if any), then starts syncing; the delta
-        codecs' kernels warm up beside it (`codec.BackgroundWarmUp`)."""
+        codecs' kernels warm up beside it (`codecs.BackgroundWarmUp`)."""
         self._restore()
         # Kernels for bf16 (what publishers cast floats to) and what it serves, compiled while it waits.
         served = self.buffers.served.manifest.tensors if self.buffers.served is not None else ()
-        self.warm_up = codec.BackgroundWarmUp({"bfloat16"} | {t.dtype for t in served},
+        self.warm_up = codecs.BackgroundWarmUp({"bfloat16"} | {t.dtype for t in served},
                                               thread_name=f"ws-agent-warm-up-{self.config.name}")
         self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
         self._thread.start()
@@ -364,7 +364,7 @@ class SyncAgent:
             good = {known.manifest.version: known.data for known in chain[:start]}
             self.cache.repair(good, good.get)
             t_apply = time.monotonic()
-            # Several deltas behind: folded into one pass per chunk range (weightsync/fold.py).
+            # Several deltas behind: folded into one pass per chunk range (weightsync/format/codecs/fold.py).
             done = early.done if len(path) == 1 else frozenset()
             route = self.reader.advance_route(staging, version, done=done)
             if route is not None:

@@ -71,7 +71,7 @@ import torch
 from weightsync.agents import vllm_lora
 from weightsync.agents.engine import SWAP_POLICIES, SwapReport, check_layout, check_swap_args, register_engine
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
-from weightsync.hashing import xxh3_hex
+from weightsync.format.hashing import xxh3_hex
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 
 from weightsync.agents.engine import check_layout
 from weightsync.errors import IntegrityError, LayoutError
-from weightsync.hashing import xxh3_hex
+from weightsync.format.hashing import xxh3_hex
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"

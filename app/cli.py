@@ -47,7 +47,7 @@ class _Progress:
 
 
 def _store(args: argparse.Namespace):
-    from weightsync.store import open_store
+    from weightsync.stores import open_store
 
     if getattr(args, "endpoint_url", None) and str(args.store).startswith("s3://"):
         return open_store(args.store, endpoint_url=args.endpoint_url)
@@ -214,7 +214,7 @@ def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.retention import collect_garbage
+    from weightsync.stores.retention import collect_garbage
 
     plan = collect_garbage(_store(args), args.model, keep=args.keep, protect=set(args.protect),
                            grace_s=args.grace_s, dry_run=args.dry_run)
@@ -277,7 +277,7 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
     from google.protobuf.json_format import MessageToDict
 
-    from weightsync.rpc import AgentClient, TlsConfig, read_token
+    from weightsync.transport.rpc import AgentClient, TlsConfig, read_token
 
     tls = TlsConfig(ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name) if args.ca else None
     client = AgentClient(args.agent, tls=tls, token=read_token(token_file=args.token_file))
@@ -313,7 +313,7 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.signing import Signer
+    from weightsync.transport.signing import Signer
 
     signer = Signer.generate()
     private, public = f"{args.out}.pem", f"{args.out}.pub"

@@ -20,7 +20,7 @@ aligned, which zipnn's byte grouping assumes.
 The CLI baselines write `old`/`new` to temp files first (not timed) and time the subprocess, so
 their times include process start-up and file I/O from the page cache, as a user would see.
 
-Not here: weightsync's own codec (`weightsync.codec`), the benchmark driver and report, and any
+Not here: weightsync's own codec (`weightsync.format.codecs`), the benchmark driver and report, and any
 checkpoint generation (`bench/checkpoints.py`). `ensure_tools` may run `apt-get`/`pip`; nothing
 else here installs anything.
 

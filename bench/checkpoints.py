@@ -16,7 +16,7 @@ fine-tuning signal, instead of the near-uniform gradients that random tokens giv
 for the transfer benchmarks (`bench/sync_latency.py`), whose agents serve those checkpoints.
 
 Not here: the trainer (`trainer/`), any compression (see
-`bench/baselines.py` and `weightsync.codec`), and checkpoint *files* beyond the optional cache.
+`bench/baselines.py` and `weightsync.format.codecs`), and checkpoint *files* beyond the optional cache.
 Nothing here is imported by `weightsync`.
 
 Run `python -m bench.checkpoints` from the repository root to train the default series and print

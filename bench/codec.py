@@ -9,7 +9,7 @@ pair, reports:
   measured by publishing the pair through `Publisher` into a local store, its ratio to the
   bound, and the stored bits per changed element;
 - the same for the previous codecs alone (`sparse`/`xor`, codec ctx off), in the same run;
-- the device diff (`weightsync.diff`, codec ctx's per-element pass in torch) on CPU tensors;
+- the device diff (`weightsync.format.codecs.diff`, codec ctx's per-element pass in torch) on CPU tensors;
 - codec throughput on 1 and 2 threads: encode (XOR, scan, zstd, hashes) and decode+apply
   (object hash, decode, XOR into the parent, raw hash; unchanged ranges hashed too), per byte of
   bf16 model;
@@ -43,15 +43,16 @@ from bench.baselines import checkpoint_bytes, checkpoint_u16, ensure_tools, entr
 from bench.checkpoints import CheckpointConfig, make_checkpoint_series, pair_stats
 from bench.output import write_results
 from harness.machine import describe_machine
-from weightsync import __version__, codec
-from weightsync.chunk import apply_chunk, encode_chunk, object_hash
-from weightsync.codec import DEFAULT_ZSTD_LEVEL
-from weightsync.diff import diff_ranges
-from weightsync.hashing import xxh3_hex
+from weightsync import __version__
+from weightsync.format import codecs
+from weightsync.format.chunk import apply_chunk, encode_chunk, object_hash
+from weightsync.format.codecs import DEFAULT_ZSTD_LEVEL
+from weightsync.format.codecs.diff import diff_ranges
+from weightsync.format.hashing import xxh3_hex
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
-from weightsync.tensors import Snapshot, take_snapshot, to_tensor
+from weightsync.stores import LocalStore
+from weightsync.format.tensors import Snapshot, take_snapshot, to_tensor
 
 log = logging.getLogger("bench.codec")
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,13 +129,13 @@ def _median_time(fn, repeats: int, setup=None) -> float:
 def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig, *, ctx: bool = True, rans: bool = True) -> dict:
     """Ratio and throughput of the codecs as the publisher chooses them, for comparison in the same
     run: `ctx=False`, the codecs before codec ctx (sparse/xor); `rans=False`, before codec rans."""
-    saved = codec.CTX_DENSITY, codec.RANS_MIN_CHANGES
-    codec.CTX_DENSITY = saved[0] if ctx else 0.0
-    codec.RANS_MIN_CHANGES = saved[1] if rans else 0
+    saved = codecs.CTX_DENSITY, codecs.RANS_MIN_CHANGES
+    codecs.CTX_DENSITY = saved[0] if ctx else 0.0
+    codecs.RANS_MIN_CHANGES = saved[1] if rans else 0
     try:
         return _measure_ours(old_sd, new_sd, config)
     finally:
-        codec.CTX_DENSITY, codec.RANS_MIN_CHANGES = saved
+        codecs.CTX_DENSITY, codecs.RANS_MIN_CHANGES = saved
 
 
 def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
@@ -188,7 +189,7 @@ def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
 
 
 def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
-    """`weightsync.diff.diff_ranges` over every tensor (its chunks together, as the publisher's
+    """`weightsync.format.codecs.diff.diff_ranges` over every tensor (its chunks together, as the publisher's
     device_diff does), on CPU tensors, 1 thread (`bench.device_diff` measures it on a GPU). GB/s
     of bf16 model bytes; also checks its payloads decode to the new bytes."""
     items = _chunks(new)

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from bench.checkpoints import CheckpointConfig, make_checkpoint_series
-from weightsync import codec
-from weightsync.chunk import apply_chunk, encode_chunk
-from weightsync.dtypes import dtype_by_name
+from weightsync.format import codecs
+from weightsync.format.chunk import apply_chunk, encode_chunk
+from weightsync.format.dtypes import dtype_by_name
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 4 << 20
@@ -35,7 +35,7 @@ def main() -> None:
     series = make_checkpoint_series(CheckpointConfig(lrs=(1e-6, 3e-6)), cache_dir=ROOT / "bench" / ".cache")
     bf16 = dtype_by_name("bfloat16")
     record: dict = {"bench": "codec_cpu", "load_avg_before": os.getloadavg()}
-    saved = codec.CTX_DENSITY
+    saved = codecs.CTX_DENSITY
     try:
         for lr, states in series.items():
             old_sd, new_sd = states[0], states[1]
@@ -46,7 +46,7 @@ def main() -> None:
                 items += [(o[i : i + CHUNK_BYTES], x[i : i + CHUNK_BYTES]) for i in range(0, len(o), CHUNK_BYTES)]
             raw = sum(len(x) for _, x in items)
             for label, density in (("rans/ctx", saved), ("sparse/xor", 0.0)):
-                codec.CTX_DENSITY = density
+                codecs.CTX_DENSITY = density
                 encode_s = decode_s = float("inf")
                 for _ in range(3):
                     t = time.thread_time()
@@ -63,7 +63,7 @@ def main() -> None:
                     **_two_threads(items, objects, raw),
                 }
     finally:
-        codec.CTX_DENSITY = saved
+        codecs.CTX_DENSITY = saved
     record["load_avg_after"] = os.getloadavg()
     print(json.dumps(record, indent=1))
 

@@ -47,8 +47,8 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
     """The store `kind` published with packs and with one object per chunk (the baseline); the two
     publishers take turns version by version, so both see the same machine load."""
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.s3_store import S3Store
-    from weightsync.store import LocalStore
+    from weightsync.stores.s3 import S3Store
+    from weightsync.stores import LocalStore
 
     motos, publishers = [], []
     try:

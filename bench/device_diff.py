@@ -1,4 +1,4 @@
-"""device_diff: GB/s of codec ctx's device scan (`weightsync.diff`) where the weights live.
+"""device_diff: GB/s of codec ctx's device scan (`weightsync.format.codecs.diff`) where the weights live.
 
 A bf16 model of `--gib` GiB, as tensors of `--tensor-mib` MiB cut into `--chunk-mib` chunks, and
 its next step: `--changed` of the elements moved by one ULP up or down (what lr 1e-6 does,
@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weightsync import ctx_codec, diff
-from weightsync.diff import diff_chunk, diff_ranges
-from weightsync.dtypes import dtype_by_name
+from weightsync.format.codecs import ctx as ctx_codec, diff
+from weightsync.format.codecs.diff import diff_chunk, diff_ranges
+from weightsync.format.dtypes import dtype_by_name
 
 FIELDS = ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts")
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--publish", type=int, default=0, metavar="N",
                         help="then publish the model and N next steps, with and without device_diff")
     parser.add_argument("--slab-elements", type=int, default=0,
-                        help="elements diffed together (weightsync.diff.SLAB_ELEMENTS; 0: the default)")
+                        help="elements diffed together (weightsync.format.codecs.diff.SLAB_ELEMENTS; 0: the default)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.slab_elements:
@@ -147,7 +147,7 @@ def _publish(bits: torch.Tensor, tensors: list[tuple[int, int]], steps: int, cha
     with and without device_diff, taking turns so both see the same machine; per mode, the
     delta commits' seconds and stages."""
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.store import LocalStore
+    from weightsync.stores import LocalStore
 
     weights = bits.view(torch.bfloat16)
     state = {f"layer{i}.weight": weights[a:b] for i, (a, b) in enumerate(tensors)}

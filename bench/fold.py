@@ -3,7 +3,7 @@
 Publishes the 0.1 GiB benchmark series (base + 3 deltas of `bench.checkpoints.make_lm_series`, the
 codecs as the publisher picks them: `ctx` at these change rates) to a local store, then times a
 reader that holds the base and must reach the last version: the chain (each delta over the whole
-model in turn) against the folded route (range by range, `weightsync/fold.py`), alternating, in
+model in turn) against the folded route (range by range, `weightsync/format/codecs/fold.py`), alternating, in
 the same run. Both end bit-identical to the published checkpoint, which is checked.
 
     python -m bench.fold [--size 0.1] [--lr 1e-6] [--repeats 5]
@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.output import write_results
-from weightsync.fold import CHAIN, FOLDED
+from weightsync.format.codecs.fold import CHAIN, FOLDED
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

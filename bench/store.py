@@ -167,7 +167,7 @@ def run(config: BenchConfig) -> dict:
     from weightsync import __version__
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.reader import Reader
-    from weightsync.s3_store import S3Store, S3StoreConfig
+    from weightsync.stores.s3 import S3Store, S3StoreConfig
 
     _scrub_aws_environment()
     load_before = os.getloadavg()

@@ -244,10 +244,10 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
              timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True, cpus: CpuPlan | None = None) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.push import PushConfig, Pusher
-    from weightsync.rpc import AgentClient
-    from weightsync.s3_store import S3Store
-    from weightsync.store import LocalStore
+    from weightsync.transport.push import PushConfig, Pusher
+    from weightsync.transport.rpc import AgentClient
+    from weightsync.stores.s3 import S3Store
+    from weightsync.stores import LocalStore
 
     arch = dataclasses.asdict(series.config.model)
     if moto is None:

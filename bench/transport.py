@@ -99,8 +99,8 @@ def _grpc_sink(port_queue) -> None:
 
     import grpc
 
-    from weightsync.rpc import SERVER_OPTIONS, agent_service_handler
-    from weightsync.v1 import sync_pb2
+    from weightsync.transport.rpc import SERVER_OPTIONS, agent_service_handler
+    from weightsync.transport.v1 import sync_pb2
 
     def push(frames, context):
         n = size = 0
@@ -156,7 +156,7 @@ def _stop(procs) -> None:
 
 
 def bench_data_plane(objects: list[tuple[str, bytes]], root: Path, arch: ModelConfig) -> dict:
-    from weightsync.rpc import AgentClient, ObjectFrame
+    from weightsync.transport.rpc import AgentClient, ObjectFrame
 
     total = sum(len(o) for _, o in objects)
     result = {"objects": len(objects), "bytes": total}
@@ -205,9 +205,9 @@ def bench_relay(n_agents: int, root: Path, arch: ModelConfig, versions: list[tup
     The first delta after a base is an agent's worst case (its second buffer is built from the
     base); later deltas are the steady state (the second buffer moves forward by deltas)."""
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.push import PushConfig, Pusher
-    from weightsync.rpc import AgentClient
-    from weightsync.store import LocalStore
+    from weightsync.transport.push import PushConfig, Pusher
+    from weightsync.transport.rpc import AgentClient
+    from weightsync.stores import LocalStore
 
     region = root / f"relay-{n_agents}"
     store = LocalStore(region / "store")
@@ -272,9 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
         versions.append((f"delta{i + 1}", _step(versions[-1][1], args.changed, i + 1)))
     raw_bytes = sum(t.numel() * 2 for t in base.values())
 
-    from weightsync.chunk import encode_chunk, object_hash
-    from weightsync.dtypes import dtype_by_name
-    from weightsync.tensors import raw_bytes as raw
+    from weightsync.format.chunk import encode_chunk, object_hash
+    from weightsync.format.dtypes import dtype_by_name
+    from weightsync.format.tensors import raw_bytes as raw
 
     objects = []
     chunk = 4 * MiB

@@ -17,7 +17,7 @@ import torch
 
 from harness.bits import assert_bit_equal as _assert_bit_equal
 from harness.moto import MotoServer
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 
 STORE_KINDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
 
@@ -49,7 +49,7 @@ def s3_store(s3_endpoint):
     """An empty S3Store: a fresh bucket on the moto server, under a prefix."""
     import boto3
 
-    from weightsync.s3_store import S3Store
+    from weightsync.stores.s3 import S3Store
 
     bucket = f"ws-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)

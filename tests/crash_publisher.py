@@ -55,7 +55,7 @@ def state_for(version: int) -> dict[str, torch.Tensor]:
 
 def main(root: str, max_versions: int, rebase_every: int = REBASE_EVERY) -> int:
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.store import open_store
+    from weightsync.stores import open_store
     from weightsync.versions import latest_version
 
     store = open_store(root)

@@ -19,8 +19,8 @@ from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.models import ModelConfig, build_model
 from weightsync.publisher import Publisher, PublisherConfig
-from weightsync.rpc import AgentClient
-from weightsync.store import LocalStore
+from weightsync.transport.rpc import AgentClient
+from weightsync.stores import LocalStore
 from weightsync.versions import read_manifest
 
 MODEL = "availability-lm"

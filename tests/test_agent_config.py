@@ -17,7 +17,7 @@ import pytest
 
 from weightsync.agents.config import load_agent_config
 from weightsync.errors import ConfigError, WeightsyncError
-from weightsync.rpc import TlsConfig
+from weightsync.transport.rpc import TlsConfig
 
 CORPUS = Path(__file__).parent / "hostile" / "config"
 EXPECTED = json.loads((CORPUS / "expected.json").read_text())

@@ -31,14 +31,14 @@ from harness.bits import bits_equal
 from weightsync import errors
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
-from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
-from weightsync.codec import CODEC_NAMES
+from weightsync.format.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
+from weightsync.format.codecs import CODEC_NAMES
 from weightsync.errors import WeightsyncError
-from weightsync.hashing import xxh3_hex
-from weightsync.layout import chunk_key, manifest_key, model_prefix, signature_key
-from weightsync.manifest import MAX_MANIFEST_BYTES, ChunkRef, compute_digest, parse_manifest
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.layout import chunk_key, manifest_key, model_prefix, signature_key
+from weightsync.format.manifest import MAX_MANIFEST_BYTES, ChunkRef, compute_digest, parse_manifest
 from weightsync.reader import Reader
-from weightsync.rpc import (
+from weightsync.transport.rpc import (
     GET_STATUS,
     MAX_MESSAGE_BYTES,
     OFFER,
@@ -49,8 +49,8 @@ from weightsync.rpc import (
     open_channel,
     status_for,
 )
-from weightsync.store import LocalStore
-from weightsync.v1 import sync_pb2
+from weightsync.stores import LocalStore
+from weightsync.transport.v1 import sync_pb2
 from weightsync.versions import read_manifest
 
 HOSTILE = Path(__file__).parent / "hostile"

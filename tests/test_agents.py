@@ -38,11 +38,11 @@ from weightsync.errors import (
     StaleVersion,
 )
 from weightsync.publisher import Publisher, PublisherConfig
-from weightsync.push import PushConfig, Pusher
-from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig
-from weightsync.signing import Signer
-from weightsync.store import LocalStore
-from weightsync.v1 import sync_pb2
+from weightsync.transport.push import PushConfig, Pusher
+from weightsync.transport.rpc import AgentClient, ObjectFrame, TlsConfig
+from weightsync.transport.signing import Signer
+from weightsync.stores import LocalStore
+from weightsync.transport.v1 import sync_pb2
 from weightsync.versions import read_manifest_bytes
 
 MODEL = "agent-test-lm"

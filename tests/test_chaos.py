@@ -24,7 +24,7 @@ import pytest
 
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
-from weightsync.push import PushConfig, Pusher
+from weightsync.transport.push import PushConfig, Pusher
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",

@@ -24,11 +24,11 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from weightsync import codec
-from weightsync.chunk import HEADER_SIZE, apply_chunk, encode_chunk, unpack_chunk
-from weightsync.dtypes import BY_NAME, DType, dtype_by_name
-from weightsync.hashing import xxh3_digest
-from weightsync.tensors import raw_bytes, to_tensor, torch_dtype
+from weightsync.format import codecs
+from weightsync.format.chunk import HEADER_SIZE, apply_chunk, encode_chunk, unpack_chunk
+from weightsync.format.dtypes import BY_NAME, DType, dtype_by_name
+from weightsync.format.hashing import xxh3_digest
+from weightsync.format.tensors import raw_bytes, to_tensor, torch_dtype
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]  # float8 and uint16/32/64 only if this torch has them
 FLOAT_DTYPES = [name for name in DTYPES if BY_NAME[name].floating]
@@ -119,13 +119,13 @@ def _changed_elements(new: torch.Tensor, old: torch.Tensor) -> int:
 
 def _expected_codecs(changed: int, count: int) -> set[int]:
     density = changed / count
-    if density <= codec.CTX_DENSITY:  # ctx, unless sparse would be smaller (random bits)
-        return {codec.CODEC_CTX, codec.CODEC_SPARSE}
-    if density <= codec.SPARSE_DENSITY:
-        return {codec.CODEC_SPARSE}
-    if density > codec.DENSE_DENSITY:
-        return {codec.CODEC_XOR}
-    return {codec.CODEC_SPARSE, codec.CODEC_XOR}
+    if density <= codecs.CTX_DENSITY:  # ctx, unless sparse would be smaller (random bits)
+        return {codecs.CODEC_CTX, codecs.CODEC_SPARSE}
+    if density <= codecs.SPARSE_DENSITY:
+        return {codecs.CODEC_SPARSE}
+    if density > codecs.DENSE_DENSITY:
+        return {codecs.CODEC_XOR}
+    return {codecs.CODEC_SPARSE, codecs.CODEC_XOR}
 
 
 def _check_header(obj: bytes, codec_id: int, dtype: DType, count: int, level: int, raw_hex: str) -> None:
@@ -139,7 +139,7 @@ def _full_round_trip(new: torch.Tensor, level: int = 1) -> None:
     dtype = _dtype(str(new.dtype).removeprefix("torch."))
     raw = raw_bytes(new)
     codec_id, raw_hex, obj, changed = encode_chunk(raw, None, dtype, level)
-    assert codec_id == codec.CODEC_FULL and changed == new.numel() and raw_hex == xxh3_digest(raw).hex()
+    assert codec_id == codecs.CODEC_FULL and changed == new.numel() and raw_hex == xxh3_digest(raw).hex()
     _check_header(obj, codec_id, dtype, new.numel(), level, raw_hex)
     out = _tensor(np.full(new.numel(), 0xA5, dtype=np.uint64).astype(UINT[dtype.itemsize]), dtype.name,
                   tuple(new.shape))  # garbage: `full` must not depend on what the range held
@@ -157,7 +157,7 @@ def _delta_round_trip(new: torch.Tensor, old: torch.Tensor, level: int = 1) -> i
     assert torch.equal(_bits(old), _bits(old_before)) and raw_hex == xxh3_digest(new_raw).hex()
     expected_changed = _changed_elements(new, old)
     assert changed == expected_changed
-    direct = codec.encode_delta(new_raw, old_raw, dtype.itemsize, level, dtype_name=dtype.name)
+    direct = codecs.encode_delta(new_raw, old_raw, dtype.itemsize, level, dtype_name=dtype.name)
     if expected_changed == 0:
         assert (codec_id, obj, changed) == (0, None, 0) and direct is None
         return 0
@@ -169,7 +169,7 @@ def _delta_round_trip(new: torch.Tensor, old: torch.Tensor, level: int = 1) -> i
     apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
     _assert_same(out, new)
     out = old.clone()
-    codec.decode_into(codec_id, obj[HEADER_SIZE:], raw_bytes(out), dtype.itemsize, dtype_name=dtype.name)
+    codecs.decode_into(codec_id, obj[HEADER_SIZE:], raw_bytes(out), dtype.itemsize, dtype_name=dtype.name)
     _assert_same(out, new)
     return codec_id
 
@@ -241,7 +241,7 @@ def _tensor_pairs(draw):
 def test_delta_round_trips_bit_exactly(pair, level):
     old, new = pair
     codec_id = _delta_round_trip(new, old, level)
-    event(f"{new.dtype} codec {codec.CODEC_NAMES.get(codec_id, 'same')}")
+    event(f"{new.dtype} codec {codecs.CODEC_NAMES.get(codec_id, 'same')}")
 
 
 @HYPO
@@ -327,7 +327,7 @@ def test_empty_and_zero_dim_tensors(name, shape):
     assert _delta_round_trip(tensor, tensor.clone()) == 0  # unchanged: no object
     if count:  # a 0-dim tensor that changed: one element of one, density 1.0 -> dense xor
         other = _tensor(np.full(count, SPECIALS[name][0], UINT[itemsize]), name, shape)
-        assert _delta_round_trip(tensor, other) == codec.CODEC_XOR
+        assert _delta_round_trip(tensor, other) == codecs.CODEC_XOR
 
 
 # ------------------------------------------------------------------ odd sizes, word boundaries
@@ -362,9 +362,9 @@ def test_odd_sizes_and_change_positions(itemsize, count, pattern):
     old, new = _tensor(old_bits, name, (count,)), _tensor(new_bits, name, (count,))
     codec_id = _delta_round_trip(new, old)
     if pattern == "every":
-        assert codec_id == codec.CODEC_XOR  # density 1.0
-    if len(positions) / count <= codec.CTX_DENSITY:
-        assert codec_id == codec.CODEC_CTX
+        assert codec_id == codecs.CODEC_XOR  # density 1.0
+    if len(positions) / count <= codecs.CTX_DENSITY:
+        assert codec_id == codecs.CODEC_CTX
     _full_round_trip(new)
 
 
@@ -390,11 +390,11 @@ def test_codec_choice_follows_density(name, changed):
     if changed == 0:
         assert codec_id == 0
     elif changed <= 2000:
-        assert codec_id == codec.CODEC_CTX
+        assert codec_id == codecs.CODEC_CTX
     elif changed > 4000:
-        assert codec_id == codec.CODEC_XOR
+        assert codec_id == codecs.CODEC_XOR
     else:
-        assert codec_id in (codec.CODEC_SPARSE, codec.CODEC_XOR)
+        assert codec_id in (codecs.CODEC_SPARSE, codecs.CODEC_XOR)
 
 
 @pytest.mark.parametrize("changed", [2001, 2500, 3000, 3500, 4000])
@@ -402,32 +402,32 @@ def test_ambiguous_band_keeps_the_smaller_payload(monkeypatch, changed):
     name = "bfloat16"
     old, new = _with_changes(name, 10_000, changed, seed=7)
     new_raw, old_raw = raw_bytes(new), raw_bytes(old)
-    chosen = codec.encode_delta(new_raw, old_raw, 2)
+    chosen = codecs.encode_delta(new_raw, old_raw, 2)
     sizes = {}
-    for only, (sparse_below, dense_above) in {codec.CODEC_SPARSE: (1.0, 1.0), codec.CODEC_XOR: (0.0, 0.0)}.items():
+    for only, (sparse_below, dense_above) in {codecs.CODEC_SPARSE: (1.0, 1.0), codecs.CODEC_XOR: (0.0, 0.0)}.items():
         with monkeypatch.context() as m:  # thresholds that leave a single candidate
-            m.setattr(codec, "SPARSE_DENSITY", sparse_below)
-            m.setattr(codec, "DENSE_DENSITY", dense_above)
-            codec_id, payload, _ = codec.encode_delta(new_raw, old_raw, 2)
+            m.setattr(codecs, "SPARSE_DENSITY", sparse_below)
+            m.setattr(codecs, "DENSE_DENSITY", dense_above)
+            codec_id, payload, _ = codecs.encode_delta(new_raw, old_raw, 2)
         assert codec_id == only
         sizes[codec_id] = len(payload)
         out = old.clone()
-        codec.decode_into(codec_id, payload, raw_bytes(out), 2)
+        codecs.decode_into(codec_id, payload, raw_bytes(out), 2)
         _assert_same(out, new)
     assert len(chosen[1]) == sizes[chosen[0]] == min(sizes.values())
 
 
 @pytest.mark.parametrize("density", [0.0005, 0.05, 0.5, 1.0])
-@pytest.mark.parametrize("forced", [codec.CODEC_SPARSE, codec.CODEC_XOR, codec.CODEC_CTX, codec.CODEC_RANS])
+@pytest.mark.parametrize("forced", [codecs.CODEC_SPARSE, codecs.CODEC_XOR, codecs.CODEC_CTX, codecs.CODEC_RANS])
 def test_every_delta_codec_decodes_at_any_density(monkeypatch, density, forced):
     """Whatever a (future, or foreign) publisher chose, every delta codec must decode exactly."""
     count = 5000
     old, new = _with_changes("float32", count, max(1, int(count * density)), seed=3)
-    threshold = 1.0 if forced == codec.CODEC_SPARSE else 0.0
-    monkeypatch.setattr(codec, "CTX_DENSITY", 1.0 if forced in (codec.CODEC_CTX, codec.CODEC_RANS) else 0.0)
-    monkeypatch.setattr(codec, "RANS_MIN_CHANGES", 1 if forced == codec.CODEC_RANS else 0)
-    monkeypatch.setattr(codec, "SPARSE_DENSITY", threshold)
-    monkeypatch.setattr(codec, "DENSE_DENSITY", threshold)
+    threshold = 1.0 if forced == codecs.CODEC_SPARSE else 0.0
+    monkeypatch.setattr(codecs, "CTX_DENSITY", 1.0 if forced in (codecs.CODEC_CTX, codecs.CODEC_RANS) else 0.0)
+    monkeypatch.setattr(codecs, "RANS_MIN_CHANGES", 1 if forced == codecs.CODEC_RANS else 0)
+    monkeypatch.setattr(codecs, "SPARSE_DENSITY", threshold)
+    monkeypatch.setattr(codecs, "DENSE_DENSITY", threshold)
     dtype = _dtype("float32")
     codec_id, raw_hex, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), dtype, 1)
     assert codec_id == forced == unpack_chunk(obj)[0].codec_id
@@ -441,7 +441,7 @@ def test_unchanged_chunks_have_no_object():
         specials = np.array(SPECIALS[name], dtype=UINT[_dtype(name).itemsize])
         tensor = _tensor(np.resize(specials, 1001), name, (1001,))  # NaNs included: equal bits, no change
         raw = raw_bytes(tensor)
-        assert codec.encode_delta(raw, raw.copy(), _dtype(name).itemsize) is None
+        assert codecs.encode_delta(raw, raw.copy(), _dtype(name).itemsize) is None
         codec_id, raw_hex, obj, changed = encode_chunk(raw, raw.copy(), _dtype(name), 1)
         assert (codec_id, obj, changed) == (0, None, 0) and raw_hex == xxh3_digest(raw).hex()
 
@@ -466,9 +466,9 @@ def _sparse_streams(payload: bytes, itemsize: int) -> list[bytes]:
 
 @pytest.mark.parametrize("gap", [0, 1, 253, 254, 255, 256, 257, 509, 510, 511, 65_535 + 255, 70_000])
 def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
-    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)  # sparse is what this test is about
-    monkeypatch.setattr(codec, "SPARSE_DENSITY", 1.0)  # sparse even where changes are dense (gap 0, 1)
-    monkeypatch.setattr(codec, "DENSE_DENSITY", 1.0)
+    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)  # sparse is what this test is about
+    monkeypatch.setattr(codecs, "SPARSE_DENSITY", 1.0)  # sparse even where changes are dense (gap 0, 1)
+    monkeypatch.setattr(codecs, "DENSE_DENSITY", 1.0)
     changes = 5
     count = (gap + 1) * changes + 3
     rng = np.random.default_rng(gap)
@@ -477,7 +477,7 @@ def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
     positions = [gap + k * (gap + 1) for k in range(changes)]  # the first after `gap` equal elements too
     new_bits[positions] ^= np.uint16(0x8001)
     old, new = _tensor(old_bits, "bfloat16", (count,)), _tensor(new_bits, "bfloat16", (count,))
-    assert _delta_round_trip(new, old) == codec.CODEC_SPARSE
+    assert _delta_round_trip(new, old) == codecs.CODEC_SPARSE
 
     _, _, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), _dtype("bfloat16"), 1)
     gaps, overflow, low, high = _sparse_streams(obj[HEADER_SIZE:], 2)
@@ -493,13 +493,13 @@ def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
 
 def test_sparse_gap_needing_every_overflow_byte(monkeypatch):
     """A gap >= 2**24 + 255 uses the top byte plane of the overflow stream (1-byte elements, 16 MiB)."""
-    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)
+    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)
     gap = 2**24 + 300
     count = gap + 10
     old = torch.zeros(count, dtype=torch.uint8)
     new = old.clone()
     new[[gap, gap + 5]] = 7
-    assert _delta_round_trip(new, old) == codec.CODEC_SPARSE
+    assert _delta_round_trip(new, old) == codecs.CODEC_SPARSE
     _, _, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), _dtype("uint8"), 1)
     gaps, overflow, _ = _sparse_streams(obj[HEADER_SIZE:], 1)
     assert list(gaps) == [255, 4] and list(overflow) == list((gap - 255).to_bytes(4, "little"))
@@ -536,7 +536,7 @@ def test_publish_and_read_tensors_with_partial_last_chunks(tmp_path_factory, siz
     """Tensors whose sizes fall just around multiples of the chunk size, through the Publisher."""
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.reader import Reader
-    from weightsync.store import LocalStore
+    from weightsync.stores import LocalStore
 
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(seed)
@@ -564,7 +564,7 @@ def test_publish_and_read_tensors_with_partial_last_chunks(tmp_path_factory, siz
 def test_ctx_is_tried_up_to_exactly_its_density():
     """The ctx scan counts the changes itself and gives up past CTX_DENSITY: the chunk at the
     boundary still gets ctx, one change more does not (the same decision as changed / count)."""
-    from weightsync.codec import CODEC_CTX, CTX_DENSITY, _ctx_capacity, encode_delta
+    from weightsync.format.codecs import CODEC_CTX, CTX_DENSITY, _ctx_capacity, encode_delta
 
     for count in [1, 2, 3, 4, 5, 7, 10, 99, 1000, 1001, 12_345]:
         capacity = _ctx_capacity(count)
@@ -579,7 +579,7 @@ def test_ctx_is_tried_up_to_exactly_its_density():
         codec_id, payload, n = encode_delta(new.view(np.uint8), old.view(np.uint8), 2, dtype_name="bfloat16")
         assert n == changed and (codec_id == CODEC_CTX) == expect_ctx
         out = old.copy()
-        codec.decode_into(codec_id, payload, out.view(np.uint8), 2, dtype_name="bfloat16")
+        codecs.decode_into(codec_id, payload, out.view(np.uint8), 2, dtype_name="bfloat16")
         assert np.array_equal(out, new)
 
 
@@ -587,7 +587,7 @@ def test_a_stopped_background_warm_up_compiles_nothing_after_the_kernel_under_wa
     # close() before a short-lived process exits waits for one compile, not for every kernel.
     import threading
 
-    from weightsync import ctx_codec, rans_codec
+    from weightsync.format.codecs import ctx as ctx_codec, rans as rans_codec
 
     under_way, release, calls = threading.Event(), threading.Event(), []
 
@@ -598,7 +598,7 @@ def test_a_stopped_background_warm_up_compiles_nothing_after_the_kernel_under_wa
 
     monkeypatch.setattr(ctx_codec, "warm_up", ctx_warm_up)
     monkeypatch.setattr(rans_codec, "warm_up", lambda names: calls.append(("rans", *names)))
-    warm_up = codec.BackgroundWarmUp(["float32", "bfloat16", "bfloat16"], thread_name="test-warm-up")
+    warm_up = codecs.BackgroundWarmUp(["float32", "bfloat16", "bfloat16"], thread_name="test-warm-up")
     assert under_way.wait(60)
     warm_up.stop()
     release.set()
@@ -607,7 +607,7 @@ def test_a_stopped_background_warm_up_compiles_nothing_after_the_kernel_under_wa
 
 
 def test_a_background_warm_up_compiles_each_codec_for_each_dtype_and_survives_a_failure(monkeypatch, caplog):
-    from weightsync import ctx_codec, rans_codec
+    from weightsync.format.codecs import ctx as ctx_codec, rans as rans_codec
 
     calls = []
 
@@ -618,7 +618,7 @@ def test_a_background_warm_up_compiles_each_codec_for_each_dtype_and_survives_a_
 
     monkeypatch.setattr(ctx_codec, "warm_up", ctx_warm_up)
     monkeypatch.setattr(rans_codec, "warm_up", lambda names: calls.append(("rans", *names)))
-    warm_up = codec.BackgroundWarmUp(["float32", "bfloat16"], thread_name="test-warm-up")
+    warm_up = codecs.BackgroundWarmUp(["float32", "bfloat16"], thread_name="test-warm-up")
     assert warm_up.wait(60)
     warm_up.close()
     assert calls == [("ctx", "bfloat16"), ("rans", "bfloat16"), ("ctx", "float32"), ("rans", "float32")]

@@ -30,7 +30,7 @@ def test_a_pinned_process_sizes_its_encode_and_decode_pools_to_its_cpus():
         "from weightsync.publisher import PublisherConfig\n"
         "from weightsync.agents.config import AgentConfig\n"
         "from weightsync.reader import Reader\n"
-        "from weightsync.store import LocalStore\n"
+        "from weightsync.stores import LocalStore\n"
         "reader = Reader(LocalStore(tempfile.mkdtemp()), model='m')\n"
         "print(json.dumps([usable_cpus(), PublisherConfig().workers, AgentConfig(model='m', cache_dir=tempfile.mkdtemp()).workers,"
         " reader.workers, os.cpu_count()]))\n"

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.hashing import xxh3_hex
-from weightsync.manifest import KIND_DELTA
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.manifest import KIND_DELTA
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
-from weightsync.tensors import raw_bytes
+from weightsync.stores import LocalStore
+from weightsync.format.tensors import raw_bytes
 from weightsync.versions import list_versions, read_manifest
 
 SCRIPT = Path(__file__).with_name("crash_publisher.py")

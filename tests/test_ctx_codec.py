@@ -1,6 +1,6 @@
 """Codec ctx (4): round trips for every dtype and step shape, the encoder's limits, and a second
 decoder written in plain Python from docs/format.md ("Payload: codec ctx") alone, which must agree
-with the reference implementation (`weightsync/ctx_codec.py`) on every payload: the format is what
+with the reference implementation (`weightsync/format/codecs/ctx.py`) on every payload: the format is what
 the document says, not what the numba kernels happen to do."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync import ctx_codec
-from weightsync.dtypes import BY_NAME, dtype_by_name
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.dtypes import BY_NAME, dtype_by_name
 from weightsync.errors import FormatError, UnsupportedFormatError
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]

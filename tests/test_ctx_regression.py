@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync import ctx_codec
-from weightsync.dtypes import BY_NAME, dtype_by_name
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.dtypes import BY_NAME, dtype_by_name
 from weightsync.errors import FormatError
-from weightsync.hashing import xxh3_hex
+from weightsync.format.hashing import xxh3_hex
 
 DATA = Path(__file__).with_name("ctx_regression.json")
 DTYPES = sorted(name for name in BY_NAME if hasattr(torch, name))

@@ -176,7 +176,7 @@ def test_health_port_answers_plaintext_while_the_agent_needs_tls_and_a_token(tmp
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from weightsync.agents.server import AgentServer
-    from weightsync.rpc import TlsConfig
+    from weightsync.transport.rpc import TlsConfig
 
     from tls_certs import make_certificates
 

@@ -1,4 +1,4 @@
-"""weightsync.diff: the device path of codec ctx, driven on CPU tensors (the same torch code runs on
+"""weightsync.format.codecs.diff: the device path of codec ctx, driven on CPU tensors (the same torch code runs on
 CUDA). Its changes equal the host scan's field for field, chunk by chunk when a whole tensor is
 diffed at once, so the payloads are identical, and applying them to the parent gives the new
 tensor bit for bit (torch.equal), for every dtype."""
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync import codec, ctx_codec, rans_codec
-from weightsync.chunk import apply_chunk, encode_chunk
-from weightsync.diff import diff_chunk, diff_ranges
-from weightsync.dtypes import BY_NAME, dtype_by_name
-from weightsync.tensors import raw_bytes
+from weightsync.format import codecs
+from weightsync.format.codecs import ctx as ctx_codec, rans as rans_codec
+from weightsync.format.chunk import apply_chunk, encode_chunk
+from weightsync.format.codecs.diff import diff_chunk, diff_ranges
+from weightsync.format.dtypes import BY_NAME, dtype_by_name
+from weightsync.format.tensors import raw_bytes
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -75,8 +76,8 @@ def test_device_diff_round_trips_bit_exactly(name, count, density):
     if obj is None:
         assert changed == 0
         return
-    if changed / max(count, 1) <= codec.CTX_DENSITY:
-        assert codec_id == codec.CODEC_CTX
+    if changed / max(count, 1) <= codecs.CTX_DENSITY:
+        assert codec_id == codecs.CODEC_CTX
     out = old.clone()
     apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
     assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
@@ -96,7 +97,7 @@ def test_device_diff_on_a_real_checkpoint_step():
     assert 0 < len(changes.positions) < 0.2 * 300_000
     codec_id, raw_hex, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), dtype_by_name("bfloat16"), 1,
                                              changes=changes)
-    assert codec_id == (codec.CODEC_RANS if len(changes.positions) >= codec.RANS_MIN_CHANGES else codec.CODEC_CTX)
+    assert codec_id == (codecs.CODEC_RANS if len(changes.positions) >= codecs.RANS_MIN_CHANGES else codecs.CODEC_CTX)
     out = old.clone()
     apply_chunk(obj, raw_bytes(out), dtype_by_name("bfloat16"), raw_hex, codec_id)
     assert torch.equal(out, new)
@@ -112,10 +113,10 @@ def test_publisher_device_diff_publishes_versions_that_read_back_bit_exactly(tmp
     """PublisherConfig(device_diff=True) on CPU tensors drives the device path end to end: deltas
     use the device changes (ctx chunks), a cast tensor and a new tensor layout fall back cleanly,
     and every version reads back torch.equal."""
-    from weightsync import diff
+    from weightsync.format.codecs import diff
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.reader import Reader
-    from weightsync.store import LocalStore
+    from weightsync.stores import LocalStore
 
     diffed = []
 
@@ -159,7 +160,7 @@ def test_a_whole_tensor_diffs_as_each_chunk_alone(monkeypatch, name, count, per_
     """diff_ranges over every chunk of a tensor at once gives, for each chunk, the host scan of
     that chunk (class bases, ranks and first positions are the chunk's own, not the tensor's),
     whether the chunks are diffed one by one, a few together or all in one slab."""
-    from weightsync import diff
+    from weightsync.format.codecs import diff
 
     monkeypatch.setitem(diff.SLAB_ELEMENTS, device, slab)
     dtype = dtype_by_name(name)
@@ -201,7 +202,7 @@ def test_ranges_must_cover_the_tensor_exactly(ranges):
 def test_ranks_are_the_host_scans_for_any_block_length(monkeypatch, block):
     """Ranks within a class add the counts of earlier blocks to those earlier in the own block
     (read in batches of changed elements)."""
-    from weightsync import diff
+    from weightsync.format.codecs import diff
 
     monkeypatch.setattr(diff, "_RANK_BLOCK", block)
     monkeypatch.setattr(diff, "_WITHIN_BYTES", 7 * block)  # the changed elements' blocks, 7 at a time

@@ -12,15 +12,15 @@ import numpy as np
 from test_agents import MODEL, PUSH_ONLY, PUSH_ONLY_GIVE_UP_S, WAIT_S, _agent, _assert_serves
 
 from harness.fake_trainer import FakeTrainer
-from weightsync.chunk import object_hash, pack_chunk
-from weightsync.codec import CODEC_FULL
-from weightsync.dtypes import dtype_by_name
-from weightsync.hashing import xxh3_digest
-from weightsync.manifest import ChunkPlacement
+from weightsync.format.chunk import object_hash, pack_chunk
+from weightsync.format.codecs import CODEC_FULL
+from weightsync.format.dtypes import dtype_by_name
+from weightsync.format.hashing import xxh3_digest
+from weightsync.format.manifest import ChunkPlacement
 from weightsync.publisher import Publisher, PublisherConfig
-from weightsync.push import PushConfig, Pusher
-from weightsync.rpc import AgentClient, ObjectFrame
-from weightsync.store import LocalStore
+from weightsync.transport.push import PushConfig, Pusher
+from weightsync.transport.rpc import AgentClient, ObjectFrame
+from weightsync.stores import LocalStore
 
 PUBLISH = PublisherConfig(chunk_bytes=16 * 1024, rebase_every=100, workers=2)
 

@@ -1,4 +1,4 @@
-"""Folded deltas (weightsync/fold.py): a reader several deltas behind applies them as one, range by
+"""Folded deltas (weightsync/format/codecs/fold.py): a reader several deltas behind applies them as one, range by
 range, bit-exactly, in every codec; the chain when it cannot (chunk boundaries that differ, a base
 on the path), with the reason; the agent's ledger records the route it took."""
 
@@ -10,28 +10,28 @@ import time
 import pytest
 
 from harness.fake_trainer import TINY, FakeTrainer
-from weightsync import codec
+from weightsync.format import codecs
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.errors import IntegrityError
-from weightsync.fold import CHAIN, FOLDED, plan_route
-from weightsync.layout import model_prefix
+from weightsync.format.codecs.fold import CHAIN, FOLDED, plan_route
+from weightsync.format.layout import model_prefix
 from weightsync.publisher import Publisher, PublisherConfig
-from weightsync.push import PushConfig, Pusher
+from weightsync.transport.push import PushConfig, Pusher
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 from weightsync.versions import read_manifest, read_manifest_bytes
 
 MODEL = "fold/model"
 WAIT_S = 60
-CTX_DENSITY = codec.CTX_DENSITY  # the default, before the fixture below turns ctx off
+CTX_DENSITY = codecs.CTX_DENSITY  # the default, before the fixture below turns ctx off
 
 
 @pytest.fixture(autouse=True)
 def xor_codecs(monkeypatch):
     """These deltas are written in the XOR codecs (`xor`, `sparse`); `ctx`, the default at these
     change rates, has its own test (test_ctx_deltas_fold_too)."""
-    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)
+    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)
 
 
 def _series(make_state_dict, perturb, n: int) -> list[dict]:
@@ -67,11 +67,11 @@ def test_several_deltas_are_folded_bit_exactly(tmp_store, make_state_dict, pertu
 
 def test_ctx_deltas_fold_too(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, monkeypatch):
     """ctx decodes against its parent's bits: folded range by range, each delta finds them there."""
-    monkeypatch.setattr(codec, "CTX_DENSITY", CTX_DENSITY)
+    monkeypatch.setattr(codecs, "CTX_DENSITY", CTX_DENSITY)
     sds = _series(make_state_dict, perturb, 4)
     _publish(tmp_store, sds)
-    codecs = {c.codec for v in (2, 3, 4) for t in read_manifest(tmp_store, MODEL, v).tensors for c in t.chunks}
-    assert "ctx" in codecs
+    used = {c.codec for v in (2, 3, 4) for t in read_manifest(tmp_store, MODEL, v).tensors for c in t.chunks}
+    assert "ctx" in used
     reader = Reader(tmp_store, model=MODEL)
     state = reader.read(1)
     route = reader.advance_route(state, 4)

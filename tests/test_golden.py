@@ -23,13 +23,13 @@ import pytest
 import torch
 import zstandard
 
-from weightsync.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, object_hash, unpack_chunk
-from weightsync import codec
-from weightsync.codec import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE
-from weightsync.dtypes import dtype_by_name
-from weightsync.hashing import xxh3_digest, xxh3_hex
-from weightsync.manifest import ChunkRef, Manifest, TensorEntry, canonical_json, compute_digest, parse_manifest
-from weightsync.tensors import raw_bytes, to_tensor
+from weightsync.format.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, object_hash, unpack_chunk
+from weightsync.format import codecs
+from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE
+from weightsync.format.dtypes import dtype_by_name
+from weightsync.format.hashing import xxh3_digest, xxh3_hex
+from weightsync.format.manifest import ChunkRef, Manifest, TensorEntry, canonical_json, compute_digest, parse_manifest
+from weightsync.format.tensors import raw_bytes, to_tensor
 
 BF16 = dtype_by_name("bfloat16")
 # +0, -0, 1, -1.5, pi (bf16-rounded), +inf, a subnormal (1e-40 -> 0x0001), a large finite value.
@@ -146,7 +146,7 @@ def test_full_payload_stream_table():
 
 
 def test_sparse_delta_object_bytes(monkeypatch):
-    monkeypatch.setattr(codec, "CTX_DENSITY", 0.0)  # ctx would win: it has its own golden object below
+    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)  # ctx would win: it has its own golden object below
     old = _raw().copy()
     old.view(np.uint16)[2] ^= 1
     codec_id, raw_hex, obj, changed = encode_chunk(_raw(), old, BF16, 1)
@@ -165,7 +165,7 @@ def test_ctx_delta_object_bytes():
 
 
 def test_rans_delta_object_bytes(monkeypatch):
-    monkeypatch.setattr(codec, "RANS_MIN_CHANGES", 1)
+    monkeypatch.setattr(codecs, "RANS_MIN_CHANGES", 1)
     parent, new = bytes.fromhex(CTX_PARENT_HEX), bytes.fromhex(CTX_NEW_HEX)
     codec_id, raw_hex, obj, changed = encode_chunk(
         np.frombuffer(new, np.uint8), np.frombuffer(parent, np.uint8), BF16, 1

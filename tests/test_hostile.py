@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from weightsync import errors
-from weightsync.chunk import apply_chunk, unpack_chunk
-from weightsync.dtypes import dtype_by_name
-from weightsync.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from weightsync.format.chunk import apply_chunk, unpack_chunk
+from weightsync.format.dtypes import dtype_by_name
+from weightsync.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
-from weightsync.retention import plan_gc
-from weightsync.store import LocalStore
+from weightsync.stores.retention import plan_gc
+from weightsync.stores import LocalStore
 from weightsync.versions import list_versions
 
 HOSTILE = Path(__file__).parent / "hostile"

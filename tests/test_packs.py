@@ -1,4 +1,4 @@
-"""Packs (weightsync/pack.py, docs/format.md "Packs"): a delta's chunk objects in a few store
+"""Packs (weightsync/format/pack.py, docs/format.md "Packs"): a delta's chunk objects in a few store
 objects, read back with ranged reads and checked member by member; old unpacked stores and
 mixed chains still read; damage to a pack or its index is a clear error; gc keeps packs a kept
 version names and deletes the others."""
@@ -11,13 +11,13 @@ import time
 import pytest
 
 from weightsync.errors import IntegrityError
-from weightsync.layout import chunks_prefix, model_prefix, packs_prefix
-from weightsync.manifest import FORMAT_PACKS, FORMAT_VERSION, KIND_DELTA, ChunkRef
-from weightsync.pack import PackWriter, group_span, plan_reads
+from weightsync.format.layout import chunks_prefix, model_prefix, packs_prefix
+from weightsync.format.manifest import FORMAT_PACKS, FORMAT_VERSION, KIND_DELTA, ChunkRef
+from weightsync.format.pack import PackWriter, group_span, plan_reads
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
-from weightsync.retention import collect_garbage
-from weightsync.store import LocalStore
+from weightsync.stores.retention import collect_garbage
+from weightsync.stores import LocalStore
 from weightsync.versions import read_manifest
 
 MODEL = "pk/model"

@@ -1,4 +1,4 @@
-"""The generated gRPC code in weightsync/v1/ is current: regenerating it from proto/ with the pinned
+"""The generated gRPC code in weightsync/transport/v1/ is current: regenerating it from proto/ with the pinned
 grpcio-tools (scripts/gen_proto.sh does the same) gives the committed bytes."""
 
 from __future__ import annotations
@@ -11,25 +11,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GENERATED = ["sync_pb2.py", "sync_pb2.pyi", "sync_pb2_grpc.py"]
+GENERATED = ["sync_pb2.py", "sync_pb2.pyi"]
 
 
 def test_generated_code_is_current(tmp_path):
     shutil.copytree(ROOT / "proto", tmp_path / "proto")
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.",
-         "proto/weightsync/v1/sync.proto"],
+        [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", "--python_out=.", "--pyi_out=.",
+         "proto/weightsync/transport/v1/sync.proto"],
         cwd=tmp_path, check=True,
     )
     for name in GENERATED:
-        fresh = (tmp_path / "weightsync" / "v1" / name).read_bytes()
-        committed = (ROOT / "weightsync" / "v1" / name).read_bytes()
-        assert fresh == committed, f"weightsync/v1/{name} is stale: run scripts/gen_proto.sh and commit the result"
+        fresh = (tmp_path / "weightsync" / "transport" / "v1" / name).read_bytes()
+        committed = (ROOT / "weightsync" / "transport" / "v1" / name).read_bytes()
+        assert fresh == committed, f"weightsync/transport/v1/{name} is stale: run scripts/gen_proto.sh and commit the result"
 
 
 def test_the_hand_encoded_frame_is_the_proto_message():
-    from weightsync.rpc import ObjectFrame, decode_object_frame, encode_object_frame
-    from weightsync.v1 import sync_pb2
+    from weightsync.transport.rpc import ObjectFrame, decode_object_frame, encode_object_frame
+    from weightsync.transport.v1 import sync_pb2
 
     frame = ObjectFrame("org/model", 2**40 + 3, "ab" * 16, bytes(range(256)) * 300)
     parsed = sync_pb2.ObjectFrame.FromString(encode_object_frame(frame))
@@ -41,9 +41,9 @@ def test_the_hand_encoded_frame_is_the_proto_message():
 
 
 def test_a_frame_s_placement_crosses_the_wire():
-    from weightsync.manifest import ChunkPlacement
-    from weightsync.rpc import ObjectFrame, decode_object_frame, encode_object_frame
-    from weightsync.v1 import sync_pb2
+    from weightsync.format.manifest import ChunkPlacement
+    from weightsync.transport.rpc import ObjectFrame, decode_object_frame, encode_object_frame
+    from weightsync.transport.v1 import sync_pb2
 
     where = ChunkPlacement("model.layers.0.mlp.up_proj.weight", 2**21, 2**22, 41)
     frame = ObjectFrame("org/model", 42, "ab" * 16, b"payload", where)
@@ -69,15 +69,15 @@ def test_a_frame_s_placement_crosses_the_wire():
 ])
 def test_a_malformed_frame_is_a_format_error_and_allocates_nothing_it_names(raw):
     from weightsync.errors import FormatError
-    from weightsync.rpc import decode_object_frame
+    from weightsync.transport.rpc import decode_object_frame
 
     with pytest.raises(FormatError, match="malformed object frame"):
         decode_object_frame(raw)
 
 
 def test_unknown_fields_of_any_wire_type_are_skipped_as_protobuf_does():
-    from weightsync.rpc import decode_object_frame
-    from weightsync.v1 import sync_pb2
+    from weightsync.transport.rpc import decode_object_frame
+    from weightsync.transport.v1 import sync_pb2
 
     known = sync_pb2.ObjectFrame(model="m", version=7, object="c" * 32, data=b"xyz").SerializeToString()
     unknown = b"\x48\x05" + b"\x51" + b"\x00" * 8 + b"\x5d" + b"\x00" * 4 + b"\x62\x02hi"  # fields 9-12

@@ -27,11 +27,11 @@ from weightsync.errors import (
     VersionConflict,
     VersionNotFound,
 )
-from weightsync.layout import chunks_prefix, manifest_key, packs_prefix
-from weightsync.manifest import CODEC_SAME, KIND_DELTA, KIND_FULL
+from weightsync.format.layout import chunks_prefix, manifest_key, packs_prefix
+from weightsync.format.manifest import CODEC_SAME, KIND_DELTA, KIND_FULL
 from weightsync.publisher import Publisher, PublisherConfig, PublishResult
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 from weightsync.versions import list_versions, read_manifest, resolve_chain
 
 MODEL = "org/tiny-model"
@@ -711,7 +711,7 @@ def test_the_first_publish_warms_up_the_delta_kernels_for_its_dtypes(tmp_path):
     code = (
         "import torch\n"
         "from weightsync.publisher import Publisher, PublisherConfig\n"
-        "from weightsync.store import LocalStore\n"
+        "from weightsync.stores import LocalStore\n"
         f"store = LocalStore({str(tmp_path / 'store')!r})\n"
         "with Publisher(store, model='m', config=PublisherConfig(cast_floats_to=None, workers=2)) as publisher:\n"
         "    state = {'w': torch.ones(64, dtype=torch.bfloat16), 'f': torch.ones(64, dtype=torch.float32)}\n"
@@ -721,8 +721,8 @@ def test_the_first_publish_warms_up_the_delta_kernels_for_its_dtypes(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=1500,
                    env={**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)})
     cached = {p.name for p in numba_cache.rglob("*.nbi")}
-    for kernel in ("ctx_codec._scan_kernel", "ctx_codec._emit_kernel", "rans_codec."):
+    for kernel in ("ctx._scan_kernel", "ctx._emit_kernel", "rans."):
         assert any(name.startswith(kernel) for name in cached), (kernel, sorted(cached))
     # one compiled variant per element width (bf16: 2 bytes, fp32: 4) in the scan's index
-    scan_index = next(p for p in numba_cache.rglob("ctx_codec._scan_kernel*.nbi"))
+    scan_index = next(p for p in numba_cache.rglob("ctx._scan_kernel*.nbi"))
     assert len(list(scan_index.parent.glob(scan_index.stem + ".*.nbc"))) >= 2

@@ -11,8 +11,8 @@ from test_agents import MODEL, PUBLISH, PUSH_ONLY, PUSH_ONLY_GIVE_UP_S, WAIT_S, 
 
 from harness.fake_trainer import FakeTrainer
 from weightsync.publisher import Publisher
-from weightsync.push import PushConfig, Pusher
-from weightsync.store import LocalStore
+from weightsync.transport.push import PushConfig, Pusher
+from weightsync.stores import LocalStore
 
 
 class Recorder:
@@ -183,7 +183,7 @@ def test_a_version_left_with_nothing_to_send_gives_way_to_a_newer_offer():
     to wait for: once a newer offer is queued it is given up (the agent fetches from the store).
     Before, it held back every later version for good. The state is set up directly; the target
     refuses connections (a real socket, nothing listening)."""
-    from weightsync.push import _Version
+    from weightsync.transport.push import _Version
 
     pusher = Pusher(PushConfig(targets=("127.0.0.1:1",), model=MODEL, give_up_after_s=3600.0,
                                retry_backoff_s=(0.05, 0.1)))

@@ -11,12 +11,12 @@ import threading
 
 import pytest
 
-from weightsync import layout
+from weightsync.format import layout
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.intake import PushIntake
-from weightsync.chunk import object_hash
-from weightsync.manifest import ChunkRef
+from weightsync.format.chunk import object_hash
+from weightsync.format.manifest import ChunkRef
 from weightsync.metrics import NULL_METRICS
 
 MODEL = "intake-test-lm"

@@ -1,6 +1,6 @@
 """Codec rans (5): round trips for every dtype and step shape, the encoder's limit, the choice
 between ctx and rans, and a second decoder written in plain Python from docs/format.md ("Payload:
-codec rans") alone, which must agree with the reference implementation (`weightsync/rans_codec.py`)
+codec rans") alone, which must agree with the reference implementation (`weightsync/format/codecs/rans.py`)
 on every payload: the format is what the document says, not what the numba kernels happen to do."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from hypothesis import given
 from test_ctx_codec import DTYPES, FLOATS, HYPO, _pairs, extreme_pairs
 
-from weightsync import codec, ctx_codec, rans_codec
-from weightsync.chunk import apply_chunk, encode_chunk
-from weightsync.dtypes import BY_NAME, dtype_by_name
+from weightsync.format import codecs
+from weightsync.format.codecs import ctx as ctx_codec, rans as rans_codec
+from weightsync.format.chunk import apply_chunk, encode_chunk
+from weightsync.format.dtypes import BY_NAME, dtype_by_name
 from weightsync.errors import FormatError, UnsupportedFormatError
 
 # ------------------------------------------------------------------ the document's decoder
@@ -226,7 +227,7 @@ def test_a_big_bf16_step_round_trips_and_is_about_ctx_size(changed):
     assert np.array_equal(out, new_bits)
     if changed == 5000:  # the documented decoder on a chunk with every class and a real gap table
         assert doc_decode(payload, old_bits.tolist(), "bfloat16", 2) == new_bits.tolist()
-    if changed >= codec.RANS_MIN_CHANGES:  # where publishers choose it: within a few % of ctx
+    if changed >= codecs.RANS_MIN_CHANGES:  # where publishers choose it: within a few % of ctx
         ctx = ctx_codec.encode(new_bits.view(np.uint8), old_bits.view(np.uint8), "bfloat16", 2, changed)
         assert len(payload) < 1.03 * len(ctx)
 
@@ -242,7 +243,7 @@ def test_the_encoder_gives_up_past_its_limit():
 def test_publishers_choose_rans_on_big_chunks_only(monkeypatch):
     g = torch.Generator().manual_seed(3)
     old = (torch.randn(200_000, generator=g) * 0.02).to(torch.bfloat16)
-    for changed, expect in ((codec.RANS_MIN_CHANGES - 1, codec.CODEC_CTX), (codec.RANS_MIN_CHANGES, codec.CODEC_RANS)):
+    for changed, expect in ((codecs.RANS_MIN_CHANGES - 1, codecs.CODEC_CTX), (codecs.RANS_MIN_CHANGES, codecs.CODEC_RANS)):
         new = old.clone()
         new.view(torch.int16)[torch.randperm(200_000, generator=g)[:changed]] += 1
         raw_old, raw_new = old.view(torch.uint8).numpy(), new.view(torch.uint8).numpy()
@@ -251,8 +252,8 @@ def test_publishers_choose_rans_on_big_chunks_only(monkeypatch):
         out = raw_old.copy()
         apply_chunk(obj, out, dtype_by_name("bfloat16"), raw_hex, codec_id)
         assert np.array_equal(out, raw_new)
-    monkeypatch.setattr(codec, "RANS_MIN_CHANGES", 0)  # for readers that predate codec 5
-    assert encode_chunk(raw_new, raw_old, dtype_by_name("bfloat16"), 1)[0] == codec.CODEC_CTX
+    monkeypatch.setattr(codecs, "RANS_MIN_CHANGES", 0)  # for readers that predate codec 5
+    assert encode_chunk(raw_new, raw_old, dtype_by_name("bfloat16"), 1)[0] == codecs.CODEC_CTX
 
 
 def test_a_refused_payload_leaves_the_range_untouched():
@@ -271,6 +272,6 @@ def test_a_refused_payload_leaves_the_range_untouched():
 
 
 def test_warm_up_round_trips_every_dtype_it_is_given():
-    codec.warm_up(sorted(BY_NAME))
+    codecs.warm_up(sorted(BY_NAME))
     with pytest.raises(UnsupportedFormatError, match="no_such_dtype"):
-        codec.warm_up(["no_such_dtype"])
+        codecs.warm_up(["no_such_dtype"])

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from weightsync.layout import chunk_key, model_prefix
+from weightsync.format.layout import chunk_key, model_prefix
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
-from weightsync.retention import apply_gc, collect_garbage, plan_gc
-from weightsync.store import LocalStore
+from weightsync.stores.retention import apply_gc, collect_garbage, plan_gc
+from weightsync.stores import LocalStore
 from weightsync.versions import list_versions
 
 MODEL = "gc-model"
@@ -106,8 +106,8 @@ def test_an_object_touched_after_planning_is_spared(tmp_path):
 
 
 def test_signatures_follow_their_versions_and_stale_parts_age_out(tmp_path):
-    from weightsync import layout
-    from weightsync.signing import Signer
+    from weightsync.format import layout
+    from weightsync.transport.signing import Signer
     from weightsync.versions import read_manifest_bytes, read_signature
 
     store = LocalStore(tmp_path)

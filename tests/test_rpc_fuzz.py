@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer, _Servicer  # the servicer itself: the fast way in
-from weightsync.chunk import object_hash
-from weightsync.rpc import (
+from weightsync.format.chunk import object_hash
+from weightsync.transport.rpc import (
     GET_STATUS,
     OFFER,
     PUSH_OBJECTS,
@@ -47,8 +47,8 @@ from weightsync.rpc import (
     encode_object_frame,
     open_channel,
 )
-from weightsync.store import LocalStore
-from weightsync.v1 import sync_pb2
+from weightsync.stores import LocalStore
+from weightsync.transport.v1 import sync_pb2
 
 EXAMPLES = int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300"))
 # Hypothesis's own default: a fresh random search on a developer's machine, a fixed one where CI is
@@ -61,7 +61,7 @@ EXPECTED = json.loads((CORPUS / "expected.json").read_text())
 MODEL = EXPECTED["model"]
 SETTINGS = EXPECTED["agents"]["guarded"]
 TOKEN = SETTINGS["token"]
-# Codes from weightsync.rpc.STATUS_BY_ERROR (and grpc's own for oversized messages): a refusal with a reason.
+# Codes from weightsync.transport.rpc.STATUS_BY_ERROR (and grpc's own for oversized messages): a refusal with a reason.
 ALLOWED = {"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
            "UNAUTHENTICATED", "NOT_FOUND", "UNAVAILABLE"}
 CALLS: collections.Counter[str] = collections.Counter()

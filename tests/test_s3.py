@@ -75,7 +75,7 @@ def test_a_rerun_after_a_failed_commit_uploads_no_chunk_twice(s3_store, make_sta
     """A publisher that dies after its chunks are durable but before its manifest (simulated by a
     failing commit) leaves no version; the re-run commits it and re-uploads nothing."""
     from weightsync.errors import PublishError, StoreError
-    from weightsync.s3_store import S3Store
+    from weightsync.stores.s3 import S3Store
 
     class CountingS3Store(S3Store):
         """Stands in for the same bucket seen by a publisher: counts writes, can fail commits."""
@@ -116,7 +116,7 @@ MiB = 1024 * 1024
 
 def _like(s3_store, **settings):
     """Another S3Store on the same bucket and prefix, with other settings."""
-    from weightsync.s3_store import S3Store, S3StoreConfig
+    from weightsync.stores.s3 import S3Store, S3StoreConfig
 
     endpoint = s3_store._client.meta.endpoint_url
     return S3Store(s3_store.bucket, s3_store.prefix, config=S3StoreConfig(endpoint_url=endpoint, **settings))
@@ -199,7 +199,7 @@ def test_versions_list_numerically_across_pages(s3_store):
     """More than 1,000 manifests: S3 returns them in pages of at most 1,000 keys."""
     import concurrent.futures as cf
 
-    from weightsync.layout import manifest_key
+    from weightsync.format.layout import manifest_key
 
     versions = list(range(1, 1101)) + [10**11, 10**12 - 1]
     with cf.ThreadPoolExecutor(16) as pool:
@@ -219,7 +219,7 @@ def test_small_pages_list_everything(s3_store):
                                  dict(multipart_threshold_bytes=5 * MiB, part_bytes=8 * MiB),
                                  dict(list_page_size=1001), dict(transfer_deadline_s=0)])
 def test_config_refuses_bad_settings(bad):
-    from weightsync.s3_store import S3StoreConfig
+    from weightsync.stores.s3 import S3StoreConfig
 
     with pytest.raises(ValueError):
         S3StoreConfig(**bad)

@@ -20,8 +20,8 @@ import pytest
 from weightsync.errors import ObjectExists, PublishError, StoreError, UnsafeCommitError, VersionConflict
 from weightsync.publisher import Publisher, PublisherConfig, publish_once
 from weightsync.reader import Reader
-from weightsync.s3_store import S3Store, S3StoreConfig
-from weightsync.store import open_store
+from weightsync.stores.s3 import S3Store, S3StoreConfig
+from weightsync.stores import open_store
 from weightsync.versions import commit_manifest, list_versions, read_manifest
 
 pytestmark = pytest.mark.s3

@@ -33,11 +33,11 @@ from harness.fault_proxy import (
     FaultProxy,
 )
 from weightsync.errors import IntegrityError, ObjectExists, StoreError, WeightsyncError
-from weightsync.layout import model_prefix
+from weightsync.format.layout import model_prefix
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
-from weightsync.retention import collect_garbage
-from weightsync.s3_store import S3Store, S3StoreConfig
+from weightsync.stores.retention import collect_garbage
+from weightsync.stores.s3 import S3Store, S3StoreConfig
 from weightsync.versions import list_versions, read_manifest
 
 pytestmark = pytest.mark.s3
@@ -333,7 +333,7 @@ def test_gc_through_faults_keeps_what_retained_versions_need(proxy, bucket, s3_e
 
 
 def test_md5_etags_are_recognized():
-    from weightsync.s3_store import _etag_is_md5
+    from weightsync.stores.s3 import _etag_is_md5
 
     md5 = hashlib.md5(b"x").hexdigest()
     assert _etag_is_md5({"ETag": f'"{md5}"'})

@@ -1,4 +1,4 @@
-"""Ed25519 manifest signatures (weightsync/signing.py): a trusted key's signature verifies; a
+"""Ed25519 manifest signatures (weightsync/transport/signing.py): a trusted key's signature verifies; a
 tampered manifest, an untrusted or unknown key, a malformed or missing signature are refused
 with a SignatureError; keys round-trip through PEM files."""
 
@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from weightsync.errors import IntegrityError, SignatureError
-from weightsync.signing import Signer, Verifier
+from weightsync.transport.signing import Signer, Verifier
 
 DATA = b'{"format":1,"model":"m","version":3}'
 

@@ -1,4 +1,4 @@
-"""The Store contract (weightsync/store.py, `Store` docstring), run against every backend.
+"""The Store contract (weightsync/stores/__init__.py, `Store` docstring), run against every backend.
 
 Tests taking the `store` fixture are the contract: every backend must pass them unchanged.
 Tests taking `tmp_store` / `tmp_path` check LocalStore specifics (temp files on disk, nothing
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError, WeightsyncError
-from weightsync.store import LocalStore, ObjectInfo, Store, open_store
+from weightsync.stores import LocalStore, ObjectInfo, Store, open_store
 
 MiB = 1024 * 1024
 

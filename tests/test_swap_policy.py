@@ -16,7 +16,7 @@ from harness.fake_trainer import TINY, FakeTrainer
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.publisher import Publisher, PublisherConfig
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 
 MODEL = "swap-policy-lm"
 ENGINE = {"type": "reference", "model": dataclasses.asdict(TINY), "port": 0}

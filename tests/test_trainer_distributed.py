@@ -20,7 +20,7 @@ import torch
 
 from harness.bits import assert_bit_equal
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 from weightsync.versions import list_versions, read_manifest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

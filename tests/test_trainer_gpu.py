@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from weightsync.reader import Reader
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 from weightsync.versions import list_versions, read_manifest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.slow,

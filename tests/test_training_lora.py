@@ -18,7 +18,7 @@ from harness.training_server import API_KEY, TrainingServer
 from weightsync.app.training.lora import LORA_ALPHA
 from weightsync.models import load_pretrained
 from weightsync.reader import Reader
-from weightsync.store import open_store
+from weightsync.stores import open_store
 from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

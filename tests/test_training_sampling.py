@@ -20,7 +20,7 @@ from harness.tiny_model import write_tiny_model
 from harness.training_server import API_KEY, TrainingServer
 from weightsync.models import CausalLM, load_pretrained, token_logprobs
 from weightsync.reader import Reader
-from weightsync.store import open_store
+from weightsync.stores import open_store
 from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

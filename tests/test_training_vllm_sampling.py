@@ -37,7 +37,7 @@ vh.require_vllm()
 from weightsync.app.training.sampling import Generator, SamplingParams
 from weightsync.models import load_config
 from weightsync.reader import Reader
-from weightsync.store import open_store
+from weightsync.stores import open_store
 
 # Trained on until the model continues PROMPT with the rest of SEQUENCE with a clear margin, so
 # that greedy choices are not near-ties that bf16 and fp32 may break differently.

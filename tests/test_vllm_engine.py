@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from harness import vllm as vh
 from weightsync import Publisher, Reader
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 

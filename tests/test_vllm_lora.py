@@ -21,7 +21,7 @@ from harness import vllm as vh
 from weightsync import Publisher, Reader
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.publisher import PublisherConfig
-from weightsync.store import LocalStore
+from weightsync.stores import LocalStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from weightsync.agents import vllm_lora
 from weightsync.errors import IntegrityError, LayoutError
-from weightsync.hashing import xxh3_hex
+from weightsync.format.hashing import xxh3_hex
 
 INFO = {"enabled": True, "max_rank": 8, "modules": ["down_proj", "k_proj", "lm_head", "q_proj", "v_proj"], "ids": []}
 

@@ -294,7 +294,7 @@ class PublishConfig:
     """Settings of weightsync.publisher.Publisher ([train.publish.publisher] table)."""
     push: tuple[str, ...] = ()
     """Sync agents (host:port) every rank pushes its objects to as they are encoded, and offers
-    each committed version to: one leader per region (weightsync.push). Empty: store only."""
+    each committed version to: one leader per region (weightsync.transport.push). Empty: store only."""
     push_token_file: str | None = None
     """Bearer token the agents require (or $WEIGHTSYNC_TOKEN)."""
     push_ca: str | None = None

@@ -9,7 +9,7 @@ only. The publisher commits the version once every rank's part is durable.
 
 `publish()` blocks only for the publisher's bf16 snapshot copy of the local shards; encode and
 upload overlap the following steps. With `push` targets, every rank also streams its objects to
-the agents as they are encoded and offers each committed version (weightsync.push), and rank 0
+the agents as they are encoded and offers each committed version (weightsync.transport.push), and rank 0
 signs the manifests when a signing key is configured. Finished versions are collected without blocking and
 reported as metrics; a failed version is logged and counted, training goes on (the next
 version is a full one).
@@ -36,10 +36,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from weightsync.errors import LayoutError, PublishError
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.publisher import Placement, Publisher, ShardSpec
-from weightsync.push import PushConfig, Pusher
-from weightsync.rpc import TlsConfig, read_token
-from weightsync.signing import Signer
-from weightsync.store import open_store
+from weightsync.transport.push import PushConfig, Pusher
+from weightsync.transport.rpc import TlsConfig, read_token
+from weightsync.transport.signing import Signer
+from weightsync.stores import open_store
 from weightsync.trainer.config import PublishConfig
 
 log = logging.getLogger(__name__)

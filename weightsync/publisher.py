@@ -32,7 +32,7 @@ thread, so that on a machine whose numba cache is empty the first delta does not
 
 Listeners (the gRPC push client) see each encoded object as soon as it exists, concurrently
 with its upload, and the manifest once committed; they must queue, not block.
-Not here: reading versions back (`reader.py`), deleting them (`retention.py`).
+Not here: reading versions back (`reader.py`), deleting them (`stores/retention.py`).
 """
 
 from __future__ import annotations
@@ -48,15 +48,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from weightsync import __version__, codec, layout
-from weightsync.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
-from weightsync.codec import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
+from weightsync import __version__
+from weightsync.format import codecs, layout
+from weightsync.format.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
+from weightsync.format.codecs import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.cpus import usable_cpus
-from weightsync.ctx_codec import Changes
-from weightsync.diff import DeviceParent
-from weightsync.dtypes import DType, dtype_by_name
+from weightsync.format.codecs.ctx import Changes
+from weightsync.format.codecs.diff import DeviceParent
+from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
-from weightsync.manifest import (
+from weightsync.format.manifest import (
     CODEC_SAME,
     FORMAT_PACKS,
     FORMAT_VERSION,
@@ -70,7 +71,7 @@ from weightsync.manifest import (
     parse_manifest,
 )
 from weightsync.metrics import NULL_METRICS, Metrics
-from weightsync.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
+from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.shards import (
     PartHeader,
     Placement,
@@ -82,9 +83,9 @@ from weightsync.shards import (
     write_abort,
     write_part,
 )
-from weightsync.signing import Signer
-from weightsync.store import Store
-from weightsync.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
+from weightsync.transport.signing import Signer
+from weightsync.stores import Store
+from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
 from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature, resolve_chain
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class PublisherConfig:
     that serve adapters). Agents refuse a kind their engine does not serve."""
     device_diff: bool = False
     """Keep the last published weights beside the trainer's (one more copy of the model on its
-    GPU) and find each chunk's changes there (`weightsync.diff`): only the changed elements
+    GPU) and find each chunk's changes there (`weightsync.format.codecs.diff`): only the changed elements
     cross to the host for encoding. Tensors the snapshot casts use the host scan. It saves the
     host's cores, not time: the diff runs inside publish(), while the host scan overlaps the
     copy on the encode threads. With 16 host cores, 1 GiB bf16 committed in 0.27-0.34 s with it
@@ -295,7 +296,7 @@ class Publisher:
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
         self._device_parent = DeviceParent() if self.config.device_diff else None
-        self.warm_up: codec.BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
+        self.warm_up: codecs.BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -327,7 +328,7 @@ class Publisher:
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
             if self.warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
-                self.warm_up = codec.BackgroundWarmUp({dtype.name for dtype, _ in planned.values()},
+                self.warm_up = codecs.BackgroundWarmUp({dtype.name for dtype, _ in planned.values()},
                                                       thread_name="ws-publisher-warm-up")
             with self._lock:
                 spare, self._spare = self._spare, None

@@ -4,7 +4,7 @@
 memory is one model plus the objects in flight, however long the chain.
 `Reader.advance(state, version)` moves an existing state forward by applying only the deltas
 after it (what an agent or a resumed publisher does); `advance_route` may fold several deltas
-into one apply pass (`fold.py`) and says which route it took. Every object's hash is checked before
+into one apply pass (`format/codecs/fold.py`) and says which route it took. Every object's hash is checked before
 decoding and every chunk's raw hash after applying; at the target version every byte is
 covered by a checked raw hash, and the manifest's digest covers the raw hashes.
 
@@ -28,18 +28,18 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from weightsync import layout
-from weightsync.chunk import apply_chunk, object_hash
-from weightsync.codec import CODEC_IDS
+from weightsync.format import layout
+from weightsync.format.chunk import apply_chunk, object_hash
+from weightsync.format.codecs import CODEC_IDS
 from weightsync.cpus import usable_cpus
-from weightsync.dtypes import dtype_by_name
+from weightsync.format.dtypes import dtype_by_name
 from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
-from weightsync.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
-from weightsync.hashing import xxh3_hex
-from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
-from weightsync.pack import group_span, plan_reads
-from weightsync.store import Store
-from weightsync.tensors import to_tensor
+from weightsync.format.codecs.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
+from weightsync.format.pack import group_span, plan_reads
+from weightsync.stores import Store
+from weightsync.format.tensors import to_tensor
 from weightsync.versions import latest_version, resolve_chain
 
 log = logging.getLogger(__name__)

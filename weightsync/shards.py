@@ -16,7 +16,7 @@ If the committer gives up (a part missing past the timeout, parts that disagree,
 parent never committed), it writes an abort marker next to the parts, so every rank learns the
 version failed without waiting out its own timeout; every rank's next version is then a full
 one, which is how the ranks re-agree on a parent. Parts are deleted after the commit; parts of
-dead sessions are left for gc (`retention.py`).
+dead sessions are left for gc (`stores/retention.py`).
 
 The session ties the ranks of one job run together: parts of another session (a crashed run
 that published the same version number) are never merged. Not here: how a rank finds its shards
@@ -31,10 +31,10 @@ import logging
 import math
 import time
 
-from weightsync import layout
+from weightsync.format import layout
 from weightsync.errors import ObjectExists, ObjectNotFound, PublishError, VersionConflict, WeightsyncError
-from weightsync.manifest import ChunkRef, Manifest, TensorEntry, canonical_json
-from weightsync.store import Store
+from weightsync.format.manifest import ChunkRef, Manifest, TensorEntry, canonical_json
+from weightsync.stores import Store
 from weightsync.versions import read_manifest
 
 log = logging.getLogger(__name__)

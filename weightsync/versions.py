@@ -15,10 +15,10 @@ from weightsync.errors import (
     VersionConflict,
     VersionNotFound,
 )
-from weightsync.hashing import xxh3_hex
-from weightsync.layout import manifest_key, signature_key, version_from_key, versions_prefix
-from weightsync.manifest import KIND_FULL, Manifest, parse_manifest
-from weightsync.store import Store
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.layout import manifest_key, signature_key, version_from_key, versions_prefix
+from weightsync.format.manifest import KIND_FULL, Manifest, parse_manifest
+from weightsync.stores import Store
 
 
 def list_versions(store: Store, model: str) -> list[int]:

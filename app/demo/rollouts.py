@@ -68,7 +68,7 @@ class RolloutConfig:
 
 class RolloutWorker:
     def __init__(self, config: RolloutConfig) -> None:
-        from weightsync.store import open_store
+        from weightsync.stores import open_store
 
         self.config = config
         self.queue = RolloutQueue(config.queue_dir)

@@ -230,11 +230,11 @@ def _tail_json(path: Path) -> list[dict]:
 
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    from weightsync import codec
+    from weightsync.format import codecs
     from weightsync.app.demo.report import build_report, write_plot
     from weightsync.app.demo.rollout_queue import RolloutQueue
-    from weightsync.rpc import AgentClient
-    from weightsync.store import open_store
+    from weightsync.transport.rpc import AgentClient
+    from weightsync.stores import open_store
     from weightsync.versions import latest_version, read_manifest
 
     root = Path(config.out_dir).resolve()
@@ -250,7 +250,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         # numba compiles the ctx and rans kernels on their first use (seconds per element width on a fresh
         # install) and caches them on disk: once here, not in the trainer and every agent at once
         # when the first delta comes.
-        codec.warm_up(["bfloat16", "float32"])
+        codecs.warm_up(["bfloat16", "float32"])
         vllm_urls = _start_vllm_servers(config, root, children) if config.engine == "vllm" else {}
         # -- agents: per region, followers first so the leader knows where to relay
         agents: dict[str, dict] = {}

@@ -313,7 +313,7 @@ class SamplerHub:
 
     def _snapshot(self, session: SamplingSession) -> Any:
         from weightsync.reader import Reader
-        from weightsync.store import open_store
+        from weightsync.stores import open_store
 
         def read() -> Any:
             state = Reader(open_store(self.store_uri), model=session.store_model, workers=2).read(session.version)

@@ -90,7 +90,7 @@ class Checks:
     def _check_round(self) -> None:
         from weightsync.errors import WeightsyncError
         from weightsync.reader import Reader
-        from weightsync.retention import collect_garbage
+        from weightsync.stores.retention import collect_garbage
 
         reader = Reader(self.direct, model=MODEL, workers=1)
         versions = self.refresh_committed()

@@ -74,7 +74,7 @@ class Faults:
 
     def _gc(self, rng: random.Random) -> None:
         from weightsync.errors import WeightsyncError
-        from weightsync.retention import collect_garbage
+        from weightsync.stores.retention import collect_garbage
 
         try:
             plan = collect_garbage(self.direct, MODEL, keep=self.config.gc_keep, grace_s=self.config.gc_grace_s)
@@ -111,7 +111,7 @@ class Faults:
 
     def _flip_store_object(self) -> None:
         from weightsync.errors import IntegrityError, WeightsyncError
-        from weightsync.layout import model_prefix
+        from weightsync.format.layout import model_prefix
         from weightsync.reader import Reader
         from weightsync.versions import latest_version, read_manifest
 

@@ -27,9 +27,9 @@ def fake_trainer(seed: int) -> FakeTrainer:
 
 def expected_digest(weights: dict, chunk_bytes: int) -> str:
     """The version digest a publisher with `chunk_bytes` writes for these bf16 weights."""
-    from weightsync.hashing import xxh3_hex
-    from weightsync.manifest import ChunkRef, TensorEntry, compute_digest
-    from weightsync.tensors import dtype_of, raw_bytes
+    from weightsync.format.hashing import xxh3_hex
+    from weightsync.format.manifest import ChunkRef, TensorEntry, compute_digest
+    from weightsync.format.tensors import dtype_of, raw_bytes
 
     entries = []
     for name in sorted(weights):
@@ -64,9 +64,9 @@ def publisher_main(spec_path: str) -> int:
     trainer's weights of that step, answers one JSON event per line on stdout."""
     import weightsync.publisher as publisher_module
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.push import PushConfig, Pusher
-    from weightsync.signing import Signer
-    from weightsync.store import open_store
+    from weightsync.transport.push import PushConfig, Pusher
+    from weightsync.transport.signing import Signer
+    from weightsync.stores import open_store
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(spec_path).read_text())

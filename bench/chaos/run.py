@@ -75,8 +75,8 @@ class Run(Faults, Checks):
     # ---------------------------------------------------------------- setup and teardown
 
     def setup(self) -> None:
-        from weightsync.signing import Signer
-        from weightsync.store import LocalStore
+        from weightsync.transport.signing import Signer
+        from weightsync.stores import LocalStore
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -112,10 +112,10 @@ class Run(Faults, Checks):
         # numba compiles the ctx and rans kernels on their first use (~20-25 s per element width on a
         # fresh clone) and caches them on disk: once here, not in five processes at once inside
         # round 1's convergence bound.
-        from weightsync import codec
-        from weightsync.tensors import dtype_of
+        from weightsync.format import codecs
+        from weightsync.format.tensors import dtype_of
 
-        codec.warm_up({dtype_of(t).name for t in self.trainer.published().values()})
+        codecs.warm_up({dtype_of(t).name for t in self.trainer.published().values()})
         starters = [threading.Thread(target=a.start, args=(self.config.start_deadline_s,)) for a in self.agents.values()]
         starters.append(threading.Thread(target=self.publisher.start, args=(self.config.start_deadline_s,)))
         for t in starters:
@@ -137,7 +137,7 @@ class Run(Faults, Checks):
         import boto3
 
         from harness.fault_proxy import FaultProxy
-        from weightsync.s3_store import S3Store
+        from weightsync.stores.s3 import S3Store
 
         creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                  "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
@@ -226,7 +226,7 @@ class Run(Faults, Checks):
         return versions
 
     def client(self, agent: AgentProc):
-        from weightsync.rpc import AgentClient
+        from weightsync.transport.rpc import AgentClient
 
         key = (agent.name, agent.incarnation)
         with self._lock:

@@ -50,18 +50,18 @@ import torch
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from weightsync import codec
-from weightsync.chunk import encode_chunk, object_hash, pack_chunk
-from weightsync.codec import CODEC_FULL, CODEC_NAMES
-from weightsync.dtypes import dtype_by_name
-from weightsync.hashing import xxh3_digest, xxh3_hex
-from weightsync.layout import chunk_key, manifest_key, model_prefix, signature_key
-from weightsync.manifest import CODEC_SAME, ChunkRef, Manifest, TensorEntry, compute_digest
+from weightsync.format import codecs
+from weightsync.format.chunk import encode_chunk, object_hash, pack_chunk
+from weightsync.format.codecs import CODEC_FULL, CODEC_NAMES
+from weightsync.format.dtypes import dtype_by_name
+from weightsync.format.hashing import xxh3_digest, xxh3_hex
+from weightsync.format.layout import chunk_key, manifest_key, model_prefix, signature_key
+from weightsync.format.manifest import CODEC_SAME, ChunkRef, Manifest, TensorEntry, compute_digest
 from weightsync.models import ModelConfig, build_model
-from weightsync.rpc import ObjectFrame, encode_object_frame
-from weightsync.signing import Signer
-from weightsync.tensors import dtype_of, raw_bytes
-from weightsync.v1 import sync_pb2
+from weightsync.transport.rpc import ObjectFrame, encode_object_frame
+from weightsync.transport.signing import Signer
+from weightsync.format.tensors import dtype_of, raw_bytes
+from weightsync.transport.v1 import sync_pb2
 
 HERE = Path(__file__).resolve().parent
 MODEL = "hostile-agent"
@@ -222,11 +222,11 @@ def frames_of(version: int, names: list[str]) -> list[dict]:
 def build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
     # The corpus predates codec ctx: its deltas stay sparse/xor (objects that must stay readable),
     # and regenerating it reproduces the committed files. Agents meet ctx objects in test_agents.
-    saved, codec.CTX_DENSITY = codec.CTX_DENSITY, 0.0
+    saved, codecs.CTX_DENSITY = codecs.CTX_DENSITY, 0.0
     try:
         return _build()
     finally:
-        codec.CTX_DENSITY = saved
+        codecs.CTX_DENSITY = saved
 
 
 def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:

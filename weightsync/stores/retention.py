@@ -22,9 +22,9 @@ import dataclasses
 import logging
 import time
 
-from weightsync import layout
+from weightsync.format import layout
 from weightsync.errors import FormatError, IntegrityError, VersionNotFound
-from weightsync.store import LocalStore, Store
+from weightsync.stores import LocalStore, Store
 from weightsync.versions import list_versions, read_manifest
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weightsync import ctx_codec
-from weightsync.dtypes import DType
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.dtypes import DType
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width views torch can shift
 _NC = ctx_codec.NUM_CLASSES
@@ -288,7 +288,7 @@ class DeviceParent:
         """{tensor name: {chunk start: changes}}. `planned`: name -> (dtype, shape) the snapshot
         will hold (`tensors.snapshot_layout`); `ranges_of(dtype, shape)` gives the (start, stop)
         element ranges the publisher encodes."""
-        from weightsync.tensors import dtype_of  # tensors imports nothing from here; kept local for clarity
+        from weightsync.format.tensors import dtype_of  # tensors imports nothing from here; kept local for clarity
 
         usable = parent is not None and parent == self._version
         found: dict[str, dict[int, ctx_codec.Changes]] = {}

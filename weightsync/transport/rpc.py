@@ -1,6 +1,6 @@
 """rpc: the gRPC pieces both ends share — limits, credentials, auth, the error table, the client.
 
-The wire contract is proto/weightsync/v1/sync.proto (generated code in weightsync/v1/). One
+The wire contract is proto/weightsync/transport/v1/sync.proto (generated code in weightsync/transport/v1/). One
 message is hand-encoded: `ObjectFrame`, whose payload is a chunk object of up to ~68 MiB.
 protobuf's Python runtime copies such a payload on every parse and serialize, which halves
 loopback throughput; `encode_object_frame`/`decode_object_frame` write and read the same
@@ -28,11 +28,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from weightsync import errors
-from weightsync.chunk import MAX_CHUNK_BYTES, max_object_bytes
-from weightsync.manifest import MAX_MANIFEST_BYTES, ChunkPlacement
-from weightsync.v1 import sync_pb2
+from weightsync.format.chunk import MAX_CHUNK_BYTES, max_object_bytes
+from weightsync.format.manifest import MAX_MANIFEST_BYTES, ChunkPlacement
+from weightsync.transport.v1 import sync_pb2
 
-SERVICE = "weightsync.v1.SyncAgent"
+SERVICE = "weightsync.transport.v1.SyncAgent"
 OFFER = f"/{SERVICE}/Offer"
 PUSH_OBJECTS = f"/{SERVICE}/PushObjects"
 GET_STATUS = f"/{SERVICE}/GetStatus"

@@ -1,93 +1,17 @@
-"""store: bytes in, bytes out, under string keys. No JSON, no manifests, no versions.
+"""stores.local: the `Store` contract over a local directory (`file://DIR`).
 
-Every backend implements the `Store` protocol below and passes the same contract suite
-(tests/test_store_contract.py). The commit protocol of docs/format.md needs exactly two kinds
-of write: `put` for immutable content-addressed objects (a retry or a duplicate is harmless)
-and `put_new`, a create-only write that fails if the key exists, for manifests.
-
-Backends are chosen by URI scheme in `open_store`; an unknown scheme is an error.
+Not here: the contract itself (`base.py`), choosing a backend by URI (`stores/__init__.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError
-
-_TEMP_PREFIX = ".tmp-"
-_KEY_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    modified_unix_s: float
-
-
-@runtime_checkable
-class Store(Protocol):
-    """The contract every backend keeps.
-
-    - Keys are relative POSIX paths of `[A-Za-z0-9._-]` segments; no `..`, no leading `/`.
-    - `get` returns the whole object or raises ObjectNotFound.
-    - `get_range` returns exactly `length` bytes from byte `start` of an object (one request on
-      an object store: how pack members are read); ObjectNotFound if the object is missing,
-      ObjectTooShort (a StoreError) if the range runs past its end.
-    - `put` makes the object durable before returning; concurrent or repeated puts of the same
-      bytes are harmless. Readers never see a partially written object.
-    - `put_new` is create-only: it raises ObjectExists if the key exists, atomically with
-      respect to other writers (exactly one of two racing writers wins).
-    - `touch` refreshes an object's modification time (GC's grace period counts from it) and
-      raises ObjectNotFound if it is gone.
-    - `list` yields every object under a key prefix in key order, with size and mtime.
-    - `delete` removes an object; deleting a missing key is not an error.
-    - `io_concurrency` is how many transfers callers should run at once to use the backend well
-      (publisher uploads and reader fetches run on a pool of that size, apart from the CPU work).
-    """
-
-    uri: str
-    io_concurrency: int
-
-    def get(self, key: str) -> bytes: ...
-
-    def get_range(self, key: str, start: int, length: int) -> bytes: ...
-
-    def put(self, key: str, data: bytes | memoryview) -> None: ...
-
-    def put_new(self, key: str, data: bytes | memoryview) -> None: ...
-
-    def touch(self, key: str) -> None: ...
-
-    def exists(self, key: str) -> bool: ...
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
-
-    def delete(self, key: str) -> None: ...
-
-
-def check_key(key: str) -> str:
-    if not isinstance(key, str) or not key or len(key) > 1024:
-        raise StoreError(f"invalid store key {key!r}")
-    parts = key.split("/")
-    if any(not _KEY_SEGMENT.fullmatch(p) or p in (".", "..") or p.startswith(_TEMP_PREFIX) for p in parts):
-        raise StoreError(
-            f"invalid store key {key!r}: segments must be [A-Za-z0-9._-], not '.', '..' or '{_TEMP_PREFIX}*'"
-        )
-    return key
-
-
-def check_range(start: int, length: int) -> None:
-    if (not isinstance(start, int) or not isinstance(length, int) or isinstance(start, bool)
-            or isinstance(length, bool) or start < 0 or length < 1):
-        raise StoreError(f"invalid byte range: start {start!r}, length {length!r} (need start >= 0, length >= 1)")
-
+from weightsync.stores.base import TEMP_PREFIX, ObjectInfo, check_key, check_range
 
 class LocalStore:
     """A directory (`file://DIR`): atomic renames for puts, hard links for create-only puts.
@@ -183,7 +107,7 @@ class LocalStore:
         for dirpath, dirnames, filenames in os.walk(directory):
             dirnames.sort()
             for name in filenames:
-                if name.startswith(_TEMP_PREFIX):
+                if name.startswith(TEMP_PREFIX):
                     continue
                 full = os.path.join(dirpath, name)
                 key = os.path.relpath(full, self.root).replace(os.sep, "/")
@@ -212,7 +136,7 @@ class LocalStore:
         """Leftovers of crashed writes (for gc)."""
         for dirpath, _, filenames in os.walk(self.root):
             for name in filenames:
-                if name.startswith(_TEMP_PREFIX):
+                if name.startswith(TEMP_PREFIX):
                     full = os.path.join(dirpath, name)
                     try:
                         st = os.stat(full)
@@ -226,7 +150,7 @@ class LocalStore:
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
         try:
             self._make_dirs(path.parent)
-            tmp = path.parent / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
+            tmp = path.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
                 f.write(data)
                 if self.fsync:
@@ -268,21 +192,10 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
-def open_store(uri: str | os.PathLike, **options) -> Store:
-    """The store a URI names: `file://DIR`, a plain directory path, or `s3://BUCKET/PREFIX`.
 
-    Raises StoreError on a scheme this build does not support, listing the ones it does.
-    """
-    text = os.fspath(uri)
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        return LocalStore(text, **options)
-    if scheme == "file":
-        if not rest:
-            raise StoreError("file:// URI needs a directory, e.g. file:///data/weights")
-        return LocalStore(rest, **options)
-    if scheme == "s3":
-        from weightsync.s3_store import open_s3  # boto3 loads only when S3 is used
 
-        return open_s3(rest, **options)
-    raise StoreError(f"unsupported store URI {text!r}; supported schemes: file:// (or a plain path), s3://")
+def open_local(location: str, **options) -> LocalStore:
+    """`DIR` (the part after `file://`, or a plain path) as a store."""
+    if not location:
+        raise StoreError("file:// URI needs a directory, e.g. file:///data/weights")
+    return LocalStore(location, **options)

@@ -31,10 +31,10 @@ import threading
 import time
 
 from weightsync.errors import StaleVersion, WeightsyncError
-from weightsync.manifest import ChunkPlacement, Manifest
+from weightsync.format.manifest import ChunkPlacement, Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
-from weightsync.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
-from weightsync.v1 import sync_pb2
+from weightsync.transport.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
+from weightsync.transport.v1 import sync_pb2
 
 log = logging.getLogger(__name__)
 

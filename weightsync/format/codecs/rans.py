@@ -38,9 +38,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from weightsync import ctx_codec
-from weightsync.ctx_codec import NUM_CLASSES, Changes, _scratch, bit_length, key, order_masks, unkey
-from weightsync.dtypes import dtype_by_name
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.codecs.ctx import NUM_CLASSES, Changes, _scratch, bit_length, key, order_masks, unkey
+from weightsync.format.dtypes import dtype_by_name
 from weightsync.errors import FormatError
 
 try:

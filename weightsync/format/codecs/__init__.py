@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import numpy as np
 import zstandard
 
-from weightsync import ctx_codec, rans_codec
+from weightsync.format.codecs import ctx as ctx_codec, rans as rans_codec
 from weightsync.cpus import lower_this_thread_priority
 from weightsync.errors import FormatError, UnsupportedFormatError
 
@@ -237,7 +237,7 @@ def encode_delta(
     (it checks that cheaply: `ctx` gives up past a bound), then `sparse` and `xor` as before,
     trying both where neither is a clear winner. `dtype_name` gives `ctx` its exponent contexts
     (None: the bits are coded as integers, still lossless). `changes` are the changes already
-    found on the tensors' device (`weightsync.diff`), which saves the host its scan.
+    found on the tensors' device (`weightsync.format.codecs.diff`), which saves the host its scan.
     """
     if new.nbytes != old.nbytes:
         raise ValueError(f"new has {new.nbytes} bytes, old {old.nbytes}")

@@ -5,7 +5,7 @@ A chunk is a contiguous flat element range [start, stop) of one tensor. Its obje
 of all its bytes, so a store or a peer can hold it without knowing which version uses it.
 Byte layout and rules: docs/format.md, "Chunk objects".
 
-Not here: the codecs themselves (`codec.py`), where an object is stored (`layout.py`).
+Not here: the codecs themselves (`codecs.py`), where an object is stored (`layout.py`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import struct
 
 import numpy as np
 
-from weightsync import codec, ctx_codec
-from weightsync.dtypes import DType, dtype_by_code
+from weightsync.format import codecs
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.dtypes import DType, dtype_by_code
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
-from weightsync.hashing import xxh3_digest, xxh3_hex
+from weightsync.format.hashing import xxh3_digest, xxh3_hex
 
 CHUNK_MAGIC = b"WSCK"
 CHUNK_FORMAT_VERSION = 1  # 1: first release (full, xor, sparse codecs); codec ctx (4) added later
@@ -86,9 +87,9 @@ def unpack_chunk(obj: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
         raise FormatError(f"chunk header size {header_size} / flags {flags} not valid for format {fmt}")
     if reserved != 0:
         raise FormatError(f"chunk header's reserved bytes must be zero, got {reserved:#x}")
-    if codec_id not in codec.CODEC_NAMES:
-        raise UnsupportedFormatError(f"unknown codec id {codec_id}; supported: {sorted(codec.CODEC_NAMES)}")
-    if level > codec.MAX_ZSTD_LEVEL:
+    if codec_id not in codecs.CODEC_NAMES:
+        raise UnsupportedFormatError(f"unknown codec id {codec_id}; supported: {sorted(codecs.CODEC_NAMES)}")
+    if level > codecs.MAX_ZSTD_LEVEL:
         raise FormatError(f"zstd level {level} out of range")
     dtype = dtype_by_code(dtype_code)
     if count * dtype.itemsize > MAX_CHUNK_BYTES:
@@ -110,15 +111,15 @@ def encode_chunk(
 
     Returns (codec id, raw hash hex, object bytes or None when unchanged, changed elements).
     An unchanged chunk has no object at all (docs/format.md: codec "same"). `changes`: the
-    chunk's changes found on the tensors' device (`weightsync.diff`), optional.
+    chunk's changes found on the tensors' device (`weightsync.format.codecs.diff`), optional.
     """
     raw_digest = xxh3_digest(new)
     count = new.nbytes // dtype.itemsize
     if old is None:
-        payload = codec.encode_full(new, dtype.itemsize, zstd_level)
-        codec_id, changed = codec.CODEC_FULL, count
+        payload = codecs.encode_full(new, dtype.itemsize, zstd_level)
+        codec_id, changed = codecs.CODEC_FULL, count
     else:
-        result = codec.encode_delta(new, old, dtype.itemsize, zstd_level, dtype_name=dtype.name, changes=changes)
+        result = codecs.encode_delta(new, old, dtype.itemsize, zstd_level, dtype_name=dtype.name, changes=changes)
         if result is None:
             return 0, raw_digest.hex(), None, 0
         codec_id, payload, changed = result
@@ -142,8 +143,8 @@ def apply_chunk(
     header, payload = unpack_chunk(obj)
     if header.codec_id != expect_codec_id:
         raise FormatError(
-            f"chunk codec {codec.CODEC_NAMES[header.codec_id]} differs from the manifest's "
-            f"{codec.CODEC_NAMES.get(expect_codec_id, expect_codec_id)}"
+            f"chunk codec {codecs.CODEC_NAMES[header.codec_id]} differs from the manifest's "
+            f"{codecs.CODEC_NAMES.get(expect_codec_id, expect_codec_id)}"
         )
     if header.dtype != dtype:
         raise FormatError(f"chunk dtype {header.dtype.name} does not match tensor dtype {dtype.name}")
@@ -151,6 +152,6 @@ def apply_chunk(
         raise FormatError(f"chunk holds {header.count} elements, its range {out.nbytes // dtype.itemsize}")
     if header.raw_xxh3.hex() != expect_raw_xxh3:
         raise IntegrityError("chunk header's raw hash differs from the manifest's")
-    codec.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)
+    codecs.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)
     if xxh3_digest(out) != header.raw_xxh3:
         raise IntegrityError("chunk decoded to bytes whose hash differs from the published one")

@@ -17,7 +17,7 @@ and its raw hashes (covered by its digest) check every byte of the result.
 - at least two deltas (one delta *is* its own fold),
 - the same chunk boundaries in every version of the path (they MAY differ between versions).
 
-Not here: fetching objects (`reader.py`), the codecs themselves (`codec.py`).
+Not here: fetching objects (`reader.py`), the codecs themselves (`codecs.py`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import dataclasses
 
 import numpy as np
 
-from weightsync import codec
-from weightsync.chunk import unpack_chunk
-from weightsync.dtypes import DType
+from weightsync.format import codecs
+from weightsync.format.chunk import unpack_chunk
+from weightsync.format.dtypes import DType
 from weightsync.errors import FormatError, IntegrityError
-from weightsync.hashing import xxh3_digest
-from weightsync.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest
+from weightsync.format.hashing import xxh3_digest
+from weightsync.format.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest
 
 CHAIN, FOLDED = "chain", "folded"
 
@@ -84,14 +84,14 @@ def apply_folded(objects: list[bytes], refs: list[ChunkRef], out: np.ndarray, dt
     """
     for obj, ref in zip(objects, refs):
         header, payload = unpack_chunk(obj)
-        if codec.CODEC_NAMES.get(header.codec_id) != ref.codec:
-            raise FormatError(f"chunk codec {codec.CODEC_NAMES.get(header.codec_id)} differs from the manifest's "
+        if codecs.CODEC_NAMES.get(header.codec_id) != ref.codec:
+            raise FormatError(f"chunk codec {codecs.CODEC_NAMES.get(header.codec_id)} differs from the manifest's "
                               f"{ref.codec}")
         if header.dtype != dtype or header.count * dtype.itemsize != out.nbytes:
             raise FormatError(f"chunk holds {header.count} {header.dtype.name} elements, its range "
                               f"{out.nbytes // dtype.itemsize} {dtype.name}")
         if header.raw_xxh3.hex() != ref.raw:
             raise IntegrityError("chunk header's raw hash differs from the manifest's")
-        codec.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)
+        codecs.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)
     if xxh3_digest(out).hex() != target.raw:
         raise IntegrityError("folded deltas produced bytes whose hash differs from the published one")

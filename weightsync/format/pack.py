@@ -21,8 +21,8 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 
-from weightsync.hashing import xxh3_hex
-from weightsync.manifest import ChunkRef
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.manifest import ChunkRef
 
 DEFAULT_PACK_BYTES = 8 * 1024 * 1024
 """A pack is sealed (and its upload starts) once it holds this many bytes: a few store requests

@@ -1,4 +1,4 @@
-"""s3_store: the `Store` contract over S3-compatible object storage (`s3://BUCKET/PREFIX`).
+"""stores.s3: the `Store` contract over S3-compatible object storage (`s3://BUCKET/PREFIX`).
 
 Endpoint, region, credentials and addressing style come from boto3's standard mechanisms
 (`AWS_ENDPOINT_URL`, `AWS_REGION`, profiles, environment, instance roles); `endpoint_url`
@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError, UnsafeCommitError
-from weightsync.store import ObjectInfo, check_key, check_range
+from weightsync.stores.base import ObjectInfo, check_key, check_range
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from weightsync.dtypes import DType, dtype_by_name
+from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.errors import LayoutError, UnsupportedFormatError
-from weightsync.manifest import check_tensor_name
+from weightsync.format.manifest import check_tensor_name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from weightsync.dtypes import dtype_by_name
+from weightsync.format.dtypes import dtype_by_name
 from weightsync.errors import FormatError
 
 try:
@@ -159,7 +159,7 @@ def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
     down, so the window starts at the smallest nonzero exponent of a sample of ~4096 elements
     (measured best among quantiles and sample sizes: lumping small exponents together costs
     most); larger ones share the top classes, where changes are rare anyway. Any base decodes;
-    this is only the encoder's choice (weightsync.diff makes the same one on the device).
+    this is only the encoder's choice (weightsync.format.codecs.diff makes the same one on the device).
     """
     layout = _FLOAT_LAYOUT.get(dtype_name)
     if layout is None or len(old) == 0:
@@ -677,7 +677,7 @@ def _scratch(name: str, count: int, dtype) -> np.ndarray:
 class Changes:
     """The changed elements of a chunk, everything `emit` needs and nothing per unchanged element.
 
-    Made by `scan_changes` on the host or by `weightsync.diff` on the tensors' device. Arrays
+    Made by `scan_changes` on the host or by `weightsync.format.codecs.diff` on the tensors' device. Arrays
     have one entry per changed element, in position order.
     """
 

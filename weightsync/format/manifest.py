@@ -15,12 +15,12 @@ import json
 import math
 from typing import Any
 
-from weightsync.chunk import HEADER_SIZE, MAX_CHUNK_BYTES, max_object_bytes
-from weightsync.codec import CODEC_IDS
-from weightsync.dtypes import DType, dtype_by_name
+from weightsync.format.chunk import HEADER_SIZE, MAX_CHUNK_BYTES, max_object_bytes
+from weightsync.format.codecs import CODEC_IDS
+from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
-from weightsync.hashing import is_hash_hex, xxh3_hex
-from weightsync.layout import MAX_PACK_BYTES, MAX_VERSION, check_model_name, chunk_key, is_chunk_key, is_pack_key
+from weightsync.format.hashing import is_hash_hex, xxh3_hex
+from weightsync.format.layout import MAX_PACK_BYTES, MAX_VERSION, check_model_name, chunk_key, is_chunk_key, is_pack_key
 
 # Manifest format versions this build reads. 1: first release. 2: chunk objects may live in
 # packs (a chunk names its pack's key and its byte `offset` there); publishers write 2 only for a
