@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from weightsync.agents.engine import Engine
-from weightsync.format.dtypes import dtype_by_name
 from weightsync.errors import ResourceExhausted
+from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.manifest import compute_digest
 from weightsync.reader import WeightsState

@@ -25,13 +25,13 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from weightsync.errors import FormatError, IntegrityError, ObjectNotFound, WeightsyncError
 from weightsync.format import layout
 from weightsync.format.chunk import object_hash
-from weightsync.errors import FormatError, IntegrityError, ObjectNotFound, WeightsyncError
 from weightsync.format.manifest import ChunkRef, Manifest, parse_manifest
 from weightsync.reader import Reader
-from weightsync.stores.retention import collect_garbage
 from weightsync.stores import LocalStore, Store
+from weightsync.stores.retention import collect_garbage
 from weightsync.versions import list_versions
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class AgentCache:
 
         def fetch(group: list[ChunkRef]) -> int:
             done = 0
-            for ref, obj in zip(group, reader.fetch_group(group)):
+            for ref, obj in zip(group, reader.fetch_group(group), strict=True):
                 self.store.put(self._prefix + ref.address_key, obj)
                 if on_object is not None:
                     on_object(ref, obj)

@@ -45,11 +45,11 @@ import time
 import numpy as np
 
 from weightsync.agents.buffers import Buffers
+from weightsync.cpus import lower_this_thread_priority
+from weightsync.errors import WeightsyncError
 from weightsync.format.chunk import apply_chunk, unpack_chunk
 from weightsync.format.codecs import CODEC_NAMES
-from weightsync.cpus import lower_this_thread_priority
 from weightsync.format.dtypes import dtype_by_name
-from weightsync.errors import WeightsyncError
 from weightsync.format.manifest import CODEC_SAME, ChunkPlacement, Manifest, TensorEntry
 from weightsync.reader import WeightsState
 

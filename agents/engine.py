@@ -60,7 +60,7 @@ class SwapReport:
 
 @runtime_checkable
 class Engine(Protocol):
-    """The contract every engine adapter keeps (tests/test_engines.py runs it over each).
+    """The contract every engine adapter keeps (tests/agents/engines/test_engines.py runs it over each).
 
     - `swap(version, weights, digest=..., policy=...)` makes `weights` (HF tensor names ->
       tensors, every tensor of the model) the served weights, atomically: no forward pass ever
@@ -178,5 +178,5 @@ def _load_builtin_engines() -> None:
     # Imported for their register_engine calls; lazily, so `import engine` stays light.
     import weightsync.agents.reference_server  # noqa: F401
     import weightsync.agents.safetensors_engine  # noqa: F401
-    import weightsync.agents.vllm_engine  # noqa: F401
     import weightsync.agents.sglang_engine  # noqa: F401
+    import weightsync.agents.vllm_engine  # noqa: F401

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
-from weightsync.format.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
 from weightsync.errors import FormatError, IntegrityError, ResourceExhausted
+from weightsync.format.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
 from weightsync.format.hashing import is_hash_hex
 from weightsync.format.manifest import ChunkPlacement, ChunkRef
 from weightsync.metrics import Metrics

@@ -414,7 +414,7 @@ class ReferenceEngine:
         # A switch at or after the row's end made none of its tokens (the batch went on for other rows).
         starts = [(version, start) for version, start in switches if start < len(tokens)] or switches[:1]
         ranges = [VersionRange(version, start, stop_at) for (version, start), (_, stop_at)
-                  in zip(starts, starts[1:] + [(None, len(tokens))])]
+                  in zip(starts, starts[1:] + [(None, len(tokens))], strict=True)]
         return Completion(tokens, logprobs, text, finish, ranges)
 
     def _check_layout(self, weights: Mapping[str, torch.Tensor], *, strict_dtype: bool) -> None:

@@ -28,6 +28,7 @@ from weightsync.agents.engine import Engine, open_engine
 from weightsync.agents.sync import SyncAgent
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
+from weightsync.stores import open_store
 from weightsync.transport.push import PushConfig, Pusher
 from weightsync.transport.rpc import (
     SERVER_OPTIONS,
@@ -40,7 +41,6 @@ from weightsync.transport.rpc import (
     status_for,
 )
 from weightsync.transport.signing import Verifier
-from weightsync.stores import open_store
 from weightsync.transport.v1 import sync_pb2
 
 log = logging.getLogger(__name__)

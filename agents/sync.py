@@ -53,7 +53,6 @@ import logging
 import threading
 import time
 
-from weightsync.format import codecs
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
@@ -68,11 +67,12 @@ from weightsync.errors import (
     StaleVersion,
     WeightsyncError,
 )
+from weightsync.format import codecs
 from weightsync.format.manifest import KIND_FULL, ChunkPlacement, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.stores import Store
 from weightsync.transport.push import Pusher
 from weightsync.transport.signing import Verifier
-from weightsync.stores import Store
 from weightsync.versions import latest_version, list_versions, read_manifest_bytes, read_signature
 
 log = logging.getLogger(__name__)

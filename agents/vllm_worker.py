@@ -235,7 +235,7 @@ def _lora_tensors(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
     for module_name, weights in lora.loras.items():
         if isinstance(weights.lora_a, list):
             subs = adapters.packed_modules[module_name]
-            pairs = zip(subs, weights.lora_a, weights.lora_b)
+            pairs = zip(subs, weights.lora_a, weights.lora_b, strict=True)
         else:
             pairs = [(module_name, weights.lora_a, weights.lora_b)]
         for sub, a, b in pairs:
@@ -306,7 +306,7 @@ def _split_to_hf(model: torch.nn.Module, name: str, param: torch.Tensor,
         dim = int(getattr(param, "output_dim", 0))
         offset = 0
         kv_replicas = int(getattr(module, "num_kv_head_replicas", 1))
-        for index, (sub, size) in enumerate(zip(subs, sizes)):
+        for index, (sub, size) in enumerate(zip(subs, sizes, strict=True)):
             piece = param.narrow(dim, offset, size)
             offset += size
             # q (and every merged column part) is sharded by rank; k/v heads may be replicated

@@ -49,10 +49,10 @@ from weightsync.format.chunk import apply_chunk, encode_chunk, object_hash
 from weightsync.format.codecs import DEFAULT_ZSTD_LEVEL
 from weightsync.format.codecs.diff import diff_ranges
 from weightsync.format.hashing import xxh3_hex
+from weightsync.format.tensors import Snapshot, take_snapshot, to_tensor
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
 from weightsync.stores import LocalStore
-from weightsync.format.tensors import Snapshot, take_snapshot, to_tensor
 
 log = logging.getLogger("bench.codec")
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,7 +217,7 @@ def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
         seconds = _median_time(run, repeats)
     finally:
         torch.set_num_threads(torch_threads)
-    for item, changes in zip(items, run()):  # identical to what the host path encodes
+    for item, changes in zip(items, run(), strict=True):  # identical to what the host path encodes
         a, b, dtype = views(*item)
         codec_id, raw, obj, _ = encode_chunk(a.reshape(-1).view(torch.uint8).numpy(),
                                              b.reshape(-1).view(torch.uint8).numpy(), dtype, 1, changes=changes)

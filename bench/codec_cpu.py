@@ -54,7 +54,7 @@ def main() -> None:
                     encode_s = min(encode_s, time.thread_time() - t)
                     buffers = [o.copy() for o, _ in items]
                     t = time.thread_time()
-                    for (codec_id, raw_hex, obj, _), buf in zip(objects, buffers):
+                    for (codec_id, raw_hex, obj, _), buf in zip(objects, buffers, strict=True):
                         if obj is not None:
                             apply_chunk(obj, buf, bf16, raw_hex, codec_id)
                     decode_s = min(decode_s, time.thread_time() - t)
@@ -86,7 +86,7 @@ def _two_threads(items: list, objects: list, raw: int) -> dict:
                         if obj is not None:
                             apply_chunk(obj, buf, bf16, raw_hex, codec_id)
 
-                    args = list(zip(objects, buffers))
+                    args = list(zip(objects, buffers, strict=True))
                 cpu, wall = time.process_time(), time.perf_counter()
                 list(pool.map(work, args))
                 wall = time.perf_counter() - wall

@@ -47,8 +47,8 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
     """The store `kind` published with packs and with one object per chunk (the baseline); the two
     publishers take turns version by version, so both see the same machine load."""
     from weightsync.publisher import Publisher, PublisherConfig
-    from weightsync.stores.s3 import S3Store
     from weightsync.stores import LocalStore
+    from weightsync.stores.s3 import S3Store
 
     motos, publishers = [], []
     try:
@@ -68,7 +68,7 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
                 # In memory, as a trainer's weights are (a loaded file's pages would fault in during
                 # the first publisher's copy only).
                 state = series.load(args.lr, j % (series.config.steps_per_lr + 1), resident=True)
-                for publisher, out in zip(publishers, versions):
+                for publisher, out in zip(publishers, versions, strict=True):
                     out.append(_record(publisher.publish(state).result()))
     finally:
         for publisher in publishers:
@@ -76,7 +76,7 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
         for moto in motos:
             moto.close()
     cells = []
-    for (mode, _), out in zip(MODES, versions):
+    for (mode, _), out in zip(MODES, versions, strict=True):
         deltas = [v for v in out if v["kind"] == "delta"]
         cells.append({"store": kind, "mode": mode, "versions": out,
                       "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None,

@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weightsync.format.codecs import ctx as ctx_codec, diff
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.codecs import diff
 from weightsync.format.codecs.diff import diff_chunk, diff_ranges
 from weightsync.format.dtypes import dtype_by_name
 

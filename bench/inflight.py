@@ -46,9 +46,9 @@ from harness.fake_trainer import FakeTrainer
 from harness.machine import describe_machine
 from weightsync.models import ModelConfig
 from weightsync.publisher import Publisher, PublisherConfig
+from weightsync.stores import LocalStore
 from weightsync.transport.push import PushConfig, Pusher
 from weightsync.transport.rpc import AgentClient
-from weightsync.stores import LocalStore
 
 log = logging.getLogger("bench.inflight")
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -244,10 +244,10 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
              timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True, cpus: CpuPlan | None = None) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
     from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.stores import LocalStore
+    from weightsync.stores.s3 import S3Store
     from weightsync.transport.push import PushConfig, Pusher
     from weightsync.transport.rpc import AgentClient
-    from weightsync.stores.s3 import S3Store
-    from weightsync.stores import LocalStore
 
     arch = dataclasses.asdict(series.config.model)
     if moto is None:
@@ -297,7 +297,7 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
                     "per_agent": [{"served_s": round(s, 3), "path": e.path, "route": e.route,
                                    "route_reason": e.route_reason, "applied_early": e.applied_early,
                                    **{k: round(v, 3) for k, v in e.timings_s.items()}}
-                                  for s, e in zip(served, entries)],
+                                  for s, e in zip(served, entries, strict=True)],
                 })
     finally:
         pusher.close(timeout_s=5)

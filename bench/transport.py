@@ -205,9 +205,9 @@ def bench_relay(n_agents: int, root: Path, arch: ModelConfig, versions: list[tup
     The first delta after a base is an agent's worst case (its second buffer is built from the
     base); later deltas are the steady state (the second buffer moves forward by deltas)."""
     from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.stores import LocalStore
     from weightsync.transport.push import PushConfig, Pusher
     from weightsync.transport.rpc import AgentClient
-    from weightsync.stores import LocalStore
 
     region = root / f"relay-{n_agents}"
     store = LocalStore(region / "store")

@@ -38,8 +38,8 @@ from harness import vllm as vh
 from harness.machine import describe_machine
 from weightsync import Publisher
 from weightsync.publisher import PublisherConfig
-from weightsync.transport.push import PushConfig, Pusher
 from weightsync.stores import LocalStore
+from weightsync.transport.push import PushConfig, Pusher
 
 log = logging.getLogger("bench.vllm_lora")
 RESULTS = Path(__file__).parent / "results"

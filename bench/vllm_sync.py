@@ -42,8 +42,8 @@ from bench.output import write_results
 from harness import vllm as vh
 from harness.machine import describe_machine
 from weightsync import Publisher
-from weightsync.transport.push import PushConfig, Pusher
 from weightsync.stores import LocalStore
+from weightsync.transport.push import PushConfig, Pusher
 
 log = logging.getLogger("bench.vllm_sync")
 RESULTS = Path(__file__).parent / "results"

@@ -26,9 +26,9 @@ import torch
 
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.manifest import KIND_DELTA
+from weightsync.format.tensors import raw_bytes
 from weightsync.reader import Reader
 from weightsync.stores import LocalStore
-from weightsync.format.tensors import raw_bytes
 from weightsync.versions import list_versions, read_manifest
 
 SCRIPT = Path(__file__).with_name("crash_publisher.py")

@@ -175,10 +175,9 @@ def test_health_port_answers_plaintext_while_the_agent_needs_tls_and_a_token(tmp
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from harness.tls_certs import make_certificates
     from weightsync.agents.server import AgentServer
     from weightsync.transport.rpc import TlsConfig
-
-    from tls_certs import make_certificates
 
     certs = make_certificates(tmp_path)
     config = AgentConfig(model="deploy-probe", cache_dir=str(tmp_path / "cache"), name="probe", workers=1,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
 UPPER = ("weightsync.agents", "weightsync.trainer", "weightsync.app", "weightsync.models")
 FORBIDDEN = {
     "weightsync": UPPER,
@@ -72,9 +72,13 @@ HARNESS_USERS = {"tests": ("bench",), "bench": ("tests",), "harness": ("tests", 
 
 
 def top_level_modules(folder: str) -> set[str]:
-    """The names a folder's modules import as when it is on sys.path (tests/ is, under pytest)."""
+    """The names a folder's modules import as when their directory is on sys.path (pytest puts each
+    test file's directory there): the modules of every directory that is not a package, and the
+    packages at its top."""
     root = REPO / folder
-    return {folder} | {p.stem for p in root.glob("*.py") if p.stem != "__init__"} | {
+    plain_dirs = [root] + [d for d in root.rglob("*") if d.is_dir() and not (d / "__init__.py").exists()
+                           and ".npm" not in d.parts]
+    return {folder} | {p.stem for d in plain_dirs for p in d.glob("*.py") if p.stem != "__init__"} | {
         p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
 
 

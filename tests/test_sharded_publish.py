@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from weightsync.format import layout
 from weightsync.errors import PublishError, StoreError
+from weightsync.format import layout
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
 from weightsync.shards import Placement, ShardSpec
-from weightsync.transport.signing import Signer, Verifier
 from weightsync.stores import LocalStore
+from weightsync.transport.signing import Signer, Verifier
 from weightsync.versions import list_versions, read_manifest_bytes, read_signature
 
 CONFIG = PublisherConfig(chunk_bytes=8 * 1024, workers=2)

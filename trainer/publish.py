@@ -36,11 +36,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from weightsync.errors import LayoutError, PublishError
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.publisher import Placement, Publisher, ShardSpec
+from weightsync.stores import open_store
+from weightsync.trainer.config import PublishConfig
 from weightsync.transport.push import PushConfig, Pusher
 from weightsync.transport.rpc import TlsConfig, read_token
 from weightsync.transport.signing import Signer
-from weightsync.stores import open_store
-from weightsync.trainer.config import PublishConfig
 
 log = logging.getLogger(__name__)
 

@@ -49,14 +49,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from weightsync import __version__
+from weightsync.cpus import usable_cpus
+from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.format import codecs, layout
 from weightsync.format.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
 from weightsync.format.codecs import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
-from weightsync.cpus import usable_cpus
 from weightsync.format.codecs.ctx import Changes
 from weightsync.format.codecs.diff import DeviceParent
 from weightsync.format.dtypes import DType, dtype_by_name
-from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.format.manifest import (
     CODEC_SAME,
     FORMAT_PACKS,
@@ -70,8 +70,9 @@ from weightsync.format.manifest import (
     compute_digest,
     parse_manifest,
 )
-from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
+from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
+from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.shards import (
     PartHeader,
     Placement,
@@ -83,9 +84,8 @@ from weightsync.shards import (
     write_abort,
     write_part,
 )
-from weightsync.transport.signing import Signer
 from weightsync.stores import Store
-from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
+from weightsync.transport.signing import Signer
 from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature, resolve_chain
 
 log = logging.getLogger(__name__)

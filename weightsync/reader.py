@@ -28,18 +28,18 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
+from weightsync.cpus import usable_cpus
+from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
 from weightsync.format import layout
 from weightsync.format.chunk import apply_chunk, object_hash
 from weightsync.format.codecs import CODEC_IDS
-from weightsync.cpus import usable_cpus
-from weightsync.format.dtypes import dtype_by_name
-from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
 from weightsync.format.codecs.fold import CHAIN, FOLDED, Route, apply_folded, folded_refs, plan_route
+from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
 from weightsync.format.pack import group_span, plan_reads
-from weightsync.stores import Store
 from weightsync.format.tensors import to_tensor
+from weightsync.stores import Store
 from weightsync.versions import latest_version, resolve_chain
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class Reader:
     def _apply_objects(self, buffers: dict[str, np.ndarray], tensor_of: dict[int, TensorEntry],
                        group: list[ChunkRef], objects: list[bytes]) -> int:
         done = 0
-        for ref, obj in zip(group, objects):
+        for ref, obj in zip(group, objects, strict=True):
             tensor = tensor_of[id(ref)]
             done += self._apply_object(buffers[tensor.name], tensor, ref, obj)
         return done

@@ -31,8 +31,8 @@ import logging
 import math
 import time
 
-from weightsync.format import layout
 from weightsync.errors import ObjectExists, ObjectNotFound, PublishError, VersionConflict, WeightsyncError
+from weightsync.format import layout
 from weightsync.format.manifest import ChunkRef, Manifest, TensorEntry, canonical_json
 from weightsync.stores import Store
 from weightsync.versions import read_manifest

@@ -115,7 +115,7 @@ class RolloutWorker:
                         loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
                         sampler_logprobs=[0.0] * len(prompt_ids) + c["logprobs"], advantage=(r - mean) / std,
                         reward=r, weight_version=version, sampler_step=step, weight_versions=c["versions"])
-                for c, r in zip(completions, rewards)
+                for c, r in zip(completions, rewards, strict=True)
             ]
             self.queue.put(group, worker=self.config.worker)
         return {"t": time.time(), "server": server, "version": version, "step": step, "reward": mean,
@@ -155,9 +155,9 @@ class RolloutWorker:
         if _get(server + "/weight_info").get("weight_version") != before:
             return None  # a swap came between the calls: sample again
         out = []
-        for tokens, choice in zip(completions, scored["choices"]):
+        for tokens, choice in zip(completions, scored["choices"], strict=True):
             positions = choice["prompt_logprobs"][len(ids):]
-            logprobs = [float(entry[str(token)]["logprob"]) for token, entry in zip(tokens, positions)]
+            logprobs = [float(entry[str(token)]["logprob"]) for token, entry in zip(tokens, positions, strict=False)]
             out.append({"text": self.tokenizer.decode(tokens), "token_ids": tokens, "logprobs": logprobs,
                         "versions": [{"version": int(before), "start": 0, "stop": len(tokens)}]})
         return {"weight_version": int(before), "completions": out}

@@ -230,11 +230,11 @@ def _tail_json(path: Path) -> list[dict]:
 
 
 def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    from weightsync.format import codecs
     from weightsync.app.demo.report import build_report, write_plot
     from weightsync.app.demo.rollout_queue import RolloutQueue
-    from weightsync.transport.rpc import AgentClient
+    from weightsync.format import codecs
     from weightsync.stores import open_store
+    from weightsync.transport.rpc import AgentClient
     from weightsync.versions import latest_version, read_manifest
 
     root = Path(config.out_dir).resolve()

@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from weightsync.app.training.errors import UserInputError
 
-
 _REMEMBERED = 4096  # recent seq_ids whose request ids a retry can get back
 
 

@@ -90,7 +90,7 @@ class Faults:
         total = self.rng.uniform(0.05, 0.25)
         kinds = self.rng.sample(list(S3_KINDS), self.rng.randint(2, len(S3_KINDS)))
         weights = [self.rng.random() for _ in kinds]
-        rates = {k: total * w / sum(weights) for k, w in zip(kinds, weights)}
+        rates = {k: total * w / sum(weights) for k, w in zip(kinds, weights, strict=True)}
         self.s3_proxy.set_plan(FaultPlan(rates=rates, seed=self.rng.randrange(2**31), delay_s=0.3))
         self.s3_proxy.enabled = True
         if DELAY in rates:

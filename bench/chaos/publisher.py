@@ -64,9 +64,9 @@ def publisher_main(spec_path: str) -> int:
     trainer's weights of that step, answers one JSON event per line on stdout."""
     import weightsync.publisher as publisher_module
     from weightsync.publisher import Publisher, PublisherConfig
+    from weightsync.stores import open_store
     from weightsync.transport.push import PushConfig, Pusher
     from weightsync.transport.signing import Signer
-    from weightsync.stores import open_store
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(spec_path).read_text())

@@ -75,8 +75,8 @@ class Run(Faults, Checks):
     # ---------------------------------------------------------------- setup and teardown
 
     def setup(self) -> None:
-        from weightsync.transport.signing import Signer
         from weightsync.stores import LocalStore
+        from weightsync.transport.signing import Signer
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -5,7 +5,7 @@ message, and (for chunks) how to apply it and at which stage it must fail.
 Deterministic (fixed seeds, fixed zstd parameters): run `python tests/hostile/make_hostile.py`
 after a format change and commit the result. Every file stays under 100 KB; inputs that must be
 big (a manifest over MAX_MANIFEST_BYTES, nesting near the interpreter's recursion limit) are
-built by tests/test_hostile.py at test time instead. tests/test_hostile.py checks every file
+built by tests/format/test_hostile.py at test time instead. tests/format/test_hostile.py checks every file
 listed here and that nothing else is in the folder.
 
 Chunk entries in expected.json:
@@ -28,9 +28,9 @@ import numpy as np
 import zstandard
 
 from weightsync.format import codecs
-from weightsync.format.codecs import rans as rans_codec
 from weightsync.format.chunk import HEADER, encode_chunk
 from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
+from weightsync.format.codecs import rans as rans_codec
 from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_digest
 from weightsync.format.layout import chunk_key, pack_key
@@ -323,7 +323,7 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
 
     def header(obj=good, payload=None, reserved=b"\0\0\0\0", **fields):
         """`obj` with some header fields replaced; a new payload gets a correct length and hash."""
-        values = dict(zip(names, HEADER.unpack_from(obj, 0)))
+        values = dict(zip(names, HEADER.unpack_from(obj, 0), strict=True))
         body = obj[64:]
         if payload is not None:
             body = payload

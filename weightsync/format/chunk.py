@@ -15,10 +15,10 @@ import struct
 
 import numpy as np
 
+from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.format import codecs
 from weightsync.format.codecs import ctx as ctx_codec
 from weightsync.format.dtypes import DType, dtype_by_code
-from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.format.hashing import xxh3_digest, xxh3_hex
 
 CHUNK_MAGIC = b"WSCK"

@@ -15,10 +15,10 @@ import json
 import math
 from typing import Any
 
+from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.format.chunk import HEADER_SIZE, MAX_CHUNK_BYTES, max_object_bytes
 from weightsync.format.codecs import CODEC_IDS
 from weightsync.format.dtypes import DType, dtype_by_name
-from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.format.hashing import is_hash_hex, xxh3_hex
 from weightsync.format.layout import MAX_PACK_BYTES, MAX_VERSION, check_model_name, chunk_key, is_chunk_key, is_pack_key
 

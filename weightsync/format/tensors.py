@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.errors import LayoutError, UnsupportedFormatError
+from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.format.manifest import check_tensor_name
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError
 from weightsync.stores.base import TEMP_PREFIX, ObjectInfo, check_key, check_range
 
+
 class LocalStore:
     """A directory (`file://DIR`): atomic renames for puts, hard links for create-only puts.
 

@@ -22,8 +22,8 @@ import dataclasses
 import logging
 import time
 
-from weightsync.format import layout
 from weightsync.errors import FormatError, IntegrityError, VersionNotFound
+from weightsync.format import layout
 from weightsync.stores import LocalStore, Store
 from weightsync.versions import list_versions, read_manifest
 

@@ -49,9 +49,9 @@ import concurrent.futures as cf
 import dataclasses
 import hashlib
 import logging
+import os
 import random
 import re
-import os
 import threading
 import time
 import urllib.parse
@@ -406,7 +406,7 @@ class S3Store:
         try:
             try:
                 for body in (b"first", b"second"):
-                    self._retrying(f"probe {self.uri}/{key}", lambda _: self._put_once(full, key, body, True))
+                    self._retrying(f"probe {self.uri}/{key}", lambda _, body=body: self._put_once(full, key, body, True))
             except _Precondition:  # refused (or our first write's lost reply retried into itself)
                 return True
             return False
@@ -457,7 +457,7 @@ class S3Store:
                                             lambda _: self._upload_part(full, key, upload_id, *item)),
                 numbered,
             )
-            parts = [{"PartNumber": n, "ETag": f'"{d.hex()}"'} for (n, _), d in zip(numbered, digests)]
+            parts = [{"PartNumber": n, "ETag": f'"{d.hex()}"'} for (n, _), d in zip(numbered, digests, strict=True)]
             try:
                 response = self._call("write", key, self._client.complete_multipart_upload, Bucket=self.bucket,
                                       Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts})

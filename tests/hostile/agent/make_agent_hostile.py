@@ -4,7 +4,7 @@ tests/hostile/ holds inputs for the parsers; this folder holds whole *conversati
 agent that serves a known version: offers (manifest + signature + request fields), pushed object
 frames, raw wire bytes, each with the status code and message fragment the agent must answer,
 and cases that an agent accepts at the offer but must refuse to serve (layout changes, deltas on
-the wrong parent, zstd bombs behind a valid manifest). tests/test_agent_hostile.py runs every
+the wrong parent, zstd bombs behind a valid manifest). tests/agents/test_agent_hostile.py runs every
 case against a real agent over gRPC and checks it changed nothing: same served version, digest
 and bytes, same store.
 
@@ -34,7 +34,7 @@ anyone can recompute the private keys from this file, which is the point. Never 
 
 Deterministic: `python tests/hostile/agent/make_agent_hostile.py` rewrites everything. Object
 bytes embed zstd frames, so a zstandard upgrade may change them (and the manifests naming them);
-tests/test_agent_hostile.py checks the corpus is self-consistent, not byte-stable.
+tests/agents/test_agent_hostile.py checks the corpus is self-consistent, not byte-stable.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_digest, xxh3_hex
 from weightsync.format.layout import chunk_key, manifest_key, model_prefix, signature_key
 from weightsync.format.manifest import CODEC_SAME, ChunkRef, Manifest, TensorEntry, compute_digest
+from weightsync.format.tensors import dtype_of, raw_bytes
 from weightsync.models import ModelConfig, build_model
 from weightsync.transport.rpc import ObjectFrame, encode_object_frame
 from weightsync.transport.signing import Signer
-from weightsync.format.tensors import dtype_of, raw_bytes
 from weightsync.transport.v1 import sync_pb2
 
 HERE = Path(__file__).resolve().parent
@@ -94,7 +94,7 @@ AGENTS = {
 
 def parser_corpus_parent(seed: int = 0) -> np.ndarray:
     """The bytes the parser corpus's chunks are made against: make_hostile.parent(seed), repeated
-    here because tests/hostile is not a package (tests/test_agent_hostile.py checks they agree)."""
+    here because tests/hostile is not a package (tests/agents/test_agent_hostile.py checks they agree)."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, 2**16, PARSER_CORPUS_COUNT, dtype=np.uint16).view(np.uint8).copy()
 
@@ -240,7 +240,8 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
              "next": {**_store_files(v3, o3, TRUSTED), **_store_files(v6, o6, TRUSTED)}}
     c.file("trusted.pub", TRUSTED.public_pem())
     v3_bytes, v2_bytes = v3.to_bytes(), v2.to_bytes()
-    sig = lambda name, data, signer=TRUSTED: c.file(f"{name}.sig", signer.sign(data))
+    def sig(name, data, signer=TRUSTED):
+        return c.file(f"{name}.sig", signer.sign(data))
 
     # ---- guarded agent: signatures, token, replays, other models, limits
     name = "offer_v3_unsigned"

@@ -33,9 +33,10 @@ from collections.abc import Iterable
 import numpy as np
 import zstandard
 
-from weightsync.format.codecs import ctx as ctx_codec, rans as rans_codec
 from weightsync.cpus import lower_this_thread_priority
 from weightsync.errors import FormatError, UnsupportedFormatError
+from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.codecs import rans as rans_codec
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def uint_view(raw: np.ndarray, itemsize: int) -> np.ndarray:
 def _pack_streams(streams: list[np.ndarray | bytes], compressor: zstandard.ZstdCompressor) -> bytes:
     frames = [compressor.compress(s) if len(s) else b"" for s in streams]
     table = b"".join(
-        _STREAM_ENTRY.pack(memoryview(s).nbytes, len(f)) for s, f in zip(streams, frames)
+        _STREAM_ENTRY.pack(memoryview(s).nbytes, len(f)) for s, f in zip(streams, frames, strict=True)
     )
     return b"".join([bytes([len(streams)]), table, *frames])
 

@@ -18,7 +18,7 @@ the parent, so both facts can be used losslessly:
 Symbols go through an adaptive binary range coder (LZMA's, with 15-bit probabilities whose
 adaptation rate warms up from 1/2 to 1/128), with separate probabilities per class. The exact
 layout is in docs/format.md, "Payload: codec ctx"; this module is its reference implementation
-(tests/test_ctx_codec.py checks it against a plain-Python decoder written from that section).
+(tests/format/codecs/test_ctx_codec.py checks it against a plain-Python decoder written from that section).
 
 The kernels are numba (`nogil`, so chunk-parallel threads run them in parallel; `cache=True`, so
 only the first run on a machine compiles, ~20-25 s per element width, then ~1 s to load). Every read of the payload
@@ -39,8 +39,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from weightsync.format.dtypes import dtype_by_name
 from weightsync.errors import FormatError
+from weightsync.format.dtypes import dtype_by_name
 
 try:
     import numba

