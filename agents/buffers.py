@@ -62,9 +62,14 @@ class Buffers:
             return WeightsState(manifest=None, buffers={}), 0.0
         started = time.monotonic()
         if not self.engine.wait_unused(self.spare_served_as, STALL_LOG_S):
-            log.warning("%s: waiting for requests still running on v%d to finish before the next version can be "
-                        "built in its buffer (swap_policy %s; in_flight would move them to the new version at "
-                        "their next token)", name, self.spare_served_as, policy)
+            log.warning(
+                "%s: waiting for requests still running on v%d to finish before the next version can be "
+                "built in its buffer (swap_policy %s; in_flight would move them to the new version at "
+                "their next token)",
+                name,
+                self.spare_served_as,
+                policy,
+            )
             if not self.engine.wait_unused(self.spare_served_as, DRAIN_TIMEOUT_S - STALL_LOG_S):
                 raise ResourceExhausted(f"requests still run on v{self.spare_served_as} after {DRAIN_TIMEOUT_S} s")
         return spare, time.monotonic() - started
@@ -96,7 +101,9 @@ class Buffers:
         if spare is None or served is None or served.manifest is None:
             return
         if spare.manifest is not None and (spare.manifest.version, spare.manifest.digest) == (
-                served.manifest.version, served.manifest.digest):
+            served.manifest.version,
+            served.manifest.digest,
+        ):
             return
         if not self.engine.wait_unused(self.spare_served_as, 0.2):
             return
@@ -125,7 +132,9 @@ class Buffers:
         for tensor in manifest.tensors:
             itemsize = dtype_by_name(tensor.dtype).itemsize
             data = buffers[tensor.name]
-            chunks = tuple(dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize:c.stop * itemsize]))
-                           for c in tensor.chunks)
+            chunks = tuple(
+                dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize : c.stop * itemsize]))
+                for c in tensor.chunks
+            )
             rehashed.append(dataclasses.replace(tensor, chunks=chunks))
         return compute_digest(rehashed)

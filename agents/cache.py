@@ -74,8 +74,13 @@ class AgentCache:
         """After every object it names is cached: the cache stays a valid store."""
         self.store.put(layout.manifest_key(self.model, version), data)
 
-    def fetch(self, upstream: Store, missing: Mapping[str, ChunkRef], pool: cf.Executor,
-              on_object: Callable[[ChunkRef, bytes], None] | None = None) -> int:
+    def fetch(
+        self,
+        upstream: Store,
+        missing: Mapping[str, ChunkRef],
+        pool: cf.Executor,
+        on_object: Callable[[ChunkRef, bytes], None] | None = None,
+    ) -> int:
         """Fetches objects from `upstream` into the cache (each checked against its ref's size
         and hash; members of one pack in few ranged reads); `on_object` sees each one as it
         arrives. Returns the bytes fetched."""

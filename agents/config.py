@@ -139,8 +139,10 @@ class AgentConfig:
         if self.weights_kind not in ("model", "adapter"):
             raise ValueError(f'weights_kind must be "model" or "adapter", got {self.weights_kind!r}')
         if self.swap_policy not in _SWAP_POLICIES:
-            raise ValueError(f"swap_policy must be one of {list(_SWAP_POLICIES)}, got {self.swap_policy!r}: "
-                             'e.g. swap_policy = "in_flight"')
+            raise ValueError(
+                f"swap_policy must be one of {list(_SWAP_POLICIES)}, got {self.swap_policy!r}: "
+                'e.g. swap_policy = "in_flight"'
+            )
         for name in ("listen", "health_listen"):
             value = getattr(self, name)
             if value is not None and ":" not in value:
@@ -168,11 +170,14 @@ def load_agent_config(path: str | os.PathLike | None = None, **overrides: Any) -
             raise ConfigError(f"cannot read agent config {path}: {e}") from None
         others = sorted(set(document) - {"agent"})
         if others:
-            raise ConfigError(f"{where}: unknown top-level table(s) or key(s) {others}; the agent reads only "
-                              "[agent] (and its [agent.engine], [agent.tls], [agent.client_tls] sub-tables)")
+            raise ConfigError(
+                f"{where}: unknown top-level table(s) or key(s) {others}; the agent reads only "
+                "[agent] (and its [agent.engine], [agent.tls], [agent.client_tls] sub-tables)"
+            )
         if not isinstance(document.get("agent"), dict):
-            raise ConfigError(f"{where}: no [agent] table; start the file with [agent] and model = ..., "
-                              "cache_dir = ... under it")
+            raise ConfigError(
+                f"{where}: no [agent] table; start the file with [agent] and model = ..., cache_dir = ... under it"
+            )
         doc = dict(document["agent"])
     doc.update({k: v for k, v in overrides.items() if v is not None})
     return parse_agent_config(doc, where=where)
@@ -231,8 +236,13 @@ def _check_type(where: str, name: str, value: Any, hint: Any) -> None:
             return
         if origin is tuple and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return
-    wanted = {float: "a number", int: "an integer", bool: "true or false", str: "a string",
-              tuple: "an array of strings"}
+    wanted = {
+        float: "a number",
+        int: "an integer",
+        bool: "true or false",
+        str: "a string",
+        tuple: "an array of strings",
+    }
     names = " or ".join(wanted.get(typing.get_origin(k) or k, str(k)) for k in allowed if k is not type(None))
     fix = ""
     if isinstance(value, str):
@@ -248,8 +258,14 @@ def _check_type(where: str, name: str, value: Any, hint: Any) -> None:
 
 
 def _toml_kind(value: Any) -> str:
-    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
-                       (dict, "a table"), ((list, tuple), "an array")):
+    for kind, name in (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (dict, "a table"),
+        ((list, tuple), "an array"),
+    ):
         if isinstance(value, kind):
             return name
     return type(value).__name__
@@ -257,8 +273,10 @@ def _toml_kind(value: Any) -> str:
 
 def _check_engine_table(where: str, table: Any) -> dict[str, Any]:
     if not isinstance(table, dict):
-        raise ConfigError(f"{where}: [agent] engine must be a table, got {table!r} ({_toml_kind(table)}); write "
-                          '[agent.engine] with type = "reference" (or another engine type) and its options')
+        raise ConfigError(
+            f"{where}: [agent] engine must be a table, got {table!r} ({_toml_kind(table)}); write "
+            '[agent.engine] with type = "reference" (or another engine type) and its options'
+        )
     if "type" not in table:
         raise ConfigError(f'{where}: [agent.engine] needs a type, e.g. type = "reference"')
     if not isinstance(table["type"], str):
@@ -271,8 +289,10 @@ def _build_tls(where: str, key: str, table: Any) -> TlsConfig:
         return table
     section = f"[agent.{key}]"
     if not isinstance(table, dict):
-        raise ConfigError(f"{where}: [agent] {key} must be a table, got {table!r} ({_toml_kind(table)}); write "
-                          f'{section} with cert = "agent.pem" and key = "agent.key" (ca = ... for mTLS)')
+        raise ConfigError(
+            f"{where}: [agent] {key} must be a table, got {table!r} ({_toml_kind(table)}); write "
+            f'{section} with cert = "agent.pem" and key = "agent.key" (ca = ... for mTLS)'
+        )
     fields = {f.name for f in dataclasses.fields(TlsConfig)}
     unknown = sorted(set(table) - fields)
     if unknown:

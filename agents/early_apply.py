@@ -104,8 +104,13 @@ class EarlyApply:
         self._claim: _Claim | None = None
         self._sync_holds_spare = False  # the sync thread is using the spare: no claim now
         self._waiting: list[tuple[int, str, bytes | memoryview, ChunkPlacement]] = []  # one version's
-        self._pool = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="ws-early",
-                                           initializer=lower_this_thread_priority) if self.enabled else None
+        self._pool = (
+            cf.ThreadPoolExecutor(
+                max(1, workers), thread_name_prefix="ws-early", initializer=lower_this_thread_priority
+            )
+            if self.enabled
+            else None
+        )
 
     def close(self) -> None:
         if self._pool is not None:
@@ -113,8 +118,14 @@ class EarlyApply:
 
     # ------------------------------------------------------------------ gRPC threads
 
-    def submit(self, version: int, address: str, data: bytes | memoryview, placement: ChunkPlacement | None,
-               served_version: int) -> None:
+    def submit(
+        self,
+        version: int,
+        address: str,
+        data: bytes | memoryview,
+        placement: ChunkPlacement | None,
+        served_version: int,
+    ) -> None:
         """A pushed object (checked against its address and cached already) and its placement."""
         if not self.enabled or placement is None or placement.parent == 0 or version <= served_version:
             return
@@ -130,8 +141,9 @@ class EarlyApply:
             claim.running += 1
         self._start(claim, [(address, data, placement)])
 
-    def _wait(self, version: int, address: str, data: bytes | memoryview, placement: ChunkPlacement,
-              served_version: int) -> None:
+    def _wait(
+        self, version: int, address: str, data: bytes | memoryview, placement: ChunkPlacement, served_version: int
+    ) -> None:
         """Keeps an object for `resume` while the spare is not ready for it: the sync thread
         holds it, or has yet to bring it up to the served version. Only the newest version's."""
         if placement.parent < served_version:
@@ -149,8 +161,11 @@ class EarlyApply:
         spare, served = buffers.spare, buffers.served
         if self._sync_holds_spare or spare is None or served is None or served.manifest is None:
             return None
-        if spare.manifest is None or served.manifest.version != parent or (
-                spare.manifest.version, spare.manifest.digest) != (parent, served.manifest.digest):
+        if (
+            spare.manifest is None
+            or served.manifest.version != parent
+            or (spare.manifest.version, spare.manifest.digest) != (parent, served.manifest.digest)
+        ):
             return None
         if not buffers.engine.wait_unused(buffers.spare_served_as, 0.0):
             return None
@@ -177,8 +192,9 @@ class EarlyApply:
             with self._lock:
                 if not _take_range(claim.written.setdefault(placement.tensor, []), placement.start, placement.stop):
                     return  # overlaps a range written already: a bad placement
-            out = claim.state.buffers[placement.tensor][placement.start * dtype.itemsize:
-                                                        placement.stop * dtype.itemsize]
+            out = claim.state.buffers[placement.tensor][
+                placement.start * dtype.itemsize : placement.stop * dtype.itemsize
+            ]
             raw = header.raw_xxh3.hex()
             apply_chunk(data, out, dtype, raw, header.codec_id)
             with self._lock:
@@ -216,7 +232,11 @@ class EarlyApply:
         else:
             for where, applied in claim.applied.items():
                 ref = refs.get(where)
-                if ref is not None and (ref.object, ref.codec, ref.raw) == (applied.address, applied.codec, applied.raw):
+                if ref is not None and (ref.object, ref.codec, ref.raw) == (
+                    applied.address,
+                    applied.codec,
+                    applied.raw,
+                ):
                     done.add(where)
             written = sum(len(ranges) for ranges in claim.written.values())
             if len(done) < written:
@@ -233,8 +253,11 @@ class EarlyApply:
         """Puts the parent's bytes back into every range written early but not kept (from the
         served buffer, which holds the parent while the sync thread holds the spare)."""
         served = self.buffers.served
-        restorable = served is not None and served.manifest is not None and (
-            served.manifest.version, served.manifest.digest) == (claim.parent.version, claim.parent.digest)
+        restorable = (
+            served is not None
+            and served.manifest is not None
+            and (served.manifest.version, served.manifest.digest) == (claim.parent.version, claim.parent.digest)
+        )
         for name, ranges in claim.written.items():
             itemsize = _itemsize(claim.tensors[name])
             for start, stop in ranges:

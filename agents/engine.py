@@ -82,8 +82,9 @@ class Engine(Protocol):
     zero_copy: bool
     swap_policies: tuple[str, ...]
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
-             policy: str = "drain") -> SwapReport: ...
+    def swap(
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+    ) -> SwapReport: ...
 
     def served_version(self) -> int | None: ...
 
@@ -92,8 +93,9 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def check_swap_args(version: int, digest: str, policy: str = "drain",
-                    supported: tuple[str, ...] = SWAP_POLICIES) -> None:
+def check_swap_args(
+    version: int, digest: str, policy: str = "drain", supported: tuple[str, ...] = SWAP_POLICIES
+) -> None:
     """The arguments every `swap` takes besides the weights: ValueError / TypeError if off."""
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
         raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
@@ -114,13 +116,17 @@ def check_weights_kind(kind: str, served: tuple[str, ...], *, engine: str = "thi
     """ValueError unless the engine serves `kind` weights ("model" or "adapter", the agent's
     weights_kind): an agent must not fetch versions its engine cannot serve."""
     if kind not in served:
-        how = ('vllm: set the engine\'s lora_name (the adapter name requests ask for)' if "adapter" == kind
-               else 'use an engine without lora_name')
+        how = (
+            "vllm: set the engine's lora_name (the adapter name requests ask for)"
+            if "adapter" == kind
+            else "use an engine without lora_name"
+        )
         raise ValueError(f"{engine} serves {list(served)} weights, not {kind!r} (the agent's weights_kind); {how}")
 
 
-def check_layout(expected: Layout | None, weights: Mapping[str, torch.Tensor], *,
-                 what: str = "the served layout") -> None:
+def check_layout(
+    expected: Layout | None, weights: Mapping[str, torch.Tensor], *, what: str = "the served layout"
+) -> None:
     """LayoutError unless every value is a tensor and, when `expected` is given, the names are
     exactly its names and each tensor has its shape (and its dtype, where one is given)."""
     for name, tensor in weights.items():
@@ -131,8 +137,10 @@ def check_layout(expected: Layout | None, weights: Mapping[str, torch.Tensor], *
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
-        raise LayoutError(f"weights do not fit {what}: {len(missing)} missing {missing[:5]}, "
-                          f"{len(unexpected)} unexpected {unexpected[:5]}")
+        raise LayoutError(
+            f"weights do not fit {what}: {len(missing)} missing {missing[:5]}, "
+            f"{len(unexpected)} unexpected {unexpected[:5]}"
+        )
     for name, (dtype, shape) in expected.items():
         tensor = weights[name]
         if tuple(tensor.shape) != tuple(shape):

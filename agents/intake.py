@@ -59,10 +59,18 @@ def check_model(serves: str, model: str) -> None:
 class PushIntake:
     """Offers and objects pushed to one agent; `cond` is the agent's (progress is announced on it)."""
 
-    def __init__(self, config: AgentConfig, cache: AgentCache, *, accept: Callable, served_version: Callable[[], int],
-                 relay: Pusher | None, metrics: Metrics, cond: threading.Condition,
-                 apply_early: Callable[[int, str, memoryview | bytes, ChunkPlacement | None], None] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        cache: AgentCache,
+        *,
+        accept: Callable,
+        served_version: Callable[[], int],
+        relay: Pusher | None,
+        metrics: Metrics,
+        cond: threading.Condition,
+        apply_early: Callable[[int, str, memoryview | bytes, ChunkPlacement | None], None] | None = None,
+    ) -> None:
         self.config = config
         self._apply_early = apply_early  # EarlyApply.submit: before the cache, so an offer that
         # finds an object cached finds its early apply started (the sync waits for it)
@@ -78,8 +86,9 @@ class PushIntake:
         self.last_offer = float("-inf")  # monotonic time of the last offer that came by push
         self._held: dict[int, _HeldOffer] = {}  # offers to relay, by version, until their objects are here
 
-    def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
-              origin: str, hops: int) -> tuple[bool, list[str]]:
+    def offer(
+        self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str], origin: str, hops: int
+    ) -> tuple[bool, list[str]]:
         """An offer from a publisher or an upstream agent: (wanted, objects still missing)."""
         check_model(self.model, model)
         if hops > self.config.max_hops:
@@ -120,8 +129,15 @@ class PushIntake:
         if self._held:
             self._release(lambda offer: offer.version <= version)
 
-    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes,
-                       placement: ChunkPlacement | None = None) -> bool:
+    def receive_object(
+        self,
+        *,
+        model: str,
+        version: int,
+        address: str,
+        data: memoryview | bytes,
+        placement: ChunkPlacement | None = None,
+    ) -> bool:
         """One pushed object: kept (True) if new, verified against its address first."""
         check_model(self.model, model)
         if not is_hash_hex(address):
@@ -130,8 +146,9 @@ class PushIntake:
             raise FormatError(f"object of {len(data)} bytes is over the format's limit")
         if object_hash(data) != address:
             self.metrics.inc("agent/objects_rejected", reason="hash")
-            raise IntegrityError(f"object {address} of v{version} does not match its content address "
-                                 "(corrupt in flight)")
+            raise IntegrityError(
+                f"object {address} of v{version} does not match its content address (corrupt in flight)"
+            )
         if version <= self._served_version():
             return False  # stale: nothing can use it any more
         if self.cache.has_object(address):
@@ -139,8 +156,9 @@ class PushIntake:
         with self._cond:
             if self.pending_bytes + len(data) > self.config.max_pending_bytes:
                 self.metrics.inc("agent/objects_rejected", reason="quota")
-                raise ResourceExhausted(f"{self.pending_bytes} pushed bytes await a version; "
-                                        f"limit {self.config.max_pending_bytes}")
+                raise ResourceExhausted(
+                    f"{self.pending_bytes} pushed bytes await a version; limit {self.config.max_pending_bytes}"
+                )
             self.pending_bytes += len(data)
         if self.relay is not None:  # before the cache: an object an offer finds cached is relayed already
             self.relay.on_object(version, address, data, placement)

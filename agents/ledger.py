@@ -99,8 +99,9 @@ class BrokenVersions:
         with self._lock:
             broken = self._versions.get(version)
             if broken is None or broken.digest != digest:
-                broken = self._versions[version] = BrokenVersion(version, digest, error,
-                                                                 first_failed_unix_ms=int(time.time() * 1000))
+                broken = self._versions[version] = BrokenVersion(
+                    version, digest, error, first_failed_unix_ms=int(time.time() * 1000)
+                )
             broken.error = error
             broken.failures += 1
             broken.retry_at = now + min(self._retry_s[0] * 2 ** (broken.failures - 1), self._retry_s[1])
@@ -128,6 +129,14 @@ class BrokenVersions:
 
     def to_json(self, now: float) -> list[dict]:
         with self._lock:
-            return [{"version": b.version, "digest": b.digest, "error": b.error, "failures": b.failures,
-                     "first_failed_unix_ms": b.first_failed_unix_ms, "retry_in_s": max(0.0, b.retry_at - now)}
-                    for b in sorted(self._versions.values(), key=lambda b: -b.version)]
+            return [
+                {
+                    "version": b.version,
+                    "digest": b.digest,
+                    "error": b.error,
+                    "failures": b.failures,
+                    "first_failed_unix_ms": b.first_failed_unix_ms,
+                    "retry_in_s": max(0.0, b.retry_at - now),
+                }
+                for b in sorted(self._versions.values(), key=lambda b: -b.version)
+            ]

@@ -173,10 +173,15 @@ class _Metrics:
         self.request_seconds = prom.Histogram("weightsync_engine_request_seconds", "Generate request duration", **kw)
         self.in_flight = prom.Gauge("weightsync_engine_requests_in_flight", "Generations running", **kw)
         self.swaps = prom.Counter("weightsync_engine_swaps", "Swaps by outcome", ["outcome"], **kw)
-        self.swap_pause = prom.Histogram("weightsync_engine_swap_pause_seconds", "Time new requests were held back"
-                                         " by a swap", buckets=_PAUSE_BUCKETS_S, **kw)
-        self.swap_total = prom.Histogram("weightsync_engine_swap_seconds", "Whole swap call (validation, "
-                                         "conversion, flip)", **kw)
+        self.swap_pause = prom.Histogram(
+            "weightsync_engine_swap_pause_seconds",
+            "Time new requests were held back by a swap",
+            buckets=_PAUSE_BUCKETS_S,
+            **kw,
+        )
+        self.swap_total = prom.Histogram(
+            "weightsync_engine_swap_seconds", "Whole swap call (validation, conversion, flip)", **kw
+        )
         self.version = prom.Gauge("weightsync_engine_weight_version", "Version new requests get (-1: none)", **kw)
         self.version.set(-1)
 
@@ -223,8 +228,9 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
-             policy: str = "drain") -> SwapReport:
+    def swap(
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+    ) -> SwapReport:
         """Makes `weights` the served weights atomically; running requests meet them as `policy`
         says (module docstring). Raises LayoutError (and keeps serving the previous version)
         when they do not fit the architecture."""
@@ -325,9 +331,16 @@ class ReferenceEngine:
                 del self._in_flight[record.served.version]
                 self._cond.notify_all()
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, seed: int | None = None, stop: int | None = ByteTokenizer.EOS,
-                 ) -> Generation:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: int | None = ByteTokenizer.EOS,
+    ) -> Generation:
         """Continuations of `prompt_ids` (any lengths), with the versions that produced them.
 
         Prompts are grouped by length and each group decoded as one batch. A swap during the
@@ -338,8 +351,10 @@ class ReferenceEngine:
         try:
             replica = self._replicas.get(timeout=self.config.queue_timeout_s)
         except queue.Empty:
-            raise NotReady(f"all {self.config.max_concurrent_requests} generation slots stayed busy for "
-                           f"{self.config.queue_timeout_s}s; retry later") from None
+            raise NotReady(
+                f"all {self.config.max_concurrent_requests} generation slots stayed busy for "
+                f"{self.config.queue_timeout_s}s; retry later"
+            ) from None
         self.metrics.in_flight.inc()
         restarts = 0
         try:
@@ -349,13 +364,24 @@ class ReferenceEngine:
                 while True:
                     started = request.record
                     try:
-                        completions = self._generate_on(replica, request, prompt_ids, max_new_tokens=max_new_tokens,
-                                                        temperature=temperature, top_k=top_k, seed=seed, stop=stop)
+                        completions = self._generate_on(
+                            replica,
+                            request,
+                            prompt_ids,
+                            max_new_tokens=max_new_tokens,
+                            temperature=temperature,
+                            top_k=top_k,
+                            seed=seed,
+                            stop=stop,
+                        )
                         break
                     except _Aborted:
                         restarts += 1
-                        logger.info("a request on version %d was cut by an abort swap; it runs again on version %d",
-                                    started.served.version, request.record.served.version)
+                        logger.info(
+                            "a request on version %d was cut by an abort swap; it runs again on version %d",
+                            started.served.version,
+                            request.record.served.version,
+                        )
             finally:
                 self._release(request.record)
         finally:
@@ -369,9 +395,18 @@ class ReferenceEngine:
         """The state of one request starting on `record` (tests gate its steps by subclassing)."""
         return _Running(self, record)
 
-    def _generate_on(self, replica: CausalLM, request: _Running, prompt_ids: Sequence[Sequence[int]], *,
-                     max_new_tokens: int, temperature: float, top_k: int, seed: int | None,
-                     stop: int | None) -> list[Completion]:
+    def _generate_on(
+        self,
+        replica: CausalLM,
+        request: _Running,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int | None,
+        stop: int | None,
+    ) -> list[Completion]:
         """One attempt at the whole request, starting on `request.record`; _Aborted if an abort
         swap cuts it."""
         generator = torch.Generator()
@@ -398,14 +433,22 @@ class ReferenceEngine:
             rows = by_length[length]
             batch = torch.tensor([list(prompt_ids[i]) for i in rows], dtype=torch.long)
             tokens, logprobs = replica.generate(
-                batch, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop_token=stop,
-                generator=generator, weights=request.record.served.weights, next_weights=next_weights)
+                batch,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                stop_token=stop,
+                generator=generator,
+                weights=request.record.served.weights,
+                next_weights=next_weights,
+            )
             for row, i in enumerate(rows):
                 completions[i] = self._completion(tokens[row].tolist(), logprobs[row].tolist(), stop, switches)
         return completions
 
-    def _completion(self, tokens: list[int], logprobs: list[float], stop: int | None,
-                    switches: list[tuple[int, int]]) -> Completion:
+    def _completion(
+        self, tokens: list[int], logprobs: list[float], stop: int | None, switches: list[tuple[int, int]]
+    ) -> Completion:
         finish = "length"
         if stop is not None and stop in tokens:  # rows that stopped keep emitting the stop token
             end = tokens.index(stop) + 1
@@ -413,8 +456,10 @@ class ReferenceEngine:
         text = TOKENIZER.decode(tokens) if self.model_config.vocab_size >= TOKENIZER.vocab_size else None
         # A switch at or after the row's end made none of its tokens (the batch went on for other rows).
         starts = [(version, start) for version, start in switches if start < len(tokens)] or switches[:1]
-        ranges = [VersionRange(version, start, stop_at) for (version, start), (_, stop_at)
-                  in zip(starts, starts[1:] + [(None, len(tokens))], strict=True)]
+        ranges = [
+            VersionRange(version, start, stop_at)
+            for (version, start), (_, stop_at) in zip(starts, starts[1:] + [(None, len(tokens))], strict=True)
+        ]
         return Completion(tokens, logprobs, text, finish, ranges)
 
     def _check_layout(self, weights: Mapping[str, torch.Tensor], *, strict_dtype: bool) -> None:
@@ -425,8 +470,10 @@ class ReferenceEngine:
             if not tensor.is_floating_point():
                 raise LayoutError(f"{name} is {tensor.dtype}; the model's weights are floating point")
             if strict_dtype and tensor.dtype != self._dtype:
-                raise LayoutError(f"{name} is {tensor.dtype}; compute_dtype {self.config.compute_dtype} serves "
-                                  f"{self._dtype} tensors as they are (use compute_dtype float32 to convert)")
+                raise LayoutError(
+                    f"{name} is {tensor.dtype}; compute_dtype {self.config.compute_dtype} serves "
+                    f"{self._dtype} tensors as they are (use compute_dtype float32 to convert)"
+                )
 
 
 class _Running:

@@ -39,8 +39,18 @@ from weightsync.agents.reference_engine import (
 from weightsync.errors import WeightsyncError
 from weightsync.models import ByteTokenizer, ModelConfig
 
-__all__ = ["BadRequest", "Completion", "Generation", "NotReady", "ReferenceServer", "ReferenceServerConfig", "Served",
-           "open_reference_server", "parse_generate_request", "serve"]
+__all__ = [
+    "BadRequest",
+    "Completion",
+    "Generation",
+    "NotReady",
+    "ReferenceServer",
+    "ReferenceServerConfig",
+    "Served",
+    "open_reference_server",
+    "parse_generate_request",
+    "serve",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +118,9 @@ class ReferenceServer(ReferenceEngine):
         self._http = ThreadingHTTPServer((self.config.host, self.config.port), _Handler)
         self._http.daemon_threads = True
         self._http.engine = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.1,), name="reference-server",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, args=(0.1,), name="reference-server", daemon=True
+        )
         self._thread.start()
         logger.info("reference server listening on %s (compute %s)", self.url, self.config.compute_dtype)
         return self
@@ -132,9 +143,13 @@ class ReferenceServer(ReferenceEngine):
         """The /v1/version document."""
         record = self._current
         served = record.served if record is not None else Served(None, None, {})
-        return {"weight_version": served.version, "weight_digest": served.digest,
-                "swapped_at": record and record.swapped_at, "last_swap_pause_s": self._last_pause_s,
-                "compute_dtype": self.config.compute_dtype}
+        return {
+            "weight_version": served.version,
+            "weight_digest": served.digest,
+            "swapped_at": record and record.swapped_at,
+            "last_swap_pause_s": self._last_pause_s,
+            "compute_dtype": self.config.compute_dtype,
+        }
 
     def handle_generate(self, body: bytes) -> dict[str, Any]:
         """The /v1/generate answer for a request body; BadRequest or NotReady on failure.
@@ -149,9 +164,13 @@ class ReferenceServer(ReferenceEngine):
             doc = c._asdict()
             doc["versions"] = [r._asdict() for r in c.versions]
             completions.append(doc)
-        return {"weight_version": generation.served.version, "weight_digest": generation.served.digest,
-                "weight_versions": generation.versions(), "restarts": generation.restarts,
-                "completions": completions}
+        return {
+            "weight_version": generation.served.version,
+            "weight_digest": generation.served.digest,
+            "weight_versions": generation.versions(),
+            "restarts": generation.restarts,
+            "completions": completions,
+        }
 
 
 def parse_generate_request(body: bytes, model: ModelConfig, limits: ReferenceServerConfig) -> dict[str, Any]:
@@ -187,18 +206,27 @@ def parse_generate_request(body: bytes, model: ModelConfig, limits: ReferenceSer
         if len(ids) > limits.max_prompt_tokens:
             raise BadRequest(f"prompt {i} has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
         if len(ids) + max_new > model.max_position_embeddings:
-            raise BadRequest(f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
-                             f"max_position_embeddings ({model.max_position_embeddings})")
+            raise BadRequest(
+                f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
+                f"max_position_embeddings ({model.max_position_embeddings})"
+            )
     temperature = doc.get("temperature", 0.0)
     # A tiny positive temperature scales logits to inf (NaN probabilities); greedy is spelled 0.
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            temperature == 0 or 0.01 <= temperature <= 100):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (temperature == 0 or 0.01 <= temperature <= 100)
+    ):
         raise BadRequest(f"temperature must be 0 (greedy) or a number in [0.01, 100], got {temperature!r}")
     stop = doc.get("stop", ByteTokenizer.EOS if vocab > ByteTokenizer.EOS else None)
-    return {"prompt_ids": prompt_ids, "max_new_tokens": max_new, "temperature": float(temperature),
-            "top_k": _int(doc.get("top_k", 0), "top_k", 0, vocab),
-            "seed": None if doc.get("seed") is None else _int(doc["seed"], "seed", 0, 2**63 - 1),
-            "stop": None if stop is None else _int(stop, "stop", 0, vocab - 1)}
+    return {
+        "prompt_ids": prompt_ids,
+        "max_new_tokens": max_new,
+        "temperature": float(temperature),
+        "top_k": _int(doc.get("top_k", 0), "top_k", 0, vocab),
+        "seed": None if doc.get("seed") is None else _int(doc["seed"], "seed", 0, 2**63 - 1),
+        "stop": None if stop is None else _int(stop, "stop", 0, vocab - 1),
+    }
 
 
 def _refuse_constant(name: str) -> Any:
@@ -243,8 +271,14 @@ class _Handler(BaseHTTPRequestHandler):
         engine: ReferenceServer = self.server.engine  # type: ignore[attr-defined]
         path = self.path.split("?", 1)[0]
         if path == "/health":
-            self._send(200, {"status": "ok", "ready": engine.served_version() is not None,
-                             "weight_version": engine.served_version()})
+            self._send(
+                200,
+                {
+                    "status": "ok",
+                    "ready": engine.served_version() is not None,
+                    "weight_version": engine.served_version(),
+                },
+            )
         elif path == "/v1/version":
             self._send(200, engine.version_info())
         elif path == "/metrics":
@@ -341,8 +375,10 @@ register_engine("reference", open_reference_server)
 
 def serve(argv: Sequence[str] | None = None) -> int:
     """Serves an HF-style directory until SIGINT/SIGTERM; prints {"url": ...} once listening."""
-    parser = argparse.ArgumentParser(prog="python -m weightsync.agents.reference_server",
-                                     description="Serve an HF-style model directory with the reference server.")
+    parser = argparse.ArgumentParser(
+        prog="python -m weightsync.agents.reference_server",
+        description="Serve an HF-style model directory with the reference server.",
+    )
     parser.add_argument("--model-dir", required=True, help="config.json + safetensors, served as version 0")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -352,9 +388,14 @@ def serve(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ReferenceServerConfig(model_dir=args.model_dir, host=args.host, port=args.port,
-                                   compute_dtype=args.compute_dtype, torch_threads=args.torch_threads,
-                                   max_concurrent_requests=args.max_concurrent_requests)
+    config = ReferenceServerConfig(
+        model_dir=args.model_dir,
+        host=args.host,
+        port=args.port,
+        compute_dtype=args.compute_dtype,
+        torch_threads=args.torch_threads,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -150,8 +150,9 @@ class SafetensorsDirEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
-             policy: str = "drain") -> SwapReport:
+    def swap(
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+    ) -> SwapReport:
         """Writes, places and points at snapshot `version`, then has the server reload it."""
         started = time.perf_counter()
         check_swap_args(version, digest, policy, self.swap_policies)
@@ -167,8 +168,10 @@ class SafetensorsDirEngine:
             else:
                 if target.exists():
                     if previous is not None and previous.name == target.name:
-                        raise WeightsyncError(f"{target} is current and holds another digest than {digest}; "
-                                              "a version number must not be reused for other weights")
+                        raise WeightsyncError(
+                            f"{target} is current and holds another digest than {digest}; "
+                            "a version number must not be reused for other weights"
+                        )
                     self.dir.discard(target)
                 self._write_snapshot(target, version, weights, digest)
                 created = True
@@ -217,14 +220,19 @@ class SafetensorsDirEngine:
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         free = shutil.disk_usage(self.root).free
         if nbytes > free:  # fail before writing rather than on ENOSPC halfway through
-            raise WeightsyncError(f"version {version} needs {nbytes / 2**30:.2f} GiB, {self.root} has "
-                                  f"{free / 2**30:.2f} GiB free; lower keep_snapshots or free space")
+            raise WeightsyncError(
+                f"version {version} needs {nbytes / 2**30:.2f} GiB, {self.root} has "
+                f"{free / 2**30:.2f} GiB free; lower keep_snapshots or free space"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=self.root))
         try:
             # "format": "pt" is what HF loaders expect in safetensors metadata.
-            write_safetensors({n: t.detach().cpu() for n, t in weights.items()}, tmp,
-                              max_shard_bytes=self.config.max_shard_bytes,
-                              metadata={"format": "pt", "weightsync_version": str(version)})
+            write_safetensors(
+                {n: t.detach().cpu() for n, t in weights.items()},
+                tmp,
+                max_shard_bytes=self.config.max_shard_bytes,
+                metadata={"format": "pt", "weightsync_version": str(version)},
+            )
             for src in self._template_files:
                 shutil.copyfile(src, tmp / src.name)
             if not (tmp / CONFIG_NAME).exists():
@@ -253,8 +261,9 @@ class SafetensorsDirEngine:
             if attempt:
                 time.sleep(self.config.reload_backoff_s * 2 ** (attempt - 1))
             started = time.perf_counter()
-            request = urllib.request.Request(self.config.reload_url, data=data, headers=headers,
-                                             method=self.config.reload_method)
+            request = urllib.request.Request(
+                self.config.reload_url, data=data, headers=headers, method=self.config.reload_method
+            )
             try:
                 with urllib.request.urlopen(request, timeout=self.config.reload_timeout_s) as reply:
                     text = reply.read(_REPLY_BYTES).decode("utf-8", "replace")
@@ -298,9 +307,20 @@ class SafetensorsDirEngine:
         return None
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def _as_config_source(value: Any) -> Any:
@@ -317,8 +337,10 @@ def _as_config_source(value: Any) -> Any:
         from weightsync.models import as_model_config  # only then: the engine needs no model code
 
         return as_model_config(value)
-    raise ValueError(f"model must be an HF config.json dict (with \"architectures\"), a ModelConfig or a dict "
-                     f"of its fields, got {type(value).__name__}")
+    raise ValueError(
+        f'model must be an HF config.json dict (with "architectures"), a ModelConfig or a dict '
+        f"of its fields, got {type(value).__name__}"
+    )
 
 
 def _config_json(model: Any) -> dict[str, Any]:

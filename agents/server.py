@@ -55,8 +55,12 @@ class _Servicer:
     def offer(self, request: sync_pb2.OfferRequest, context: grpc.ServicerContext) -> sync_pb2.OfferReply:
         try:
             wanted, missing = self.agent.offer(
-                model=request.model, version=request.version, manifest=request.manifest,
-                signature=request.signature, objects=list(request.objects), origin=request.origin or context.peer(),
+                model=request.model,
+                version=request.version,
+                manifest=request.manifest,
+                signature=request.signature,
+                objects=list(request.objects),
+                origin=request.origin or context.peer(),
                 hops=request.hops,
             )
         except WeightsyncError as e:
@@ -68,8 +72,13 @@ class _Servicer:
         kept = size = duplicates = 0
         try:
             for frame in frames:
-                if self.agent.receive_object(model=frame.model, version=frame.version, address=frame.object,
-                                             data=frame.data, placement=frame.placement):
+                if self.agent.receive_object(
+                    model=frame.model,
+                    version=frame.version,
+                    address=frame.object,
+                    data=frame.data,
+                    placement=frame.placement,
+                ):
                     kept += 1
                     size += len(frame.data)
                 else:
@@ -97,26 +106,44 @@ class AgentServer:
     def __init__(self, config: AgentConfig, *, engine: Engine | None = None) -> None:
         self.config = config
         token = read_token(config.token, config.token_file)
-        self.metrics = PrometheusMetrics(agent=config.name, region=config.region) \
-            if config.metrics_port is not None else NULL_METRICS
+        self.metrics = (
+            PrometheusMetrics(agent=config.name, region=config.region)
+            if config.metrics_port is not None
+            else NULL_METRICS
+        )
         self.engine = engine if engine is not None else open_engine(config.engine)
         relay = None
         if config.peers:
-            relay = Pusher(PushConfig(targets=config.peers, model=config.model, tls=config.client_tls, token=token,
-                                      origin=config.name, hops=1, max_buffered_bytes=config.relay_buffer_bytes),
-                           metrics=self.metrics)
+            relay = Pusher(
+                PushConfig(
+                    targets=config.peers,
+                    model=config.model,
+                    tls=config.client_tls,
+                    token=token,
+                    origin=config.name,
+                    hops=1,
+                    max_buffered_bytes=config.relay_buffer_bytes,
+                ),
+                metrics=self.metrics,
+            )
         self.agent = SyncAgent(
-            config, self.engine,
+            config,
+            self.engine,
             upstream=open_store(config.store) if config.store else None,
             verifier=Verifier.from_pem(config.trusted_keys) if config.trusted_keys else None,
-            relay=relay, metrics=self.metrics,
+            relay=relay,
+            metrics=self.metrics,
         )
         interceptors = [TokenAuthInterceptor(token)] if token else []
-        self._server = grpc.server(cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ws-rpc"),
-                                   options=SERVER_OPTIONS, interceptors=interceptors)
+        self._server = grpc.server(
+            cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ws-rpc"),
+            options=SERVER_OPTIONS,
+            interceptors=interceptors,
+        )
         servicer = _Servicer(self.agent)
         self._server.add_generic_rpc_handlers(
-            (agent_service_handler(servicer.offer, servicer.push_objects, servicer.get_status),))
+            (agent_service_handler(servicer.offer, servicer.push_objects, servicer.get_status),)
+        )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if config.tls is not None and config.tls.enabled:
@@ -149,8 +176,13 @@ class AgentServer:
             self.metrics_port = self.metrics.serve(self.config.metrics_port)
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("agent %s (%s) listening on %s, serving %s", self.config.name, self.config.region, self.address,
-                 self.config.model)
+        log.info(
+            "agent %s (%s) listening on %s, serving %s",
+            self.config.name,
+            self.config.region,
+            self.address,
+            self.config.model,
+        )
         return self
 
     def stop(self, grace_s: float = 5.0) -> None:

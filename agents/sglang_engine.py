@@ -146,11 +146,15 @@ class SGLangEngineConfig:
         object.__setattr__(self, "root", str(self.root))
         object.__setattr__(self, "model", _as_config_source(self.model))
         if self.model is None and self.template_dir is None:
-            raise ValueError("give template_dir (the HF directory the server was started with) and/or model, "
-                             "so snapshots get a config.json")
+            raise ValueError(
+                "give template_dir (the HF directory the server was started with) and/or model, "
+                "so snapshots get a config.json"
+            )
         if self.drain not in DRAINS:
-            raise ValueError(f"drain must be one of {DRAINS}, got {self.drain!r} (SGLang's in_place and retract "
-                             "pauses let paused requests continue on the new weights)")
+            raise ValueError(
+                f"drain must be one of {DRAINS}, got {self.drain!r} (SGLang's in_place and retract "
+                "pauses let paused requests continue on the new weights)"
+            )
         if self.load_format is not None and not isinstance(self.load_format, str):
             raise ValueError(f"load_format must be a string or None, got {self.load_format!r}")
         if not self.reload_timeout_s > 0 or not self.request_timeout_s > 0 or self.retry_backoff_s < 0:
@@ -208,8 +212,9 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
-             policy: str = "drain") -> SwapReport:
+    def swap(
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+    ) -> SwapReport:
         """Writes snapshot `version` (linking unchanged files), has SGLang load it, confirms.
         `policy` "abort" pauses with mode abort whatever `drain` says; "in_flight" is refused
         (module docstring)."""
@@ -230,8 +235,10 @@ class SGLangEngine:
             else:
                 if target.exists():
                     if previous is not None and previous.name == target.name:
-                        raise WeightsyncError(f"{target} is current and holds another digest than {digest}; "
-                                              "a version number must not be reused for other weights")
+                        raise WeightsyncError(
+                            f"{target} is current and holds another digest than {digest}; "
+                            "a version number must not be reused for other weights"
+                        )
                     self.dir.discard(target)
                 self._write_snapshot(target, version, weights, digest, plan)
                 created = True
@@ -296,26 +303,41 @@ class SGLangEngine:
             missing.append("GET /get_weight_version")
         # POST-only routes answer a GET with 405 when they exist and 404 when not: a probe with no
         # side effect (a POST to /continue_generation would un-pause someone else's pause).
-        routes = ["/update_weights_from_disk"] + (["/pause_generation", "/continue_generation"]
-                                                   if self.config.drain == "abort" else [])
+        routes = ["/update_weights_from_disk"] + (
+            ["/pause_generation", "/continue_generation"] if self.config.drain == "abort" else []
+        )
         for route in routes:
             reply = self._call("GET", route, None, self.config.request_timeout_s)
             if reply.status == 404 or reply.status is None:
                 missing.append(f"POST {route}")
         if missing:
-            raise SGLangError(f"the server at {self.config.url} lacks {', '.join(missing)}; weightsync needs SGLang "
-                              f"with weight versions (>= 0.5) and drain {self.config.drain!r} (docs/sglang.md)")
-        logger.info("sglang server at %s: model_path %s, weight_version %s", self.config.url,
-                    info.doc().get("model_path"), info.doc().get("weight_version"))
+            raise SGLangError(
+                f"the server at {self.config.url} lacks {', '.join(missing)}; weightsync needs SGLang "
+                f"with weight versions (>= 0.5) and drain {self.config.drain!r} (docs/sglang.md)"
+            )
+        logger.info(
+            "sglang server at %s: model_path %s, weight_version %s",
+            self.config.url,
+            info.doc().get("model_path"),
+            info.doc().get("weight_version"),
+        )
 
-    def _write_snapshot(self, target: Path, version: int, weights: Mapping[str, torch.Tensor], digest: str,
-                        plan: list[tuple[str, list[str]]]) -> None:
+    def _write_snapshot(
+        self,
+        target: Path,
+        version: int,
+        weights: Mapping[str, torch.Tensor],
+        digest: str,
+        plan: list[tuple[str, list[str]]],
+    ) -> None:
         base_files = read_meta(self._base).get("files", {}) if self._base is not None else {}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         free = shutil.disk_usage(self.root).free
         if nbytes > free:  # fail before writing rather than on ENOSPC halfway through
-            raise WeightsyncError(f"version {version} needs up to {nbytes / 2**30:.2f} GiB, {self.root} has "
-                                  f"{free / 2**30:.2f} GiB free; free space or lower keep_snapshots")
+            raise WeightsyncError(
+                f"version {version} needs up to {nbytes / 2**30:.2f} GiB, {self.root} has "
+                f"{free / 2**30:.2f} GiB free; free space or lower keep_snapshots"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=self.root))
         try:
             fingerprints, linked = {}, 0
@@ -330,8 +352,11 @@ class SGLangEngine:
                 save_file(tensors, str(tmp / file), metadata={"format": "pt"})
                 fsync(tmp / file)
             weight_map = {n: file for file, names in plan for n in names}
-            (tmp / INDEX_NAME).write_text(json.dumps(
-                {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            (tmp / INDEX_NAME).write_text(
+                json.dumps(
+                    {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+                )
+            )
             for src in self._template_files:
                 shutil.copyfile(src, tmp / src.name)
             if not (tmp / CONFIG_NAME).exists():
@@ -346,8 +371,13 @@ class SGLangEngine:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.info("snapshot %s: %d of %d files hard-linked from %s", target.name, linked, len(plan),
-                    self._base.name if self._base is not None else None)
+        logger.info(
+            "snapshot %s: %d of %d files hard-linked from %s",
+            target.name,
+            linked,
+            len(plan),
+            self._base.name if self._base is not None else None,
+        )
 
     def _load(self, target: Path, version: int, previous: Path | None, *, abort: bool) -> float:
         """Has the server load `target` and confirms it; the seconds requests were held back.
@@ -367,17 +397,25 @@ class SGLangEngine:
                 resumed = self._call("POST", "/continue_generation", {}, config.request_timeout_s)
                 if resumed.status != 200:
                     # Loud: the server holds every new request until someone continues it.
-                    logger.error("POST %s/continue_generation failed: %s; the server stays paused",
-                                 config.url, _describe(resumed))
-                    raise SGLangError(f"continue after version {version} failed, the server stays paused: "
-                                      f"{_describe(resumed)}")
+                    logger.error(
+                        "POST %s/continue_generation failed: %s; the server stays paused",
+                        config.url,
+                        _describe(resumed),
+                    )
+                    raise SGLangError(
+                        f"continue after version {version} failed, the server stays paused: {_describe(resumed)}"
+                    )
         if problem:
             raise SGLangError(problem)
         return time.perf_counter() - started
 
     def _reload(self, path: Path, weight_version: str) -> _Reply:
-        body = {"model_path": str(path), "flush_cache": True, "weight_version": weight_version,
-                "abort_all_requests": False}
+        body = {
+            "model_path": str(path),
+            "flush_cache": True,
+            "weight_version": weight_version,
+            "abort_all_requests": False,
+        }
         if self.config.load_format is not None:
             body["load_format"] = self.config.load_format
         attempts = self.config.reload_retries + 1
@@ -400,8 +438,7 @@ class SGLangEngine:
             now, said = None, f"{said}; then {e}"
         if now == str(version):
             if not (reply.status == 200 and reply.doc().get("success") is True):
-                logger.warning("reload of version %d: %s, yet the server reports weight_version %s", version,
-                               said, now)
+                logger.warning("reload of version %d: %s, yet the server reports weight_version %s", version, said, now)
             return ""
         expected = self._server_version
         if now is not None and now == expected:
@@ -411,10 +448,17 @@ class SGLangEngine:
         # Restored only when `previous` is what this engine had the server load: after a restart,
         # `current` may be older than what the server was started on.
         if served_before is None or previous is None or not previous.is_dir():
-            return (f"reload of version {version} failed and the server reports weight_version {now!r}, "
-                    f"not {expected!r}; no snapshot to restore: {said}")
-        logger.error("reload of version %d: %s; server reports weight_version %r; restoring %s", version, said, now,
-                     previous.name)
+            return (
+                f"reload of version {version} failed and the server reports weight_version {now!r}, "
+                f"not {expected!r}; no snapshot to restore: {said}"
+            )
+        logger.error(
+            "reload of version %d: %s; server reports weight_version %r; restoring %s",
+            version,
+            said,
+            now,
+            previous.name,
+        )
         restored = self._reload(previous, expected)
         try:
             now = self.weight_version()
@@ -423,8 +467,10 @@ class SGLangEngine:
         if now == expected:
             self._served = served_before
             return f"reload of version {version} failed; restored weight_version {expected}: {said}"
-        return (f"reload of version {version} failed and restoring {previous.name} failed too "
-                f"({_describe(restored)}); the server reports weight_version {now!r}: {said}")
+        return (
+            f"reload of version {version} failed and restoring {previous.name} failed too "
+            f"({_describe(restored)}); the server reports weight_version {now!r}: {said}"
+        )
 
     def _call(self, method: str, route: str, body: Any, timeout_s: float) -> _Reply:
         headers = {"Content-Type": "application/json"}

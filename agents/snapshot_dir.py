@@ -114,8 +114,11 @@ def find_template_files(template_dir: str | None, *, need_config: bool) -> list[
     template = Path(template_dir)
     if not template.is_dir():
         raise WeightsyncError(f"template_dir {template} is not a directory")
-    files = [p for p in sorted(template.iterdir()) if p.is_file() and p.name != INDEX_NAME
-             and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.startswith(".")]
+    files = [
+        p
+        for p in sorted(template.iterdir())
+        if p.is_file() and p.name != INDEX_NAME and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.startswith(".")
+    ]
     if need_config and not any(p.name == CONFIG_NAME for p in files):
         raise WeightsyncError(f"template_dir {template} has no {CONFIG_NAME}; add one or give model")
     return files

@@ -97,19 +97,32 @@ class _Known:
 class SyncAgent:
     """Receives, verifies and serves versions of one model (see the module docstring)."""
 
-    def __init__(self, config: AgentConfig, engine: Engine, *, upstream: Store | None = None,
-                 verifier: Verifier | None = None, relay: Pusher | None = None,
-                 metrics: Metrics = NULL_METRICS) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        engine: Engine,
+        *,
+        upstream: Store | None = None,
+        verifier: Verifier | None = None,
+        relay: Pusher | None = None,
+        metrics: Metrics = NULL_METRICS,
+    ) -> None:
         self.config = config
         self.engine = engine
         self.upstream = upstream
         self.verifier = verifier
         self.relay = relay
         self.metrics = metrics
-        check_swap_policy(config.swap_policy, getattr(engine, "swap_policies", ("drain",)),
-                          engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine")
-        check_weights_kind(config.weights_kind, getattr(engine, "weights_kinds", ("model",)),
-                           engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine")
+        check_swap_policy(
+            config.swap_policy,
+            getattr(engine, "swap_policies", ("drain",)),
+            engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine",
+        )
+        check_weights_kind(
+            config.weights_kind,
+            getattr(engine, "weights_kinds", ("model",)),
+            engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine",
+        )
         self.model = config.model
         self.cache = AgentCache(config.cache_path, model=config.model, name=config.name, workers=config.workers)
         self.reader = self.cache.reader
@@ -119,9 +132,16 @@ class SyncAgent:
         self.early = EarlyApply(self.buffers, enabled=config.apply_early, workers=config.workers, name=config.name)
         self._served_version = 0
         self._served_digest = ""
-        self.intake = PushIntake(config, self.cache, accept=self._accept, served_version=lambda: self._served_version,
-                                 relay=relay, metrics=metrics, cond=self._cond,
-                                 apply_early=lambda *obj: self.early.submit(*obj, self._served_version))
+        self.intake = PushIntake(
+            config,
+            self.cache,
+            accept=self._accept,
+            served_version=lambda: self._served_version,
+            relay=relay,
+            metrics=metrics,
+            cond=self._cond,
+            apply_early=lambda *obj: self.early.submit(*obj, self._served_version),
+        )
         self.ledger = Ledger(config.ledger_size)
         self.broken = BrokenVersions(_RETRY_S)
         self.last_error = ""
@@ -130,7 +150,8 @@ class SyncAgent:
         self._thread: threading.Thread | None = None
         self.warm_up: codecs.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
         self._fetch_pool = cf.ThreadPoolExecutor(
-            max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch")
+            max(1, int(getattr(upstream, "io_concurrency", 4))), thread_name_prefix="ws-agent-fetch"
+        )
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -140,8 +161,9 @@ class SyncAgent:
         self._restore()
         # Kernels for bf16 (what publishers cast floats to) and what it serves, compiled while it waits.
         served = self.buffers.served.manifest.tensors if self.buffers.served is not None else ()
-        self.warm_up = codecs.BackgroundWarmUp({"bfloat16"} | {t.dtype for t in served},
-                                              thread_name=f"ws-agent-warm-up-{self.config.name}")
+        self.warm_up = codecs.BackgroundWarmUp(
+            {"bfloat16"} | {t.dtype for t in served}, thread_name=f"ws-agent-warm-up-{self.config.name}"
+        )
         self._thread = threading.Thread(target=self._run, name=f"ws-agent-{self.config.name}", daemon=True)
         self._thread.start()
 
@@ -177,21 +199,36 @@ class SyncAgent:
 
     # ------------------------------------------------------------------- incoming (gRPC threads)
 
-    def offer(self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str],
-              origin: str, hops: int) -> tuple[bool, list[str]]:
+    def offer(
+        self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str], origin: str, hops: int
+    ) -> tuple[bool, list[str]]:
         """An offer from a publisher or an upstream agent: (wanted, objects still missing)."""
-        return self.intake.offer(model=model, version=version, manifest=manifest, signature=signature,
-                                 objects=objects, origin=origin, hops=hops)
+        return self.intake.offer(
+            model=model,
+            version=version,
+            manifest=manifest,
+            signature=signature,
+            objects=objects,
+            origin=origin,
+            hops=hops,
+        )
 
-    def receive_object(self, *, model: str, version: int, address: str, data: memoryview | bytes,
-                       placement: ChunkPlacement | None = None) -> bool:
+    def receive_object(
+        self,
+        *,
+        model: str,
+        version: int,
+        address: str,
+        data: memoryview | bytes,
+        placement: ChunkPlacement | None = None,
+    ) -> bool:
         """One pushed object: kept (True) if new, verified against its address first; applied
         into the spare at once when its placement allows (`early_apply.py`)."""
-        return self.intake.receive_object(model=model, version=version, address=address, data=data,
-                                          placement=placement)
+        return self.intake.receive_object(model=model, version=version, address=address, data=data, placement=placement)
 
-    def _accept(self, data: bytes, signature: bytes | None, source: str, *, pushed: bool,
-                expect_version: int | None = None) -> _Known:
+    def _accept(
+        self, data: bytes, signature: bytes | None, source: str, *, pushed: bool, expect_version: int | None = None
+    ) -> _Known:
         """Parses and checks a manifest (signature, model, not older than served); records it.
 
         The store is the source of truth: a manifest read from it replaces a different one that
@@ -201,9 +238,11 @@ class SyncAgent:
         check_model(self.model, manifest.model)
         kind = manifest.producer.get("weights_kind", "model")
         if kind != self.config.weights_kind:
-            raise FormatError(f"v{manifest.version} of {manifest.model} holds {kind!r} weights, but this agent's engine "
-                              f"serves {self.config.weights_kind!r} weights (agent weights_kind); point the agent at "
-                              "the store model of the right kind (LoRA runs publish merged weights and adapters apart)")
+            raise FormatError(
+                f"v{manifest.version} of {manifest.model} holds {kind!r} weights, but this agent's engine "
+                f"serves {self.config.weights_kind!r} weights (agent weights_kind); point the agent at "
+                "the store model of the right kind (LoRA runs publish merged weights and adapters apart)"
+            )
         if expect_version is not None and manifest.version != expect_version:
             raise FormatError(f"offer says v{expect_version} but its manifest is v{manifest.version}")
         if self.verifier is not None and (signature or self.config.require_signatures):
@@ -220,8 +259,12 @@ class SyncAgent:
             if known is not None and source != "store":
                 raise IntegrityError(f"two different manifests offered as v{manifest.version}")
             if known is not None:
-                log.warning("%s: v%d in the store differs from the one offered by %s; the store's wins",
-                            self.config.name, manifest.version, known.source)
+                log.warning(
+                    "%s: v%d in the store differs from the one offered by %s; the store's wins",
+                    self.config.name,
+                    manifest.version,
+                    known.source,
+                )
             known = _Known(manifest, data, signature, source, int(time.time() * 1000), time.monotonic(), pushed)
             if manifest.version > self._served_version:
                 self._known[manifest.version] = known
@@ -283,8 +326,11 @@ class SyncAgent:
             with self._cond:
                 skip = set(self._known) | {self._served_version}
             now = time.monotonic()
-            candidates = [v for v in list_versions(self.upstream, self.model)
-                          if v > self._served_version and v not in skip and not self.broken.waiting(v, None, now)]
+            candidates = [
+                v
+                for v in list_versions(self.upstream, self.model)
+                if v > self._served_version and v not in skip and not self.broken.waiting(v, None, now)
+            ]
             if not candidates:
                 return
             version = max(candidates)
@@ -329,7 +375,8 @@ class SyncAgent:
             entry = self.ledger.entry(target.manifest.version)
             with self._cond:
                 entry.timings_s["failed_attempts"] = entry.timings_s.get("failed_attempts", 0.0) + (
-                    time.monotonic() - started)
+                    time.monotonic() - started
+                )
             raise
         finally:
             self.buffers.rewriting = False
@@ -355,8 +402,11 @@ class SyncAgent:
                 if same and known.manifest.digest == staging.manifest.digest:
                     start = i + 1
         path = chain[start:]
-        entry.path = (f"deltas {staging.manifest.version}->{version}" if start else
-                      f"base {chain[0].manifest.version} + {len(chain) - 1} deltas")
+        entry.path = (
+            f"deltas {staging.manifest.version}->{version}"
+            if start
+            else f"base {chain[0].manifest.version} + {len(chain) - 1} deltas"
+        )
         try:
             self._gather(target, path, entry, timings)
             # The reader re-reads the whole chain's manifests from the cache, also those of the
@@ -374,18 +424,27 @@ class SyncAgent:
                 timings.update(early_apply=early.span_s, early_wait=early.wait_s)
         except (IntegrityError, FormatError) as e:
             self._forget_failed_path(path)
-            raise type(e)(f"v{version} failed verification ({e}); its unverified parts are dropped and "
-                          "fetched again") from e
+            raise type(e)(
+                f"v{version} failed verification ({e}); its unverified parts are dropped and fetched again"
+            ) from e
         t_swap = time.monotonic()
-        report = self.engine.swap(version, staging.state_dict(), digest=target.manifest.digest,
-                                  policy=self.config.swap_policy)
+        report = self.engine.swap(
+            version, staging.state_dict(), digest=target.manifest.digest, policy=self.config.swap_policy
+        )
         self.cache.write_state(version, target.manifest.digest)
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
             entry.served_unix_ms = int(time.time() * 1000)
-            entry.timings_s.update(timings, gather=t_apply - t_gather, apply=t_swap - t_apply, swap=report.total_s,
-                                   swap_pause=report.pause_s, total=done - t0, since_offer=done - target.offered_at)
+            entry.timings_s.update(
+                timings,
+                gather=t_apply - t_gather,
+                apply=t_swap - t_apply,
+                swap=report.total_s,
+                swap_pause=report.pause_s,
+                total=done - t0,
+                since_offer=done - target.offered_at,
+            )
             self.ledger.supersede(version)
             self.broken.forget_up_to(version)
             self.buffers.swapped(staging, self._served_version)
@@ -397,8 +456,14 @@ class SyncAgent:
         self.metrics.observe("agent/swap_pause_s", report.pause_s)
         self.metrics.observe("agent/sync_s", done - target.offered_at)
         self.metrics.inc("agent/versions_served", path="deltas" if start else "base")
-        log.info("%s: serving v%d (%s) %.3f s after the offer; swap pause %.2f ms", self.config.name, version,
-                 entry.path, done - target.offered_at, 1000 * report.pause_s)
+        log.info(
+            "%s: serving v%d (%s) %.3f s after the offer; swap pause %.2f ms",
+            self.config.name,
+            version,
+            entry.path,
+            done - target.offered_at,
+            1000 * report.pause_s,
+        )
         self._log_stall(entry, done - target.offered_at)
         self._collect_cache()
 
@@ -408,16 +473,22 @@ class SyncAgent:
         if since_offer_s <= STALL_LOG_S:
             return
         t = entry.timings_s
-        stages = {f"waiting for requests on the previous buffer's version (swap_policy {self.config.swap_policy})":
-                  t.get("drain", 0.0),
-                  "waiting for pushes": t.get("push_wait", 0.0), "fetching from the store": t.get("fetch", 0.0),
-                  "applying and verifying": t.get("apply", 0.0), "swapping into the engine": t.get("swap", 0.0),
-                  f"in earlier attempts that failed (last: {entry.error or '?'})": t.get("failed_attempts", 0.0)}
+        stages = {
+            f"waiting for requests on the previous buffer's version (swap_policy {self.config.swap_policy})": t.get(
+                "drain", 0.0
+            ),
+            "waiting for pushes": t.get("push_wait", 0.0),
+            "fetching from the store": t.get("fetch", 0.0),
+            "applying and verifying": t.get("apply", 0.0),
+            "swapping into the engine": t.get("swap", 0.0),
+            f"in earlier attempts that failed (last: {entry.error or '?'})": t.get("failed_attempts", 0.0),
+        }
         accounted = sum(stages.values()) + t.get("gather", 0.0) - t.get("push_wait", 0.0) - t.get("fetch", 0.0)
         stages["queued behind the previous sync"] = max(0.0, since_offer_s - accounted)
         parts = ", ".join(f"{s:.1f} s {what}" for what, s in sorted(stages.items(), key=lambda kv: -kv[1]) if s >= 0.05)
-        log.warning("%s: v%d took %.1f s from offer to serving: %s", self.config.name, entry.version, since_offer_s,
-                    parts)
+        log.warning(
+            "%s: v%d took %.1f s from offer to serving: %s", self.config.name, entry.version, since_offer_s, parts
+        )
 
     def _chain(self, target: _Known) -> list[_Known]:
         """The target's chain, base first, from accepted manifests, the cache or the store."""
@@ -490,10 +561,12 @@ class SyncAgent:
         unserved manifests leave the cache (they have no good copy until the next attempt
         rewrites them), and an offered manifest that failed twice is forgotten (if it was real,
         the store or the next offer brings it back)."""
-        served = {known.manifest.version: known.data for known in path
-                  if known.manifest.version <= self._served_version}
-        self.cache.repair([known.manifest.version for known in path], served.get,
-                          objects_of=[known.manifest for known in path])
+        served = {
+            known.manifest.version: known.data for known in path if known.manifest.version <= self._served_version
+        }
+        self.cache.repair(
+            [known.manifest.version for known in path], served.get, objects_of=[known.manifest for known in path]
+        )
         for known in path:
             version = known.manifest.version
             if known.source == "store":
@@ -503,8 +576,12 @@ class SyncAgent:
                 with self._cond:
                     if self._known.get(version) is known:
                         del self._known[version]
-                log.warning("%s: forgetting the v%d offered by %s: it failed verification twice", self.config.name,
-                            version, known.source)
+                log.warning(
+                    "%s: forgetting the v%d offered by %s: it failed verification twice",
+                    self.config.name,
+                    version,
+                    known.source,
+                )
 
     # --------------------------------------------------------------------- state and ledger
 
@@ -532,8 +609,12 @@ class SyncAgent:
 
     def _collect_cache(self) -> None:
         protect = {self._served_version} | self.buffers.versions()
-        self.cache.collect(keep=self.config.cache_keep_versions, protect=protect, grace_s=self.config.cache_grace_s,
-                           good_copy=self._good_copy)
+        self.cache.collect(
+            keep=self.config.cache_keep_versions,
+            protect=protect,
+            grace_s=self.config.cache_grace_s,
+            good_copy=self._good_copy,
+        )
 
     def _good_copy(self, version: int) -> bytes | None:
         """The manifest of `version` as accepted or as the store has it (checked), never the
@@ -551,8 +632,14 @@ class SyncAgent:
         broken = self.broken.fail(version, manifest.digest, entry.error, time.monotonic())
         self.metrics.inc("agent/errors")
         self._report_broken()
-        log.warning("%s: v%d failed (%d times; next try in %.1f s): %s", self.config.name, version, broken.failures,
-                    broken.retry_at - time.monotonic(), entry.error)
+        log.warning(
+            "%s: v%d failed (%d times; next try in %.1f s): %s",
+            self.config.name,
+            version,
+            broken.failures,
+            broken.retry_at - time.monotonic(),
+            entry.error,
+        )
 
     def _report_broken(self) -> None:
         self.metrics.set("agent/broken_versions", len(self.broken))
@@ -567,11 +654,17 @@ class SyncAgent:
         with self._cond:
             target = max(self._known, default=self._served_version)
             return {
-                "agent": self.config.name, "region": self.config.region, "model": self.model,
-                "current_version": self._served_version, "current_digest": self._served_digest,
+                "agent": self.config.name,
+                "region": self.config.region,
+                "model": self.model,
+                "current_version": self._served_version,
+                "current_digest": self._served_digest,
                 "target_version": max(target, self._served_version),
                 "ledger": self.ledger.to_json(),
-                "last_error": self.last_error, "engine": getattr(self.engine, "name", type(self.engine).__name__),
-                "peers": list(self.config.peers), "started_unix_ms": self.started_unix_ms,
-                "served_digest": served_digest, "broken": self.broken.to_json(time.monotonic()),
+                "last_error": self.last_error,
+                "engine": getattr(self.engine, "name", type(self.engine).__name__),
+                "peers": list(self.config.peers),
+                "started_unix_ms": self.started_unix_ms,
+                "served_digest": served_digest,
+                "broken": self.broken.to_json(time.monotonic()),
             }

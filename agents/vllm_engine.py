@@ -135,15 +135,23 @@ class VllmEngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if isinstance(self.start_timeout_s, bool) or not isinstance(self.start_timeout_s, (int, float)) \
-                or self.start_timeout_s < 0:
+        if (
+            isinstance(self.start_timeout_s, bool)
+            or not isinstance(self.start_timeout_s, (int, float))
+            or self.start_timeout_s < 0
+        ):
             raise ValueError(f"start_timeout_s must be >= 0 seconds, got {self.start_timeout_s!r}")
         if self.handoff_dir is not None and not Path(self.handoff_dir).is_dir():
             raise ValueError(f"handoff_dir {self.handoff_dir} is not a directory")
-        if self.lora_name is not None and (not isinstance(self.lora_name, str)
-                                           or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", self.lora_name)):
+        if self.lora_name is not None and (
+            not isinstance(self.lora_name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", self.lora_name)
+        ):
             raise ValueError(f"lora_name must be 1-128 letters, digits, '.', '_' or '-', got {self.lora_name!r}")
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not self.lora_alpha > 0:
+        if (
+            isinstance(self.lora_alpha, bool)
+            or not isinstance(self.lora_alpha, (int, float))
+            or not self.lora_alpha > 0
+        ):
             raise ValueError(f"lora_alpha must be a positive number, got {self.lora_alpha!r}")
 
 
@@ -165,8 +173,9 @@ class VllmEngine:
         self._healthy = True
         self._last_error: str | None = None
         self._slices: dict[int, dict[str, tuple]] = {}  # per worker: what it held at the last swap
-        self._handoff_dir = Path(config.handoff_dir or ("/dev/shm" if Path("/dev/shm").is_dir()
-                                                        else tempfile.gettempdir()))
+        self._handoff_dir = Path(
+            config.handoff_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+        )
         self.weights_kinds = ("adapter",) if config.lora_name else ("model",)
         self._lora_id: int | None = None  # vLLM's id for lora_name, once this engine registered it
         self._remove_stale_handoffs()
@@ -177,8 +186,9 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ Engine protocol
 
-    def swap(self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str,
-             policy: str = "drain") -> SwapReport:
+    def swap(
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+    ) -> SwapReport:
         """Hands `weights` to the workers, has them load and digest them, and serves `version`
         only once every worker holds exactly those bytes; running requests meet it as `policy`
         says (module docstring)."""
@@ -200,8 +210,10 @@ class VllmEngine:
                     hashes = vllm_lora.write_peft_dir(path, weights, rank, self.config.lora_alpha, self._write_handoff)
                     self._check_handoff(path / vllm_lora.WEIGHTS_FILE, hashes)  # while still serving
                     dtype = self.workers[0]["dtype"]
-                    expected = {(name, dtype): vllm_lora.held_hash(t, name, _TORCH_DTYPES[dtype], scale)
-                                for name, t in weights.items()}
+                    expected = {
+                        (name, dtype): vllm_lora.held_hash(t, name, _TORCH_DTYPES[dtype], scale)
+                        for name, t in weights.items()
+                    }
                 else:
                     path = path.with_suffix(".safetensors")
                     hashes = self._write_handoff(path, weights)
@@ -235,9 +247,15 @@ class VllmEngine:
                     path.unlink(missing_ok=True)
             self._served, self._healthy, self._last_error = version, True, None
         timings = reports[0].get("timings_s", {})
-        logger.info("vllm %s serves v%d: pause %.1f ms (drain %.1f ms, load %.1f ms), swap %.2f s",
-                    self.config.url, version, 1000 * (resumed - t_pause), 1000 * (paused - t_pause),
-                    1000 * timings.get("load", 0.0), time.perf_counter() - started)
+        logger.info(
+            "vllm %s serves v%d: pause %.1f ms (drain %.1f ms, load %.1f ms), swap %.2f s",
+            self.config.url,
+            version,
+            1000 * (resumed - t_pause),
+            1000 * (paused - t_pause),
+            1000 * timings.get("load", 0.0),
+            time.perf_counter() - started,
+        )
         return SwapReport(version=version, pause_s=resumed - t_pause, total_s=time.perf_counter() - started)
 
     def served_version(self) -> int | None:
@@ -265,8 +283,9 @@ class VllmEngine:
     def rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list[Any]:
         """One collective RPC on every worker; their results in rank order."""
         timeout_s = timeout_s or self.config.request_timeout_s
-        reply = self._post("/collective_rpc", {"method": method, "args": list(args), "timeout": timeout_s},
-                           timeout_s=timeout_s + 30)
+        reply = self._post(
+            "/collective_rpc", {"method": method, "args": list(args), "timeout": timeout_s}, timeout_s=timeout_s + 30
+        )
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or not results:
             raise WeightsyncError(f"{self.config.url}/collective_rpc {method}: no results in {str(reply)[:200]}")
@@ -286,15 +305,20 @@ class VllmEngine:
             tensor = tensor.contiguous()
             contiguous[name] = tensor
             nbytes = tensor.numel() * tensor.element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
         header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-aligned
         free = os.statvfs(path.parent)
         if offset > free.f_bavail * free.f_frsize:
-            raise WeightsyncError(f"handoff of {offset / 2**30:.2f} GiB does not fit in {path.parent}; "
-                                  "give handoff_dir a tmpfs with room for one model")
+            raise WeightsyncError(
+                f"handoff of {offset / 2**30:.2f} GiB does not fit in {path.parent}; "
+                "give handoff_dir a tmpfs with room for one model"
+            )
         with open(path, "wb") as f:
             f.write(len(header_bytes).to_bytes(8, "little"))
             f.write(header_bytes)
@@ -316,8 +340,12 @@ class VllmEngine:
     def _expected_digests(self, weights: Mapping[str, torch.Tensor]) -> dict[tuple[int, str, tuple], str]:
         """Hashes of the slices each worker reported holding at the last swap, computed before the
         pause so that verifying after the load is a comparison of strings."""
-        return {(rank, name, tuple(spec)): _slice_hash(weights[name], *spec)
-                for rank, slices in self._slices.items() for name, spec in slices.items() if name in weights}
+        return {
+            (rank, name, tuple(spec)): _slice_hash(weights[name], *spec)
+            for rank, slices in self._slices.items()
+            for name, spec in slices.items()
+            if name in weights
+        }
 
     def _load(self, path: Path) -> list[dict[str, Any]]:
         results = self.rpc("weightsync_load", str(path), timeout_s=self.config.load_timeout_s)
@@ -326,8 +354,13 @@ class VllmEngine:
                 raise WeightsyncError(f"a worker answered weightsync_load with {str(result)[:300]}")
         return results
 
-    def _verify(self, version: int, weights: Mapping[str, torch.Tensor], reports: list[dict[str, Any]],
-                expected: Mapping[tuple[int, str, tuple], str] | None = None) -> None:
+    def _verify(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor],
+        reports: list[dict[str, Any]],
+        expected: Mapping[tuple[int, str, tuple], str] | None = None,
+    ) -> None:
         """Each worker's digest against the same slices of the published tensors (`expected`:
         hashes computed beforehand, by rank, name and slice; the rest are computed here)."""
         expected = expected or {}
@@ -338,20 +371,28 @@ class VllmEngine:
             for name, (dim, start, length, dtype, actual) in report["tensors"].items():
                 tensor = weights.get(name)
                 if tensor is None:
-                    raise LayoutError(f"worker {rank} holds {name}, which v{version} does not publish; the "
-                                      "served model's architecture does not match the published one")
+                    raise LayoutError(
+                        f"worker {rank} holds {name}, which v{version} does not publish; the "
+                        "served model's architecture does not match the published one"
+                    )
                 spec = (dim, start, length, dtype)
                 want = expected.get((rank, name, spec)) or _slice_hash(tensor, *spec)
                 if want != actual:
-                    raise IntegrityError(f"worker {rank} holds {name} with digest {actual}, v{version} has "
-                                         f"{want}: the engine does not serve what was published")
+                    raise IntegrityError(
+                        f"worker {rank} holds {name} with digest {actual}, v{version} has "
+                        f"{want}: the engine does not serve what was published"
+                    )
                 covered.add(name)
         missing = sorted(set(weights) - covered)
         if missing:
-            raise LayoutError(f"v{version} publishes {len(missing)} tensors no worker loaded, e.g. {missing[:5]}; "
-                              "the served model's architecture does not match the published one")
-        self._slices = {rank: {name: tuple(entry[:4]) for name, entry in report["tensors"].items()}
-                        for rank, report in enumerate(reports)}
+            raise LayoutError(
+                f"v{version} publishes {len(missing)} tensors no worker loaded, e.g. {missing[:5]}; "
+                "the served model's architecture does not match the published one"
+            )
+        self._slices = {
+            rank: {name: tuple(entry[:4]) for name, entry in report["tensors"].items()}
+            for rank, report in enumerate(reports)
+        }
 
     def _load_adapter(self, staged: Path) -> list[dict[str, Any]]:
         """Moves the staged PEFT directory's files into this adapter's fixed directory (the path
@@ -367,8 +408,9 @@ class VllmEngine:
             self._lora_id = self._register_adapter(fixed)
             results = self.rpc("weightsync_lora_digest", str(self._lora_id), timeout_s=self.config.load_timeout_s)
         else:
-            results = self.rpc("weightsync_lora_load", str(self._lora_id), str(fixed),
-                               timeout_s=self.config.load_timeout_s)
+            results = self.rpc(
+                "weightsync_lora_load", str(self._lora_id), str(fixed), timeout_s=self.config.load_timeout_s
+            )
         return results
 
     def _register_adapter(self, directory: Path) -> int:
@@ -379,12 +421,17 @@ class VllmEngine:
         if any(isinstance(card, dict) and card.get("id") == name for card in cards):
             self._post("/v1/unload_lora_adapter", {"lora_name": name})
         before = self._lora_ids()
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)},
-                   timeout_s=self.config.load_timeout_s)
+        self._post(
+            "/v1/load_lora_adapter",
+            {"lora_name": name, "lora_path": str(directory)},
+            timeout_s=self.config.load_timeout_s,
+        )
         gained = self._lora_ids() - before
         if len(gained) != 1:
-            raise WeightsyncError(f"loading adapter {name!r} gave the workers adapter ids {sorted(gained)}, not one: "
-                                  "was another adapter loaded at the same time?")
+            raise WeightsyncError(
+                f"loading adapter {name!r} gave the workers adapter ids {sorted(gained)}, not one: "
+                "was another adapter loaded at the same time?"
+            )
         return gained.pop()
 
     def _lora_ids(self) -> set[int]:
@@ -397,9 +444,11 @@ class VllmEngine:
         expected = set(self.workers[0].get("hf_names") or ())
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or unexpected:
-            raise LayoutError(f"v{version} does not fit the model vLLM serves ({self.workers[0].get('model_class')}): "
-                              f"{len(missing)} tensors missing {missing[:5]}, {len(unexpected)} unexpected "
-                              f"{unexpected[:5]}; the published model's architecture does not match")
+            raise LayoutError(
+                f"v{version} does not fit the model vLLM serves ({self.workers[0].get('model_class')}): "
+                f"{len(missing)} tensors missing {missing[:5]}, {len(unexpected)} unexpected "
+                f"{unexpected[:5]}; the published model's architecture does not match"
+            )
 
     def _remove_stale_handoffs(self) -> None:
         """Deletes handoffs (files, and staged adapter directories) that an agent killed mid-swap
@@ -439,36 +488,48 @@ class VllmEngine:
         missing = [route for route in REQUIRED_ROUTES if route not in routes]
         if missing:
             how = "; ".join(f"{route}: {REQUIRED_ROUTES[route]}" for route in missing)
-            raise WeightsyncError(f"the vLLM server at {self.config.url} lacks {missing} ({how}), and "
-                                  f"pass --worker-extension-cls {EXTENSION}")
+            raise WeightsyncError(
+                f"the vLLM server at {self.config.url} lacks {missing} ({how}), and "
+                f"pass --worker-extension-cls {EXTENSION}"
+            )
         return routes
 
     def _probe_extension(self) -> list[dict[str, Any]]:
         try:
             workers = self.rpc("weightsync_info")
         except WeightsyncError as e:
-            raise WeightsyncError(f"the vLLM server at {self.config.url} has no weightsync worker extension "
-                                  f"({e}); start it with --worker-extension-cls {EXTENSION}") from None
+            raise WeightsyncError(
+                f"the vLLM server at {self.config.url} has no weightsync worker extension "
+                f"({e}); start it with --worker-extension-cls {EXTENSION}"
+            ) from None
         for worker in workers:
             if not isinstance(worker, dict) or worker.get("protocol") != PROTOCOL:
-                raise WeightsyncError(f"the vLLM workers run another weightsync worker extension ({worker}); "
-                                      f"install the same weightsync version beside vLLM as the agent's")
+                raise WeightsyncError(
+                    f"the vLLM workers run another weightsync worker extension ({worker}); "
+                    f"install the same weightsync version beside vLLM as the agent's"
+                )
         return workers
 
     def _probe_lora(self) -> dict[str, Any]:
         """Refuses a server that cannot take adapters at runtime; returns what its workers take."""
         missing = [r for r in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") if r not in self.routes]
         if missing:
-            raise WeightsyncError(f"the vLLM server at {self.config.url} lacks {missing}: start it with "
-                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True to serve adapter-only versions (lora_name)")
+            raise WeightsyncError(
+                f"the vLLM server at {self.config.url} lacks {missing}: start it with "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True to serve adapter-only versions (lora_name)"
+            )
         try:
             infos = self.rpc("weightsync_lora_info")
         except WeightsyncError as e:
-            raise WeightsyncError(f"the vLLM workers' weightsync extension cannot serve adapters ({e}); install "
-                                  "the same weightsync version beside vLLM as the agent's") from None
+            raise WeightsyncError(
+                f"the vLLM workers' weightsync extension cannot serve adapters ({e}); install "
+                "the same weightsync version beside vLLM as the agent's"
+            ) from None
         if not all(isinstance(info, dict) and info.get("enabled") for info in infos):
-            raise WeightsyncError(f"the vLLM server at {self.config.url} runs without LoRA: start it with "
-                                  "--enable-lora --max-lora-rank R (R >= the run's LoRA rank)")
+            raise WeightsyncError(
+                f"the vLLM server at {self.config.url} runs without LoRA: start it with "
+                "--enable-lora --max-lora-rank R (R >= the run's LoRA rank)"
+            )
         return infos[0]
 
     # ------------------------------------------------------------------ HTTP
@@ -502,10 +563,20 @@ class VllmEngine:
             return {"text": text[:500]}
 
 
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32",
-                       torch.int64: "I64", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-                       torch.float8_e5m2: "F8_E5M2"}
+_SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS_DTYPES}
 
 

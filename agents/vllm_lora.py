@@ -43,39 +43,59 @@ def adapter_rank(version: int, weights: Mapping[str, torch.Tensor], lora_info: M
     modules = {}
     for name, tensor in weights.items():
         if not name.endswith((SUFFIX_A, SUFFIX_B)) or tensor.dim() != 2:
-            raise LayoutError(f"v{version} holds {name} {tuple(tensor.shape)}, which is not a LoRA adapter matrix "
-                              f"(*{SUFFIX_A} / *{SUFFIX_B}, 2-D): the store model is not an adapter-only one")
-        modules.setdefault(name.rsplit(".", 2)[0], {})[name[-len(SUFFIX_A):]] = tensor
+            raise LayoutError(
+                f"v{version} holds {name} {tuple(tensor.shape)}, which is not a LoRA adapter matrix "
+                f"(*{SUFFIX_A} / *{SUFFIX_B}, 2-D): the store model is not an adapter-only one"
+            )
+        modules.setdefault(name.rsplit(".", 2)[0], {})[name[-len(SUFFIX_A) :]] = tensor
     ranks = set()
     for module, pair in sorted(modules.items()):
         if set(pair) != {SUFFIX_A, SUFFIX_B}:
             raise LayoutError(f"v{version}: {module} has {sorted(pair)} but needs both lora_A and lora_B")
         a, b = pair[SUFFIX_A], pair[SUFFIX_B]
         if a.shape[0] != b.shape[1]:
-            raise LayoutError(f"v{version}: {module} lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                              "A must be (rank, in) and B (out, rank)")
+            raise LayoutError(
+                f"v{version}: {module} lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                "A must be (rank, in) and B (out, rank)"
+            )
         ranks.add(int(a.shape[0]))
     if len(ranks) != 1:
         raise LayoutError(f"v{version} mixes adapter ranks {sorted(ranks)}; one rank per adapter")
     rank = ranks.pop()
     if rank > lora_info["max_rank"]:
-        raise LayoutError(f"v{version} is a rank-{rank} adapter but the vLLM server takes rank <= "
-                          f"{lora_info['max_rank']}: start it with --max-lora-rank {rank} or more")
+        raise LayoutError(
+            f"v{version} is a rank-{rank} adapter but the vLLM server takes rank <= "
+            f"{lora_info['max_rank']}: start it with --max-lora-rank {rank} or more"
+        )
     targets = sorted({module.rsplit(".", 1)[-1] for module in modules} - set(lora_info["modules"]))
     if targets:
-        raise LayoutError(f"v{version} adapts {targets}, which the served model cannot take adapters on "
-                          f"(it can: {lora_info['modules']}); train the LoRA without them")
+        raise LayoutError(
+            f"v{version} adapts {targets}, which the served model cannot take adapters on "
+            f"(it can: {lora_info['modules']}); train the LoRA without them"
+        )
     return rank
 
 
-def write_peft_dir(directory: Path, weights: Mapping[str, torch.Tensor], rank: int, alpha: float,
-                   write_tensors: Callable[[Path, Mapping[str, torch.Tensor]], dict[str, str]]) -> dict[str, str]:
+def write_peft_dir(
+    directory: Path,
+    weights: Mapping[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    write_tensors: Callable[[Path, Mapping[str, torch.Tensor]], dict[str, str]],
+) -> dict[str, str]:
     """Writes the PEFT directory vLLM loads; returns {file's tensor name: xxh3 of its bytes}."""
     directory.mkdir(parents=True)
     hashes = write_tensors(directory / WEIGHTS_FILE, {PEFT_PREFIX + name: t for name, t in weights.items()})
     targets = sorted({name.rsplit(".", 3)[-3] for name in weights})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "target_modules": targets, "bias": "none", "use_rslora": False}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": targets,
+        "bias": "none",
+        "use_rslora": False,
+    }
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     return hashes
 
@@ -90,8 +110,14 @@ def held_hash(tensor: torch.Tensor, name: str, dtype: torch.dtype, scale: float)
     return xxh3_hex(memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
 
 
-def verify(version: int, weights: Mapping[str, torch.Tensor], reports: list[dict[str, Any]], scale: float,
-           expected: Mapping[tuple[str, str], str], dtypes: Mapping[str, torch.dtype]) -> None:
+def verify(
+    version: int,
+    weights: Mapping[str, torch.Tensor],
+    reports: list[dict[str, Any]],
+    scale: float,
+    expected: Mapping[tuple[str, str], str],
+    dtypes: Mapping[str, torch.dtype],
+) -> None:
     """Each worker's digest of the adapter it now holds against the published tensors
     (`expected`: by (name, dtype), computed before the pause; others are computed here)."""
     for rank, report in enumerate(reports):
@@ -100,12 +126,16 @@ def verify(version: int, weights: Mapping[str, torch.Tensor], reports: list[dict
             raise IntegrityError(f"worker {rank} answered with no adapter digest: {str(report)[:300]}")
         missing, unexpected = sorted(set(weights) - set(held)), sorted(set(held) - set(weights))
         if missing or unexpected:
-            raise LayoutError(f"worker {rank} holds an adapter that differs from v{version}: {len(missing)} tensors "
-                              f"missing {missing[:5]}, {len(unexpected)} unexpected {unexpected[:5]}")
+            raise LayoutError(
+                f"worker {rank} holds an adapter that differs from v{version}: {len(missing)} tensors "
+                f"missing {missing[:5]}, {len(unexpected)} unexpected {unexpected[:5]}"
+            )
         for name, (dtype, actual) in held.items():
             if dtype not in dtypes:
                 raise LayoutError(f"worker {rank} holds {name} in {dtype}, which weightsync cannot compare")
             want = expected.get((name, dtype)) or held_hash(weights[name], name, dtypes[dtype], scale)
             if want != actual:
-                raise IntegrityError(f"worker {rank} holds adapter tensor {name} with digest {actual}, v{version} "
-                                     f"has {want}: the engine does not serve what was published")
+                raise IntegrityError(
+                    f"worker {rank} holds adapter tensor {name} with digest {actual}, v{version} "
+                    f"has {want}: the engine does not serve what was published"
+                )

@@ -57,8 +57,14 @@ class WeightsyncWorkerExtension:
         tensor names its model loads (what the engine checks a version's names against)."""
         model = self.model_runner.model
         rank, size = _tp_rank_size(model)
-        return {"protocol": PROTOCOL, "model_class": type(model).__name__, "tp_rank": rank, "tp_size": size,
-                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "hf_names": _hf_names(model)}
+        return {
+            "protocol": PROTOCOL,
+            "model_class": type(model).__name__,
+            "tp_rank": rank,
+            "tp_size": size,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "hf_names": _hf_names(model),
+        }
 
     def weightsync_check(self, path: str, expected_json: str) -> dict[str, Any]:
         """Hashes every tensor of the handoff file and compares with `expected_json` ({hf_name:
@@ -70,13 +76,16 @@ class WeightsyncWorkerExtension:
             names = list(handoff.keys())  # noqa: SIM118 - safe_open has no __iter__
             if sorted(names) != sorted(expected):
                 missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
-                raise ValueError(f"handoff {path} does not hold the announced tensors: missing {missing[:5]}, "
-                                 f"unexpected {extra[:5]}")
+                raise ValueError(
+                    f"handoff {path} does not hold the announced tensors: missing {missing[:5]}, unexpected {extra[:5]}"
+                )
             for name in names:
                 actual = _tensor_hash(handoff.get_tensor(name))
                 if actual != expected[name]:
-                    raise ValueError(f"handoff {path}: {name} hashes to {actual}, the agent sent {expected[name]}; "
-                                     "the handoff was damaged between the agent and this worker")
+                    raise ValueError(
+                        f"handoff {path}: {name} hashes to {actual}, the agent sent {expected[name]}; "
+                        "the handoff was damaged between the agent and this worker"
+                    )
         return {"tensors": len(names), "check_s": time.perf_counter() - started}
 
     def weightsync_load(self, path: str) -> dict[str, Any]:
@@ -87,8 +96,7 @@ class WeightsyncWorkerExtension:
             names = list(handoff.keys())  # noqa: SIM118 - safe_open has no __iter__
             self._weightsync_hook_repacking()
             self._weightsync_captured.clear()
-            self.reload_weights(weights_iterator=((n, handoff.get_tensor(n)) for n in names),
-                                is_checkpoint_format=True)
+            self.reload_weights(weights_iterator=((n, handoff.get_tensor(n)) for n in names), is_checkpoint_format=True)
         loaded = time.perf_counter()
         digest = self.weightsync_digest()
         digest["timings_s"] = {"load": loaded - started, "digest": time.perf_counter() - loaded}
@@ -150,8 +158,12 @@ class WeightsyncWorkerExtension:
         modules = set()
         for module in adapters.supported_lora_modules:
             modules.update(packed.get(module) or [module])
-        return {"enabled": True, "max_rank": int(adapters.lora_config.max_lora_rank), "modules": sorted(modules),
-                "ids": sorted(int(i) for i in manager.list_adapters())}
+        return {
+            "enabled": True,
+            "max_rank": int(adapters.lora_config.max_lora_rank),
+            "modules": sorted(modules),
+            "ids": sorted(int(i) for i in manager.list_adapters()),
+        }
 
     def weightsync_lora_load(self, lora_id: str, path: str) -> dict[str, Any]:
         """Replaces registered adapter `lora_id` by the PEFT directory `path` (server paused),
@@ -160,8 +172,9 @@ class WeightsyncWorkerExtension:
 
         started = time.perf_counter()
         manager = _lora_manager(self, required=True)
-        lora = manager._load_adapter(LoRARequest(lora_name=f"weightsync-{lora_id}", lora_int_id=int(lora_id),
-                                                 lora_path=path))
+        lora = manager._load_adapter(
+            LoRARequest(lora_name=f"weightsync-{lora_id}", lora_int_id=int(lora_id), lora_path=path)
+        )
         manager._adapter_manager.remove_adapter(lora.id)  # also frees its slot
         manager._adapter_manager.add_adapter(lora)
         loaded = time.perf_counter()
@@ -172,8 +185,12 @@ class WeightsyncWorkerExtension:
     def weightsync_lora_digest(self, lora_id: str) -> dict[str, Any]:
         """{"tensors": {peft name: [dtype, xxh3]}} of adapter `lora_id` as this worker holds it:
         lora_A as loaded, lora_B with vLLM's scaling folded in (what it multiplies by)."""
-        return {"tensors": {name: [str(t.dtype).removeprefix("torch."), _tensor_hash(t)]
-                            for name, t in _lora_tensors(self, int(lora_id)).items()}}
+        return {
+            "tensors": {
+                name: [str(t.dtype).removeprefix("torch."), _tensor_hash(t)]
+                for name, t in _lora_tensors(self, int(lora_id)).items()
+            }
+        }
 
     def weightsync_lora_save(self, lora_id: str, path: str) -> int:
         """Writes adapter `lora_id` as this worker holds it (`weightsync_lora_digest`'s tensors) to
@@ -280,8 +297,9 @@ def _tp_rank_size(model: torch.nn.Module) -> tuple[int, int]:
     return 0, 1
 
 
-def _split_to_hf(model: torch.nn.Module, name: str, param: torch.Tensor,
-                 module: torch.nn.Module | None = None) -> dict[str, list]:
+def _split_to_hf(
+    model: torch.nn.Module, name: str, param: torch.Tensor, module: torch.nn.Module | None = None
+) -> dict[str, list]:
     """The HF tensors (or their slices) that vLLM parameter `name` holds, each with its hash.
 
     Fused parameters (the model's `packed_modules_mapping`, e.g. qkv_proj <- q/k/v_proj) are split

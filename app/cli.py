@@ -62,8 +62,9 @@ def _manifest_row(manifest) -> dict[str, Any]:
         "parent": manifest.parent,
         "base": manifest.base,
         "step": manifest.step,
-        "created": datetime.datetime.fromtimestamp(manifest.created_unix_ms / 1000, datetime.timezone.utc)
-        .isoformat(timespec="seconds"),
+        "created": datetime.datetime.fromtimestamp(manifest.created_unix_ms / 1000, datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
         "raw_bytes": raw,
         "stored_bytes": stored,
         "ratio": raw / stored if stored else None,
@@ -91,8 +92,14 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
         config_kwargs["workers"] = args.workers
     progress = _Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
-        result = publish_once(_store(args), checkpoint, model=args.model, step=args.step,
-                              config=PublisherConfig(**config_kwargs), progress=progress)
+        result = publish_once(
+            _store(args),
+            checkpoint,
+            model=args.model,
+            step=args.step,
+            config=PublisherConfig(**config_kwargs),
+            progress=progress,
+        )
     finally:
         progress.close()
     row = _manifest_row(result.manifest)
@@ -127,15 +134,26 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         progress.close()
     files = write_safetensors(
-        state.state_dict(), args.out,
-        metadata={"weightsync_model": args.model, "weightsync_version": str(version),
-                  "weightsync_digest": manifest.digest},
+        state.state_dict(),
+        args.out,
+        metadata={
+            "weightsync_model": args.model,
+            "weightsync_version": str(version),
+            "weightsync_digest": manifest.digest,
+        },
     )
-    row = {"model": args.model, "version": version, "digest": manifest.digest, "raw_bytes": manifest.raw_bytes,
-           "files": [str(f) for f in files]}
+    row = {
+        "model": args.model,
+        "version": version,
+        "digest": manifest.digest,
+        "raw_bytes": manifest.raw_bytes,
+        "files": [str(f) for f in files],
+    }
     if not args.json:
-        print(f"pulled {args.model} v{version} ({_mb(manifest.raw_bytes)}, verified) into {args.out}: "
-              f"{', '.join(f.name for f in files)}")
+        print(
+            f"pulled {args.model} v{version} ({_mb(manifest.raw_bytes)}, verified) into {args.out}: "
+            f"{', '.join(f.name for f in files)}"
+        )
     return row
 
 
@@ -159,16 +177,20 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
         if not rows:
             print(f"{args.model} has no versions in {store.uri}")
         else:
-            print(f"{'version':>7} {'kind':>5} {'parent':>6} {'base':>5} {'step':>7} {'created':>25} "
-                  f"{'raw':>12} {'stored':>12} {'ratio':>7}  digest")
+            print(
+                f"{'version':>7} {'kind':>5} {'parent':>6} {'base':>5} {'step':>7} {'created':>25} "
+                f"{'raw':>12} {'stored':>12} {'ratio':>7}  digest"
+            )
             for r in rows:
                 if "error" in r:
                     print(f"{r['version']:>7} UNREADABLE: {r['error']}")
                     continue
                 ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
-                print(f"{r['version']:>7} {r['kind']:>5} {r['parent'] or '-':>6} {r['base']:>5} "
-                      f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_mb(r['raw_bytes']):>12} "
-                      f"{_mb(r['stored_bytes']):>12} {ratio:>7}  {r['digest'][:12]}")
+                print(
+                    f"{r['version']:>7} {r['kind']:>5} {r['parent'] or '-':>6} {r['base']:>5} "
+                    f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_mb(r['raw_bytes']):>12} "
+                    f"{_mb(r['stored_bytes']):>12} {ratio:>7}  {r['digest'][:12]}"
+                )
     return {"store": store.uri, "model": args.model, "versions": rows}
 
 
@@ -216,24 +238,41 @@ def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.stores.retention import collect_garbage
 
-    plan = collect_garbage(_store(args), args.model, keep=args.keep, protect=set(args.protect),
-                           grace_s=args.grace_s, dry_run=args.dry_run)
+    plan = collect_garbage(
+        _store(args), args.model, keep=args.keep, protect=set(args.protect), grace_s=args.grace_s, dry_run=args.dry_run
+    )
     row = {**plan.to_json(), "dry_run": args.dry_run}
     if not args.json:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} versions {list(plan.delete_versions) or 'none'} and {len(plan.delete_objects)} objects "
-              f"({_mb(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
-              f"{plan.young_unreferenced} unreferenced objects younger than the grace period kept")
+        print(
+            f"{verb} versions {list(plan.delete_versions) or 'none'} and {len(plan.delete_objects)} objects "
+            f"({_mb(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
+            f"{plan.young_unreferenced} unreferenced objects younger than the grace period kept"
+        )
     return row
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.app.demo import DemoConfig, run_demo
 
-    overrides = {k: getattr(args, k) for k in ("store", "out_dir", "warmup_steps", "rl_steps", "max_operand", "seed",
-                                               "engine", "vllm_python", "regions", "agents_per_region", "swap_policy",
-                                               "rollout_tokens")
-                 if getattr(args, k) is not None}
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "store",
+            "out_dir",
+            "warmup_steps",
+            "rl_steps",
+            "max_operand",
+            "seed",
+            "engine",
+            "vllm_python",
+            "regions",
+            "agents_per_region",
+            "swap_policy",
+            "rollout_tokens",
+        )
+        if getattr(args, k) is not None
+    }
     if args.quick:  # what the CI test runs: enough SFT that some samples are right (else no group teaches
         # anything and the trainer waits for rollouts: after 30 steps, reward ~0.03, it sampled ~13
         # groups per group it used; after 60, reward ~0.07, ~3.5), then two GRPO steps
@@ -255,20 +294,40 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         if args.engine_port is not None:
             engine["port"] = args.engine_port
     config = load_agent_config(
-        args.config, model=args.model, cache_dir=args.cache_dir, name=args.name, region=args.region,
-        listen=args.listen, health_listen=args.health_listen, store=args.store, peers=tuple(args.peer) or None,
-        engine=engine, token_file=args.token_file, trusted_keys=tuple(args.trusted_key) or None,
-        require_signatures=args.require_signatures or None, metrics_port=args.metrics_port,
-        poll_interval_s=args.poll_interval_s, swap_policy=args.swap_policy,
+        args.config,
+        model=args.model,
+        cache_dir=args.cache_dir,
+        name=args.name,
+        region=args.region,
+        listen=args.listen,
+        health_listen=args.health_listen,
+        store=args.store,
+        peers=tuple(args.peer) or None,
+        engine=engine,
+        token_file=args.token_file,
+        trusted_keys=tuple(args.trusted_key) or None,
+        require_signatures=args.require_signatures or None,
+        metrics_port=args.metrics_port,
+        poll_interval_s=args.poll_interval_s,
+        swap_policy=args.swap_policy,
     )
     from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
-
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
         engine_url = getattr(server.engine, "url", None)
-        print(json.dumps({"event": "ready", "agent": config.name, "address": server.address,
-                          "engine_url": engine_url, "metrics_port": server.metrics_port}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "event": "ready",
+                    "agent": config.name,
+                    "address": server.address,
+                    "engine_url": engine_url,
+                    "metrics_port": server.metrics_port,
+                }
+            ),
+            flush=True,
+        )
 
     run_agent(config, ready=ready)
     return {"agent": config.name, "stopped": True}
@@ -287,28 +346,37 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         client.close()
     row = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     if not args.json:
-        print(f"agent {reply.agent} ({reply.region}) serving {reply.model} v{reply.current_version} "
-              f"[{reply.current_digest[:12]}], newest known v{reply.target_version}, engine {reply.engine}, "
-              f"peers {list(reply.peers) or '-'}")
+        print(
+            f"agent {reply.agent} ({reply.region}) serving {reply.model} v{reply.current_version} "
+            f"[{reply.current_digest[:12]}], newest known v{reply.target_version}, engine {reply.engine}, "
+            f"peers {list(reply.peers) or '-'}"
+        )
         if args.verify:
             same = reply.served_digest == reply.current_digest
-            print(f"served bytes re-hashed: {reply.served_digest or 'nothing to check'} "
-                  f"({'bit-exact' if same else 'MISMATCH'})")
+            print(
+                f"served bytes re-hashed: {reply.served_digest or 'nothing to check'} "
+                f"({'bit-exact' if same else 'MISMATCH'})"
+            )
         if reply.last_error:
             print(f"last error: {reply.last_error}")
         for b in reply.broken:  # never served; retried while an older good version is served
             print(f"broken v{b.version}: {b.failures} failed attempts, next in {b.retry_in_s:.1f}s: {b.error}")
-        print(f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
-              f"{'pause':>8}  path / error")
+        print(
+            f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
+            f"{'pause':>8}  path / error"
+        )
         for e in reply.ledger:
             total = e.timings_s.get("since_offer")
             pause = e.timings_s.get("swap_pause")
-            print(f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_mb(e.bytes_pushed):>10} "
-                  f"{_mb(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
-                  f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}")
+            print(
+                f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_mb(e.bytes_pushed):>10} "
+                f"{_mb(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
+                f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}"
+            )
     if args.verify and reply.served_digest != reply.current_digest:
-        raise _Failed(row, f"served bytes hash to {reply.served_digest!r}, v{reply.current_version} is "
-                           f"{reply.current_digest!r}")
+        raise _Failed(
+            row, f"served bytes hash to {reply.served_digest!r}, v{reply.current_version} is {reply.current_digest!r}"
+        )
     return row
 
 
@@ -319,8 +387,10 @@ def _cmd_keygen(args: argparse.Namespace) -> dict[str, Any]:
     private, public = f"{args.out}.pem", f"{args.out}.pub"
     signer.write(private, public)
     if not args.json:
-        print(f"wrote {private} (private, mode 600: give it to the publisher) and {public} "
-              f"(public: give it to agents as a trusted key); key id {signer.key_id}")
+        print(
+            f"wrote {private} (private, mode 600: give it to the publisher) and {public} "
+            f"(public: give it to agents as a trusted key); key id {signer.key_id}"
+        )
     return {"private_key": private, "public_key": public, "key_id": signer.key_id}
 
 
@@ -358,8 +428,10 @@ class _Failed(Exception):
 def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool = True) -> None:
     if store:
         parser.add_argument("--store", required=True, help="store URI: file://DIR, a directory, or s3://BUCKET/PREFIX")
-        parser.add_argument("--endpoint-url", help="S3 endpoint (MinIO, R2, Ceph...); default: boto3's own "
-                                                    "settings ($AWS_ENDPOINT_URL, profile)")
+        parser.add_argument(
+            "--endpoint-url",
+            help="S3 endpoint (MinIO, R2, Ceph...); default: boto3's own settings ($AWS_ENDPOINT_URL, profile)",
+        )
     if model:
         parser.add_argument("--model", required=True, help="model name, e.g. qwen3-0.6b-grpo or org/name")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -367,9 +439,12 @@ def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool 
 
 
 def _add_publish(sub) -> None:
-    p = sub.add_parser("publish", help="publish a checkpoint as the next version",
-                       description="Publish safetensors files or an HF-style directory as the model's next "
-                                   "version (a delta on the latest version when shapes allow).")
+    p = sub.add_parser(
+        "publish",
+        help="publish a checkpoint as the next version",
+        description="Publish safetensors files or an HF-style directory as the model's next "
+        "version (a delta on the latest version when shapes allow).",
+    )
     _common(p)
     p.add_argument("checkpoint", nargs="+", help=".safetensors files or HF-style directories")
     p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
@@ -381,9 +456,12 @@ def _add_publish(sub) -> None:
 
 
 def _add_pull(sub) -> None:
-    p = sub.add_parser("pull", help="rebuild a version and write it as safetensors",
-                       description="Rebuild a version from its base and deltas, verify every hash, and "
-                                   "write it as safetensors (sharded with an index above 5 GiB).")
+    p = sub.add_parser(
+        "pull",
+        help="rebuild a version and write it as safetensors",
+        description="Rebuild a version from its base and deltas, verify every hash, and "
+        "write it as safetensors (sharded with an index above 5 GiB).",
+    )
     _common(p)
     p.add_argument("--version", type=int, help="version to pull (default: latest)")
     p.add_argument("--out", required=True, help="output directory")
@@ -399,8 +477,11 @@ def _add_ls(sub) -> None:
 
 
 def _add_verify(sub) -> None:
-    p = sub.add_parser("verify", help="rebuild versions and check every hash",
-                       description="Rebuild versions and check every chunk and digest; exit 1 if any fails.")
+    p = sub.add_parser(
+        "verify",
+        help="rebuild versions and check every hash",
+        description="Rebuild versions and check every chunk and digest; exit 1 if any fails.",
+    )
     _common(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--version", type=int, help="version to verify (default: latest)")
@@ -410,24 +491,34 @@ def _add_verify(sub) -> None:
 
 
 def _add_gc(sub) -> None:
-    p = sub.add_parser("gc", help="delete old versions and unreferenced chunks",
-                       description="Keep the newest N versions (and the bases and deltas they need, and any "
-                                   "protected version); delete the rest.")
+    p = sub.add_parser(
+        "gc",
+        help="delete old versions and unreferenced chunks",
+        description="Keep the newest N versions (and the bases and deltas they need, and any "
+        "protected version); delete the rest.",
+    )
     _common(p)
     p.add_argument("--keep", type=int, required=True, help="newest versions to keep (>= 1)")
     p.add_argument("--protect", type=int, nargs="*", default=[], help="versions to keep regardless")
-    p.add_argument("--grace-s", type=float, default=3600.0,
-                   help="never delete unreferenced chunks younger than this (in-flight publishes; default 3600)")
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=3600.0,
+        help="never delete unreferenced chunks younger than this (in-flight publishes; default 3600)",
+    )
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     p.set_defaults(handler=_cmd_gc)
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="run the end-to-end demo on embedded defaults",
-                       description="Run the asynchronous RL loop on this machine: an FSDP2 trainer (2 ranks) doing an "
-                                   "SFT warm start then GRPO, 2 regions x 2 sync agents with reference inference "
-                                   "servers, and rollout workers; then a table per version, summary.json and "
-                                   "summary.png. Stops everything it started, also on Ctrl-C.")
+    p = sub.add_parser(
+        "demo",
+        help="run the end-to-end demo on embedded defaults",
+        description="Run the asynchronous RL loop on this machine: an FSDP2 trainer (2 ranks) doing an "
+        "SFT warm start then GRPO, 2 regions x 2 sync agents with reference inference "
+        "servers, and rollout workers; then a table per version, summary.json and "
+        "summary.png. Stops everything it started, also on Ctrl-C.",
+    )
     _common(p, store=False, model=False)
     p.add_argument("--store", help="store URI (default: file://OUT_DIR/store); s3://BUCKET/PREFIX works too")
     p.add_argument("--out-dir", help="working directory, recreated on each run (default weightsync-demo)")
@@ -435,28 +526,43 @@ def _add_demo(sub) -> None:
     p.add_argument("--rl-steps", type=int, help="GRPO steps (default 80)")
     p.add_argument("--max-operand", type=int, help="the task's operands are drawn from [0, N] (default 9)")
     p.add_argument("--seed", type=int, help="seed of the model, data and sampling (default 0)")
-    p.add_argument("--engine", choices=("reference", "vllm"),
-                   help="inference engine beside each agent: the embedded reference server (default) or a real vLLM "
-                        "server per agent (needs vLLM: bash scripts/setup_vllm.sh; docs/vllm.md)")
-    p.add_argument("--vllm-python", help="--engine vllm: interpreter with vLLM and weightsync (default "
-                                         "$WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    p.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        help="inference engine beside each agent: the embedded reference server (default) or a real vLLM "
+        "server per agent (needs vLLM: bash scripts/setup_vllm.sh; docs/vllm.md)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        help="--engine vllm: interpreter with vLLM and weightsync (default "
+        "$WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
     p.add_argument("--regions", type=int, help="regions (default 2)")
     p.add_argument("--agents-per-region", type=int, help="agents per region (default 2; each runs its own engine)")
-    p.add_argument("--swap-policy", choices=("drain", "in_flight", "abort"),
-                   help="every agent's swap policy (default drain; docs/agents.md); summary.json reports the "
-                        "staleness of what the trainer learned from")
-    p.add_argument("--rollout-tokens", type=int,
-                   help="tokens each completion generates (default 8); more: long rollouts that swaps meet")
+    p.add_argument(
+        "--swap-policy",
+        choices=("drain", "in_flight", "abort"),
+        help="every agent's swap policy (default drain; docs/agents.md); summary.json reports the "
+        "staleness of what the trainer learned from",
+    )
+    p.add_argument(
+        "--rollout-tokens",
+        type=int,
+        help="tokens each completion generates (default 8); more: long rollouts that swaps meet",
+    )
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)
 
 
 def _add_agent(sub) -> None:
-    p = sub.add_parser("agent", help="run a sync agent beside an inference engine",
-                       description="Run a sync agent: receive pushed versions, relay them to peers, fetch what is "
-                                   "missing from the store, verify everything, hot-swap the engine's weights. "
-                                   "Settings come from --config (TOML, [agent] table) and the flags below. "
-                                   "Prints one JSON line when listening; stops gracefully on SIGTERM/SIGINT.")
+    p = sub.add_parser(
+        "agent",
+        help="run a sync agent beside an inference engine",
+        description="Run a sync agent: receive pushed versions, relay them to peers, fetch what is "
+        "missing from the store, verify everything, hot-swap the engine's weights. "
+        "Settings come from --config (TOML, [agent] table) and the flags below. "
+        "Prints one JSON line when listening; stops gracefully on SIGTERM/SIGINT.",
+    )
     _common(p, store=False, model=False)
     p.add_argument("--config", help="agent TOML file (see agents/config.py)")
     p.add_argument("--model", help="model name this agent serves")
@@ -475,15 +581,21 @@ def _add_agent(sub) -> None:
     p.add_argument("--require-signatures", action="store_true", help="refuse unsigned versions")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
     p.add_argument("--poll-interval-s", type=float, help="how often to check the store for new versions")
-    p.add_argument("--swap-policy", choices=("drain", "in_flight", "abort"),
-                   help="how requests running at a swap meet the new version (default drain; docs/agents.md)")
+    p.add_argument(
+        "--swap-policy",
+        choices=("drain", "in_flight", "abort"),
+        help="how requests running at a swap meet the new version (default drain; docs/agents.md)",
+    )
     p.set_defaults(handler=_cmd_agent)
 
 
 def _add_status(sub) -> None:
-    p = sub.add_parser("status", help="show an agent's version, ledger and last error",
-                       description="Ask a running agent for its current version, its ledger of recent versions "
-                                   "(path, bytes pushed and fetched, timings) and its last error.")
+    p = sub.add_parser(
+        "status",
+        help="show an agent's version, ledger and last error",
+        description="Ask a running agent for its current version, its ledger of recent versions "
+        "(path, bytes pushed and fetched, timings) and its last error.",
+    )
     _common(p, store=False, model=False)
     p.add_argument("--agent", required=True, help="agent gRPC address host:port")
     p.add_argument("--token-file", help="bearer token file (or $WEIGHTSYNC_TOKEN)")
@@ -492,8 +604,11 @@ def _add_status(sub) -> None:
     p.add_argument("--key", help="client key (PEM) for mTLS")
     p.add_argument("--server-name", help="name to check the agent's certificate against")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of the call (default 10)")
-    p.add_argument("--verify", action="store_true",
-                   help="have the agent re-hash the weights it serves; exit 1 unless they match the version's digest")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="have the agent re-hash the weights it serves; exit 1 unless they match the version's digest",
+    )
     p.set_defaults(handler=_cmd_status)
 
 
@@ -507,9 +622,11 @@ def _add_keygen(sub) -> None:
 def _add_train(sub) -> None:
     from weightsync.trainer.launch import add_train_arguments
 
-    p = sub.add_parser("train", help="run the FSDP2 trainer (publishing in its loop)",
-                       description="Run the FSDP2 trainer from a TOML config; --nproc N starts N ranks with "
-                                   "torchrun on this machine.")
+    p = sub.add_parser(
+        "train",
+        help="run the FSDP2 trainer (publishing in its loop)",
+        description="Run the FSDP2 trainer from a TOML config; --nproc N starts N ranks with torchrun on this machine.",
+    )
     _common(p, store=False, model=False)
     add_train_arguments(p)
     p.set_defaults(handler=_cmd_train)
@@ -518,10 +635,13 @@ def _add_train(sub) -> None:
 def _add_serve_training(sub) -> None:
     from weightsync.app.training.serve import add_arguments
 
-    p = sub.add_parser("serve-training", help="serve the Tinker training API on the FSDP2 trainer",
-                       description="A training server that the unmodified tinker SDK (0.38) talks to: "
-                                   "tinker.ServiceClient(base_url=URL, api_key=KEY); see docs/training-api.md. "
-                                   "--nproc N starts N ranks with torchrun (default: the profile's ranks, else 1).")
+    p = sub.add_parser(
+        "serve-training",
+        help="serve the Tinker training API on the FSDP2 trainer",
+        description="A training server that the unmodified tinker SDK (0.38) talks to: "
+        "tinker.ServiceClient(base_url=URL, api_key=KEY); see docs/training-api.md. "
+        "--nproc N starts N ranks with torchrun (default: the profile's ranks, else 1).",
+    )
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks on this machine (torchrun)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout when the server exits")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -530,8 +650,17 @@ def _add_serve_training(sub) -> None:
 
 
 _SUBCOMMANDS: list[Callable] = [
-    _add_publish, _add_pull, _add_ls, _add_verify, _add_gc, _add_agent, _add_status, _add_keygen, _add_train,
-    _add_demo, _add_serve_training,
+    _add_publish,
+    _add_pull,
+    _add_ls,
+    _add_verify,
+    _add_gc,
+    _add_agent,
+    _add_status,
+    _add_keygen,
+    _add_train,
+    _add_demo,
+    _add_serve_training,
 ]
 
 
@@ -551,8 +680,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     from weightsync.errors import ConfigError, WeightsyncError
 
     try:

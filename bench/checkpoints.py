@@ -113,11 +113,19 @@ class CheckpointConfig:
 
     def model_config(self) -> ModelConfig:
         """The decoder these fields describe: a Llama (no q/k norms, no biases) with an untied head."""
-        return ModelConfig(model_type="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                           max_position_embeddings=max(2048, self.seq_len), rope_theta=self.rope_theta,
-                           rms_norm_eps=self.rms_norm_eps, initializer_range=self.init_std)
+        return ModelConfig(
+            model_type="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=max(2048, self.seq_len),
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            initializer_range=self.init_std,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,12 +345,27 @@ _LM_CACHE_FORMAT = 1
 # Qwen3-style architectures of about 0.1 / 0.5 / 1 GiB of bf16 weights (54M / 269M / 545M parameters),
 # untied head, 32k vocabulary: the embedding/head share of a small real LLM.
 LM_ARCHITECTURES = {
-    0.1: {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 7, "num_attention_heads": 8,
-          "num_key_value_heads": 2},
-    0.5: {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 18, "num_attention_heads": 16,
-          "num_key_value_heads": 4},
-    1.0: {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 18, "num_attention_heads": 16,
-          "num_key_value_heads": 4},
+    0.1: {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    },
+    0.5: {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    1.0: {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
 }
 
 
@@ -451,8 +474,13 @@ def _lm_series_train(config: LMSeriesConfig, path: Path) -> None:
         loss = float("nan")
         for _ in range(config.warmup_steps):
             loss = _train_step(model, opt, data, config)  # type: ignore[arg-type]
-        logger.info("LM warm-up: %d steps, loss %.3f, %.1fs (%d params)", config.warmup_steps, loss,
-                    time.perf_counter() - t0, num_parameters(config.model))
+        logger.info(
+            "LM warm-up: %d steps, loss %.3f, %.1fs (%d params)",
+            config.warmup_steps,
+            loss,
+            time.perf_counter() - t0,
+            num_parameters(config.model),
+        )
         files = []
         names = [name for name, _ in model.named_parameters()]
         for i, lr in enumerate(config.lrs):

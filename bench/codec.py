@@ -219,8 +219,9 @@ def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
         torch.set_num_threads(torch_threads)
     for item, changes in zip(items, run(), strict=True):  # identical to what the host path encodes
         a, b, dtype = views(*item)
-        codec_id, raw, obj, _ = encode_chunk(a.reshape(-1).view(torch.uint8).numpy(),
-                                             b.reshape(-1).view(torch.uint8).numpy(), dtype, 1, changes=changes)
+        codec_id, raw, obj, _ = encode_chunk(
+            a.reshape(-1).view(torch.uint8).numpy(), b.reshape(-1).view(torch.uint8).numpy(), dtype, 1, changes=changes
+        )
         if obj is not None:
             out = b.clone()
             apply_chunk(obj, out.reshape(-1).view(torch.uint8).numpy(), dtype, raw, codec_id)
@@ -277,8 +278,14 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
             ours.update(measure_device_diff(take_snapshot(old_sd), take_snapshot(new_sd), config.repeats))
             v1 = measure_ours(old_sd, new_sd, dataclasses.replace(config, threads=(2,)), ctx=False)
             ctx_only = measure_ours(old_sd, new_sd, dataclasses.replace(config, threads=(2,)), rans=False)
-            log.info("lr %g pair %d: ratio %.1fx (%.2f of the bound), codecs before ctx %.1fx", lr, i,
-                     ours["ratio"], ours["ratio"] / bound, v1["ratio"])
+            log.info(
+                "lr %g pair %d: ratio %.1fx (%.2f of the bound), codecs before ctx %.1fx",
+                lr,
+                i,
+                ours["ratio"],
+                ours["ratio"] / bound,
+                v1["ratio"],
+            )
             record = {
                 "lr": lr,
                 "pair": i,
@@ -287,17 +294,26 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
                 "entropy_bound": bound,
                 "ours": ours,
                 "ours_vs_bound": ours["ratio"] / bound,
-                "v1": {k: v for k, v in v1.items() if k in ("ratio", "bits_per_changed", "chunk_codecs")
-                       or k.endswith("_2t")},
+                "v1": {
+                    k: v
+                    for k, v in v1.items()
+                    if k in ("ratio", "bits_per_changed", "chunk_codecs") or k.endswith("_2t")
+                },
                 "v1_vs_bound": v1["ratio"] / bound,
-                "ctx_only": {k: v for k, v in ctx_only.items() if k in ("ratio", "bits_per_changed", "chunk_codecs")
-                             or k.endswith("_2t")},
+                "ctx_only": {
+                    k: v
+                    for k, v in ctx_only.items()
+                    if k in ("ratio", "bits_per_changed", "chunk_codecs") or k.endswith("_2t")
+                },
                 "ctx_only_vs_bound": ctx_only["ratio"] / bound,
             }
             if i < config.baseline_pairs:
                 results, skipped = run_baselines(
-                    checkpoint_bytes(old_sd), checkpoint_bytes(new_sd), tools=tools,
-                    patch_levels=config.patch_levels, zstd_level=3,  # stock zstd, as users run it
+                    checkpoint_bytes(old_sd),
+                    checkpoint_bytes(new_sd),
+                    tools=tools,
+                    patch_levels=config.patch_levels,
+                    zstd_level=3,  # stock zstd, as users run it
                 )
                 record["baselines"] = [r.as_dict() for r in results]
                 record["skipped"] = skipped
@@ -309,8 +325,10 @@ def run(config: BenchConfig, checkpoints: CheckpointConfig, cache_dir: Path) -> 
         "bench": "codec",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {**dataclasses.asdict(config), "chunk_bytes": CHUNK_BYTES},
-        "checkpoints": {**dataclasses.asdict(checkpoints), "parameters": sum(
-            t.numel() for t in next(iter(series.values()))[0].values())},
+        "checkpoints": {
+            **dataclasses.asdict(checkpoints),
+            "parameters": sum(t.numel() for t in next(iter(series.values()))[0].values()),
+        },
         "versions": _versions(),
         "hardware": describe_machine(),
         "load_avg_before": load_before,
@@ -339,8 +357,11 @@ def _summary(pairs: list[dict]) -> dict:
             "v1_bits_per_changed": statistics.mean(p["v1"]["bits_per_changed"] for p in rows),
             **{f"v1_{k}": statistics.mean(p["v1"][k] for p in rows) for k in rows[0]["v1"] if k.endswith("_2t")},
             "ctx_only_ratio_vs_bound": statistics.mean(p["ctx_only_vs_bound"] for p in rows),
-            **{f"ctx_only_{k}": statistics.mean(p["ctx_only"][k] for p in rows) for k in rows[0]["ctx_only"]
-               if k.endswith("_2t")},
+            **{
+                f"ctx_only_{k}": statistics.mean(p["ctx_only"][k] for p in rows)
+                for k in rows[0]["ctx_only"]
+                if k.endswith("_2t")
+            },
             **{k: statistics.mean(p["ours"][k] for p in rows) for k in keys},
         }
         with_x = [p["ours_vs_xdelta3"] for p in rows if "ours_vs_xdelta3" in p]
@@ -355,8 +376,12 @@ def _versions() -> dict:
     import zstandard
 
     return {
-        "weightsync": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "numpy": np.__version__, "zstandard": zstandard.__version__, "xxhash": xxhash.VERSION,
+        "weightsync": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "zstandard": zstandard.__version__,
+        "xxhash": xxhash.VERSION,
     }
 
 
@@ -389,38 +414,72 @@ def markdown(record: dict) -> str:
             f"{e.get('publish_GBps_2t', 0):.2f} GB/s | {e.get('reader_advance_GBps_2t', 0):.2f} GB/s | "
             f"{e.get('device_diff_cpu_GBps_1t', 0):.2f} GB/s |"
         )
-    lines += ["", "Before ctx (sparse/xor only), 2 threads: " + "; ".join(
-        f"lr {lr}: encode {e.get('v1_encode_GBps_2t', 0):.2f} GB/s, decode+apply "
-        f"{e.get('v1_decode_apply_GBps_2t', 0):.2f} GB/s" for lr, e in s.items()) + "."]
-    lines += ["", "Before rans (ctx where it applies, as the last release wrote), 2 threads: " + "; ".join(
-        f"lr {lr}: ratio / bound {e.get('ctx_only_ratio_vs_bound', 0):.2f}, encode "
-        f"{e.get('ctx_only_encode_GBps_2t', 0):.2f} GB/s, decode+apply {e.get('ctx_only_decode_apply_GBps_2t', 0):.2f}"
-        " GB/s" for lr, e in s.items()) + "."]
+    lines += [
+        "",
+        "Before ctx (sparse/xor only), 2 threads: "
+        + "; ".join(
+            f"lr {lr}: encode {e.get('v1_encode_GBps_2t', 0):.2f} GB/s, decode+apply "
+            f"{e.get('v1_decode_apply_GBps_2t', 0):.2f} GB/s"
+            for lr, e in s.items()
+        )
+        + ".",
+    ]
+    lines += [
+        "",
+        "Before rans (ctx where it applies, as the last release wrote), 2 threads: "
+        + "; ".join(
+            f"lr {lr}: ratio / bound {e.get('ctx_only_ratio_vs_bound', 0):.2f}, encode "
+            f"{e.get('ctx_only_encode_GBps_2t', 0):.2f} GB/s, decode+apply {e.get('ctx_only_decode_apply_GBps_2t', 0):.2f}"
+            " GB/s"
+            for lr, e in s.items()
+        )
+        + ".",
+    ]
     first = record["pairs"][0]["ours"]
-    lines += ["", f"Full versions (first version and rebases): ratio {first['full_ratio']:.2f}x, encode "
-              f"{first.get('full_encode_GBps_1t', 0):.2f} / {first.get('full_encode_GBps_2t', 0):.2f} GB/s, "
-              f"decode {first.get('full_decode_GBps_1t', 0):.2f} / {first.get('full_decode_GBps_2t', 0):.2f} GB/s "
-              "on 1 / 2 threads."]
-    lines += ["", "## Baselines on the same pairs (first pair of each lr)", "",
-              "| lr | tool | ratio | encode s | decode s |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Full versions (first version and rebases): ratio {first['full_ratio']:.2f}x, encode "
+        f"{first.get('full_encode_GBps_1t', 0):.2f} / {first.get('full_encode_GBps_2t', 0):.2f} GB/s, "
+        f"decode {first.get('full_decode_GBps_1t', 0):.2f} / {first.get('full_decode_GBps_2t', 0):.2f} GB/s "
+        "on 1 / 2 threads.",
+    ]
+    lines += [
+        "",
+        "## Baselines on the same pairs (first pair of each lr)",
+        "",
+        "| lr | tool | ratio | encode s | decode s |",
+        "|---|---|---|---|---|",
+    ]
     for p in record["pairs"]:
         if "baselines" not in p:
             continue
-        lines.append(f"| {p['lr']:g} | **weightsync (rans/ctx)** | **{p['ours']['ratio']:.1f}x** | "
-                     f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['encode_GBps_1t']:.3f} (1t) | "
-                     f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['decode_apply_GBps_1t']:.3f} (1t) |")
-        lines.append(f"| {p['lr']:g} | weightsync before rans (ctx) | {p['ctx_only']['ratio']:.1f}x | "
-                     f"{p['ours']['raw_bytes'] / 1e9 / p['ctx_only']['encode_GBps_2t']:.3f} (2t) | "
-                     f"{p['ours']['raw_bytes'] / 1e9 / p['ctx_only']['decode_apply_GBps_2t']:.3f} (2t) |")
-        lines.append(f"| {p['lr']:g} | weightsync before ctx (sparse/xor) | {p['v1']['ratio']:.1f}x | "
-                     f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['encode_GBps_2t']:.3f} (2t) | "
-                     f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['decode_apply_GBps_2t']:.3f} (2t) |")
+        lines.append(
+            f"| {p['lr']:g} | **weightsync (rans/ctx)** | **{p['ours']['ratio']:.1f}x** | "
+            f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['encode_GBps_1t']:.3f} (1t) | "
+            f"{p['ours']['raw_bytes'] / 1e9 / p['ours']['decode_apply_GBps_1t']:.3f} (1t) |"
+        )
+        lines.append(
+            f"| {p['lr']:g} | weightsync before rans (ctx) | {p['ctx_only']['ratio']:.1f}x | "
+            f"{p['ours']['raw_bytes'] / 1e9 / p['ctx_only']['encode_GBps_2t']:.3f} (2t) | "
+            f"{p['ours']['raw_bytes'] / 1e9 / p['ctx_only']['decode_apply_GBps_2t']:.3f} (2t) |"
+        )
+        lines.append(
+            f"| {p['lr']:g} | weightsync before ctx (sparse/xor) | {p['v1']['ratio']:.1f}x | "
+            f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['encode_GBps_2t']:.3f} (2t) | "
+            f"{p['ours']['raw_bytes'] / 1e9 / p['v1']['decode_apply_GBps_2t']:.3f} (2t) |"
+        )
         for b in p["baselines"]:
-            lines.append(f"| {p['lr']:g} | {b['name']} | {b['ratio']:.2f}x | {b['encode_s']:.3f} | {b['decode_s']:.3f} |")
+            lines.append(
+                f"| {p['lr']:g} | {b['name']} | {b['ratio']:.2f}x | {b['encode_s']:.3f} | {b['decode_s']:.3f} |"
+            )
         for note in p.get("skipped", []):
             lines.append(f"| {p['lr']:g} | {note} | | | |")
-    lines += ["", "Throughput is raw bf16 model bytes per second. Ratio is raw bytes over stored bytes "
-              "(chunk objects + manifest for ours). Reproduce: `python -m bench.codec`.", ""]
+    lines += [
+        "",
+        "Throughput is raw bf16 model bytes per second. Ratio is raw bytes over stored bytes "
+        "(chunk objects + manifest for ours). Reproduce: `python -m bench.codec`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -430,8 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / ".cache"), help="checkpoint series cache")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--steps-per-lr", type=int, default=CheckpointConfig().steps_per_lr)
-    parser.add_argument("--lrs", type=float, nargs="+", default=list(CheckpointConfig().lrs),
-                        help="learning rates of the series (the cache key includes them)")
+    parser.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=list(CheckpointConfig().lrs),
+        help="learning rates of the series (the cache key includes them)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     config = BenchConfig(repeats=1, patch_levels=(3,)) if args.quick else BenchConfig()

@@ -59,7 +59,8 @@ def main() -> None:
                             apply_chunk(obj, buf, bf16, raw_hex, codec_id)
                     decode_s = min(decode_s, time.thread_time() - t)
                 record[f"{lr:g} {label}"] = {
-                    "encode_GBps_per_core": raw / encode_s / 1e9, "decode_apply_GBps_per_core": raw / decode_s / 1e9,
+                    "encode_GBps_per_core": raw / encode_s / 1e9,
+                    "decode_apply_GBps_per_core": raw / decode_s / 1e9,
                     **_two_threads(items, objects, raw),
                 }
     finally:

@@ -37,10 +37,16 @@ MODES = (("packs", None), ("one object per chunk", 0))  # None: PublisherConfig'
 
 
 def _record(result) -> dict:
-    return {"version": result.version, "kind": result.manifest.kind, "commit_s": result.total_s,
-            "snapshot_s": result.snapshot_s, "encode_upload_s": result.encode_s, "manifest_s": result.commit_s,
-            "store_objects": len(result.manifest.objects()),
-            "stored_bytes": result.stored_bytes + result.manifest_bytes}
+    return {
+        "version": result.version,
+        "kind": result.manifest.kind,
+        "commit_s": result.total_s,
+        "snapshot_s": result.snapshot_s,
+        "encode_upload_s": result.encode_s,
+        "manifest_s": result.commit_s,
+        "store_objects": len(result.manifest.objects()),
+        "stored_bytes": result.stored_bytes + result.manifest_bytes,
+    }
 
 
 def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
@@ -78,11 +84,22 @@ def _cells(kind: str, series, args, scratch: Path) -> list[dict]:
     cells = []
     for (mode, _), out in zip(MODES, versions, strict=True):
         deltas = [v for v in out if v["kind"] == "delta"]
-        cells.append({"store": kind, "mode": mode, "versions": out,
-                      "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None,
-                      "delta_store_objects": [v["store_objects"] for v in deltas]})
-        log.info("%s, %s: delta commits %s s, objects %s", kind, mode, [round(v["commit_s"], 3) for v in deltas],
-                 cells[-1]["delta_store_objects"])
+        cells.append(
+            {
+                "store": kind,
+                "mode": mode,
+                "versions": out,
+                "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None,
+                "delta_store_objects": [v["store_objects"] for v in deltas],
+            }
+        )
+        log.info(
+            "%s, %s: delta commits %s s, objects %s",
+            kind,
+            mode,
+            [round(v["commit_s"], 3) for v in deltas],
+            cells[-1]["delta_store_objects"],
+        )
     return cells
 
 
@@ -100,30 +117,49 @@ def main(argv: list[str] | None = None) -> dict:
     from harness.machine import describe_machine
 
     series = make_lm_series(lm_series_config(args.size), cache_dir=CACHE)
-    record = {"bench": "commit_latency", "date": datetime.date.today().isoformat(),
-              "config": {"size_gib": args.size, "lr": args.lr, "versions": args.versions, "chunk_bytes": 4 * 1024**2},
-              "hardware": describe_machine(), "load_avg_start": list(os.getloadavg()),
-              "cells": []}
+    record = {
+        "bench": "commit_latency",
+        "date": datetime.date.today().isoformat(),
+        "config": {"size_gib": args.size, "lr": args.lr, "versions": args.versions, "chunk_bytes": 4 * 1024**2},
+        "hardware": describe_machine(),
+        "load_avg_start": list(os.getloadavg()),
+        "cells": [],
+    }
     scratch = Path(tempfile.mkdtemp(prefix="ws-bench-commit-"))
     try:
         record["cells"] = [cell for kind in args.stores.split(",") for cell in _cells(kind, series, args, scratch)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     record["load_avg_end"] = list(os.getloadavg())
-    load = (f"{args.size:g} GiB, lr {args.lr:g}, 4 MiB chunks; load average {record['load_avg_start'][0]:.1f} -> "
-            f"{record['load_avg_end'][0]:.1f} on {record['hardware']['cores']} cores.")
-    lines = [f"# commit latency: publish() -> committed, {record['date']}", "", load, "",
-             "| store | mode | delta commits s | median s | objects per delta | snapshot s | encode s | manifest s |",
-             "|---|---|---|---|---|---|---|---|"]
+    load = (
+        f"{args.size:g} GiB, lr {args.lr:g}, 4 MiB chunks; load average {record['load_avg_start'][0]:.1f} -> "
+        f"{record['load_avg_end'][0]:.1f} on {record['hardware']['cores']} cores."
+    )
+    lines = [
+        f"# commit latency: publish() -> committed, {record['date']}",
+        "",
+        load,
+        "",
+        "| store | mode | delta commits s | median s | objects per delta | snapshot s | encode s | manifest s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for cell in record["cells"]:
         deltas = [v for v in cell["versions"] if v["kind"] == "delta"]
         last = deltas[-1] if deltas else cell["versions"][-1]
         commits = ", ".join(f"{v['commit_s']:.3f}" for v in deltas)
-        lines.append(f"| {cell['store']} | {cell['mode']} | {commits} | "
-                     f"{cell['delta_commit_s_median'] or 0:.3f} | {cell['delta_store_objects']} | "
-                     f"{last['snapshot_s']:.3f} | {last['encode_upload_s']:.3f} | {last['manifest_s']:.3f} |")
-    lines += ["", ("snapshot, encode and manifest are the last delta's stages; encode runs from the version's start "
-                   "and overlaps the snapshot, so they add up to more than the commit."), ""]
+        lines.append(
+            f"| {cell['store']} | {cell['mode']} | {commits} | "
+            f"{cell['delta_commit_s_median'] or 0:.3f} | {cell['delta_store_objects']} | "
+            f"{last['snapshot_s']:.3f} | {last['encode_upload_s']:.3f} | {last['manifest_s']:.3f} |"
+        )
+    lines += [
+        "",
+        (
+            "snapshot, encode and manifest are the last delta's stages; encode runs from the version's start "
+            "and overlaps the snapshot, so they add up to more than the commit."
+        ),
+        "",
+    ]
     cores, arch = record["hardware"]["cores"], record["hardware"]["machine"]
     write_results(RESULTS / f"commit-latency-{cores}cpu-{arch}-{record['date']}", record, "\n".join(lines))
     return record

@@ -72,10 +72,19 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.013)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--publish", type=int, default=0, metavar="N",
-                        help="then publish the model and N next steps, with and without device_diff")
-    parser.add_argument("--slab-elements", type=int, default=0,
-                        help="elements diffed together (weightsync.format.codecs.diff.SLAB_ELEMENTS; 0: the default)")
+    parser.add_argument(
+        "--publish",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then publish the model and N next steps, with and without device_diff",
+    )
+    parser.add_argument(
+        "--slab-elements",
+        type=int,
+        default=0,
+        help="elements diffed together (weightsync.format.codecs.diff.SLAB_ELEMENTS; 0: the default)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.slab_elements:
@@ -101,8 +110,9 @@ def main() -> None:
         return [diff_ranges(new[a:b], old[a:b], chunks_of(a, b), bf16) for a, b in tensors]
 
     def per_chunk_baseline():
-        return [diff_chunk(new[a + s : a + e], old[a + s : a + e], bf16)
-                for a, b in tensors for s, e in chunks_of(a, b)]
+        return [
+            diff_chunk(new[a + s : a + e], old[a + s : a + e], bf16) for a, b in tensors for s, e in chunks_of(a, b)
+        ]
 
     if device.type == "cuda":  # what the diff needs beyond the two models it reads
         torch.cuda.synchronize(device)
@@ -124,16 +134,25 @@ def main() -> None:
         agree &= dev.class_base == host.class_base
     model_bytes = count * 2
     record = {
-        "bench": "device_diff", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "slab_elements": diff.slab_elements(device), "model_gib": args.gib,
-        "tensor_mib": args.tensor_mib, "tensors": len(tensors),
-        "chunk_mib": args.chunk_mib, "chunks": len(flat), "changed_fraction": changed / count,
-        "whole_tensor_seconds": whole_s, "whole_tensor_gb_per_s": model_bytes / min(whole_s) / 1e9,
-        "per_chunk_seconds": chunk_s, "per_chunk_gb_per_s": model_bytes / min(chunk_s) / 1e9,
+        "bench": "device_diff",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "slab_elements": diff.slab_elements(device),
+        "model_gib": args.gib,
+        "tensor_mib": args.tensor_mib,
+        "tensors": len(tensors),
+        "chunk_mib": args.chunk_mib,
+        "chunks": len(flat),
+        "changed_fraction": changed / count,
+        "whole_tensor_seconds": whole_s,
+        "whole_tensor_gb_per_s": model_bytes / min(whole_s) / 1e9,
+        "per_chunk_seconds": chunk_s,
+        "per_chunk_gb_per_s": model_bytes / min(chunk_s) / 1e9,
         "speedup": min(chunk_s) / min(whole_s),
         "whole_tensor_scratch_peak_bytes": scratch_peak,  # CUDA only: the peak above the resident models
         "host_bytes_device_path": changed * 5 * 8,  # position, class, rank, old and new bits: 8 bytes each
-        "host_bytes_host_scan": 2 * model_bytes, "fields_equal_host_scan": bool(agree),
+        "host_bytes_host_scan": 2 * model_bytes,
+        "fields_equal_host_scan": bool(agree),
     }
     if args.publish:
         del found
@@ -141,8 +160,14 @@ def main() -> None:
     print(json.dumps(record, indent=2))
 
 
-def _publish(bits: torch.Tensor, tensors: list[tuple[int, int]], steps: int, changed: float, chunk_bytes: int,
-             gen: torch.Generator) -> dict:
+def _publish(
+    bits: torch.Tensor,
+    tensors: list[tuple[int, int]],
+    steps: int,
+    changed: float,
+    chunk_bytes: int,
+    gen: torch.Generator,
+) -> dict:
     """Publishes the model in `bits` and `steps` next steps of it (moving `changed` of its
     elements by one ULP each time, in place, as a trainer's step does) through two publishers,
     with and without device_diff, taking turns so both see the same machine; per mode, the
@@ -155,31 +180,48 @@ def _publish(bits: torch.Tensor, tensors: list[tuple[int, int]], steps: int, cha
     modes = {"device_diff": True, "host_scan": False}
     records: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="ws-device-diff-") as scratch:
-        publishers = {mode: Publisher(LocalStore(Path(scratch) / mode), model="bench-device-diff",
-                                      config=PublisherConfig(chunk_bytes=chunk_bytes, device_diff=on))
-                      for mode, on in modes.items()}
+        publishers = {
+            mode: Publisher(
+                LocalStore(Path(scratch) / mode),
+                model="bench-device-diff",
+                config=PublisherConfig(chunk_bytes=chunk_bytes, device_diff=on),
+            )
+            for mode, on in modes.items()
+        }
         try:
             for step in range(steps + 1):
                 if step:
                     moved = torch.rand(bits.numel(), generator=gen, device=bits.device) < changed
-                    bits[moved] += torch.where(torch.rand(int(moved.sum()), generator=gen, device=bits.device) < 0.5,
-                                               1, -1).to(torch.int16)
+                    bits[moved] += torch.where(
+                        torch.rand(int(moved.sum()), generator=gen, device=bits.device) < 0.5, 1, -1
+                    ).to(torch.int16)
                     del moved
                 for mode, publisher in publishers.items():
                     result = publisher.publish(state).result()
-                    records[mode].append({"version": result.version, "kind": result.manifest.kind,
-                                          "commit_s": result.total_s, "snapshot_s": result.snapshot_s,
-                                          "encode_upload_s": result.encode_s, "manifest_s": result.commit_s,
-                                          "stored_bytes": result.stored_bytes})
+                    records[mode].append(
+                        {
+                            "version": result.version,
+                            "kind": result.manifest.kind,
+                            "commit_s": result.total_s,
+                            "snapshot_s": result.snapshot_s,
+                            "encode_upload_s": result.encode_s,
+                            "manifest_s": result.commit_s,
+                            "stored_bytes": result.stored_bytes,
+                        }
+                    )
         finally:
             for publisher in publishers.values():
                 publisher.close()
-    out = {"stored_bytes_equal": [v["stored_bytes"] for v in records["device_diff"]]
-           == [v["stored_bytes"] for v in records["host_scan"]]}  # the same chunks, found either way
+    out = {
+        "stored_bytes_equal": [v["stored_bytes"] for v in records["device_diff"]]
+        == [v["stored_bytes"] for v in records["host_scan"]]
+    }  # the same chunks, found either way
     for mode, versions in records.items():
         deltas = [v for v in versions if v["kind"] == "delta"]
-        out[mode] = {"versions": versions,
-                     "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None}
+        out[mode] = {
+            "versions": versions,
+            "delta_commit_s_median": statistics.median(v["commit_s"] for v in deltas) if deltas else None,
+        }
     return out
 
 

@@ -64,10 +64,21 @@ def run(size: float, lr: float, repeats: int) -> dict:
                         raise AssertionError(f"{route.kind} route: {name} differs from the published bytes")
     codecs = sorted({c.codec for r in results[1:] for t in r.manifest.tensors for c in t.chunks})
     chain_s, folded_s = (statistics.median(times[k]) for k in (CHAIN, FOLDED))
-    return {"bench": "fold", "size_gib": size, "lr": lr, "deltas": steps, "codecs": codecs,
-            "raw_bytes": results[-1].raw_bytes, "repeats": repeats, "chain_s": chain_s, "folded_s": folded_s,
-            "speedup": chain_s / folded_s, "chain_all_s": times[CHAIN], "folded_all_s": times[FOLDED],
-            "load_avg_end": list(os.getloadavg())}
+    return {
+        "bench": "fold",
+        "size_gib": size,
+        "lr": lr,
+        "deltas": steps,
+        "codecs": codecs,
+        "raw_bytes": results[-1].raw_bytes,
+        "repeats": repeats,
+        "chain_s": chain_s,
+        "folded_s": folded_s,
+        "speedup": chain_s / folded_s,
+        "chain_all_s": times[CHAIN],
+        "folded_all_s": times[FOLDED],
+        "load_avg_end": list(os.getloadavg()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,17 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     from harness.machine import describe_machine
 
     hardware = describe_machine()
-    record = {"date": datetime.date.today().isoformat(), "hardware": hardware, "load_avg_start": list(os.getloadavg()),
-              **run(args.size, args.lr, args.repeats)}
-    text = (f"# fold: a reader {record['deltas']} deltas behind, {record['date']}\n\n"
-            f"{args.size:g} GiB, lr {args.lr:g}, codecs {', '.join(record['codecs'])}; "
-            f"{hardware['cores']} cores, load average {record['load_avg_start'][0]:.1f} -> "
-            f"{record['load_avg_end'][0]:.1f}.\n\n"
-            "| route | median s | all runs s |\n|---|---|---|\n"
-            f"| chain | {record['chain_s']:.3f} | {', '.join(f'{t:.3f}' for t in record['chain_all_s'])} |\n"
-            f"| folded | {record['folded_s']:.3f} | {', '.join(f'{t:.3f}' for t in record['folded_all_s'])} |\n\n"
-            f"Folded is **{record['speedup']:.2f}x** the chain's speed; both end bit-identical to the published "
-            "version.\n")
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "hardware": hardware,
+        "load_avg_start": list(os.getloadavg()),
+        **run(args.size, args.lr, args.repeats),
+    }
+    text = (
+        f"# fold: a reader {record['deltas']} deltas behind, {record['date']}\n\n"
+        f"{args.size:g} GiB, lr {args.lr:g}, codecs {', '.join(record['codecs'])}; "
+        f"{hardware['cores']} cores, load average {record['load_avg_start'][0]:.1f} -> "
+        f"{record['load_avg_end'][0]:.1f}.\n\n"
+        "| route | median s | all runs s |\n|---|---|---|\n"
+        f"| chain | {record['chain_s']:.3f} | {', '.join(f'{t:.3f}' for t in record['chain_all_s'])} |\n"
+        f"| folded | {record['folded_s']:.3f} | {', '.join(f'{t:.3f}' for t in record['folded_all_s'])} |\n\n"
+        f"Folded is **{record['speedup']:.2f}x** the chain's speed; both end bit-identical to the published "
+        "version.\n"
+    )
     write_results(RESULTS / f"fold-{hardware['cores']}cpu-{hardware['machine']}-{record['date']}", record, text)
     return 0
 

@@ -54,8 +54,15 @@ log = logging.getLogger("bench.inflight")
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "bench-inflight"
 POLICIES = ("drain", "in_flight", "abort")
-ARCH = ModelConfig(vocab_size=259, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768)
+ARCH = ModelConfig(
+    vocab_size=259,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+)
 """~13M parameters (a step is mostly matmuls, not Python), with room for long generations."""
 PROMPT = [256, 72, 105, 33]
 WAIT_S = 300.0
@@ -84,22 +91,31 @@ class Cluster:
                 "workers = 1\npoll_interval_s = 2.0\npush_wait_s = 5.0\n"
                 '[agent.engine]\ntype = "reference"\nport = 0\ntorch_threads = 1\nmax_concurrent_requests = 4\n'
                 f"max_new_tokens_limit = {max_new_tokens}\nqueue_timeout_s = {WAIT_S}\n"
-                f"[agent.engine.model]\n{arch}\n")
-            proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(toml)],
-                                    stdout=subprocess.PIPE, stderr=open(root / f"{name}.log", "w"), text=True,
-                                    start_new_session=True, preexec_fn=lambda: os.nice(AGENT_NICE))
+                f"[agent.engine.model]\n{arch}\n"
+            )
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(toml)],
+                stdout=subprocess.PIPE,
+                stderr=open(root / f"{name}.log", "w"),
+                text=True,
+                start_new_session=True,
+                preexec_fn=lambda: os.nice(AGENT_NICE),
+            )
             self.procs.append(proc)
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"agent {name} exited; see {root / (name + '.log')}")
             ready = json.loads(line)
-            self.agents[name] = {"address": ready["address"], "url": ready["engine_url"],
-                                 "client": AgentClient(ready["address"])}
+            self.agents[name] = {
+                "address": ready["address"],
+                "url": ready["engine_url"],
+                "client": AgentClient(ready["address"]),
+            }
             peers = [ready["address"]]
-        self.pusher = Pusher(PushConfig(targets=(self.agents["leader"]["address"],), model=MODEL,
-                                        give_up_after_s=WAIT_S))
-        self.publisher = Publisher(self.store, model=MODEL, config=PublisherConfig(workers=1),
-                                   listeners=[self.pusher])
+        self.pusher = Pusher(
+            PushConfig(targets=(self.agents["leader"]["address"],), model=MODEL, give_up_after_s=WAIT_S)
+        )
+        self.publisher = Publisher(self.store, model=MODEL, config=PublisherConfig(workers=1), listeners=[self.pusher])
 
     @property
     def urls(self) -> list[str]:
@@ -119,10 +135,16 @@ class Cluster:
                 time.sleep(0.02)
             entry = next(e for e in status.ledger if e.version == version)
             timings = dict(entry.timings_s)
-            per_agent[name] = {"to_serving_s": (entry.served_unix_ms - call_ms) / 1000,
-                               "drain_s": timings.get("drain", 0.0), "ledger_timings_s": timings}
-        return {"version": version, "to_all_agents_s": max(a["to_serving_s"] for a in per_agent.values()),
-                "agents": per_agent}
+            per_agent[name] = {
+                "to_serving_s": (entry.served_unix_ms - call_ms) / 1000,
+                "drain_s": timings.get("drain", 0.0),
+                "ledger_timings_s": timings,
+            }
+        return {
+            "version": version,
+            "to_all_agents_s": max(a["to_serving_s"] for a in per_agent.values()),
+            "agents": per_agent,
+        }
 
     def close(self) -> None:
         self.publisher.close()
@@ -143,14 +165,16 @@ class Clients:
     """Keeps `per_server` requests of `max_new_tokens` running on every server, back to back."""
 
     def __init__(self, urls: list[str], per_server: int, max_new_tokens: int) -> None:
-        self.body = json.dumps({"prompt_ids": [PROMPT], "max_new_tokens": max_new_tokens, "stop": None,
-                                "temperature": 1.0}).encode()
+        self.body = json.dumps(
+            {"prompt_ids": [PROMPT], "max_new_tokens": max_new_tokens, "stop": None, "temperature": 1.0}
+        ).encode()
         self.stop = threading.Event()
         self.durations: list[float] = []
         self.spanning = self.restarts = self.errors = 0
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, args=(url,), daemon=True)
-                         for url in urls for _ in range(per_server)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(url,), daemon=True) for url in urls for _ in range(per_server)
+        ]
         for t in self._threads:
             t.start()
 
@@ -158,8 +182,9 @@ class Clients:
         while not self.stop.is_set():
             started = time.monotonic()
             try:
-                request = urllib.request.Request(url + "/v1/generate", data=self.body,
-                                                 headers={"Content-Type": "application/json"})
+                request = urllib.request.Request(
+                    url + "/v1/generate", data=self.body, headers={"Content-Type": "application/json"}
+                )
                 with urllib.request.urlopen(request, timeout=WAIT_S) as reply:
                     answer = json.loads(reply.read())
             except OSError as e:
@@ -182,9 +207,14 @@ class Clients:
         for t in self._threads if wait else ():
             t.join(WAIT_S)
         d = self.durations
-        return {"requests": len(d), "request_s_median": statistics.median(d) if d else None,
-                "request_s_max": max(d) if d else None, "spanning_versions": self.spanning,
-                "restarts": self.restarts, "errors": self.errors}
+        return {
+            "requests": len(d),
+            "request_s_median": statistics.median(d) if d else None,
+            "request_s_max": max(d) if d else None,
+            "spanning_versions": self.spanning,
+            "restarts": self.restarts,
+            "errors": self.errors,
+        }
 
 
 def calibrate(url: str) -> tuple[float, float]:
@@ -234,14 +264,30 @@ def run_policy(policy: str, lengths: list[float], versions: int, clients: int, r
             rows = [cluster.publish_and_time(trainer) for _ in range(versions)]
             requests = running.close() if running is not None else {}  # the spanning ones ended too
             times = [r["to_all_agents_s"] for r in rows]
-            agent_side = [max(a["ledger_timings_s"].get("since_offer", 0.0) for a in r["agents"].values()) for r in rows]
-            cells.append({"policy": policy, "request_s": length, "request_tokens": tokens if length else 0,
-                          "to_all_agents_s_median": statistics.median(times), "to_all_agents_s_max": max(times),
-                          "offer_to_serving_s_median": statistics.median(agent_side),
-                          "drain_s_max": max(a["drain_s"] for r in rows for a in r["agents"].values()),
-                          "versions": rows, "requests": requests})
-            log.info("%s, %s s requests: publish() -> all serving median %.2f s, max %.2f s; %s", policy, length,
-                     cells[-1]["to_all_agents_s_median"], cells[-1]["to_all_agents_s_max"], requests)
+            agent_side = [
+                max(a["ledger_timings_s"].get("since_offer", 0.0) for a in r["agents"].values()) for r in rows
+            ]
+            cells.append(
+                {
+                    "policy": policy,
+                    "request_s": length,
+                    "request_tokens": tokens if length else 0,
+                    "to_all_agents_s_median": statistics.median(times),
+                    "to_all_agents_s_max": max(times),
+                    "offer_to_serving_s_median": statistics.median(agent_side),
+                    "drain_s_max": max(a["drain_s"] for r in rows for a in r["agents"].values()),
+                    "versions": rows,
+                    "requests": requests,
+                }
+            )
+            log.info(
+                "%s, %s s requests: publish() -> all serving median %.2f s, max %.2f s; %s",
+                policy,
+                length,
+                cells[-1]["to_all_agents_s_median"],
+                cells[-1]["to_all_agents_s_max"],
+                requests,
+            )
         return {"request_s_per_token": a, "request_s_per_token_squared": b, "cells": cells}
     finally:
         cluster.close()
@@ -249,23 +295,39 @@ def run_policy(policy: str, lengths: list[float], versions: int, clients: int, r
 
 def markdown(record: dict) -> str:
     lengths = record["config"]["lengths"]
-    lines = [f"# publish() -> every agent serving, with requests running ({record['date']})", "",
-             "Median (max) seconds over the versions of each cell; x: median over the same policy's no-request "
-             "median. Measured request durations in the JSON.", "",
-             "| policy | no requests | " + " | ".join(f"{x:g} s requests" for x in lengths) + " |",
-             "|---|---|" + "---|" * len(lengths)]
+    lines = [
+        f"# publish() -> every agent serving, with requests running ({record['date']})",
+        "",
+        "Median (max) seconds over the versions of each cell; x: median over the same policy's no-request "
+        "median. Measured request durations in the JSON.",
+        "",
+        "| policy | no requests | " + " | ".join(f"{x:g} s requests" for x in lengths) + " |",
+        "|---|---|" + "---|" * len(lengths),
+    ]
     for policy, result in record["results"].items():
         cells = result["cells"]
         base = cells[0]["to_all_agents_s_median"]
-        row = [f"{c['to_all_agents_s_median']:.2f} ({c['to_all_agents_s_max']:.2f})"
-               + (f" {c['to_all_agents_s_median'] / base:.1f}x" if c["request_s"] else "") for c in cells]
+        row = [
+            f"{c['to_all_agents_s_median']:.2f} ({c['to_all_agents_s_max']:.2f})"
+            + (f" {c['to_all_agents_s_median'] / base:.1f}x" if c["request_s"] else "")
+            for c in cells
+        ]
         lines.append(f"| {policy} | " + " | ".join(row) + " |")
-    lines += ["", "Measured request durations (median s) and responses that spanned versions / restarts:", "",
-              "| policy | " + " | ".join(f"{x:g} s requests" for x in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    lines += [
+        "",
+        "Measured request durations (median s) and responses that spanned versions / restarts:",
+        "",
+        "| policy | " + " | ".join(f"{x:g} s requests" for x in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
     for policy, result in record["results"].items():
-        row = [f"{c['requests']['request_s_median']:.1f} s, {c['requests']['spanning_versions']} spanning, "
-               f"{c['requests']['restarts']} restarts" if c["requests"].get("request_s_median") else "-"
-               for c in result["cells"][1:]]
+        row = [
+            f"{c['requests']['request_s_median']:.1f} s, {c['requests']['spanning_versions']} spanning, "
+            f"{c['requests']['restarts']} restarts"
+            if c["requests"].get("request_s_median")
+            else "-"
+            for c in result["cells"][1:]
+        ]
         lines.append(f"| {policy} | " + " | ".join(row) + " |")
     lines += ["", f"Load average before / after: {record['loadavg_before']} / {record['loadavg_after']}", ""]
     return "\n".join(lines)
@@ -283,17 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("weightsync").setLevel(logging.WARNING)
     lengths = [float(x) for x in args.lengths.split(",") if x]
     policies = [p for p in args.policies.split(",") if p]
-    record = {"bench": "inflight", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": describe_machine(), "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
-              "config": {"lengths": lengths, "policies": policies, "versions": args.versions,
-                         "clients": args.clients, "model": str(ARCH)}, "results": {}}
+    record = {
+        "bench": "inflight",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": describe_machine(),
+        "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
+        "config": {
+            "lengths": lengths,
+            "policies": policies,
+            "versions": args.versions,
+            "clients": args.clients,
+            "model": str(ARCH),
+        },
+        "results": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ws-bench-inflight-") as tmp:
         for policy in policies:
             record["results"][policy] = run_policy(policy, lengths, args.versions, args.clients, Path(tmp))
     record["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     machine = record["machine"]
-    name = "-".join(x for x in ("inflight", args.label, f"{machine['cores']}cpu", machine["machine"],
-                                record["date"][:10]) if x)
+    name = "-".join(
+        x for x in ("inflight", args.label, f"{machine['cores']}cpu", machine["machine"], record["date"][:10]) if x
+    )
     write_results(RESULTS / name, record, markdown(record))
     return 0
 

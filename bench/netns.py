@@ -93,8 +93,9 @@ def netns_unavailable_reason() -> str | None:
 class Network:
     """The trainer's site plus `regions` regions; use as a context manager (see module docstring)."""
 
-    def __init__(self, mode: str, regions: int, *, rate: str = "1gbit", rtt_ms: float = 40.0,
-                 window_bytes: int = 6 * 1024 * 1024) -> None:
+    def __init__(
+        self, mode: str, regions: int, *, rate: str = "1gbit", rtt_ms: float = 40.0, window_bytes: int = 6 * 1024 * 1024
+    ) -> None:
         if mode not in ("netns", "loopback"):
             raise ValueError(f"mode must be 'netns' or 'loopback', got {mode!r}")
         self.mode = mode
@@ -159,9 +160,21 @@ class Network:
             _run("tc", "qdisc", "add", "dev", host_if, *shape)
             _run(*inside, "tc", "qdisc", "add", "dev", ns_if, *shape)
         self._proxy = subprocess.Popen(
-            [sys.executable, "-m", "bench.netns", "proxy", "--delay-ms", str(self.rtt_ms / 2),
-             "--window-bytes", str(self.window_bytes)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+            [
+                sys.executable,
+                "-m",
+                "bench.netns",
+                "proxy",
+                "--delay-ms",
+                str(self.rtt_ms / 2),
+                "--window-bytes",
+                str(self.window_bytes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
 
     def _teardown(self) -> None:
         if self._proxy is not None:
@@ -216,12 +229,22 @@ class Network:
 
     def describe(self) -> dict:
         if self.mode == "netns":
-            return {"mode": "netns", "regions": self.regions, "inter_region_rate": self.rate,
-                    "inter_region_rtt_ms": self.rtt_ms, "delay": "user-space relay (kernel has no sch_netem)",
-                    "relay_window_bytes": self.window_bytes, "shaping": "tc tbf on both ends of each region's veth",
-                    "intra_region": "namespace loopback, unshaped"}
-        return {"mode": "loopback", "regions": self.regions, "shaping": "none",
-                "reason": self.fallback_reason or "asked for"}
+            return {
+                "mode": "netns",
+                "regions": self.regions,
+                "inter_region_rate": self.rate,
+                "inter_region_rtt_ms": self.rtt_ms,
+                "delay": "user-space relay (kernel has no sch_netem)",
+                "relay_window_bytes": self.window_bytes,
+                "shaping": "tc tbf on both ends of each region's veth",
+                "intra_region": "namespace loopback, unshaped",
+            }
+        return {
+            "mode": "loopback",
+            "regions": self.regions,
+            "shaping": "none",
+            "reason": self.fallback_reason or "asked for",
+        }
 
 
 # ---------------------------------------------------------------------------- delay relay
@@ -275,8 +298,9 @@ async def _relay(delay_s: float, window: int) -> None:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer, delay_s, window), _pipe(up_reader, writer, delay_s, window),
-                             return_exceptions=True)
+        await asyncio.gather(
+            _pipe(reader, up_writer, delay_s, window), _pipe(up_reader, writer, delay_s, window), return_exceptions=True
+        )
         for w in (writer, up_writer):
             w.close()
 

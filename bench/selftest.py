@@ -33,7 +33,11 @@ def check_plan_runs_shared_cells_once_largest_size_first():
     assert headline_cell.themes == {"agents", "change", "store"}
     assert {c.lr for c in cells if "change" in c.themes} == {1e-6, 3e-6, 1e-5}
     assert {(c.store, c.agents) for c in cells if "store" in c.themes} == {
-        ("local", 1), ("local", 8), ("s3", 1), ("s3", 8)}
+        ("local", 1),
+        ("local", 8),
+        ("s3", 1),
+        ("s3", 8),
+    }
 
 
 def check_memory_estimate_counts_two_buffers_per_agent():
@@ -65,20 +69,38 @@ def check_loopback_network_leaves_addresses_and_commands_alone():
 
 
 def check_report_renders_a_finished_and_a_skipped_cell():
-    version = {"all_agents_s": 1.0, "commit_s": 0.5, "stored_bytes": 10**6, "pushed_bytes": 10**6,
-               "fetched_bytes": 0, "per_agent": [{"apply": 0.2}]}
-    done = {"size_gib": 1.0, "lr": 1e-6, "agents": 1, "regions": 1, "store": "local", "themes": ["agents"],
-            "changed_fraction": 0.014, "load_avg_start": [1.0], "load_avg_end": [2.0],
-            "ours": {"steady": version, "first": {**version, "all_agents_s": 5.0}},
-            "baselines": {"full_store": {"all_s": 12.0}, "shardcast": {"skipped": "no wget"}},
-            "speedup": {"full_store": 12.0}}
+    version = {
+        "all_agents_s": 1.0,
+        "commit_s": 0.5,
+        "stored_bytes": 10**6,
+        "pushed_bytes": 10**6,
+        "fetched_bytes": 0,
+        "per_agent": [{"apply": 0.2}],
+    }
+    done = {
+        "size_gib": 1.0,
+        "lr": 1e-6,
+        "agents": 1,
+        "regions": 1,
+        "store": "local",
+        "themes": ["agents"],
+        "changed_fraction": 0.014,
+        "load_avg_start": [1.0],
+        "load_avg_end": [2.0],
+        "ours": {"steady": version, "first": {**version, "all_agents_s": 5.0}},
+        "baselines": {"full_store": {"all_s": 12.0}, "shardcast": {"skipped": "no wget"}},
+        "speedup": {"full_store": 12.0},
+    }
     skipped = {**done, "agents": 8, "skipped": "needs 23 GiB"}
     del skipped["ours"], skipped["baselines"]
-    record = {"date": "2026-01-01", "hardware": {"cores": 2, "cpu": "x", "machine": "x86_64", "memory_GiB": 24,
-                                                  "torch": "t", "weightsync": "w"},
-              "versions": {"zstd": "1.5"}, "network": {"mode": "loopback"},
-              "config": {"lrs": [1e-6], "stores": ["local"], "checkpoints": {"1": {"changed_fraction": {"1e-06": 0.014}}}},
-              "cells": [done, skipped]}
+    record = {
+        "date": "2026-01-01",
+        "hardware": {"cores": 2, "cpu": "x", "machine": "x86_64", "memory_GiB": 24, "torch": "t", "weightsync": "w"},
+        "versions": {"zstd": "1.5"},
+        "network": {"mode": "loopback"},
+        "config": {"lrs": [1e-6], "stores": ["local"], "checkpoints": {"1": {"changed_fraction": {"1e-06": 0.014}}}},
+        "cells": [done, skipped],
+    }
     text = markdown(record)
     assert "12.00 (12.0x)" in text and "needs 23 GiB" in text and "shardcast: no wget" in text
     assert "full safetensors via store 12.00 s (12.0x)" in "\n".join(headline(record))

@@ -71,8 +71,13 @@ def _scrub_aws_environment() -> None:
     for name in list(os.environ):
         if name.startswith("AWS_") and name != "AWS_CA_BUNDLE":
             del os.environ[name]
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    )
 
 
 # ------------------------------------------------------------------------------- weights
@@ -134,12 +139,14 @@ class Meter:
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_SELF)
-        self.samples.setdefault(name, []).append({
-            "seconds": seconds,
-            "GBps": raw_bytes / seconds / 1e9,
-            "client_cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,
-            "server_cpu_s": self.server.cpu_s() - server0,
-        })
+        self.samples.setdefault(name, []).append(
+            {
+                "seconds": seconds,
+                "GBps": raw_bytes / seconds / 1e9,
+                "client_cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,
+                "server_cpu_s": self.server.cpu_s() - server0,
+            }
+        )
         log.info("%-24s %7.2f s  %.3f GB/s", name, seconds, raw_bytes / seconds / 1e9)
         return result
 
@@ -180,8 +187,9 @@ def run(config: BenchConfig) -> dict:
     file_bytes = checkpoint.stat().st_size
     log.info("model: %d tensors, %.1f MiB bf16; safetensors file %.1f MiB", len(sd), raw_bytes / MiB, file_bytes / MiB)
 
-    store_config = S3StoreConfig() if config.io_concurrency is None else S3StoreConfig(
-        io_concurrency=config.io_concurrency)
+    store_config = (
+        S3StoreConfig() if config.io_concurrency is None else S3StoreConfig(io_concurrency=config.io_concurrency)
+    )
     record: dict = {}
     with MotoServer() as server:
         plain = boto3.client("s3", endpoint_url=server.endpoint)  # boto3 defaults, as a user would have them
@@ -201,8 +209,15 @@ def run(config: BenchConfig) -> dict:
             os.unlink(downloaded)
             # moto answers each ranged GET by copying the whole object, so download_file's 8 MiB
             # ranges cost it O(size) each; one stream is boto3's best case against this server.
-            meter.measure("boto3_download_file_one_stream", raw_bytes, plain.download_file, bucket, key, downloaded,
-                          Config=one_stream)
+            meter.measure(
+                "boto3_download_file_one_stream",
+                raw_bytes,
+                plain.download_file,
+                bucket,
+                key,
+                downloaded,
+                Config=one_stream,
+            )
             os.unlink(downloaded)
             reader = Reader(store, model="bench")
             state = meter.measure("ours_pull_full", raw_bytes, reader.read, full.version)
@@ -210,10 +225,13 @@ def run(config: BenchConfig) -> dict:
             if repeat == 0:  # bit-exact, or the numbers mean nothing
                 got = state.state_dict()
                 assert all(torch.equal(got[k].view(torch.int16), sd2[k].view(torch.int16)) for k in sd2)
-                record["stored"] = {"full_bytes": full.stored_bytes + full.manifest_bytes,
-                                    "delta_bytes": delta.stored_bytes + delta.manifest_bytes,
-                                    "full_ratio": full.ratio, "delta_ratio": delta.ratio,
-                                    "objects_full": len(full.manifest.objects())}
+                record["stored"] = {
+                    "full_bytes": full.stored_bytes + full.manifest_bytes,
+                    "delta_bytes": delta.stored_bytes + delta.manifest_bytes,
+                    "full_ratio": full.ratio,
+                    "delta_ratio": delta.ratio,
+                    "objects_full": len(full.manifest.objects()),
+                }
             del state
             _measure_store_alone(meter, store, checkpoint.read_bytes(), raw_bytes)
             _empty_bucket(plain, bucket)
@@ -222,35 +240,47 @@ def run(config: BenchConfig) -> dict:
     t = {name: r["median_s"] for name, r in results.items()}
     upload = t["boto3_upload_file"]
     download = min(t["boto3_download_file"], t["boto3_download_file_one_stream"])  # boto3 at its best here
-    record.update({
-        "bench": "store",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": dataclasses.asdict(config) | {
-            "io_concurrency": store_config.io_concurrency, "part_bytes": store_config.part_bytes,
-            "multipart_threshold_bytes": store_config.multipart_threshold_bytes,
-            "chunk_bytes": PublisherConfig().chunk_bytes, "publisher_workers": PublisherConfig().workers,
-            "retry_mode": store_config.retry_mode, "verify_md5": store_config.verify_md5,
-            "boto3_transfer_config": "default (multipart 8 MiB, 10 threads)",
-        },
-        "versions": {"weightsync": __version__, "python": platform.python_version(), "boto3": boto3.__version__,
-                     "botocore": botocore.__version__, "moto": moto.__version__, "torch": torch.__version__},
-        "hardware": describe_machine(),
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
-        "model": {"tensors": len(sd), "raw_bytes": raw_bytes, "safetensors_bytes": file_bytes},
-        "results": results,
-        # Ours over plain boto3 in throughput (> 1: ours is faster); downloads against boto3's
-        # faster variant on this server.
-        "ratios": {
-            "publish_vs_upload_file": upload / t["ours_publish_full"],
-            "pull_vs_download_file": download / t["ours_pull_full"],
-            "pull_vs_download_file_default": t["boto3_download_file"] / t["ours_pull_full"],
-            "publish_pull_vs_upload_download": (upload + download) / (t["ours_publish_full"] + t["ours_pull_full"]),
-            "store_put_get_vs_upload_download": (upload + download) / (t["store_put_raw"] + t["store_get_raw"]),
-            "delta_step_vs_full_upload_download":
-                (upload + download) / (t["ours_publish_delta"] + t["ours_pull_delta"]),
-        },
-    })
+    record.update(
+        {
+            "bench": "store",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "config": dataclasses.asdict(config)
+            | {
+                "io_concurrency": store_config.io_concurrency,
+                "part_bytes": store_config.part_bytes,
+                "multipart_threshold_bytes": store_config.multipart_threshold_bytes,
+                "chunk_bytes": PublisherConfig().chunk_bytes,
+                "publisher_workers": PublisherConfig().workers,
+                "retry_mode": store_config.retry_mode,
+                "verify_md5": store_config.verify_md5,
+                "boto3_transfer_config": "default (multipart 8 MiB, 10 threads)",
+            },
+            "versions": {
+                "weightsync": __version__,
+                "python": platform.python_version(),
+                "boto3": boto3.__version__,
+                "botocore": botocore.__version__,
+                "moto": moto.__version__,
+                "torch": torch.__version__,
+            },
+            "hardware": describe_machine(),
+            "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg(),
+            "model": {"tensors": len(sd), "raw_bytes": raw_bytes, "safetensors_bytes": file_bytes},
+            "results": results,
+            # Ours over plain boto3 in throughput (> 1: ours is faster); downloads against boto3's
+            # faster variant on this server.
+            "ratios": {
+                "publish_vs_upload_file": upload / t["ours_publish_full"],
+                "pull_vs_download_file": download / t["ours_pull_full"],
+                "pull_vs_download_file_default": t["boto3_download_file"] / t["ours_pull_full"],
+                "publish_pull_vs_upload_download": (upload + download) / (t["ours_publish_full"] + t["ours_pull_full"]),
+                "store_put_get_vs_upload_download": (upload + download) / (t["store_put_raw"] + t["store_get_raw"]),
+                "delta_step_vs_full_upload_download": (upload + download)
+                / (t["ours_publish_delta"] + t["ours_pull_delta"]),
+            },
+        }
+    )
     tmp.cleanup()
     return record
 
@@ -304,11 +334,14 @@ def markdown(record: dict) -> str:
     ]
     for label, key in rows:
         e = r[key]
-        lines.append(f"| {label} | {e['median_s']:.2f} | {e['GBps']:.3f} | {e['client_cpu_s']:.1f} | "
-                     f"{e['server_cpu_s']:.1f} |")
+        lines.append(
+            f"| {label} | {e['median_s']:.2f} | {e['GBps']:.3f} | {e['client_cpu_s']:.1f} | {e['server_cpu_s']:.1f} |"
+        )
     stored = record["stored"]
-    cpu_bound = max(r["boto3_upload_file"]["server_cpu_s"] / r["boto3_upload_file"]["median_s"],
-                    r["ours_publish_full"]["server_cpu_s"] / r["ours_publish_full"]["median_s"])
+    cpu_bound = max(
+        r["boto3_upload_file"]["server_cpu_s"] / r["boto3_upload_file"]["median_s"],
+        r["ours_publish_full"]["server_cpu_s"] / r["ours_publish_full"]["median_s"],
+    )
     lines += [
         "",
         f"Ours / plain boto3, throughput: publish {ratios['publish_vs_upload_file']:.2f}x, pull "

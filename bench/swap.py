@@ -42,10 +42,22 @@ from weightsync.models import CausalLM, ModelConfig
 log = logging.getLogger("bench.swap")
 
 MODELS = {
-    "small": ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
-                         num_attention_heads=8, num_key_value_heads=4),
-    "large": ModelConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4608, num_hidden_layers=16,
-                         num_attention_heads=12, num_key_value_heads=4),
+    "small": ModelConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "large": ModelConfig(
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4608,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
 }
 
 # The load generator: stdlib only (starts in milliseconds), in its own process so that its threads
@@ -97,13 +109,16 @@ def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 def percentiles_ms(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
+
     def pick(q: float) -> float:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1e3
+
     return {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": ordered[-1] * 1e3, "n": len(ordered)}
 
 
-def run_swaps(server: ReferenceServer, buffers: list[dict[str, torch.Tensor]], swaps: int, interval_s: float,
-              first_version: int) -> dict:
+def run_swaps(
+    server: ReferenceServer, buffers: list[dict[str, torch.Tensor]], swaps: int, interval_s: float, first_version: int
+) -> dict:
     """`swaps` versions, alternating buffers; waits for wait_unused before a buffer is reused."""
     pauses, totals, reuse_waits, in_flight = [], [], [], []
     for i in range(swaps):
@@ -118,9 +133,12 @@ def run_swaps(server: ReferenceServer, buffers: list[dict[str, torch.Tensor]], s
         report = server.swap(version, buffers[i % 2], digest=f"bench-{version}")
         pauses.append(report.pause_s)
         totals.append(report.total_s)
-    return {"pause": percentiles_ms(pauses), "swap_call": percentiles_ms(totals),
-            "buffer_reuse_wait": percentiles_ms(reuse_waits) if reuse_waits else None,
-            "in_flight_at_flip": {"mean": statistics.mean(in_flight), "max": max(in_flight)}}
+    return {
+        "pause": percentiles_ms(pauses),
+        "swap_call": percentiles_ms(totals),
+        "buffer_reuse_wait": percentiles_ms(reuse_waits) if reuse_waits else None,
+        "in_flight_at_flip": {"mean": statistics.mean(in_flight), "max": max(in_flight)},
+    }
 
 
 def copy_baseline_s(buffers: list[dict[str, torch.Tensor]], repeats: int = 3) -> float:
@@ -134,19 +152,26 @@ def copy_baseline_s(buffers: list[dict[str, torch.Tensor]], repeats: int = 3) ->
     return statistics.median(times)
 
 
-def bench_model(name: str, config: ModelConfig, *, swaps: int, interval_s: float, clients: int,
-                request: dict) -> dict:
+def bench_model(name: str, config: ModelConfig, *, swaps: int, interval_s: float, clients: int, request: dict) -> dict:
     buffers = [random_weights(config, seed) for seed in (1, 2)]
     nbytes = sum(t.numel() * t.element_size() for t in buffers[0].values())
     log.info("%s: %.0f MiB of bf16 weights, %d tensors", name, nbytes / 2**20, len(buffers[0]))
-    result = {"model": {**config.to_hf(), "weight_bytes": nbytes, "tensors": len(buffers[0])}, "request": request,
-              "clients": clients, "interval_s": interval_s}
+    result = {
+        "model": {**config.to_hf(), "weight_bytes": nbytes, "tensors": len(buffers[0])},
+        "request": request,
+        "clients": clients,
+        "interval_s": interval_s,
+    }
     server_config = ReferenceServerConfig(model=config, max_concurrent_requests=clients)
     with ReferenceServer(server_config) as server:
         server.swap(0, buffers[1], digest="bench-0")
         result["idle"] = run_swaps(server, buffers, swaps, 0.0, first_version=1)
-        client = subprocess.Popen([sys.executable, "-c", _CLIENTS, server.url, str(clients), json.dumps(request)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            [sys.executable, "-c", _CLIENTS, server.url, str(clients), json.dumps(request)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             client.stdout.readline()
             first = swaps + 1
@@ -162,8 +187,12 @@ def bench_model(name: str, config: ModelConfig, *, swaps: int, interval_s: float
                 client.kill()
             client.wait()
     result["baseline_copy_pause_ms"] = copy_baseline_s(buffers) * 1e3
-    log.info("%s: pause under load %s; copy baseline %.1f ms", name, result["under_load"]["pause"],
-             result["baseline_copy_pause_ms"])
+    log.info(
+        "%s: pause under load %s; copy baseline %.1f ms",
+        name,
+        result["under_load"]["pause"],
+        result["baseline_copy_pause_ms"],
+    )
     return result
 
 
@@ -181,8 +210,12 @@ def bench_compute_dtype(config: ModelConfig, repeats: int) -> dict:
             started = time.perf_counter()
             server.generate(prompts, max_new_tokens=32, stop=None)
             times.append(time.perf_counter() - started)
-        out[dtype] = {"tokens_per_s": len(prompts) * 32 / statistics.median(times), "batch": len(prompts),
-                      "prompt_tokens": 32, "new_tokens": 32}
+        out[dtype] = {
+            "tokens_per_s": len(prompts) * 32 / statistics.median(times),
+            "batch": len(prompts),
+            "prompt_tokens": 32,
+            "new_tokens": 32,
+        }
         server.close()
     out["float32_speedup"] = out["float32"]["tokens_per_s"] / out["bfloat16"]["tokens_per_s"]
     return out
@@ -198,13 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("weightsync").setLevel(logging.WARNING)
     load_before = os.getloadavg()
-    plans = {"small": (50 if args.quick else 200, 0.02, {"prompt_ids": [[5] * 16], "max_new_tokens": 8}),
-             "large": (12 if args.quick else 40, 0.05, {"prompt_ids": [[5] * 8], "max_new_tokens": 2})}
+    plans = {
+        "small": (50 if args.quick else 200, 0.02, {"prompt_ids": [[5] * 16], "max_new_tokens": 8}),
+        "large": (12 if args.quick else 40, 0.05, {"prompt_ids": [[5] * 8], "max_new_tokens": 2}),
+    }
     results = {}
     for name in args.models.split(","):
         swaps, interval_s, request = plans[name]
-        results[name] = bench_model(name, MODELS[name], swaps=swaps, interval_s=interval_s, clients=args.clients,
-                                    request=request)
+        results[name] = bench_model(
+            name, MODELS[name], swaps=swaps, interval_s=interval_s, clients=args.clients, request=request
+        )
     results["compute_dtype"] = bench_compute_dtype(MODELS["small"], repeats=1 if args.quick else 3)
     record = {
         "bench": "swap",

@@ -95,8 +95,10 @@ def zstd_patch_args(level: int, threads: int) -> list[str]:
 
 
 def make_patch(old: Path, new: Path, patch: Path, level: int, threads: int) -> None:
-    subprocess.run([_ZSTD, "-q", "-f", *zstd_patch_args(level, threads), f"--patch-from={old}", str(new),
-                    "-o", str(patch)], check=True)
+    subprocess.run(
+        [_ZSTD, "-q", "-f", *zstd_patch_args(level, threads), f"--patch-from={old}", str(new), "-o", str(patch)],
+        check=True,
+    )
 
 
 # ------------------------------------------------------------------------------ worker process
@@ -127,15 +129,21 @@ class _Worker:
         patch, dest = self.dir / "new.patch.zst", self.dir / "new.safetensors"
         _download(store, key, patch)
         t1 = time.perf_counter()
-        subprocess.run([_ZSTD, "-q", "-f", "-d", "--long=31", f"--patch-from={old}", str(patch), "-o", str(dest)],
-                       check=True)
+        subprocess.run(
+            [_ZSTD, "-q", "-f", "-d", "--long=31", f"--patch-from={old}", str(patch), "-o", str(dest)], check=True
+        )
         t2 = time.perf_counter()
         size = _load(dest)
         done = _now_ms()
         patch.unlink()
         dest.unlink()
-        return {"done_unix_ms": done, "fetch_s": t1 - t0, "patch_s": t2 - t1, "load_s": time.perf_counter() - t2,
-                "bytes": size}
+        return {
+            "done_unix_ms": done,
+            "fetch_s": t1 - t0,
+            "patch_s": t2 - t1,
+            "load_s": time.perf_counter() - t2,
+            "bytes": size,
+        }
 
     def serve_dir(self, directory: str) -> dict:
         """Serves `directory` over HTTP (a threaded server): the local store as remote regions reach it."""
@@ -207,8 +215,13 @@ class _Worker:
         size = _load(Path(out))
         done = _now_ms()
         Path(out).unlink()
-        return {"done_unix_ms": done, "wait_s": t1 - t0, "fetch_s": t2 - t1, "load_s": time.perf_counter() - t2,
-                "bytes": size}
+        return {
+            "done_unix_ms": done,
+            "wait_s": t1 - t0,
+            "fetch_s": t2 - t1,
+            "load_s": time.perf_counter() - t2,
+            "bytes": size,
+        }
 
 
 def _all_shards_served(server: str, version: str, shards: int) -> bool:
@@ -229,8 +242,9 @@ def _patch_shardcast_temp_path(directory: Path) -> None:
     temp = str(directory / "temp_distribution.txt")
 
     def download_distribution_file(self):
-        if self.download_file(sc_client.SHARDCAST_DISTRIBUTION_FILE, temp, update_metrics=False,
-                              log_error_on_failure=False):
+        if self.download_file(
+            sc_client.SHARDCAST_DISTRIBUTION_FILE, temp, update_metrics=False, log_error_on_failure=False
+        ):
             with open(temp) as f:
                 content = f.read()
             os.unlink(temp)
@@ -245,6 +259,7 @@ def worker_main(directory: str) -> None:
     # Imported before "ready": the clock must not time a receiver's start-up.
     import boto3  # noqa: F401
     import safetensors.torch  # noqa: F401
+
     worker = _Worker(Path(directory))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -268,17 +283,29 @@ def run_on(cpus: frozenset[int] | None):
 class Workers:
     """Worker processes, each in a region (None: the trainer's site); stopped by PID on close."""
 
-    def __init__(self, net, regions: list[int | None], root: Path, env: dict[str, str] | None = None,
-                 cpus: list[frozenset[int]] | None = None) -> None:
+    def __init__(
+        self,
+        net,
+        regions: list[int | None],
+        root: Path,
+        env: dict[str, str] | None = None,
+        cpus: list[frozenset[int]] | None = None,
+    ) -> None:
         """`cpus`: worker i runs on cpus[i] only (its own machine's CPUs); None: anywhere."""
         self.procs: list[subprocess.Popen] = []
         self.regions = regions
         try:
             for i, region in enumerate(regions):
                 argv = [sys.executable, "-m", "bench.sync_baselines", "worker", str(root / f"worker-{i}")]
-                proc = subprocess.Popen(net.command(region, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, cwd=ROOT, env={**os.environ, **(env or {})},
-                                        preexec_fn=run_on(cpus[i] if cpus else None))
+                proc = subprocess.Popen(
+                    net.command(region, argv),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=ROOT,
+                    env={**os.environ, **(env or {})},
+                    preexec_fn=run_on(cpus[i] if cpus else None),
+                )
                 self.procs.append(proc)
             for proc in self.procs:
                 if not json.loads(proc.stdout.readline() or "{}").get("ready"):
@@ -320,13 +347,25 @@ def _finish(t0_ms: int, replies: dict[int, dict], extra: dict) -> dict:
     if errors:
         return {**extra, "error": errors[0]}
     done = [r["done_unix_ms"] for r in replies.values()]
-    return {**extra, "all_s": (max(done) - t0_ms) / 1000, "first_s": (min(done) - t0_ms) / 1000,
-            "per_receiver": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
-                             for r in replies.values()]}
+    return {
+        **extra,
+        "all_s": (max(done) - t0_ms) / 1000,
+        "first_s": (min(done) - t0_ms) / 1000,
+        "per_receiver": [
+            {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in replies.values()
+        ],
+    }
 
 
-def run_full_store(workers: Workers, receivers: list[int], new_sd: dict, scratch: Path, store: dict,
-                   store_for: dict[int, dict], key: str) -> dict:
+def run_full_store(
+    workers: Workers,
+    receivers: list[int],
+    new_sd: dict,
+    scratch: Path,
+    store: dict,
+    store_for: dict[int, dict],
+    key: str,
+) -> dict:
     """Baseline 1 (see the module docstring); `store_for[i]`: the store as receiver i reaches it."""
     from safetensors.torch import save_file
 
@@ -342,8 +381,18 @@ def run_full_store(workers: Workers, receivers: list[int], new_sd: dict, scratch
     return _finish(t0_ms, replies, {"serialize_s": t1 - t0, "upload_s": t2 - t1, "file_bytes": file_bytes})
 
 
-def run_zstd_patch(workers: Workers, receivers: list[int], new_sd: dict, old_file: Path, scratch: Path,
-                   store: dict, store_for: dict[int, dict], key: str, level: int, threads: int) -> dict:
+def run_zstd_patch(
+    workers: Workers,
+    receivers: list[int],
+    new_sd: dict,
+    old_file: Path,
+    scratch: Path,
+    store: dict,
+    store_for: dict[int, dict],
+    key: str,
+    level: int,
+    threads: int,
+) -> dict:
     """Baseline 3: write, diff against the previous file, upload the patch; receivers patch + load."""
     from safetensors.torch import save_file
 
@@ -356,16 +405,32 @@ def run_zstd_patch(workers: Workers, receivers: list[int], new_sd: dict, old_fil
     upload(store, patch, key)
     t3 = time.perf_counter()
     patch_bytes = patch.stat().st_size
-    replies = workers.call_all({i: ("patch_load", {"store": store_for[i], "key": key, "old": str(old_file)})
-                                for i in receivers})
+    replies = workers.call_all(
+        {i: ("patch_load", {"store": store_for[i], "key": key, "old": str(old_file)}) for i in receivers}
+    )
     new.unlink()
     patch.unlink()
-    return _finish(t0_ms, replies, {"serialize_s": t1 - t0, "diff_s": t2 - t1, "upload_s": t3 - t2,
-                                    "patch_bytes": patch_bytes, "zstd_args": zstd_patch_args(level, threads)})
+    return _finish(
+        t0_ms,
+        replies,
+        {
+            "serialize_s": t1 - t0,
+            "diff_s": t2 - t1,
+            "upload_s": t3 - t2,
+            "patch_bytes": patch_bytes,
+            "zstd_args": zstd_patch_args(level, threads),
+        },
+    )
 
 
-def run_shardcast(net, scratch: Path, new_sd: dict, receiver_regions: list[int], timeout_s: float,
-                  cpus: tuple[frozenset[int], list[frozenset[int]]] | None = None) -> dict:
+def run_shardcast(
+    net,
+    scratch: Path,
+    new_sd: dict,
+    receiver_regions: list[int],
+    timeout_s: float,
+    cpus: tuple[frozenset[int], list[frozenset[int]]] | None = None,
+) -> dict:
     """Baseline 2 with its own processes: origin at the trainer's site, middle nodes, clients.
     `cpus`: (the trainer site's, each receiver's) CPUs; the origin and the middle nodes run on the
     trainer site's, client i on receiver i's."""
@@ -377,8 +442,12 @@ def run_shardcast(net, scratch: Path, new_sd: dict, receiver_regions: list[int],
     middles = [r for r, n in by_region.items() if n > 1]
     # worker 0: origin; then one middle node per crowded region; then the receivers
     layout: list[int | None] = [None, *middles, *receiver_regions]
-    workers = Workers(net, layout, scratch / "shardcast",
-                      cpus=[cpus[0]] * (1 + len(middles)) + list(cpus[1][:len(receiver_regions)]) if cpus else None)
+    workers = Workers(
+        net,
+        layout,
+        scratch / "shardcast",
+        cpus=[cpus[0]] * (1 + len(middles)) + list(cpus[1][: len(receiver_regions)]) if cpus else None,
+    )
     try:
         origin_port = workers.call(0, "shardcast_origin")["port"]
         server_for: dict[int, str] = {}
@@ -399,14 +468,22 @@ def run_shardcast(net, scratch: Path, new_sd: dict, receiver_regions: list[int],
         pool = cf.ThreadPoolExecutor(1)
         # The version name is known before broadcast returns: the origin's first is always v1.
         broadcast = pool.submit(workers.call, 0, "shardcast_broadcast", file=str(path))
-        replies = workers.call_all({i: ("shardcast_fetch_load", {"version": "v1", "timeout_s": timeout_s})
-                                    for i in clients})
+        replies = workers.call_all(
+            {i: ("shardcast_fetch_load", {"version": "v1", "timeout_s": timeout_s}) for i in clients}
+        )
         b = _checked(broadcast.result())
         pool.shutdown()
         path.unlink()
-        return _finish(t0_ms, replies, {"serialize_s": t1 - t0, "broadcast_s": b["broadcast_s"],
-                                        "middle_nodes": len(middles),
-                                        "topology": "origin -> middle node per region with >1 receiver -> clients"})
+        return _finish(
+            t0_ms,
+            replies,
+            {
+                "serialize_s": t1 - t0,
+                "broadcast_s": b["broadcast_s"],
+                "middle_nodes": len(middles),
+                "topology": "origin -> middle node per region with >1 receiver -> clients",
+            },
+        )
     finally:
         workers.close()
 

@@ -131,10 +131,13 @@ class CpuPlan:
         ordered = sorted(cpus)
         left = len(ordered) - receivers * per_receiver
         if left < 1:
-            raise ValueError(f"{receivers} receivers x {per_receiver} CPUs each leave no CPU for the trainer's site "
-                             f"({len(ordered)} CPUs usable)")
-        own = tuple(frozenset(ordered[left + i * per_receiver: left + (i + 1) * per_receiver])
-                    for i in range(receivers))
+            raise ValueError(
+                f"{receivers} receivers x {per_receiver} CPUs each leave no CPU for the trainer's site "
+                f"({len(ordered)} CPUs usable)"
+            )
+        own = tuple(
+            frozenset(ordered[left + i * per_receiver : left + (i + 1) * per_receiver]) for i in range(receivers)
+        )
         return cls(frozenset(ordered[:left]), own)
 
     def describe(self) -> dict:
@@ -169,15 +172,28 @@ def _fake_aws_env() -> None:
     """Nothing here may reach a real account: scrub AWS settings, use moto's test credentials."""
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         del os.environ[name]
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    )
 
 
 # ------------------------------------------------------------------------------ our path
 
 
-def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, store_uri: str,
-                  env_for: dict[int, dict], apply_early: bool = True, cpus: CpuPlan | None = None) -> list[dict]:
+def _start_agents(
+    net: Network,
+    regions: list[int],
+    root: Path,
+    arch: dict,
+    store_uri: str,
+    env_for: dict[int, dict],
+    apply_early: bool = True,
+    cpus: CpuPlan | None = None,
+) -> list[dict]:
     """Agent processes, a pipeline per region (last first, so each knows its downstream peer);
     with `cpus`, agent i runs on receiver i's CPUs (and sizes its decode threads to them)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -195,12 +211,19 @@ def _start_agents(net: Network, regions: list[int], root: Path, arch: dict, stor
                 f'cache_dir = "{root / f"agent-{i}"}"\nstore = "{store_uri}"\nlisten = "{listen_host}:0"\n'
                 f"peers = {json.dumps(peers)}\npoll_interval_s = 30.0\npush_wait_s = 5.0\n"
                 f"apply_early = {str(apply_early).lower()}\n"
-                f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n')
+                f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n'
+            )
             argv = [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config), "-v"]
             with open(root / f"agent-{i}.log", "w") as errors:
-                proc = subprocess.Popen(net.command(region, argv), stdout=subprocess.PIPE, stderr=errors, text=True,
-                                        env={**os.environ, **env_for.get(region, {})}, cwd=ROOT,
-                                        preexec_fn=bl.run_on(cpus.receivers[i] if cpus else None))
+                proc = subprocess.Popen(
+                    net.command(region, argv),
+                    stdout=subprocess.PIPE,
+                    stderr=errors,
+                    text=True,
+                    env={**os.environ, **env_for.get(region, {})},
+                    cwd=ROOT,
+                    preexec_fn=bl.run_on(cpus.receivers[i] if cpus else None),
+                )
             agents[i] = {"proc": proc, "region": region}
             line = proc.stdout.readline()
             if not line:
@@ -240,8 +263,18 @@ def trainer_heap_frozen():
         gc.unfreeze()
 
 
-def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None,
-             timeout_s: float, push_buffer_mib: int = 0, apply_early: bool = True, cpus: CpuPlan | None = None) -> dict:
+def run_ours(
+    net: Network,
+    series,
+    cell: Cell,
+    regions: list[int],
+    root: Path,
+    moto: Moto | None,
+    timeout_s: float,
+    push_buffer_mib: int = 0,
+    apply_early: bool = True,
+    cpus: CpuPlan | None = None,
+) -> dict:
     """Base + 3 deltas through Publisher -> Pusher -> relaying agents; timings per version."""
     from weightsync.publisher import Publisher, PublisherConfig
     from weightsync.stores import LocalStore
@@ -264,8 +297,9 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
     clients = [AgentClient(a["status"]) for a in agents]
     versions = []
     try:
-        with Publisher(store, model=MODEL, config=PublisherConfig(chunk_bytes=4 * 1024**2),
-                       listeners=[pusher]) as publisher:
+        with Publisher(
+            store, model=MODEL, config=PublisherConfig(chunk_bytes=4 * 1024**2), listeners=[pusher]
+        ) as publisher:
             for j in range(series.config.steps_per_lr + 1):
                 state = series.load(cell.lr, j, resident=True)
                 sent = sum(s["sent_bytes"] for s in pusher.stats().values())
@@ -282,23 +316,38 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
                 del state
                 entries = [next(e for e in c.status().ledger if e.version == result.version) for c in clients]
                 served = [(e.served_unix_ms - t0_ms) / 1000 for e in entries]
-                versions.append({
-                    "version": result.version, "kind": result.manifest.kind,
-                    "changed_fraction": result.changed_elements / max(1, result.total_elements),
-                    "raw_bytes": result.raw_bytes, "stored_bytes": result.stored_bytes + result.manifest_bytes,
-                    "store_objects": len(result.manifest.objects()),  # PUTs besides the manifest
-                    "ratio": result.ratio, "commit_s": result.total_s, "snapshot_s": result.snapshot_s,
-                    "encode_upload_s": result.encode_s, "manifest_s": result.commit_s,
-                    "pushed_bytes": sum(s["sent_bytes"] for s in pusher.stats().values()) - sent,
-                    "fetched_bytes": sum(e.bytes_fetched for e in entries),
-                    "relayed_bytes": sum(e.bytes_pushed for e in entries),
-                    "first_agent_s": min(served), "all_agents_s": max(served),
-                    "object_chunks": sum(1 for t in result.manifest.tensors for c in t.chunks if c.object),
-                    "per_agent": [{"served_s": round(s, 3), "path": e.path, "route": e.route,
-                                   "route_reason": e.route_reason, "applied_early": e.applied_early,
-                                   **{k: round(v, 3) for k, v in e.timings_s.items()}}
-                                  for s, e in zip(served, entries, strict=True)],
-                })
+                versions.append(
+                    {
+                        "version": result.version,
+                        "kind": result.manifest.kind,
+                        "changed_fraction": result.changed_elements / max(1, result.total_elements),
+                        "raw_bytes": result.raw_bytes,
+                        "stored_bytes": result.stored_bytes + result.manifest_bytes,
+                        "store_objects": len(result.manifest.objects()),  # PUTs besides the manifest
+                        "ratio": result.ratio,
+                        "commit_s": result.total_s,
+                        "snapshot_s": result.snapshot_s,
+                        "encode_upload_s": result.encode_s,
+                        "manifest_s": result.commit_s,
+                        "pushed_bytes": sum(s["sent_bytes"] for s in pusher.stats().values()) - sent,
+                        "fetched_bytes": sum(e.bytes_fetched for e in entries),
+                        "relayed_bytes": sum(e.bytes_pushed for e in entries),
+                        "first_agent_s": min(served),
+                        "all_agents_s": max(served),
+                        "object_chunks": sum(1 for t in result.manifest.tensors for c in t.chunks if c.object),
+                        "per_agent": [
+                            {
+                                "served_s": round(s, 3),
+                                "path": e.path,
+                                "route": e.route,
+                                "route_reason": e.route_reason,
+                                "applied_early": e.applied_early,
+                                **{k: round(v, 3) for k, v in e.timings_s.items()},
+                            }
+                            for s, e in zip(served, entries, strict=True)
+                        ],
+                    }
+                )
     finally:
         pusher.close(timeout_s=5)
         for c in clients:
@@ -313,27 +362,57 @@ def run_ours(net: Network, series, cell: Cell, regions: list[int], root: Path, m
 def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
     regions = regions_for(cell.agents, args.max_regions)
     raw = series.file(cell.lr, 0).stat().st_size
-    out = {"size_gib": cell.size, "lr": cell.lr, "agents": cell.agents, "regions": len(set(regions)),
-           "store": cell.store, "themes": sorted(cell.themes), "checkpoint_file_bytes": raw,
-           "load_avg_start": os.getloadavg(), "mem_available_gib": round(mem_available_gib(), 1)}
+    out = {
+        "size_gib": cell.size,
+        "lr": cell.lr,
+        "agents": cell.agents,
+        "regions": len(set(regions)),
+        "store": cell.store,
+        "themes": sorted(cell.themes),
+        "checkpoint_file_bytes": raw,
+        "load_avg_start": os.getloadavg(),
+        "mem_available_gib": round(mem_available_gib(), 1),
+    }
     need = memory_need_gib(raw / GiB, cell.agents)
     if need > out["mem_available_gib"]:
-        out["skipped"] = (f"needs ~{need:.1f} GiB ({cell.agents} agents x 2 buffers of {raw / GiB:.2f} GiB + "
-                          f"publisher), {out['mem_available_gib']} GiB available")
+        out["skipped"] = (
+            f"needs ~{need:.1f} GiB ({cell.agents} agents x 2 buffers of {raw / GiB:.2f} GiB + "
+            f"publisher), {out['mem_available_gib']} GiB available"
+        )
         return out
     root = Path(tempfile.mkdtemp(prefix="cell-", dir=scratch))
     moto = None
     try:
         moto = Moto(scratch / f"moto-{root.name}.log") if cell.store == "s3" else None
-        log.info("cell %s GiB lr %g, %d agents in %d regions, %s store", cell.size, cell.lr, cell.agents,
-                 len(set(regions)), cell.store)
+        log.info(
+            "cell %s GiB lr %g, %d agents in %d regions, %s store",
+            cell.size,
+            cell.lr,
+            cell.agents,
+            len(set(regions)),
+            cell.store,
+        )
         with trainer_heap_frozen():  # for ours and the baselines alike
-            out["ours"] = run_ours(net, series, cell, regions, root / "ours", moto, args.timeout_s,
-                                   args.push_buffer_mib, not args.no_apply_early, args.cpu_plan)
-            log.info("  ours: steady %.2f s, first %.2f s", out["ours"]["steady"]["all_agents_s"],
-                     out["ours"]["first"]["all_agents_s"])
-            out["baselines"] = ({} if args.no_baselines else
-                                run_baselines(net, series, cell, regions, root / "baselines", moto, args))
+            out["ours"] = run_ours(
+                net,
+                series,
+                cell,
+                regions,
+                root / "ours",
+                moto,
+                args.timeout_s,
+                args.push_buffer_mib,
+                not args.no_apply_early,
+                args.cpu_plan,
+            )
+            log.info(
+                "  ours: steady %.2f s, first %.2f s",
+                out["ours"]["steady"]["all_agents_s"],
+                out["ours"]["first"]["all_agents_s"],
+            )
+            out["baselines"] = (
+                {} if args.no_baselines else run_baselines(net, series, cell, regions, root / "baselines", moto, args)
+            )
         steady = out["ours"]["steady"]["all_agents_s"]
         out["speedup"] = {name: b["all_s"] / steady for name, b in out["baselines"].items() if "all_s" in b}
     except Exception as e:  # noqa: BLE001 -- one broken cell must not lose an hour of others: record it
@@ -352,8 +431,7 @@ def run_cell(net: Network, series, cell: Cell, args, scratch: Path) -> dict:
     return out
 
 
-def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None,
-                  args) -> dict:
+def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Path, moto: Moto | None, args) -> dict:
     root.mkdir(parents=True)
     steps = series.config.steps_per_lr
     new_sd = series.load(cell.lr, steps, resident=True)
@@ -361,8 +439,9 @@ def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Pa
     # Worker 0 sits at the trainer's site (it serves the local store's directory over HTTP to the
     # regions: a directory there is no closer to a remote region than S3 is); 1.. are the receivers.
     plan = args.cpu_plan
-    workers = bl.Workers(net, [None, *regions], root,
-                         cpus=[plan.trainer, *plan.receivers[:len(regions)]] if plan else None)
+    workers = bl.Workers(
+        net, [None, *regions], root, cpus=[plan.trainer, *plan.receivers[: len(regions)]] if plan else None
+    )
     receivers = list(range(1, len(regions) + 1))
     results: dict[str, dict] = {}
     try:
@@ -371,17 +450,35 @@ def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Pa
             store_for = {i: store for i in receivers}
             if net.mode == "netns":
                 port = workers.call(0, "serve_dir", directory=store["dir"])["port"]
-                store_for = {i: {"kind": "http", "url": "http://" + net.out_of(regions[i - 1], f"127.0.0.1:{port}")}
-                             for i in receivers}
+                store_for = {
+                    i: {"kind": "http", "url": "http://" + net.out_of(regions[i - 1], f"127.0.0.1:{port}")}
+                    for i in receivers
+                }
         else:
             store = {"kind": "s3", "endpoint": f"http://{moto.address}", "bucket": moto.bucket}
-            store_for = {i: {**store, "endpoint": "http://" + net.out_of(regions[i - 1], moto.address)}
-                         for i in receivers}
+            store_for = {
+                i: {**store, "endpoint": "http://" + net.out_of(regions[i - 1], moto.address)} for i in receivers
+            }
         for name, run in (
-            ("full_store", lambda: bl.run_full_store(workers, receivers, new_sd, root, store, store_for,
-                                                     "full/new.safetensors")),
-            ("zstd_patch", lambda: bl.run_zstd_patch(workers, receivers, new_sd, old_file, root, store, store_for,
-                                                     "patch/new.patch.zst", args.zstd_level, args.zstd_threads)),
+            (
+                "full_store",
+                lambda: bl.run_full_store(workers, receivers, new_sd, root, store, store_for, "full/new.safetensors"),
+            ),
+            (
+                "zstd_patch",
+                lambda: bl.run_zstd_patch(
+                    workers,
+                    receivers,
+                    new_sd,
+                    old_file,
+                    root,
+                    store,
+                    store_for,
+                    "patch/new.patch.zst",
+                    args.zstd_level,
+                    args.zstd_threads,
+                ),
+            ),
         ):
             try:
                 results[name] = run()
@@ -395,8 +492,9 @@ def run_baselines(net: Network, series, cell: Cell, regions: list[int], root: Pa
         results["shardcast"] = {"skipped": reason}
     else:
         try:
-            results["shardcast"] = bl.run_shardcast(net, root, new_sd, list(regions), args.timeout_s,
-                                                    (plan.trainer, list(plan.receivers)) if plan else None)
+            results["shardcast"] = bl.run_shardcast(
+                net, root, new_sd, list(regions), args.timeout_s, (plan.trainer, list(plan.receivers)) if plan else None
+            )
         except Exception as e:  # noqa: BLE001 -- recorded; the cell's other results stand
             log.error("shardcast failed: %s", traceback.format_exc())
             results["shardcast"] = {"error": f"{type(e).__name__}: {e}"}
@@ -412,30 +510,54 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="0.1 GiB, agents 1,4: a few minutes")
     parser.add_argument("--sizes", help="model sizes in GiB of bf16, from 0.1,0.5,1 (default all; quick 0.1)")
-    parser.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="lrs of the checkpoint pairs; the first is the headline")
+    parser.add_argument(
+        "--lrs", default="1e-6,3e-6,1e-5", help="lrs of the checkpoint pairs; the first is the headline"
+    )
     parser.add_argument("--agents", help="agent counts (default 1,2,4,8; quick 1,4)")
-    parser.add_argument("--stores", default="local,s3", help="local and/or s3 (a moto server); the first is the main one")
-    parser.add_argument("--network", choices=["netns", "loopback"], default="netns",
-                        help="netns: regions as namespaces with shaped links (falls back to loopback if impossible)")
+    parser.add_argument(
+        "--stores", default="local,s3", help="local and/or s3 (a moto server); the first is the main one"
+    )
+    parser.add_argument(
+        "--network",
+        choices=["netns", "loopback"],
+        default="netns",
+        help="netns: regions as namespaces with shaped links (falls back to loopback if impossible)",
+    )
     parser.add_argument("--rate", default="1gbit", help="inter-region link rate (tc tbf syntax)")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="inter-region round-trip delay added")
     parser.add_argument("--max-regions", type=int, default=2)
     parser.add_argument("--zstd-level", type=int, default=3, help="zstd --patch-from level (19 takes minutes per GiB)")
     parser.add_argument("--zstd-threads", type=int, default=0, help="zstd -T (0: one per core)")
     parser.add_argument("--label", default="", help="names the result files sync-latency-LABEL-... (quick: 'quick')")
-    parser.add_argument("--push-buffer-mib", type=int, default=0,
-                        help="publisher Pusher max_buffered_bytes in MiB (0: PushConfig's default, 512)")
-    parser.add_argument("--no-apply-early", action="store_true",
-                        help="agents apply every chunk after the offer (apply_early = false), to measure what "
-                             "applying pushed chunks as they arrive saves")
-    parser.add_argument("--repeat", type=int, default=1, help="run each cell this many times (the headline uses medians)")
+    parser.add_argument(
+        "--push-buffer-mib",
+        type=int,
+        default=0,
+        help="publisher Pusher max_buffered_bytes in MiB (0: PushConfig's default, 512)",
+    )
+    parser.add_argument(
+        "--no-apply-early",
+        action="store_true",
+        help="agents apply every chunk after the offer (apply_early = false), to measure what "
+        "applying pushed chunks as they arrive saves",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run each cell this many times (the headline uses medians)"
+    )
     parser.add_argument("--keep-logs", help="copy each cell's agent logs into this directory")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per version / per baseline transfer")
-    parser.add_argument("--cpus-per-agent", type=int, default=0,
-                        help="give each agent (and each baseline receiver) this many CPUs of its own, as on its own "
-                             "machine; the publisher's site gets the rest (0: all processes share all CPUs)")
-    parser.add_argument("--no-baselines", action="store_true",
-                        help="measure weightsync only (e.g. the agents-scaling cells); no full-file or patch runs")
+    parser.add_argument(
+        "--cpus-per-agent",
+        type=int,
+        default=0,
+        help="give each agent (and each baseline receiver) this many CPUs of its own, as on its own "
+        "machine; the publisher's site gets the rest (0: all processes share all CPUs)",
+    )
+    parser.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="measure weightsync only (e.g. the agents-scaling cells); no full-file or patch runs",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sizes = [float(s) for s in (args.sizes or ("0.1" if args.quick else "0.1,0.5,1")).split(",")]
@@ -462,25 +584,49 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         series[size] = make_lm_series(lm_series_config(size), cache_dir=CACHE)
         steps = series[size].config.steps_per_lr
-        changed[size] = {f"{lr:g}": pair_stats(series[size].load(lr, steps - 1), series[size].load(lr, steps))
-                         .changed_fraction for lr in lrs}
-        log.info("%s GiB series ready in %.0f s; measured pair changed %s", size, time.perf_counter() - t0,
-                 {k: f"{v:.2%}" for k, v in changed[size].items()})
+        changed[size] = {
+            f"{lr:g}": pair_stats(series[size].load(lr, steps - 1), series[size].load(lr, steps)).changed_fraction
+            for lr in lrs
+        }
+        log.info(
+            "%s GiB series ready in %.0f s; measured pair changed %s",
+            size,
+            time.perf_counter() - t0,
+            {k: f"{v:.2%}" for k, v in changed[size].items()},
+        )
     cells = [cell for cell in plan_cells(sizes, lrs, agents, stores) for _ in range(args.repeat)]
     record = {
-        "bench": "sync_latency", "date": datetime.date.today().isoformat(), "quick": args.quick, "label": args.label,
-        "config": {"sizes_gib": sizes, "lrs": lrs, "agents": agents, "stores": stores, "max_regions": args.max_regions,
-                   "zstd_patch": bl.zstd_patch_args(args.zstd_level, args.zstd_threads), "chunk_bytes": 4 * 1024**2,
-                   "engine": "reference (bf16, zero-copy, double-buffered)",
-                   "publisher_push_buffer_mib": args.push_buffer_mib or "default", "topology": "pipeline per region",
-                   "apply_early": not args.no_apply_early,
-                   "cpus": args.cpu_plan.describe() if args.cpu_plan else "shared (no pinning)",
-                   "baselines": not args.no_baselines,
-                   "checkpoints": {f"{s:g}": {"arch": dataclasses.asdict(series[s].config.model),
-                                              "cache": series[s].path.name, "changed_fraction": changed[s]}
-                                   for s in sizes},
-                   "cells_planned": len(cells)},
-        "hardware": describe_machine(), "versions": bl.tool_versions(), "cells": [],
+        "bench": "sync_latency",
+        "date": datetime.date.today().isoformat(),
+        "quick": args.quick,
+        "label": args.label,
+        "config": {
+            "sizes_gib": sizes,
+            "lrs": lrs,
+            "agents": agents,
+            "stores": stores,
+            "max_regions": args.max_regions,
+            "zstd_patch": bl.zstd_patch_args(args.zstd_level, args.zstd_threads),
+            "chunk_bytes": 4 * 1024**2,
+            "engine": "reference (bf16, zero-copy, double-buffered)",
+            "publisher_push_buffer_mib": args.push_buffer_mib or "default",
+            "topology": "pipeline per region",
+            "apply_early": not args.no_apply_early,
+            "cpus": args.cpu_plan.describe() if args.cpu_plan else "shared (no pinning)",
+            "baselines": not args.no_baselines,
+            "checkpoints": {
+                f"{s:g}": {
+                    "arch": dataclasses.asdict(series[s].config.model),
+                    "cache": series[s].path.name,
+                    "changed_fraction": changed[s],
+                }
+                for s in sizes
+            },
+            "cells_planned": len(cells),
+        },
+        "hardware": describe_machine(),
+        "versions": bl.tool_versions(),
+        "cells": [],
     }
     scratch = Path(tempfile.mkdtemp(prefix="ws-bench-sync-"))
     try:

@@ -53,18 +53,30 @@ def job_doc(args: argparse.Namespace, *, steps: int, store: str | None, offload:
         "seed": 0,
         "log_every": 1_000_000,  # the bench prints its own record
         "model": {
-            "model_type": "qwen3", "vocab_size": 259, "hidden_size": args.hidden,
-            "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.layers,
-            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+            "model_type": "qwen3",
+            "vocab_size": 259,
+            "hidden_size": args.hidden,
+            "intermediate_size": 3 * args.hidden,
+            "num_hidden_layers": args.layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2),
         },
         "optimizer": {"lr": args.lr, "max_grad_norm": 1.0},
-        "data": {"source": "reverse", "global_batch_size": args.global_batch,
-                 "micro_batch_size": args.global_batch // int(os.environ.get("WORLD_SIZE", args.ranks)), "max_seq_len": 64},
+        "data": {
+            "source": "reverse",
+            "global_batch_size": args.global_batch,
+            "micro_batch_size": args.global_batch // int(os.environ.get("WORLD_SIZE", args.ranks)),
+            "max_seq_len": 64,
+        },
         "guard": {"enabled": False},
     }
     if store is not None:
-        train["publish"] = {"store": store, "model": "bench", "every_steps": 1,
-                            "publisher": {"workers": args.publish_workers, "max_in_flight": 2}}
+        train["publish"] = {
+            "store": store,
+            "model": "bench",
+            "every_steps": 1,
+            "publisher": {"workers": args.publish_workers, "max_in_flight": 2},
+        }
     parallel = {"cpu_offload": offload, "mixed_precision": args.mixed_precision}
     return {"parallel": parallel, "train": train}
 
@@ -122,7 +134,10 @@ def worker_timing(args: argparse.Namespace) -> dict:
     publish_s = [m["step_s"] for m in by_mode["publish"]]
     plain_s = [m["step_s"] for m in by_mode["plain"]]
     return {
-        "steps": steps, "pattern": pattern, "warmup_steps": warmup, "block_steps": block,
+        "steps": steps,
+        "pattern": pattern,
+        "warmup_steps": warmup,
+        "block_steps": block,
         "step_s_publishing": {"mean": statistics.mean(publish_s), "median": statistics.median(publish_s)},
         "step_s_plain": {"mean": statistics.mean(plain_s), "median": statistics.median(plain_s)},
         "ratio_mean": statistics.mean(publish_s) / statistics.mean(plain_s),
@@ -135,10 +150,14 @@ def worker_timing(args: argparse.Namespace) -> dict:
         "publish_latency_s_mean": _mean(m.get("publish/latency_s") for m in by_mode["publish"]),
         "publish_ratio_mean": _mean(m.get("publish/ratio") for m in by_mode["publish"]),
         "tokens_per_step": statistics.mean(m["tokens"] for m in history),
-        "versions": versions, "publish_failures": failures,
-        "final_loss": history[-1]["loss"], "peak_rss_MiB_per_rank": rss,
-        "step_s_all": [[m["step"], "transition" if is_transition(m["step"]) else mode_of(m["step"]),
-                        round(m["step_s"], 4)] for m in history],
+        "versions": versions,
+        "publish_failures": failures,
+        "final_loss": history[-1]["loss"],
+        "peak_rss_MiB_per_rank": rss,
+        "step_s_all": [
+            [m["step"], "transition" if is_transition(m["step"]) else mode_of(m["step"]), round(m["step_s"], 4)]
+            for m in history
+        ],
     }
 
 
@@ -158,9 +177,12 @@ def worker_memory(args: argparse.Namespace) -> dict:
         peak_cuda = torch.cuda.max_memory_allocated(trainer.device) / 2**20 if cuda else None
     finally:
         trainer.close()
-    return {"offload": bool(args.offload), "peak_rss_MiB_per_rank": _gather_peak_rss(dist),
-            "peak_cuda_MiB_rank0": peak_cuda,
-            "step_s_mean": statistics.mean(m["step_s"] for m in history[1:] or history)}
+    return {
+        "offload": bool(args.offload),
+        "peak_rss_MiB_per_rank": _gather_peak_rss(dist),
+        "peak_cuda_MiB_rank0": peak_cuda,
+        "step_s_mean": statistics.mean(m["step_s"] for m in history[1:] or history),
+    }
 
 
 def _publisher_cpu_s() -> float:
@@ -199,10 +221,25 @@ def _mean(values) -> float | None:
 
 def launch(args: argparse.Namespace, worker: str, extra: list[str], out_dir: Path) -> dict:
     result = out_dir / f"{worker}-{len(list(out_dir.iterdir()))}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2)
-                                                                                     // args.ranks)))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-           "-m", "bench.trainer", "--worker", worker, "--result", str(result), *_forwarded(args), *extra]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.ranks))),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        "-m",
+        "bench.trainer",
+        "--worker",
+        worker,
+        "--result",
+        str(result),
+        *_forwarded(args),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
@@ -211,8 +248,18 @@ def launch(args: argparse.Namespace, worker: str, extra: list[str], out_dir: Pat
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
-    names = ("hidden", "layers", "global_batch", "lr", "warmup_steps", "block_steps", "blocks",
-             "memory_steps", "publish_workers", "mixed_precision")
+    names = (
+        "hidden",
+        "layers",
+        "global_batch",
+        "lr",
+        "warmup_steps",
+        "block_steps",
+        "blocks",
+        "memory_steps",
+        "publish_workers",
+        "mixed_precision",
+    )
     return [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
 
@@ -229,14 +276,24 @@ def run(args: argparse.Namespace) -> dict:
         timing = launch(args, "timing", ["--store-dir", tmp], out)
         memory = [launch(args, "memory", ["--offload", flag], out) for flag in ("0", "1")]
     heads = max(1, args.hidden // 64)
-    params = num_parameters(ModelConfig(vocab_size=259, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                                        num_hidden_layers=args.layers, num_attention_heads=heads,
-                                        num_key_value_heads=max(1, heads // 2)))
+    params = num_parameters(
+        ModelConfig(
+            vocab_size=259,
+            hidden_size=args.hidden,
+            intermediate_size=3 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 2),
+        )
+    )
     return {
         "bench": "trainer",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {**{k: v for k, v in vars(args).items() if k not in ("worker", "result", "save")},
-                   "parameters": params, "bf16_MB": 2 * params / 1e6},
+        "config": {
+            **{k: v for k, v in vars(args).items() if k not in ("worker", "result", "save")},
+            "parameters": params,
+            "bf16_MB": 2 * params / 1e6,
+        },
         "versions": {"weightsync": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "hardware": describe_machine(),
         "load_before": load_before,
@@ -260,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=64, help="examples per step over all ranks")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (allocations, caches)")
-    parser.add_argument("--block-steps", type=int, default=6,
-                        help="steps per publishing / plain block; the first of each is not timed")
+    parser.add_argument(
+        "--block-steps", type=int, default=6, help="steps per publishing / plain block; the first of each is not timed"
+    )
     parser.add_argument("--blocks", type=int, default=8, help="blocks, in ABBA... order (A = publishing)")
     parser.add_argument("--memory-steps", type=int, default=3, help="steps of each memory run")
     parser.add_argument("--publish-workers", type=int, default=1, help="publisher encode threads per rank")

@@ -43,9 +43,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def make_model(directory: Path, hidden: int, layers: int, vocab: int) -> str:
     from weightsync.models import ModelConfig, build_model, save_pretrained
 
-    config = ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=max(1, hidden // 128), max_position_embeddings=4096)
+    config = ModelConfig(
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=4096,
+    )
     save_pretrained(directory, config, build_model(config, seed=0).state_dict(), dtype=None)
     return str(directory)
 
@@ -68,12 +75,23 @@ class TrainerSide:
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         seq = max(len(s) for s in sequences)
-        job = parse_job_config({"parallel": {"device": "cpu"}, "train": {
-            "steps": 10**6, "model": {"init_dir": model_dir},
-            "optimizer": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "max_grad_norm": 0.0},
-            "schedule": {"warmup_steps": 0, "decay": "constant"},
-            "data": {"global_batch_size": len(sequences), "micro_batch_size": len(sequences), "max_seq_len": seq,
-                     "pad_multiple": 1}}})
+        job = parse_job_config(
+            {
+                "parallel": {"device": "cpu"},
+                "train": {
+                    "steps": 10**6,
+                    "model": {"init_dir": model_dir},
+                    "optimizer": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "max_grad_norm": 0.0},
+                    "schedule": {"warmup_steps": 0, "decay": "constant"},
+                    "data": {
+                        "global_batch_size": len(sequences),
+                        "micro_batch_size": len(sequences),
+                        "max_seq_len": seq,
+                        "pad_multiple": 1,
+                    },
+                },
+            }
+        )
         self.trainer = Trainer(job)
         examples = [Example(tokens=s, loss_weights=[0.0] + [1.0] * (len(s) - 1)) for s in sequences]
         self.batch = collate(examples, max_seq_len=seq, pad_multiple=1)
@@ -98,9 +116,13 @@ class ApiSide:
         service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
         self.client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
         tokens = sum(len(s) - 1 for s in sequences)
-        self.data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                                 loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0 / tokens] * (len(s) - 1)})
-                     for s in sequences]
+        self.data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(s[:-1]),
+                loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0 / tokens] * (len(s) - 1)},
+            )
+            for s in sequences
+        ]
         self.adam = types.AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8)
 
     def step(self) -> float:
@@ -142,12 +164,20 @@ def main() -> None:
         trainer.close()
     means = {name: statistics.mean(values) for name, values in times.items()}
     record = {
-        "benchmark": "training_api", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "config": vars(args), "machine": describe_machine(),
-        "load_before": load_before, "load_after": os.getloadavg(),
-        "results": {"trainer_step_s": means["trainer"], "api_step_s": means["api"],
-                    "ratio_api_over_trainer": means["api"] / means["trainer"], "target_ratio": 1.15,
-                    "trainer_steps_s": times["trainer"], "api_steps_s": times["api"]},
+        "benchmark": "training_api",
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "config": vars(args),
+        "machine": describe_machine(),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "results": {
+            "trainer_step_s": means["trainer"],
+            "api_step_s": means["api"],
+            "ratio_api_over_trainer": means["api"] / means["trainer"],
+            "target_ratio": 1.15,
+            "trainer_steps_s": times["trainer"],
+            "api_steps_s": times["api"],
+        },
     }
     print(json.dumps(record))
     if args.save:

@@ -49,8 +49,14 @@ def _arch(model_mib: int) -> ModelConfig:
     """A Qwen3-style architecture of about `model_mib` MiB of bf16 weights (~90 MB per layer)."""
     per_layer = 2 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 5632)
     layers = max(1, round(model_mib * MiB / per_layer))
-    return ModelConfig(vocab_size=259, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-                       num_attention_heads=16, num_key_value_heads=4)
+    return ModelConfig(
+        vocab_size=259,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    )
 
 
 def _weights(arch: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -69,7 +75,7 @@ def _step(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[
         flat = bits.view(-1)
         count = int(flat.numel() * fraction)
         where = torch.randint(0, flat.numel(), (count,), generator=g)
-        flat[where] += (torch.randint(0, 2, (count,), generator=g, dtype=torch.int16) * 2 - 1)
+        flat[where] += torch.randint(0, 2, (count,), generator=g, dtype=torch.int16) * 2 - 1
         out[name] = bits.view(torch.bfloat16)
     return out
 
@@ -135,9 +141,13 @@ def _agent_process(root: Path, name: str, arch: ModelConfig, store_uri: str, pee
     config.write_text(
         f'[agent]\nmodel = "{MODEL}"\nname = "{name}"\ncache_dir = "{root / name}"\nstore = "{store_uri}"\n'
         f"peers = {json.dumps(peers)}\npoll_interval_s = 30.0\npush_wait_s = 5.0\n"
-        f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
-                            stdout=subprocess.PIPE, text=True)
+        f'[agent.engine]\ntype = "reference"\nport = 0\n[agent.engine.model]\n{model}\n'
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ready = json.loads(proc.stdout.readline())
     return proc, ready["address"]
 
@@ -222,8 +232,9 @@ def bench_relay(n_agents: int, root: Path, arch: ModelConfig, versions: list[tup
     pusher = Pusher(PushConfig(targets=(addresses[0],), model=MODEL))
     timings = {}
     try:
-        with Publisher(store, model=MODEL, config=PublisherConfig(chunk_bytes=4 * MiB, cast_floats_to=None),
-                       listeners=[pusher]) as publisher:
+        with Publisher(
+            store, model=MODEL, config=PublisherConfig(chunk_bytes=4 * MiB, cast_floats_to=None), listeners=[pusher]
+        ) as publisher:
             for label, weights in versions:
                 t0_unix_ms = time.time() * 1000
                 result = publisher.publish(weights).result()
@@ -232,15 +243,18 @@ def bench_relay(n_agents: int, root: Path, arch: ModelConfig, versions: list[tup
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{label} never reached every agent")
                     time.sleep(0.05)
-                served_ms = [next(e.served_unix_ms for e in c.status().ledger if e.version == result.version)
-                             for c in clients]
+                served_ms = [
+                    next(e.served_unix_ms for e in c.status().ledger if e.version == result.version) for c in clients
+                ]
                 timings[label] = {
-                    "stored_bytes": result.stored_bytes, "commit_s": result.total_s,
+                    "stored_bytes": result.stored_bytes,
+                    "commit_s": result.total_s,
                     "first_agent_s": (served_ms[0] - t0_unix_ms) / 1000,
                     "all_agents_s": (max(served_ms) - t0_unix_ms) / 1000,
                     "per_agent_s": [round((ms - t0_unix_ms) / 1000, 3) for ms in served_ms],
-                    "fetched_from_store": sum(next(e.bytes_fetched for e in c.status().ledger
-                                                   if e.version == result.version) for c in clients),
+                    "fetched_from_store": sum(
+                        next(e.bytes_fetched for e in c.status().ledger if e.version == result.version) for c in clients
+                    ),
                 }
     finally:
         pusher.close(timeout_s=5)
@@ -255,8 +269,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB model, 4 agents")
     parser.add_argument("--model-mib", type=int, help="data plane: model size in MiB of bf16 (default 1024; quick 128)")
-    parser.add_argument("--relay-model-mib", type=int,
-                        help="relay: model size in MiB (default 256; quick 128): every agent holds ~2 copies")
+    parser.add_argument(
+        "--relay-model-mib",
+        type=int,
+        help="relay: model size in MiB (default 256; quick 128): every agent holds ~2 copies",
+    )
     parser.add_argument("--agents", type=int, help="agents in the relay region (default 8; quick 4)")
     parser.add_argument("--changed", type=float, default=0.014, help="fraction of elements a delta changes")
     args = parser.parse_args(argv)
@@ -281,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     for t in base.values():
         data = raw(t.contiguous())
         for start in range(0, data.nbytes, chunk):
-            _, _, obj, _ = encode_chunk(data[start:start + chunk], None, dtype_by_name("bfloat16"), 1)
+            _, _, obj, _ = encode_chunk(data[start : start + chunk], None, dtype_by_name("bfloat16"), 1)
             objects.append((object_hash(obj), obj))
 
     root = Path(tempfile.mkdtemp(prefix="ws-bench-transport-"))
@@ -294,15 +311,25 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "bench": "transport",
         "date": datetime.date.today().isoformat(),
-        "config": {"model_mib": model_mib, "relay_model_mib": relay_mib, "raw_bytes": raw_bytes,
-                   "layers": arch.num_hidden_layers,
-                   "agents": n_agents, "delta_changed_fraction": args.changed, "topology": "pipeline"},
+        "config": {
+            "model_mib": model_mib,
+            "relay_model_mib": relay_mib,
+            "raw_bytes": raw_bytes,
+            "layers": arch.num_hidden_layers,
+            "agents": n_agents,
+            "delta_changed_fraction": args.changed,
+            "topology": "pipeline",
+        },
         "hardware": describe_machine(),
-        "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
         "data_plane": data_plane,
-        "relay": {"1": relay_1, str(n_agents): relay_n,
-                  "delta_ratio_n_over_1": relay_n["delta3"]["all_agents_s"] / relay_1["delta3"]["all_agents_s"],
-                  "base_ratio_n_over_1": relay_n["base"]["all_agents_s"] / relay_1["base"]["all_agents_s"]},
+        "relay": {
+            "1": relay_1,
+            str(n_agents): relay_n,
+            "delta_ratio_n_over_1": relay_n["delta3"]["all_agents_s"] / relay_1["delta3"]["all_agents_s"],
+            "base_ratio_n_over_1": relay_n["base"]["all_agents_s"] / relay_1["base"]["all_agents_s"],
+        },
     }
     print(json.dumps(record))
     _write(record)
@@ -336,8 +363,10 @@ def _write(record: dict) -> None:
     ]
     for label in ("base", "delta1", "delta3"):
         one, many = r["1"][label]["all_agents_s"], r[str(n)][label]["all_agents_s"]
-        lines.append(f"| {label} ({r['1'][label]['stored_bytes'] / 1e6:.1f} MB stored) | {one:.2f} s | "
-                     f"{many:.2f} s | {many / one:.2f} |")
+        lines.append(
+            f"| {label} ({r['1'][label]['stored_bytes'] / 1e6:.1f} MB stored) | {one:.2f} s | "
+            f"{many:.2f} s | {many / one:.2f} |"
+        )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

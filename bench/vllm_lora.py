@@ -63,8 +63,10 @@ def main() -> None:
         record = run(work, {} if args.quick else MODEL_124M, 2 if args.quick else args.versions, args.rank)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record.update(machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
-                  date=datetime.date.today().isoformat())
+    record.update(
+        machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
+        date=datetime.date.today().isoformat(),
+    )
     base = RESULTS / (args.out or f"vllm-lora-{os.cpu_count()}cpu-{platform.machine()}-{record['date']}")
     write_results(base, record, markdown(record))
 
@@ -82,10 +84,15 @@ def run(work: Path, spec: dict, versions: int, rank: int) -> dict:
     for name, weight in sorted(base.items()):
         module = name.removesuffix(".weight")
         if module.rsplit(".", 1)[-1] in TARGETS:
-            adapters[module] = [torch.randn(rank, weight.shape[1], generator=generator) / weight.shape[1] ** 0.5,
-                                torch.zeros(weight.shape[0], rank)]
-    record: dict = {"model": {"parameters": params, "bytes": sum(t.numel() * 2 for t in base.values()), **spec},
-                    "rank": rank, "adapted_matrices": len(adapters)}
+            adapters[module] = [
+                torch.randn(rank, weight.shape[1], generator=generator) / weight.shape[1] ** 0.5,
+                torch.zeros(weight.shape[0], rank),
+            ]
+    record: dict = {
+        "model": {"parameters": params, "bytes": sum(t.numel() * 2 for t in base.values()), **spec},
+        "rank": rank,
+        "adapted_matrices": len(adapters),
+    }
 
     def lora_step() -> None:
         """One optimizer step of a LoRA run: every element of A and B moves a little."""
@@ -96,24 +103,42 @@ def run(work: Path, spec: dict, versions: int, rank: int) -> dict:
     def merged() -> dict[str, torch.Tensor]:
         weights = dict(base)
         for module, (a, b) in adapters.items():
-            weights[f"{module}.weight"] = (base[f"{module}.weight"].float() + (ALPHA / rank) * (b @ a)).to(torch.bfloat16)
+            weights[f"{module}.weight"] = (base[f"{module}.weight"].float() + (ALPHA / rank) * (b @ a)).to(
+                torch.bfloat16
+            )
         return weights
 
     def adapter_only() -> dict[str, torch.Tensor]:
-        return {f"{m}.lora_{x}.weight": t.to(torch.bfloat16) for m, (a, b) in adapters.items()
-                for x, t in (("A", a), ("B", b))}
+        return {
+            f"{m}.lora_{x}.weight": t.to(torch.bfloat16)
+            for m, (a, b) in adapters.items()
+            for x, t in (("A", a), ("B", b))
+        }
 
-    server = vh.VllmServer(model_dir, work / "vllm.log", max_model_len=256,
-                           extra_args=("--enable-lora", "--max-lora-rank", str(max(8, rank))),
-                           extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    server = vh.VllmServer(
+        model_dir,
+        work / "vllm.log",
+        max_model_len=256,
+        extra_args=("--enable-lora", "--max-lora-rank", str(max(8, rank))),
+        extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
     try:
         server.wait_ready()
         for kind, build, lora_name in (("merged", merged, None), ("adapter", adapter_only, "bench")):
             store = LocalStore(work / f"store-{kind}")
             engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name=lora_name))
-            agent = AgentServer(AgentConfig(model=kind, cache_dir=str(work / f"cache-{kind}"), store=f"file://{store.root}",
-                                            listen="127.0.0.1:0", poll_interval_s=5.0, workers=2,
-                                            weights_kind="adapter" if lora_name else "model"), engine=engine).start()
+            agent = AgentServer(
+                AgentConfig(
+                    model=kind,
+                    cache_dir=str(work / f"cache-{kind}"),
+                    store=f"file://{store.root}",
+                    listen="127.0.0.1:0",
+                    poll_interval_s=5.0,
+                    workers=2,
+                    weights_kind="adapter" if lora_name else "model",
+                ),
+                engine=engine,
+            ).start()
             pusher = Pusher(PushConfig(targets=(agent.address,), model=kind))
             times, stored = [], []
             config = PublisherConfig(weights_kind="adapter" if lora_name else "model")
@@ -130,8 +155,13 @@ def run(work: Path, spec: dict, versions: int, rank: int) -> dict:
                         if step:
                             times.append(elapsed)
                             stored.append(result.stored_bytes)
-                        log.info("%s: v%d served %.2f s after publish(), %d bytes stored", kind, result.version,
-                                 elapsed, result.stored_bytes)
+                        log.info(
+                            "%s: v%d served %.2f s after publish(), %d bytes stored",
+                            kind,
+                            result.version,
+                            elapsed,
+                            result.stored_bytes,
+                        )
             finally:
                 pusher.close()
                 agent.stop()
@@ -150,23 +180,27 @@ def markdown(r: dict) -> str:
     rows = []
     for kind in ("merged", "adapter"):
         cell = r[kind]
-        rows.append(f"| {kind} | {med(cell['stored_bytes']) / 1e6:.3f} | {med(cell['publish_to_served_s']):.2f} "
-                    f"| {', '.join(f'{x:.2f}' for x in cell['publish_to_served_s'])} |")
-    return "\n".join([
-        f"# vLLM LoRA sync — {m['cpu']}, {m['cores']} cores, {r['date']}",
-        "",
-        f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16; "
-        f"LoRA rank {r['rank']} on {r['adapted_matrices']} matrices (every attention and MLP projection). "
-        f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}.",
-        "",
-        "| versions as | MB stored per version (median) | publish() -> vLLM serving, median s | runs |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-        f"Adapter-only versions are **{r['bytes_ratio']:.0f}x** smaller and reach vLLM **{r['speedup']:.1f}x** "
-        "faster than merged weights.",
-        "",
-    ])
+        rows.append(
+            f"| {kind} | {med(cell['stored_bytes']) / 1e6:.3f} | {med(cell['publish_to_served_s']):.2f} "
+            f"| {', '.join(f'{x:.2f}' for x in cell['publish_to_served_s'])} |"
+        )
+    return "\n".join(
+        [
+            f"# vLLM LoRA sync — {m['cpu']}, {m['cores']} cores, {r['date']}",
+            "",
+            f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16; "
+            f"LoRA rank {r['rank']} on {r['adapted_matrices']} matrices (every attention and MLP projection). "
+            f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}.",
+            "",
+            "| versions as | MB stored per version (median) | publish() -> vLLM serving, median s | runs |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            f"Adapter-only versions are **{r['bytes_ratio']:.0f}x** smaller and reach vLLM **{r['speedup']:.1f}x** "
+            "faster than merged weights.",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

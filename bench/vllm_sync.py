@@ -47,8 +47,16 @@ from weightsync.transport.push import PushConfig, Pusher
 
 log = logging.getLogger("bench.vllm_sync")
 RESULTS = Path(__file__).parent / "results"
-MODEL_124M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+MODEL_124M = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=512,
+)
 
 
 def rl_step(weights: dict[str, torch.Tensor], generator: torch.Generator, fraction: float = 0.015) -> None:
@@ -56,14 +64,16 @@ def rl_step(weights: dict[str, torch.Tensor], generator: torch.Generator, fracti
     lr 1e-6 RL step does to bf16 weights)."""
     for name, t in weights.items():
         mask = torch.rand(t.shape, generator=generator) < fraction
-        weights[name] = torch.where(mask, (t.float() * (1 + 2 ** -7)).to(t.dtype), t)
+        weights[name] = torch.where(mask, (t.float() * (1 + 2**-7)).to(t.dtype), t)
 
 
 def wait_served(url: str, version: int, timeout_s: float = 1800) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if vh.get_json(url + "/weight_info").get("weight_version") == str(version) \
-                and not vh.get_json(url + "/is_paused")["is_paused"]:
+        if (
+            vh.get_json(url + "/weight_info").get("weight_version") == str(version)
+            and not vh.get_json(url + "/is_paused")["is_paused"]
+        ):
             return
         time.sleep(0.005)
     raise TimeoutError(f"vLLM did not serve v{version} within {timeout_s} s")
@@ -85,6 +95,7 @@ def client_load(url: str, threads: int, stop: threading.Event, latencies: list[f
                 latencies.append(time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - counted, reported
                 errors.append(repr(e))
+
     workers = [threading.Thread(target=loop, args=(17 * i + 1,), daemon=True) for i in range(threads)]
     for w in workers:
         w.start()
@@ -95,8 +106,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-            "max": ordered[-1], "n": len(ordered)}
+    return {
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "max": ordered[-1],
+        "n": len(ordered),
+    }
 
 
 def main() -> None:
@@ -117,8 +132,10 @@ def main() -> None:
         record = run(work, spec, versions, 4 if args.quick else args.swaps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record.update(machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
-                  date=datetime.date.today().isoformat())
+    record.update(
+        machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
+        date=datetime.date.today().isoformat(),
+    )
     base = RESULTS / (args.out or f"vllm-sync-{os.cpu_count()}cpu-{platform.machine()}-{record['date']}")
     write_results(base, record, markdown(record))
 
@@ -141,11 +158,16 @@ def run(work: Path, spec: dict, versions: int, swaps: int) -> dict:
         record["server_start_s"] = time.perf_counter() - t0
         port = vh.free_port()
         config = work / "agent.toml"
-        config.write_text(f'[agent]\nname = "bench"\nmodel = "m"\nlisten = "127.0.0.1:{port}"\n'
-                          f'store = "file://{store.root}"\ncache_dir = "{work / "cache"}"\npoll_interval_s = 5.0\n'
-                          f'\n[agent.engine]\ntype = "vllm"\nurl = "{server.url}"\n')
-        agent = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
-                                 stdout=open(work / "agent.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        config.write_text(
+            f'[agent]\nname = "bench"\nmodel = "m"\nlisten = "127.0.0.1:{port}"\n'
+            f'store = "file://{store.root}"\ncache_dir = "{work / "cache"}"\npoll_interval_s = 5.0\n'
+            f'\n[agent.engine]\ntype = "vllm"\nurl = "{server.url}"\n'
+        )
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
+            stdout=open(work / "agent.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )  # noqa: SIM115
         pusher = Pusher(PushConfig(targets=(f"127.0.0.1:{port}",), model="m"))
         ours, rss_over_idle = [], []
         with Publisher(store, model="m", listeners=[pusher]) as publisher:
@@ -174,8 +196,11 @@ def run(work: Path, spec: dict, versions: int, swaps: int) -> dict:
             t0 = time.perf_counter()
             snapshot = work / f"disk-{len(disk)}"
             write_snapshot(snapshot, model_dir, weights)
-            vh.post_json(server.url + "/collective_rpc", {"method": "reload_weights",
-                                                          "kwargs": {"weights_path": str(snapshot)}}, timeout_s=3600)
+            vh.post_json(
+                server.url + "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(snapshot)}},
+                timeout_s=3600,
+            )
             vh.post_json(server.url + "/reset_prefix_cache")
             disk.append(time.perf_counter() - t0)
             shutil.rmtree(snapshot)
@@ -238,44 +263,50 @@ def pause_under_load(server, agent, store, weights, generator, swaps: int) -> di
     stop.set()
     for w in workers:
         w.join()
-    return {"engine_pause_s": percentiles(pauses), "client_latency_no_swaps_s": percentiles(quiet),
-            "client_latency_during_swaps_s": percentiles(busy), "client_errors": len(quiet_errors) + len(busy_errors)}
+    return {
+        "engine_pause_s": percentiles(pauses),
+        "client_latency_no_swaps_s": percentiles(quiet),
+        "client_latency_during_swaps_s": percentiles(busy),
+        "client_errors": len(quiet_errors) + len(busy_errors),
+    }
 
 
 def markdown(r: dict) -> str:
     p, m = r["swap_pause"], r["machine"]
     med = statistics.median
-    return "\n".join([
-        f"# vLLM sync — {m['cpu']}, {m['cores']} cores, {r['date']}",
-        "",
-        f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16. "
-        f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}.",
-        "",
-        "| method | median s | runs |",
-        "|---|---|---|",
-        f"| weightsync: publish() -> vLLM serving (delta, push, verify, reload, digest) | {med(r['ours_s']):.2f} "
-        f"| {', '.join(f'{x:.2f}' for x in r['ours_s'])} |",
-        f"| vLLM disk reload (write safetensors + reload_weights) | {med(r['disk_reload_s']):.2f} "
-        f"| {', '.join(f'{x:.2f}' for x in r['disk_reload_s'])} |",
-        f"| vLLM restart on the new checkpoint | {med(r['restart_s']):.2f} "
-        f"| {', '.join(f'{x:.2f}' for x in r['restart_s'])} |",
-        "",
-        f"Speed-up: **{r['speedup_vs_disk_reload']:.1f}x** vs disk reload, "
-        f"**{r['speedup_vs_restart']:.1f}x** vs restart.",
-        "",
-        f"Swap pause (engine, pause -> resume, {p['engine_pause_s'].get('n')} swaps under client load): "
-        f"p50 {1000 * p['engine_pause_s']['p50']:.0f} ms, p99 {1000 * p['engine_pause_s']['p99']:.0f} ms, "
-        f"max {1000 * p['engine_pause_s']['max']:.0f} ms. Client request latency (8 tokens): without swaps "
-        f"p50 {1000 * p['client_latency_no_swaps_s']['p50']:.0f} / max "
-        f"{1000 * p['client_latency_no_swaps_s']['max']:.0f} ms; during swaps p50 "
-        f"{1000 * p['client_latency_during_swaps_s']['p50']:.0f} / p99 "
-        f"{1000 * p['client_latency_during_swaps_s']['p99']:.0f} / max "
-        f"{1000 * p['client_latency_during_swaps_s']['max']:.0f} ms; client errors {p['client_errors']}.",
-        "",
-        f"Agent peak RSS during a swap over its idle RSS: max {r['agent_peak_rss_over_idle_x_model']:.2f}x the model's "
-        "bytes.",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# vLLM sync — {m['cpu']}, {m['cores']} cores, {r['date']}",
+            "",
+            f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16. "
+            f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}.",
+            "",
+            "| method | median s | runs |",
+            "|---|---|---|",
+            f"| weightsync: publish() -> vLLM serving (delta, push, verify, reload, digest) | {med(r['ours_s']):.2f} "
+            f"| {', '.join(f'{x:.2f}' for x in r['ours_s'])} |",
+            f"| vLLM disk reload (write safetensors + reload_weights) | {med(r['disk_reload_s']):.2f} "
+            f"| {', '.join(f'{x:.2f}' for x in r['disk_reload_s'])} |",
+            f"| vLLM restart on the new checkpoint | {med(r['restart_s']):.2f} "
+            f"| {', '.join(f'{x:.2f}' for x in r['restart_s'])} |",
+            "",
+            f"Speed-up: **{r['speedup_vs_disk_reload']:.1f}x** vs disk reload, "
+            f"**{r['speedup_vs_restart']:.1f}x** vs restart.",
+            "",
+            f"Swap pause (engine, pause -> resume, {p['engine_pause_s'].get('n')} swaps under client load): "
+            f"p50 {1000 * p['engine_pause_s']['p50']:.0f} ms, p99 {1000 * p['engine_pause_s']['p99']:.0f} ms, "
+            f"max {1000 * p['engine_pause_s']['max']:.0f} ms. Client request latency (8 tokens): without swaps "
+            f"p50 {1000 * p['client_latency_no_swaps_s']['p50']:.0f} / max "
+            f"{1000 * p['client_latency_no_swaps_s']['max']:.0f} ms; during swaps p50 "
+            f"{1000 * p['client_latency_during_swaps_s']['p50']:.0f} / p99 "
+            f"{1000 * p['client_latency_during_swaps_s']['p99']:.0f} / max "
+            f"{1000 * p['client_latency_during_swaps_s']['max']:.0f} ms; client errors {p['client_errors']}.",
+            "",
+            f"Agent peak RSS during a swap over its idle RSS: max {r['agent_peak_rss_over_idle_x_model']:.2f}x the model's "
+            "bytes.",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,14 @@ import torch
 
 from weightsync.models import ModelConfig, build_model
 
-TINY = ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
+TINY = ModelConfig(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 """A decoder small enough for many agents on 2 cores (a byte vocabulary plus specials)."""
 
 

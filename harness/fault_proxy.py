@@ -52,12 +52,30 @@ LOST_RESPONSE = "lost_response"  # forwarded (the server acts), the client gets 
 RESET_AFTER_HEADERS = "reset_after_headers"  # status and headers sent, then a reset
 TRUNCATE = "truncate"  # headers promise the whole body, half of it is sent, then the connection closes
 FLIP_RESPONSE = "flip_response"  # one byte of an object GET's body flipped
-FAULT_KINDS = (ERROR_500, SLOWDOWN_503, RESET_BEFORE, DELAY, FLIP_REQUEST, LOST_RESPONSE, RESET_AFTER_HEADERS,
-               TRUNCATE, FLIP_RESPONSE)
+FAULT_KINDS = (
+    ERROR_500,
+    SLOWDOWN_503,
+    RESET_BEFORE,
+    DELAY,
+    FLIP_REQUEST,
+    LOST_RESPONSE,
+    RESET_AFTER_HEADERS,
+    TRUNCATE,
+    FLIP_RESPONSE,
+)
 BAD_DIGEST = "bad_digest"  # not a fault: a flipped upload refused by the Content-MD5 check
 
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-               "expect", "content-length"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+    "content-length",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

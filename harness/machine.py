@@ -21,8 +21,10 @@ def _cpuinfo() -> str:
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
-    return next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
-                platform.processor())
+    return next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
 
 
 def describe_machine() -> dict:
@@ -33,9 +35,16 @@ def describe_machine() -> dict:
     import weightsync
 
     flags = _cpuinfo()
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
-            "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "bf16_hardware": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "weightsync": weightsync.__version__}
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "bf16_hardware": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "weightsync": weightsync.__version__,
+    }

@@ -148,10 +148,18 @@ class SGLangContractServer:
             self._release_reader()
         with self._cond:
             version = self.weight_version
-        return {"text": "", "output_ids": output_ids,
-                "meta_info": {"id": body.get("rid", ""), "finish_reason": finish, "weight_version": version,
-                              "prompt_tokens": len(input_ids), "completion_tokens": len(output_ids),
-                              "weight_versions_used": used}}
+        return {
+            "text": "",
+            "output_ids": output_ids,
+            "meta_info": {
+                "id": body.get("rid", ""),
+                "finish_reason": finish,
+                "weight_version": version,
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(output_ids),
+                "weight_versions_used": used,
+            },
+        }
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         if not isinstance(body.get("model_path"), str):
@@ -171,15 +179,21 @@ class SGLangContractServer:
                 _, weights = load_pretrained(self.model_path)
                 with self._cond:
                     self.weights = weights
-                return 400, {"success": False, "num_paused_requests": 0,
-                             "message": f"Failed to update weights: {e}.\nRolling back to original weights."}
+                return 400, {
+                    "success": False,
+                    "num_paused_requests": 0,
+                    "message": f"Failed to update weights: {e}.\nRolling back to original weights.",
+                }
             with self._cond:
                 self.weights, self.model_path = weights, body["model_path"]
                 self.loads += 1
             message = "Succeeded to update model weights."
             if body.get("flush_cache", True) and not self._flush():
-                return 400, {"success": False, "num_paused_requests": 0,
-                             "message": "Cache flush failed after updating weights"}
+                return 400, {
+                    "success": False,
+                    "num_paused_requests": 0,
+                    "message": "Cache flush failed after updating weights",
+                }
             if body.get("weight_version") is not None:
                 with self._cond:
                     self.weight_version = str(body["weight_version"])
@@ -267,12 +281,22 @@ class SGLangContractServer:
                     return self._answer(*server.continue_generation())
                 if route == "/flush_cache":
                     flushed = server._flush()
-                    return self._answer(200 if flushed else 400, "Cache flushed.\nPlease check backend logs for "
-                                        "more details. (When there are running or waiting requests, the operation "
-                                        "will not be performed.)\n")
+                    return self._answer(
+                        200 if flushed else 400,
+                        "Cache flushed.\nPlease check backend logs for "
+                        "more details. (When there are running or waiting requests, the operation "
+                        "will not be performed.)\n",
+                    )
                 if route == "/get_model_info":
-                    return self._answer(200, {"model_path": server.model_path, "tokenizer_path": None,
-                                              "is_generation": True, "weight_version": server.weight_version})
+                    return self._answer(
+                        200,
+                        {
+                            "model_path": server.model_path,
+                            "tokenizer_path": None,
+                            "is_generation": True,
+                            "weight_version": server.weight_version,
+                        },
+                    )
                 if route == "/get_weight_version":
                     return self._answer(200, {"weight_version": server.weight_version})
                 return self._answer(200, "")  # /health

@@ -85,4 +85,3 @@ class TcpRelay:
             sockets = list(self._sockets)
         for s in sockets:
             s.close()
-

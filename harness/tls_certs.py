@@ -17,8 +17,9 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(key, path: Path) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
 
 
 def make_certificates(directory: Path) -> dict[str, str]:
@@ -28,21 +29,32 @@ def make_certificates(directory: Path) -> dict[str, str]:
 
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name("weightsync test CA")).issuer_name(_name("weightsync test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("weightsync test CA"))
+        .issuer_name(_name("weightsync test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = {"ca": directory / "ca.pem"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
 
     def issue(name: str, usage, san=None) -> None:
         key = ec.generate_private_key(ec.SECP256R1())
-        builder = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(hours=1))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
         if san:
             builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
@@ -51,15 +63,24 @@ def make_certificates(directory: Path) -> dict[str, str]:
         paths[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_key(key, paths[f"{name}_key"])
 
-    issue("server", ExtendedKeyUsageOID.SERVER_AUTH,
-          [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    issue(
+        "server",
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     issue("client", ExtendedKeyUsageOID.CLIENT_AUTH)
     other_key = ec.generate_private_key(ec.SECP256R1())
-    other = (x509.CertificateBuilder().subject_name(_name("other CA")).issuer_name(_name("other CA"))
-             .public_key(other_key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-             .sign(other_key, hashes.SHA256()))
+    other = (
+        x509.CertificateBuilder()
+        .subject_name(_name("other CA"))
+        .issuer_name(_name("other CA"))
+        .public_key(other_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(other_key, hashes.SHA256())
+    )
     paths["other_ca"] = directory / "other-ca.pem"
     paths["other_ca"].write_bytes(other.public_bytes(serialization.Encoding.PEM))
     return {k: str(v) for k, v in paths.items()}

@@ -17,8 +17,15 @@ API_KEY = "tml-weightsync-test"
 
 
 class TrainingServer:
-    def __init__(self, state_dir: str | Path, *, ranks: int = 1, extra_args: tuple[str, ...] = (),
-                 api_key: str = API_KEY, ready_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        ranks: int = 1,
+        extra_args: tuple[str, ...] = (),
+        api_key: str = API_KEY,
+        ready_timeout_s: float = 180.0,
+    ) -> None:
         self.state_dir, self.ranks, self.extra_args = Path(state_dir), ranks, extra_args
         self.api_key, self.ready_timeout_s = api_key, ready_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -26,18 +33,45 @@ class TrainingServer:
         self.log_path = self.state_dir.parent / f"{self.state_dir.name}-server.log"
 
     def start(self) -> TrainingServer:
-        args = ["-m", "weightsync.app.training.serve", "--state-dir", str(self.state_dir), "--port", "0",
-                "--api-key", self.api_key, *self.extra_args]
+        args = [
+            "-m",
+            "weightsync.app.training.serve",
+            "--state-dir",
+            str(self.state_dir),
+            "--port",
+            "0",
+            "--api-key",
+            self.api_key,
+            *self.extra_args,
+        ]
         if self.ranks > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}",
-                   *args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={self.ranks}",
+                *args,
+            ]
         else:
             cmd = [sys.executable, *args]
         # The caller's own process-group settings (a test or benchmark running a trainer in
         # process) must not leak into the server: it picks its own rendezvous.
-        inherited = {k: v for k, v in os.environ.items()
-                     if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if k
+            not in (
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+                "TORCHELASTIC_RUN_ID",
+            )
+        }
         env = {**inherited, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.state_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
@@ -55,8 +89,10 @@ class TrainingServer:
         threading.Thread(target=read_ready, daemon=True).start()
         if not ready.wait(self.ready_timeout_s):
             self.stop(kill=True)
-            raise RuntimeError(f"training server not ready after {self.ready_timeout_s} s; log: {self.log_path}\n"
-                               + self.log_path.read_text(errors="replace")[-3000:])
+            raise RuntimeError(
+                f"training server not ready after {self.ready_timeout_s} s; log: {self.log_path}\n"
+                + self.log_path.read_text(errors="replace")[-3000:]
+            )
         self.url = json.loads(line_box[0])["url"]
         return self
 

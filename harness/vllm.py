@@ -34,8 +34,16 @@ model.save_pretrained(out)
 print(sum(p.numel() for p in model.parameters()))
 """
 
-TINY_QWEN3 = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+TINY_QWEN3 = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+)
 
 
 def vllm_python() -> str | None:
@@ -59,8 +67,12 @@ def write_qwen3(directory: Path, *, seed: int = 0, **overrides) -> int:
     """A random Qwen3 written by transformers (config.json + model.safetensors, bf16) in
     `directory`; returns its parameter count. Runs in vLLM's venv, which has transformers."""
     spec = {**TINY_QWEN3, **overrides, "seed": seed}
-    done = subprocess.run([vllm_python(), "-c", _WRITE_MODEL, str(directory), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [vllm_python(), "-c", _WRITE_MODEL, str(directory), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"writing a Qwen3 model failed:\n{done.stderr[-3000:]}")
     return int(done.stdout.strip().splitlines()[-1])
@@ -69,19 +81,35 @@ def write_qwen3(directory: Path, *, seed: int = 0, **overrides) -> int:
 class VllmServer:
     """One `python -m vllm.entrypoints.openai.api_server` process group on 127.0.0.1."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, dev_mode: bool = True,
-                 max_model_len: int = 256, extra_args: tuple[str, ...] = (),
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        extension: bool = True,
+        dev_mode: bool = True,
+        max_model_len: int = 256,
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.model_dir, self.log_path = Path(model_dir), Path(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv, env = vllm_server_command(vllm_python(), self.model_dir, self.port, extension=extension,
-                                        dev_mode=dev_mode, max_model_len=max_model_len, extra_args=extra_args)
+        argv, env = vllm_server_command(
+            vllm_python(),
+            self.model_dir,
+            self.port,
+            extension=extension,
+            dev_mode=dev_mode,
+            max_model_len=max_model_len,
+            extra_args=extra_args,
+        )
         env["VLLM_LOGGING_LEVEL"] = "WARNING"
         env.update(extra_env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def wait_ready(self, timeout_s: float = 1200.0) -> None:
         """Until /health answers; raises with the log's tail if the server exits or time runs out."""
@@ -148,10 +176,17 @@ def damage_handoffs(engine, monkeypatch) -> None:
 
 def complete(url: str, prompt: list[int], *, max_tokens: int = 8, timeout_s: float = 600.0, **extra) -> dict:
     """POST /v1/completions with token ids, greedy; the first choice (with `token_ids`)."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True, **extra}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        **extra,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         doc = json.load(reply)
     return doc["choices"][0]
@@ -159,8 +194,7 @@ def complete(url: str, prompt: list[int], *, max_tokens: int = 8, timeout_s: flo
 
 def post_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                     method="POST")
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         text = reply.read()
     try:

@@ -22,5 +22,18 @@ from weightsync.models.decoder import (
     token_logprobs,
 )
 
-__all__ = ["CONFIG_NAME", "ByteTokenizer", "CausalLM", "KVCache", "ModelConfig", "as_model_config", "build_model",
-           "load_config", "load_pretrained", "num_parameters", "rope_inv_freq", "save_pretrained", "token_logprobs"]
+__all__ = [
+    "CONFIG_NAME",
+    "ByteTokenizer",
+    "CausalLM",
+    "KVCache",
+    "ModelConfig",
+    "as_model_config",
+    "build_model",
+    "load_config",
+    "load_pretrained",
+    "num_parameters",
+    "rope_inv_freq",
+    "save_pretrained",
+    "token_logprobs",
+]

@@ -56,8 +56,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in _ARCHITECTURES:
             raise ValueError(f"model_type must be one of {sorted(_ARCHITECTURES)}, got {self.model_type!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -72,8 +79,12 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` document HF transformers and inference engines read."""
         doc = dataclasses.asdict(self)
-        doc.update(architectures=[_ARCHITECTURES[self.model_type]], torch_dtype="bfloat16",
-                   hidden_act="silu", attention_bias=self.model_type == "qwen2")
+        doc.update(
+            architectures=[_ARCHITECTURES[self.model_type]],
+            torch_dtype="bfloat16",
+            hidden_act="silu",
+            attention_bias=self.model_type == "qwen2",
+        )
         return doc
 
     @classmethod
@@ -251,8 +262,13 @@ class CausalLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
-                weights: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache: KVCache | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Logits (batch, tokens, vocab) in fp32. `weights`: run on these tensors instead of the
         module's own (names as in `state_dict()`); the module's parameters are not touched."""
         if weights is not None:
@@ -271,8 +287,14 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-        stop_token: int | None = None, generator: torch.Generator | None = None,
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        stop_token: int | None = None,
+        generator: torch.Generator | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
         next_weights: Callable[[int], Mapping[str, torch.Tensor] | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +361,7 @@ class ByteTokenizer:
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Text of the byte ids up to the first EOS; BOS/PAD are skipped."""
         out = bytearray()
-        for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
+        for i in ids.tolist() if isinstance(ids, torch.Tensor) else ids:
             if i == self.EOS:
                 break
             if 0 <= i < 256:
@@ -358,8 +380,13 @@ def build_model(config: ModelConfig, *, seed: int = 0, device: str | torch.devic
     return model
 
 
-def save_pretrained(directory: str | os.PathLike, config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
-                    *, dtype: torch.dtype | None = torch.bfloat16) -> list[Path]:
+def save_pretrained(
+    directory: str | os.PathLike,
+    config: ModelConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> list[Path]:
     """Writes an HF-style directory: `config.json` and safetensors (floats cast to `dtype`)."""
     from weightsync.checkpoint_io import write_safetensors
 
@@ -384,8 +411,9 @@ def load_config(directory: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"cannot read a model config from {path}: {e}") from e
 
 
-def load_pretrained(directory: str | os.PathLike, *, dtype: torch.dtype | None = None
-                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_pretrained(
+    directory: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and weights of an HF-style directory, checked against the architecture.
 
     Raises ValueError naming missing, unexpected or mis-shaped tensors.
@@ -398,8 +426,9 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: torch.dtype | None =
     missing = sorted(set(expected) - set(checkpoint))
     unexpected = sorted(set(checkpoint) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{directory}: weights do not fit the config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{directory}: weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     weights = {}
     for name, shape in expected.items():
         tensor = checkpoint[name]
@@ -412,4 +441,3 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: torch.dtype | None =
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) per position: logits (b, t, v), targets (b, t) -> (b, t), in fp32."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-

@@ -59,8 +59,14 @@ def main(root: str, max_versions: int, rebase_every: int = REBASE_EVERY) -> int:
     from weightsync.versions import latest_version
 
     store = open_store(root)
-    config = PublisherConfig(chunk_bytes=CHUNK_BYTES, workers=2, max_in_flight=2, rebase_every=rebase_every,
-                             rebase_chain_ratio=1e9, pack_bytes=PACK_BYTES)
+    config = PublisherConfig(
+        chunk_bytes=CHUNK_BYTES,
+        workers=2,
+        max_in_flight=2,
+        rebase_every=rebase_every,
+        rebase_chain_ratio=1e9,
+        pack_bytes=PACK_BYTES,
+    )
     _base_state()
     first = (latest_version(store, MODEL) or 0) + 1
     pending = []

@@ -27,9 +27,19 @@ from weightsync.agents.server import AgentServer
 from weightsync.transport.push import PushConfig, Pusher
 
 REPO = Path(__file__).resolve().parent.parent
-FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",
-               "flip_store_object", "flip_agent_cache", "stale_cache_restart", "s3_faults", "clock_skew",
-               "gc_during_publish")
+FAULT_KINDS = (
+    "kill_publisher",
+    "kill_agent",
+    "stall_agent",
+    "partition_leader",
+    "flip_in_flight",
+    "flip_store_object",
+    "flip_agent_cache",
+    "stale_cache_restart",
+    "s3_faults",
+    "clock_skew",
+    "gc_during_publish",
+)
 """What bench/chaos injects (its config.FAULT_KINDS): a kind added there is added here."""
 WAIT_S = 30  # liveness bound for the push-path tests (a tiny model on loopback)
 
@@ -41,7 +51,10 @@ def _check(summary: dict, rounds: int) -> None:
     assert summary["versions_committed"] >= rounds * 3
     assert set(summary["faults"]) <= set(FAULT_KINDS)
     assert sum(summary["faults"].values()) >= rounds, "every round injects at least one fault"
-    assert summary["convergence_s"]["p50"] is not None and summary["convergence_s"]["max"] <= summary["convergence_s"]["bound"]
+    assert (
+        summary["convergence_s"]["p50"] is not None
+        and summary["convergence_s"]["max"] <= summary["convergence_s"]["bound"]
+    )
     checks = summary["checks"]
     assert checks["served_observations"] > 0 and checks["verify_calls"] > 0
     assert checks["generation_checks"] >= 4 * rounds and checks["versions_verified"] >= rounds
@@ -50,8 +63,21 @@ def _check(summary: dict, rounds: int) -> None:
 
 def run_chaos(tmp_path: Path, *, rounds: int, seed: int, store: str, swap_policy: str = "drain") -> dict:
     """`python -m bench.chaos` as a user runs it; the summary of its one store from the JSON record."""
-    command = [sys.executable, "-m", "bench.chaos", "--rounds", str(rounds), "--seed", str(seed), "--store", store,
-               "--workdir", str(tmp_path / "chaos"), "--swap-policy", swap_policy]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.chaos",
+        "--rounds",
+        str(rounds),
+        "--seed",
+        str(seed),
+        "--store",
+        store,
+        "--workdir",
+        str(tmp_path / "chaos"),
+        "--swap-policy",
+        swap_policy,
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=880, check=False)
     try:
         record = json.loads(done.stdout)
@@ -100,9 +126,14 @@ def gen():
 @pytest.fixture
 def push_only_agent(gen, tmp_path):
     """An agent without a store: every version must reach it by push."""
-    config = AgentConfig(model=gen.MODEL, cache_dir=str(tmp_path / "cache"), name="push-only", workers=1,
-                         push_wait_s=0.5, engine={"type": "reference", "model": dataclasses.asdict(gen.ARCH),
-                                                  "port": 0, "torch_threads": 1})
+    config = AgentConfig(
+        model=gen.MODEL,
+        cache_dir=str(tmp_path / "cache"),
+        name="push-only",
+        workers=1,
+        push_wait_s=0.5,
+        engine={"type": "reference", "model": dataclasses.asdict(gen.ARCH), "port": 0, "torch_threads": 1},
+    )
     server = AgentServer(config).start()
     yield server
     server.stop(0)
@@ -111,8 +142,14 @@ def push_only_agent(gen, tmp_path):
 def _publish(gen, pusher: Pusher, version: int, parent: int | None) -> str:
     """What a publisher's listeners see for one version: its objects, then the commit."""
     weights = gen.weights(version)
-    manifest, objects = gen.encode_version(weights, None if parent is None else gen.weights(parent), version=version,
-                                           parent_version=parent, base=1, step=version)
+    manifest, objects = gen.encode_version(
+        weights,
+        None if parent is None else gen.weights(parent),
+        version=version,
+        parent_version=parent,
+        base=1,
+        step=version,
+    )
     for address, obj in objects.items():
         pusher.on_object(version, address, obj)
     pusher.on_commit(manifest, manifest.to_bytes(), None)
@@ -124,7 +161,9 @@ def pushers():
     made = []
 
     def make(agent: AgentServer, model: str) -> Pusher:
-        pusher = Pusher(PushConfig(targets=(agent.address,), model=model, give_up_after_s=600, retry_backoff_s=(0.1, 1.0)))
+        pusher = Pusher(
+            PushConfig(targets=(agent.address,), model=model, give_up_after_s=600, retry_backoff_s=(0.1, 1.0))
+        )
         made.append(pusher)
         return pusher
 

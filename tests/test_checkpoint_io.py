@@ -13,9 +13,17 @@ from harness.bits import bits_equal
 from weightsync.checkpoint_io import INDEX_NAME, SINGLE_NAME, open_checkpoint, write_safetensors
 from weightsync.errors import FormatError, LayoutError, StoreError
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
-          torch.int64, torch.bool] + [d for d in (getattr(torch, "float8_e4m3fn", None),
-                                                   getattr(torch, "float8_e5m2", None)) if d is not None]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+] + [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
 
 
 def _sample() -> dict[str, torch.Tensor]:
@@ -24,8 +32,9 @@ def _sample() -> dict[str, torch.Tensor]:
     out = {}
     for dtype in DTYPES:
         size = torch.empty((), dtype=dtype).element_size()
-        out[f"t.{str(dtype).removeprefix('torch.')}"] = raw[: 37 * size].view(dtype).clone().reshape(37) \
-            if dtype != torch.bool else (raw[:37] % 2).to(torch.bool)
+        out[f"t.{str(dtype).removeprefix('torch.')}"] = (
+            raw[: 37 * size].view(dtype).clone().reshape(37) if dtype != torch.bool else (raw[:37] % 2).to(torch.bool)
+        )
     out["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
     out["empty"] = torch.empty(0, 3)
     return out

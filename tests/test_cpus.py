@@ -60,8 +60,9 @@ def test_a_cgroup_v2_cpu_limit_is_the_lowest_quota_along_the_cgroups_ancestors(t
     _write(mount / "kubepods" / "pod1" / "cpu.max", "250000 100000\n")
     _write(mount / "kubepods" / "pod1" / "c1" / "cpu.max", "max 100000\n")
     _write(mount / "kubepods" / "cpu.max", "max 100000\n")
-    proc = _fake_proc(tmp_path, "0::/kubepods/pod1/c1\n",
-                      f"30 23 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n")
+    proc = _fake_proc(
+        tmp_path, "0::/kubepods/pod1/c1\n", f"30 23 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+    )
     assert cgroup_cpu_limit(proc) == 2.5
 
 
@@ -69,8 +70,11 @@ def test_a_cgroup_v1_cfs_quota_inside_a_container_that_sees_its_own_cgroup_as_ro
     mount = tmp_path / "cpu,cpuacct"
     _write(mount / "cpu.cfs_quota_us", "150000\n")
     _write(mount / "cpu.cfs_period_us", "100000\n")
-    proc = _fake_proc(tmp_path, "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
-                      f"41 30 0:36 /docker/abc {mount} rw,nosuid shared:17 - cgroup cgroup rw,cpu,cpuacct\n")
+    proc = _fake_proc(
+        tmp_path,
+        "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
+        f"41 30 0:36 /docker/abc {mount} rw,nosuid shared:17 - cgroup cgroup rw,cpu,cpuacct\n",
+    )
     assert cgroup_cpu_limit(proc) == 1.5
 
 
@@ -120,10 +124,12 @@ def test_a_process_moved_into_a_real_cgroup_with_half_a_cpu_sizes_its_pools_to_o
     try:
         with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
             f.write("50000")  # half of the default 100 ms period
-        code = (f"import os\nopen({os.path.join(group, 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
-                "from weightsync.cpus import cgroup_cpu_limit, usable_cpus\n"
-                "from weightsync.publisher import PublisherConfig\n"
-                "print(cgroup_cpu_limit(), usable_cpus(), PublisherConfig().workers)\n")
+        code = (
+            f"import os\nopen({os.path.join(group, 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+            "from weightsync.cpus import cgroup_cpu_limit, usable_cpus\n"
+            "from weightsync.publisher import PublisherConfig\n"
+            "print(cgroup_cpu_limit(), usable_cpus(), PublisherConfig().workers)\n"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
         assert out.stdout.split() == ["0.5", "1", "1"]
     finally:

@@ -106,7 +106,10 @@ class _StoreCheck:
 def _start(root: str, log: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), root, *extra],
-        stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "ab"),
+        text=True,
+        env=env,
     )
 
 
@@ -164,8 +167,9 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path,
                 continued_by_delta += 1
             else:  # full only where the chain before it reached REBASE_EVERY deltas
                 chain = [read_manifest(store, child.MODEL, v) for v in range(first - child.REBASE_EVERY, first)]
-                assert all(m.kind == KIND_DELTA and m.parent == m.version - 1 for m in chain), \
+                assert all(m.kind == KIND_DELTA and m.parent == m.version - 1 for m in chain), (
                     f"v{first} is a full version off a rebase point"
+                )
                 restarts_at_a_rebase += 1
 
     # After all the kills the publisher still works: a clean run commits three more versions. It

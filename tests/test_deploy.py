@@ -180,13 +180,28 @@ def test_health_port_answers_plaintext_while_the_agent_needs_tls_and_a_token(tmp
     from weightsync.transport.rpc import TlsConfig
 
     certs = make_certificates(tmp_path)
-    config = AgentConfig(model="deploy-probe", cache_dir=str(tmp_path / "cache"), name="probe", workers=1,
-                         listen="127.0.0.1:0", health_listen="127.0.0.1:0", token="s3cret",
-                         tls=TlsConfig(cert=certs["server"], key=certs["server_key"]),
-                         engine={"type": "reference", "port": 0,
-                                 "model": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-                                           "num_hidden_layers": 1, "num_attention_heads": 2,
-                                           "num_key_value_heads": 1}})
+    config = AgentConfig(
+        model="deploy-probe",
+        cache_dir=str(tmp_path / "cache"),
+        name="probe",
+        workers=1,
+        listen="127.0.0.1:0",
+        health_listen="127.0.0.1:0",
+        token="s3cret",
+        tls=TlsConfig(cert=certs["server"], key=certs["server_key"]),
+        engine={
+            "type": "reference",
+            "port": 0,
+            "model": {
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+            },
+        },
+    )
     server = AgentServer(config).start()
     try:
         assert server.health_address != server.address

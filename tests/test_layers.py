@@ -49,8 +49,9 @@ def test_folder_imports_only_the_layers_below_it(folder):
     for path in files:
         for line, module in imported_modules(path):
             # Bare "agents"/"trainer" would be another project's package of that name.
-            if any(module == top or module.startswith(top + ".") for top in FORBIDDEN[folder]) \
-                    or module.split(".")[0] in ("agents", "trainer", "app", "models", "bench", "tests", "harness"):
+            if any(module == top or module.startswith(top + ".") for top in FORBIDDEN[folder]) or module.split(".")[
+                0
+            ] in ("agents", "trainer", "app", "models", "bench", "tests", "harness"):
                 crossings.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert not crossings, f"{folder}/ must not import these:\n" + "\n".join(crossings)
 
@@ -76,22 +77,35 @@ def top_level_modules(folder: str) -> set[str]:
     test file's directory there): the modules of every directory that is not a package, and the
     packages at its top."""
     root = REPO / folder
-    plain_dirs = [root] + [d for d in root.rglob("*") if d.is_dir() and not (d / "__init__.py").exists()
-                           and ".npm" not in d.parts]
-    return {folder} | {p.stem for d in plain_dirs for p in d.glob("*.py") if p.stem != "__init__"} | {
-        p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    plain_dirs = [root] + [
+        d for d in root.rglob("*") if d.is_dir() and not (d / "__init__.py").exists() and ".npm" not in d.parts
+    ]
+    return (
+        {folder}
+        | {p.stem for d in plain_dirs for p in d.glob("*.py") if p.stem != "__init__"}
+        | {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    )
 
 
 def sys_path_edits(path: Path) -> list[int]:
     """Lines that change sys.path: sys.path.insert/append/extend(...), or sys.path assigned to."""
+
     def is_sys_path(node: ast.AST) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
             and node.value.id == "sys"
+        )
 
     lines = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value) \
-                and node.func.attr in ("insert", "append", "extend"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and is_sys_path(node.func.value)
+            and node.func.attr in ("insert", "append", "extend")
+        ):
             lines.append(node.lineno)
         elif isinstance(node, (ast.Assign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -119,8 +133,10 @@ def test_tests_and_bench_share_only_the_harness(folder):
 def test_the_sharing_check_sees_a_crossing(tmp_path):
     """A sys.path edit and an import of a test module are both found: the rule cannot pass vacuously."""
     source = tmp_path / "sneaky.py"
-    source.write_text("import sys\n\ndef f():\n    sys.path.insert(0, 'tests')\n    from fault_proxy import X\n"
-                      "    sys.path += ['bench']\n")
+    source.write_text(
+        "import sys\n\ndef f():\n    sys.path.insert(0, 'tests')\n    from fault_proxy import X\n"
+        "    sys.path += ['bench']\n"
+    )
     assert sorted(sys_path_edits(source)) == [4, 6]
     assert "fault_proxy" in {module for _, module in imported_modules(source)}
     assert {"bench", "chaos", "selftest"} <= top_level_modules("bench") and "test_agents" in top_level_modules("tests")

@@ -317,13 +317,19 @@ def _rename(sd):
 @pytest.mark.parametrize(
     "change, cast",
     [
-        (_reshape, "bfloat16"), (_resize, "bfloat16"), (_int_dtype, "bfloat16"), (_float_dtype, None),
-        (_add, "bfloat16"), (_remove, "bfloat16"), (_rename, "bfloat16"),
+        (_reshape, "bfloat16"),
+        (_resize, "bfloat16"),
+        (_int_dtype, "bfloat16"),
+        (_float_dtype, None),
+        (_add, "bfloat16"),
+        (_remove, "bfloat16"),
+        (_rename, "bfloat16"),
     ],
     ids=lambda p: getattr(p, "__name__", str(p)),
 )
-def test_layout_change_forces_full_version(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal,
-                                           change, cast):
+def test_layout_change_forces_full_version(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, change, cast
+):
     torch_cast = getattr(torch, cast) if cast else None
     sd = make_state_dict(5)
     expected = {}
@@ -371,8 +377,9 @@ def test_many_versions_in_flight_commit_in_order(tmp_path, make_state_dict, pert
     _assert_versions_read_back(store, expected, assert_bit_equal)
 
 
-def test_publish_blocks_while_max_in_flight_versions_run(tmp_path, make_state_dict, perturb, published_view,
-                                                         assert_bit_equal):
+def test_publish_blocks_while_max_in_flight_versions_run(
+    tmp_path, make_state_dict, perturb, published_view, assert_bit_equal
+):
     store = ScriptedStore(tmp_path / "store")
     store.chunk_puts_open.clear()  # uploads stall until the test opens them
     sd1 = make_state_dict(7)
@@ -417,8 +424,9 @@ def test_second_publisher_continues_from_store(tmp_store, make_state_dict, pertu
     _assert_versions_read_back(tmp_store, expected, assert_bit_equal)
 
 
-def test_parent_from_store_off_continues_numbering_with_a_full_version(tmp_store, make_state_dict, perturb,
-                                                                        published_view, assert_bit_equal):
+def test_parent_from_store_off_continues_numbering_with_a_full_version(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     with Publisher(tmp_store, model=MODEL, config=_config()) as first:
         expected, _, sd = _publish_series(first, make_state_dict(9), 2, perturb, published_view)
     sd3 = perturb(sd, 0.05, 3)
@@ -537,8 +545,9 @@ def test_missing_chunk_object_names_its_key(four_versions, assert_bit_equal):
     assert_bit_equal(reader.read(1).state_dict(), expected[1])
 
 
-def test_missing_base_object_fails_the_whole_chain_only(tmp_store, make_state_dict, perturb, published_view,
-                                                        assert_bit_equal):
+def test_missing_base_object_fails_the_whole_chain_only(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     config = _config(rebase_every=1, rebase_chain_ratio=1e9)
     with Publisher(tmp_store, model=MODEL, config=config) as publisher:
         expected, _, _ = _publish_series(publisher, make_state_dict(13), 4, perturb, published_view)  # F D F D
@@ -555,8 +564,9 @@ def test_missing_base_object_fails_the_whole_chain_only(tmp_store, make_state_di
 # ------------------------------------------------------------------------ failing writes
 
 
-def test_failed_chunk_write_fails_the_version_and_the_next_is_full(tmp_path, make_state_dict, perturb, published_view,
-                                                                    assert_bit_equal):
+def test_failed_chunk_write_fails_the_version_and_the_next_is_full(
+    tmp_path, make_state_dict, perturb, published_view, assert_bit_equal
+):
     store = ScriptedStore(tmp_path / "store")
     sd1 = make_state_dict(14)
     sd2, sd3 = perturb(sd1, 0.05, 2), perturb(sd1, 0.05, 3)
@@ -578,8 +588,9 @@ def test_failed_chunk_write_fails_the_version_and_the_next_is_full(tmp_path, mak
 
 
 @pytest.mark.slow
-def test_commits_stay_in_version_order_when_a_version_fails_early(tmp_path, make_state_dict, perturb, published_view,
-                                                                  assert_bit_equal):
+def test_commits_stay_in_version_order_when_a_version_fails_early(
+    tmp_path, make_state_dict, perturb, published_view, assert_bit_equal
+):
     """v1 is slow to commit, v2 fails while encoding, v3 (a full version) must still commit
     after v1: docs/format.md says versions are strictly increasing in commit order."""
     store = ScriptedStore(tmp_path / "store")
@@ -610,16 +621,19 @@ def test_commits_stay_in_version_order_when_a_version_fails_early(tmp_path, make
 # --------------------------------------------------------------------- racing publishers
 
 
-def test_racing_publishers_one_gets_version_conflict(tmp_path, make_state_dict, perturb, published_view,
-                                                     assert_bit_equal):
+def test_racing_publishers_one_gets_version_conflict(
+    tmp_path, make_state_dict, perturb, published_view, assert_bit_equal
+):
     root = tmp_path / "store"
     slow_store, fast_store = ScriptedStore(root), LocalStore(root)
     key = manifest_key(MODEL, 1)
     gate = threading.Event()
     slow_store.held_put_new[key] = gate
     sd_slow, sd_fast = make_state_dict(16), make_state_dict(17)
-    with Publisher(slow_store, model=MODEL, config=_config()) as slow, \
-            Publisher(fast_store, model=MODEL, config=_config()) as fast:
+    with (
+        Publisher(slow_store, model=MODEL, config=_config()) as slow,
+        Publisher(fast_store, model=MODEL, config=_config()) as fast,
+    ):
         slow_future = slow.publish(sd_slow)  # numbered v1, then stalls at its commit
         assert slow_store.entered_put_new(key).wait(WAIT_S)
         won = fast.publish(sd_fast).result(timeout=WAIT_S)  # also v1: the store had no versions
@@ -690,8 +704,7 @@ class _GatedStateDict(collections.abc.Mapping):
         return len(self._tensors)
 
 
-def test_encoding_starts_while_publish_is_still_copying(tmp_store, make_state_dict, published_view,
-                                                          assert_bit_equal):
+def test_encoding_starts_while_publish_is_still_copying(tmp_store, make_state_dict, published_view, assert_bit_equal):
     """Stages overlap: the first tensors' chunks are encoded (and handed to listeners) before
     publish() has copied the last tensor."""
     sd = make_state_dict(31)
@@ -718,8 +731,9 @@ def test_the_first_publish_warms_up_the_delta_kernels_for_its_dtypes(tmp_path):
         "    assert publisher.publish(state).result().manifest.kind == 'full'\n"
         "    assert publisher.warm_up.wait(timeout=1200)\n"  # low priority: minutes on a busy machine
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=1500,
-                   env={**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)})
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=1500, env={**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
+    )
     cached = {p.name for p in numba_cache.rglob("*.nbi")}
     for kernel in ("ctx._scan_kernel", "ctx._emit_kernel", "rans."):
         assert any(name.startswith(kernel) for name in cached), (kernel, sorted(cached))

@@ -41,9 +41,16 @@ def _shard(full: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict, 
 
 
 def _publishers(store, world: int, session: str, **kwargs) -> list[Publisher]:
-    return [Publisher(store, model="m", config=CONFIG,
-                      shard=ShardSpec(rank=r, world_size=world, session=session, commit_timeout_s=30), **kwargs)
-            for r in range(world)]
+    return [
+        Publisher(
+            store,
+            model="m",
+            config=CONFIG,
+            shard=ShardSpec(rank=r, world_size=world, session=session, commit_timeout_s=30),
+            **kwargs,
+        )
+        for r in range(world)
+    ]
 
 
 def _publish_all(publishers, full, step, skip=()) -> list[cf.Future]:
@@ -64,8 +71,9 @@ def _state(seed: int, make_state_dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_versions_read_back_bit_exactly(tmp_store, make_state_dict, perturb, published_view,
-                                                assert_bit_equal, world):
+def test_sharded_versions_read_back_bit_exactly(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, world
+):
     publishers = _publishers(tmp_store, world, "s1")
     sd = _state(1, make_state_dict)
     expected = {}
@@ -100,11 +108,19 @@ class FailingStore(LocalStore):
         super().put(key, data)
 
 
-def test_a_failing_rank_aborts_the_version_for_every_rank(tmp_store, make_state_dict, perturb,
-                                                         published_view, assert_bit_equal):
+def test_a_failing_rank_aborts_the_version_for_every_rank(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     flaky = FailingStore(tmp_store.root)
-    ranks = [Publisher(tmp_store if r == 0 else flaky, model="m", config=CONFIG,
-                       shard=ShardSpec(rank=r, world_size=2, session="s1", commit_timeout_s=30)) for r in range(2)]
+    ranks = [
+        Publisher(
+            tmp_store if r == 0 else flaky,
+            model="m",
+            config=CONFIG,
+            shard=ShardSpec(rank=r, world_size=2, session="s1", commit_timeout_s=30),
+        )
+        for r in range(2)
+    ]
     sd = _state(2, make_state_dict)
     for f in _publish_all(ranks, sd, 0):
         f.result(timeout=60)
@@ -135,13 +151,18 @@ def test_a_failing_rank_aborts_the_version_for_every_rank(tmp_store, make_state_
     assert_bit_equal(Reader(tmp_store, model="m").read(5).state_dict(), published_view(sd2))
 
 
-def test_ranks_agree_on_rebases_whatever_the_timing(tmp_store, make_state_dict, perturb, published_view,
-                                                   assert_bit_equal):
+def test_ranks_agree_on_rebases_whatever_the_timing(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     """The ratio rebase depends on committed bytes, which ranks learn at different moments: with a
     tiny rebase_chain_ratio and publishes not waited for, every version must still commit."""
     config = PublisherConfig(chunk_bytes=8 * 1024, workers=2, rebase_chain_ratio=0.05, max_in_flight=2)
-    ranks = [Publisher(tmp_store, model="m", config=config,
-                       shard=ShardSpec(rank=r, world_size=2, session="s", commit_timeout_s=30)) for r in range(2)]
+    ranks = [
+        Publisher(
+            tmp_store, model="m", config=config, shard=ShardSpec(rank=r, world_size=2, session="s", commit_timeout_s=30)
+        )
+        for r in range(2)
+    ]
     sd = _state(6, make_state_dict)
     futures, expected = [], {}
     for step in range(8):
@@ -160,10 +181,18 @@ def test_ranks_agree_on_rebases_whatever_the_timing(tmp_store, make_state_dict, 
 
 
 @pytest.mark.slow
-def test_a_missing_rank_times_out_and_a_new_session_resumes(tmp_store, make_state_dict, perturb,
-                                                           published_view, assert_bit_equal):
-    ranks = [Publisher(tmp_store, model="m", config=CONFIG,
-                       shard=ShardSpec(rank=r, world_size=2, session="dead", commit_timeout_s=1.5)) for r in range(2)]
+def test_a_missing_rank_times_out_and_a_new_session_resumes(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
+    ranks = [
+        Publisher(
+            tmp_store,
+            model="m",
+            config=CONFIG,
+            shard=ShardSpec(rank=r, world_size=2, session="dead", commit_timeout_s=1.5),
+        )
+        for r in range(2)
+    ]
     sd = _state(3, make_state_dict)
     for f in _publish_all(ranks, sd, 0):
         f.result(timeout=60)
@@ -187,15 +216,17 @@ def test_a_missing_rank_times_out_and_a_new_session_resumes(tmp_store, make_stat
 @pytest.mark.slow
 def test_parts_of_another_session_are_never_merged(tmp_store, make_state_dict):
     sd = _state(4, make_state_dict)
-    old = Publisher(tmp_store, model="m", config=CONFIG,
-                    shard=ShardSpec(rank=1, world_size=2, session="old", commit_timeout_s=1))
+    old = Publisher(
+        tmp_store, model="m", config=CONFIG, shard=ShardSpec(rank=1, world_size=2, session="old", commit_timeout_s=1)
+    )
     tensors, placements = _shard(sd, 1, 2)
     with pytest.raises(PublishError):  # its rank 0 never comes: it leaves a part (and an abort) behind
         old.publish(tensors, step=0, placements=placements).result(timeout=60)
     old.close()
     assert list(tmp_store.list(layout.parts_prefix("m", 1, "old")))
-    new = Publisher(tmp_store, model="m", config=CONFIG,
-                    shard=ShardSpec(rank=0, world_size=2, session="new", commit_timeout_s=1))
+    new = Publisher(
+        tmp_store, model="m", config=CONFIG, shard=ShardSpec(rank=0, world_size=2, session="new", commit_timeout_s=1)
+    )
     tensors, placements = _shard(sd, 0, 2)
     with pytest.raises(PublishError, match=r"no part from ranks \[1\]"):
         new.publish(tensors, step=0, placements=placements).result(timeout=60)
@@ -220,8 +251,16 @@ def test_placements_are_checked(tmp_store):
 
 def test_sharded_versions_are_signed_by_rank_0(tmp_store, make_state_dict):
     signer = Signer.generate()
-    ranks = [Publisher(tmp_store, model="m", config=CONFIG, signer=signer if r == 0 else None,
-                       shard=ShardSpec(rank=r, world_size=2, session="s", commit_timeout_s=30)) for r in range(2)]
+    ranks = [
+        Publisher(
+            tmp_store,
+            model="m",
+            config=CONFIG,
+            signer=signer if r == 0 else None,
+            shard=ShardSpec(rank=r, world_size=2, session="s", commit_timeout_s=30),
+        )
+        for r in range(2)
+    ]
     for f in _publish_all(ranks, _state(5, make_state_dict), 0):
         f.result(timeout=60)
     for p in ranks:

@@ -117,8 +117,11 @@ class CheckpointManager:
         if not own:
             # Written by a job with fewer ranks: DCP reshards model and optimizer; the step and the
             # (globally numbered) data position are the same on every rank, so rank 0's serve.
-            log.warning("%s has no %s (saved by fewer ranks); using rank 0's extras, RNG states are not restored",
-                        path, extra_path.name)
+            log.warning(
+                "%s has no %s (saved by fewer ranks); using rank 0's extras, RNG states are not restored",
+                path,
+                extra_path.name,
+            )
             extra_path = path / "extra-rank0.pt"
         extra = torch.load(extra_path, weights_only=True)
         extra["own_rank"] = own

@@ -82,8 +82,9 @@ class ParallelConfig:
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1, or -1 for all remaining ranks; got {self.dp_shard}")
         if self.backend == "nccl" and self.device == "cpu":
-            raise ValueError("parallel.backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') "
-                             "with device 'cpu'")
+            raise ValueError(
+                "parallel.backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') with device 'cpu'"
+            )
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for `world_size` ranks; raises ValueError if they do not fit."""
@@ -110,8 +111,10 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if (self.init_dir is None) == (self.architecture is None):
-            raise ValueError("[train.model] needs exactly one of: init_dir = \"HF dir\", or architecture fields "
-                             "(hidden_size, num_hidden_layers, ...)")
+            raise ValueError(
+                '[train.model] needs exactly one of: init_dir = "HF dir", or architecture fields '
+                "(hidden_size, num_hidden_layers, ...)"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,12 +184,14 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check_choice("train.data.source", self.source, SOURCE_TYPES)
         if self.source == "jsonl" and not self.path:
-            raise ValueError("train.data.source = \"jsonl\" needs train.data.path")
+            raise ValueError('train.data.source = "jsonl" needs train.data.path')
         if self.global_batch_size < 1 or self.micro_batch_size < 1:
             raise ValueError("train.data.global_batch_size and micro_batch_size must be >= 1")
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"train.data.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                             f"micro_batch_size ({self.micro_batch_size})")
+            raise ValueError(
+                f"train.data.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
         if self.max_seq_len < 2 or self.pad_multiple < 1:
             raise ValueError("train.data.max_seq_len must be >= 2 and pad_multiple >= 1")
 
@@ -228,7 +233,7 @@ class LossConfig:
         if self.kl_coef < 0:
             raise ValueError(f"train.loss.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kind == "sft" and self.kl_coef:
-            raise ValueError("train.loss.kl_coef applies to kind = \"grpo\" only; remove it or set kind = \"grpo\"")
+            raise ValueError('train.loss.kl_coef applies to kind = "grpo" only; remove it or set kind = "grpo"')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -341,11 +346,15 @@ class TrainConfig:
         if self.steps < 1 or self.log_every < 1:
             raise ValueError("train.steps and train.log_every must be >= 1")
         if self.schedule.warmup_steps > self.steps:
-            raise ValueError(f"train.schedule.warmup_steps ({self.schedule.warmup_steps}) is longer than the run "
-                             f"(train.steps = {self.steps})")
+            raise ValueError(
+                f"train.schedule.warmup_steps ({self.schedule.warmup_steps}) is longer than the run "
+                f"(train.steps = {self.steps})"
+            )
         if self.data.source in ("arithmetic", "reverse") and self.loss.kind != "sft":
-            raise ValueError(f"the synthetic source {self.data.source!r} makes SFT examples (no advantages); use "
-                             "loss.kind = \"sft\", or a jsonl/rollout source for GRPO")
+            raise ValueError(
+                f"the synthetic source {self.data.source!r} makes SFT examples (no advantages); use "
+                'loss.kind = "sft", or a jsonl/rollout source for GRPO'
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -398,15 +407,19 @@ def parse_job_config(doc: Mapping[str, Any]) -> JobConfig:
         raise ValueError("the config needs a [train] table (and [train.model])")
     train = dict(doc["train"])
     sections = {
-        "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "data": DataConfig, "loss": LossConfig,
-        "guard": GuardConfig, "checkpoint": CheckpointConfig,
+        "optimizer": OptimizerConfig,
+        "schedule": ScheduleConfig,
+        "data": DataConfig,
+        "loss": LossConfig,
+        "guard": GuardConfig,
+        "checkpoint": CheckpointConfig,
     }
     kwargs: dict[str, Any] = {}
     for name, cls in sections.items():
         if name in train:
             kwargs[name] = _build(f"[train.{name}]", cls, train.pop(name))
     if "model" not in train:
-        raise ValueError("the config needs a [train.model] table: init_dir = \"HF dir\" or architecture fields")
+        raise ValueError('the config needs a [train.model] table: init_dir = "HF dir" or architecture fields')
     kwargs["model"] = _build_model_spec(train.pop("model"))
     if "publish" in train:
         publish = dict(train.pop("publish"))

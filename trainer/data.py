@@ -110,8 +110,10 @@ def collate(examples: Sequence[Example], *, max_seq_len: int, pad_multiple: int 
         raise ValueError("cannot collate an empty micro-batch")
     longest = max(len(e) for e in examples)
     if longest > max_seq_len:
-        raise ValueError(f"an example has {longest} tokens, over train.data.max_seq_len = {max_seq_len}; "
-                         "raise max_seq_len or shorten the source's examples")
+        raise ValueError(
+            f"an example has {longest} tokens, over train.data.max_seq_len = {max_seq_len}; "
+            "raise max_seq_len or shorten the source's examples"
+        )
     width = min(-(-(longest - 1) // pad_multiple) * pad_multiple, max_seq_len - 1)
     rows = len(examples)
     input_ids = torch.full((rows, width), PAD_ID, dtype=torch.int64)
@@ -176,8 +178,10 @@ class _IndexedSource:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != self.kind or state.get("seed") != self.seed:
-            raise ValueError(f"data position of a {state.get('kind')!r} source with seed {state.get('seed')} cannot "
-                             f"resume a {self.kind!r} source with seed {self.seed}")
+            raise ValueError(
+                f"data position of a {state.get('kind')!r} source with seed {state.get('seed')} cannot "
+                f"resume a {self.kind!r} source with seed {self.seed}"
+            )
         self.next_index = int(state["next_index"])
 
 
@@ -257,8 +261,11 @@ class JsonlSource(_IndexedSource):
         try:
             doc = json.loads(text)
             return Example(
-                tokens=doc["tokens"], loss_weights=doc["loss_weights"], advantage=doc.get("advantage"),
-                sampler_logprobs=doc.get("sampler_logprobs"), sampler_step=doc.get("sampler_step"),
+                tokens=doc["tokens"],
+                loss_weights=doc["loss_weights"],
+                advantage=doc.get("advantage"),
+                sampler_logprobs=doc.get("sampler_logprobs"),
+                sampler_step=doc.get("sampler_step"),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path}: example on line {line + 1} is malformed: {e!r}") from e
@@ -268,8 +275,10 @@ class JsonlSource(_IndexedSource):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("lines") != len(self._offsets) or state.get("shuffle") != self.shuffle:
-            raise ValueError(f"{self.path} changed since the checkpoint (lines or shuffle differ); the saved data "
-                             "position would point at different examples")
+            raise ValueError(
+                f"{self.path} changed since the checkpoint (lines or shuffle differ); the saved data "
+                "position would point at different examples"
+            )
         super().load_state_dict(state)
 
 
@@ -282,6 +291,8 @@ def build_source(config: DataConfig, *, dp_rank: int, dp_size: int) -> ExampleSo
     if config.source == "jsonl":
         return JsonlSource(config.path, dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, shuffle=config.shuffle)
     if config.source == "rollouts":
-        raise ValueError("train.data.source = \"rollouts\" is fed by the RL job (python -m weightsync.app.demo.rl, "
-                         "what `weightsync demo` runs), not by the plain trainer")
+        raise ValueError(
+            'train.data.source = "rollouts" is fed by the RL job (python -m weightsync.app.demo.rl, '
+            "what `weightsync demo` runs), not by the plain trainer"
+        )
     raise ValueError(f"unknown train.data.source {config.source!r}")

@@ -22,16 +22,27 @@ from collections.abc import Sequence
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The `weightsync train` arguments, for the CLI's subparser."""
     parser.add_argument("--config", required=True, help="trainer TOML file (see trainer/configs/sft_tiny.toml)")
-    parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="ranks on this machine: spawns torchrun --standalone with N processes "
-                             "(default: run in this process)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value in TOML syntax, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks on this machine: spawns torchrun --standalone with N processes (default: run in this process)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value in TOML syntax, e.g. --set train.steps=10 (repeatable)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level of every rank (default INFO)")
 
 
-def run_train(config: str | os.PathLike, *, nproc: int | None = None, overrides: Sequence[str] = (),
-              log_level: str = "INFO") -> int:
+def run_train(
+    config: str | os.PathLike, *, nproc: int | None = None, overrides: Sequence[str] = (), log_level: str = "INFO"
+) -> int:
     """Runs a training job; returns its exit code (0 only if every rank finished)."""
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -42,8 +53,16 @@ def run_train(config: str | os.PathLike, *, nproc: int | None = None, overrides:
         from weightsync.trainer.train import main
 
         return main(argv)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "weightsync.trainer.train", *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "weightsync.trainer.train",
+        *argv,
+    ]
     return subprocess.run(command, check=False).returncode
 
 

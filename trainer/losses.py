@@ -48,8 +48,15 @@ def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor) -> LossSums:
 
 
 def grpo_loss(
-    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor, *,
-    clip_low: float, clip_high: float, dual_clip: float = 0.0, kl_coef: float = 0.0,
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float = 0.0,
+    kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
 ) -> LossSums:
     """The clipped importance-weighted policy gradient (see the module docstring).
@@ -80,12 +87,14 @@ def grpo_loss(
         # Clipping "acts" where it zeroes the token's gradient: ratio above the top for A > 0,
         # below the bottom for A < 0.
         clip_active = ((ratio > 1.0 + clip_high) & (adv > 0)) | ((ratio < 1.0 - clip_low) & (adv < 0))
-        metrics.update({
-            "grpo/pg": _weighted_sum(pg.detach(), weights, active),
-            "grpo/ratio": _weighted_sum(ratio, weights, active),
-            "grpo/clip_frac": _weighted_sum(clip_active.to(weights.dtype), weights, active),
-            "grpo/sampler_nll": _weighted_sum(-sampler_logprobs, weights, active),
-        })
+        metrics.update(
+            {
+                "grpo/pg": _weighted_sum(pg.detach(), weights, active),
+                "grpo/ratio": _weighted_sum(ratio, weights, active),
+                "grpo/clip_frac": _weighted_sum(clip_active.to(weights.dtype), weights, active),
+                "grpo/sampler_nll": _weighted_sum(-sampler_logprobs, weights, active),
+            }
+        )
     return LossSums(loss, metrics)
 
 
@@ -104,11 +113,17 @@ def compute_loss(
     if config.kind == "sft":
         return sft_loss(logprobs, batch.loss_weights)
     if batch.advantages is None or batch.sampler_logprobs is None:
-        raise ValueError("loss.kind = \"grpo\" needs examples with an advantage and sampler_logprobs")
+        raise ValueError('loss.kind = "grpo" needs examples with an advantage and sampler_logprobs')
     result = grpo_loss(
-        logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_weights,
-        clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
-        kl_coef=config.kl_coef, ref_logprobs=ref_logprobs,
+        logprobs,
+        batch.sampler_logprobs,
+        batch.advantages,
+        batch.loss_weights,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        dual_clip=config.dual_clip,
+        kl_coef=config.kl_coef,
+        ref_logprobs=ref_logprobs,
     )
     nll = -(logprobs.detach() * batch.loss_weights).sum()
     return LossSums(result.loss, {**result.metrics, "loss/nll": nll})

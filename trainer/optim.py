@@ -19,8 +19,9 @@ from weightsync.trainer.config import OptimizerConfig, ScheduleConfig
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW on the fp32 master shards (DTensors); foreach keeps it a few kernels per step."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                             weight_decay=config.weight_decay, foreach=True)
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, foreach=True
+    )
 
 
 def lr_at(step: int, *, peak_lr: float, schedule: ScheduleConfig, total_steps: int) -> float:

@@ -61,7 +61,7 @@ def init_runtime(config: ParallelConfig, *, timeout_s: float = 600.0) -> Runtime
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("parallel.device = \"cuda\" but CUDA is not available; use device = \"auto\" or \"cpu\"")
+        raise RuntimeError('parallel.device = "cuda" but CUDA is not available; use device = "auto" or "cpu"')
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -73,8 +73,11 @@ def init_runtime(config: ParallelConfig, *, timeout_s: float = 600.0) -> Runtime
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend=_backend(config, use_cuda), timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if use_cuda else None)
+        dist.init_process_group(
+            backend=_backend(config, use_cuda),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if use_cuda else None,
+        )
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
 
 
@@ -162,8 +165,13 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, config: ParallelConfig, *, dev
 
 
 def build_sharded_model(
-    architecture: ModelConfig, full_state_dict: Mapping[str, torch.Tensor] | None, *, mesh: DeviceMesh,
-    config: ParallelConfig, device: torch.device, trainable: bool = True,
+    architecture: ModelConfig,
+    full_state_dict: Mapping[str, torch.Tensor] | None,
+    *,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    device: torch.device,
+    trainable: bool = True,
 ) -> CausalLM:
     """The FSDP2-sharded model holding `full_state_dict` (given on rank 0, None elsewhere).
 

@@ -67,8 +67,10 @@ def flat_start(global_shape: tuple[int, ...], offsets: tuple[int, ...], sizes: t
         # An empty shard (more ranks than rows): place it at the end of what precedes it.
         return min(offsets[0], global_shape[0]) * trailing
     if tuple(offsets[1:]) != (0,) * (len(offsets) - 1) or tuple(sizes[1:]) != tuple(global_shape[1:]):
-        raise LayoutError(f"a shard at offsets {tuple(offsets)} with sizes {tuple(sizes)} of shape "
-                          f"{tuple(global_shape)} is not a contiguous flat range; only dim-0 sharding is published")
+        raise LayoutError(
+            f"a shard at offsets {tuple(offsets)} with sizes {tuple(sizes)} of shape "
+            f"{tuple(global_shape)} is not a contiguous flat range; only dim-0 sharding is published"
+        )
     if offsets[0] + sizes[0] > global_shape[0]:
         raise LayoutError(f"a shard at row {offsets[0]} with {sizes[0]} rows overruns shape {tuple(global_shape)}")
     return offsets[0] * trailing
@@ -138,8 +140,9 @@ class WeightPublisher:
         self.rank = rank
         self.session = make_session_id()
         store = open_store(config.store)
-        shard = ShardSpec(rank=rank, world_size=world_size, session=self.session,
-                          commit_timeout_s=config.commit_timeout_s)
+        shard = ShardSpec(
+            rank=rank, world_size=world_size, session=self.session, commit_timeout_s=config.commit_timeout_s
+        )
         self.metrics = NULL_METRICS
         if config.metrics_port is not None and rank == 0:
             self.metrics = PrometheusMetrics(model=config.model)
@@ -147,19 +150,33 @@ class WeightPublisher:
             log.info("publisher metrics on http://127.0.0.1:%d/metrics", port)
         self._pusher = None
         if config.push:
-            self._pusher = Pusher(PushConfig(
-                targets=config.push, model=config.model, token=read_token(token_file=config.push_token_file),
-                tls=TlsConfig(ca=config.push_ca) if config.push_ca else None, origin=f"trainer/rank-{rank}"),
-                metrics=self.metrics)
+            self._pusher = Pusher(
+                PushConfig(
+                    targets=config.push,
+                    model=config.model,
+                    token=read_token(token_file=config.push_token_file),
+                    tls=TlsConfig(ca=config.push_ca) if config.push_ca else None,
+                    origin=f"trainer/rank-{rank}",
+                ),
+                metrics=self.metrics,
+            )
         signer = Signer.from_pem(config.signing_key) if config.signing_key and rank == 0 else None
-        self._publisher = Publisher(store, model=config.model, config=config.publisher, shard=shard, signer=signer,
-                                    listeners=[self._pusher] if self._pusher is not None else [], metrics=self.metrics)
+        self._publisher = Publisher(
+            store,
+            model=config.model,
+            config=config.publisher,
+            shard=shard,
+            signer=signer,
+            listeners=[self._pusher] if self._pusher is not None else [],
+            metrics=self.metrics,
+        )
         self._pending: collections.deque[tuple[int, cf.Future, int]] = collections.deque()  # step, future, called at
         self.last_version: int | None = None
         self.last_committed_step: int | None = None
         self.failures = 0
-        log.info("publishing %s to %s every %d steps (session %s)", config.model, store.uri,
-                 config.every_steps, self.session)
+        log.info(
+            "publishing %s to %s every %d steps (session %s)", config.model, store.uri, config.every_steps, self.session
+        )
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.config.every_steps == 0 or step == last_step
@@ -188,12 +205,14 @@ class WeightPublisher:
                 continue
             self.last_version, self.last_committed_step = result.version, step
             self._log(result, step, called_unix_ms)
-            metrics.update({
-                "publish/version": result.version,
-                "publish/latency_s": result.total_s,
-                "publish/encode_s": result.encode_s,
-                "publish/ratio": result.ratio,
-            })
+            metrics.update(
+                {
+                    "publish/version": result.version,
+                    "publish/latency_s": result.total_s,
+                    "publish/encode_s": result.encode_s,
+                    "publish/ratio": result.ratio,
+                }
+            )
         metrics["publish/failures"] = self.failures
         metrics["publish/in_flight"] = len(self._pending)
         return metrics
@@ -201,9 +220,17 @@ class WeightPublisher:
     def _log(self, result, step: int, called_unix_ms: int) -> None:
         if self.config.log_path is None or self.rank != 0:
             return
-        row = {"version": result.version, "step": step, "kind": result.manifest.kind,
-               "publish_call_unix_ms": called_unix_ms, "latency_s": result.total_s, "encode_s": result.encode_s,
-               "snapshot_s": result.snapshot_s, "stored_bytes": result.stored_bytes, "ratio": result.ratio}
+        row = {
+            "version": result.version,
+            "step": step,
+            "kind": result.manifest.kind,
+            "publish_call_unix_ms": called_unix_ms,
+            "latency_s": result.total_s,
+            "encode_s": result.encode_s,
+            "snapshot_s": result.snapshot_s,
+            "stored_bytes": result.stored_bytes,
+            "ratio": result.ratio,
+        }
         with open(self.config.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 

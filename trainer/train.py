@@ -82,8 +82,9 @@ class Trainer:
         build = {"mesh": self.mesh, "config": job.parallel, "device": self.device}
         self.model = build_sharded_model(architecture, initial, **build)
         # The KL reference is the initial policy, frozen (rebuilt identically on resume).
-        self.reference = build_sharded_model(architecture, initial, trainable=False, **build) \
-            if self.config.loss.kl_coef else None
+        self.reference = (
+            build_sharded_model(architecture, initial, trainable=False, **build) if self.config.loss.kl_coef else None
+        )
         del initial
         self.optimizer = build_optimizer(self.model, self.config.optimizer)
         self.source = source or build_source(self.config.data, dp_rank=self.dp_rank, dp_size=self.dp_size)
@@ -100,9 +101,16 @@ class Trainer:
         self.publisher = None
         if self.config.publish.store is not None:
             self.publisher = WeightPublisher(self.config.publish, rank=self.rank, world_size=self.runtime.world_size)
-        log.info("trainer ready: %s, %d ranks (mesh %s), %d micro-batch(es) of %d per rank per step, step %d/%d",
-                 architecture.model_type, self.runtime.world_size, tuple(self.mesh.shape), self.grad_accum_steps,
-                 self.config.data.micro_batch_size, self.step, self.config.steps)
+        log.info(
+            "trainer ready: %s, %d ranks (mesh %s), %d micro-batch(es) of %d per rank per step, step %d/%d",
+            architecture.model_type,
+            self.runtime.world_size,
+            tuple(self.mesh.shape),
+            self.grad_accum_steps,
+            self.config.data.micro_batch_size,
+            self.step,
+            self.config.steps,
+        )
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -121,8 +129,10 @@ class Trainer:
 
     def next_micro_batches(self) -> list[MicroBatch]:
         size, data = self.config.data.micro_batch_size, self.config.data
-        return [collate(self.source.take(size), max_seq_len=data.max_seq_len, pad_multiple=data.pad_multiple)
-                for _ in range(self.grad_accum_steps)]
+        return [
+            collate(self.source.take(size), max_seq_len=data.max_seq_len, pad_multiple=data.pad_multiple)
+            for _ in range(self.grad_accum_steps)
+        ]
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
         """Accumulates gradients of the global-token-mean loss; returns the reduced metrics."""
@@ -150,8 +160,9 @@ class Trainer:
         with torch.no_grad():
             return token_logprobs(self.reference(mb.input_ids), mb.targets)
 
-    def reduce_metrics(self, sums: dict[str, torch.Tensor], global_weight: torch.Tensor,
-                       micro_batches: list[MicroBatch]) -> dict[str, Any]:
+    def reduce_metrics(
+        self, sums: dict[str, torch.Tensor], global_weight: torch.Tensor, micro_batches: list[MicroBatch]
+    ) -> dict[str, Any]:
         """One all-reduce of every sum; token metrics are divided by the global weight."""
         names = sorted(sums)
         sampler_steps = torch.cat([mb.sampler_steps for mb in micro_batches])
@@ -163,7 +174,7 @@ class Trainer:
         values = packed.tolist()
         weight = max(float(global_weight), torch.finfo(torch.float32).tiny)
         metrics: dict[str, Any] = {name: values[i] / weight for i, name in enumerate(names)}
-        tokens, sampled, staleness = values[len(names):]
+        tokens, sampled, staleness = values[len(names) :]
         metrics.update({"tokens": int(tokens), "loss_tokens": float(global_weight)})
         if sampled:
             metrics["data/staleness_steps"] = staleness / sampled
@@ -182,8 +193,12 @@ class Trainer:
         decision = self.guard.judge(metrics)
         self.step += 1
         if decision.verdict is Verdict.ACCEPT:
-            lr = lr_at(self.step, peak_lr=self.config.optimizer.lr, schedule=self.config.schedule,
-                       total_steps=self.config.steps)
+            lr = lr_at(
+                self.step,
+                peak_lr=self.config.optimizer.lr,
+                schedule=self.config.schedule,
+                total_steps=self.config.steps,
+            )
             set_lr(self.optimizer, lr)
             self.optimizer.step()
             metrics["lr"] = lr
@@ -217,8 +232,10 @@ class Trainer:
         if self.rank != 0:
             return
         # Strict JSON has no NaN/Infinity: write them as strings so any JSON reader takes the line.
-        line = json.dumps({k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
-                           for k, v in metrics.items()}, sort_keys=True)
+        line = json.dumps(
+            {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()},
+            sort_keys=True,
+        )
         if self.step % self.config.log_every == 0 or self.step == self.config.steps:
             print(line, flush=True)
         if self.config.metrics_path:
@@ -265,8 +282,12 @@ class Trainer:
         self.step = int(extra["step"])
         self.guard.load_state_dict(extra["guard"])
         self.guard.reset_streak()
-        log.warning("rolled back from step %d to the checkpoint of step %d (%s); data goes on from where it was",
-                    bad_step, self.step, latest[1])
+        log.warning(
+            "rolled back from step %d to the checkpoint of step %d (%s); data goes on from where it was",
+            bad_step,
+            self.step,
+            latest[1],
+        )
 
     def _seed_rngs(self) -> None:
         seed = self.config.seed + self.rank
@@ -285,8 +306,9 @@ class Trainer:
         """Waits for versions in flight, then leaves the process group if it created it."""
         if self.publisher is not None:
             metrics = self.publisher.close()
-            log.info("publisher closed: last version %s, %d failed", metrics.get("publish/version"),
-                     self.publisher.failures)
+            log.info(
+                "publisher closed: last version %s, %d failed", metrics.get("publish/version"), self.publisher.failures
+            )
             self.publisher = None
         close_runtime(self.runtime)
 
@@ -294,15 +316,25 @@ class Trainer:
 def configure_logging(level: str = "INFO") -> None:
     """One format for every rank; each line says which rank wrote it."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weightsync.trainer.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="trainer TOML file (see trainer/configs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.steps=10 (repeatable)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)

@@ -17,8 +17,29 @@ import threading
 from typing import Protocol
 
 # Latency buckets from 10 us to ~2 min: swap pauses are tens of microseconds, catch-ups minutes.
-DEFAULT_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
-                     0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
+DEFAULT_BUCKETS_S = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    120,
+)
 _NAME = re.compile(r"[a-z][a-z0-9_]*(/[a-z][a-z0-9_]*)+")
 
 
@@ -82,8 +103,9 @@ class PrometheusMetrics:
                     elif kind == "gauge":
                         metric = self._prom.Gauge(full, doc, label_names, registry=self.registry)
                     else:
-                        metric = self._prom.Histogram(full, doc, label_names, registry=self.registry,
-                                                      buckets=DEFAULT_BUCKETS_S)
+                        metric = self._prom.Histogram(
+                            full, doc, label_names, registry=self.registry, buckets=DEFAULT_BUCKETS_S
+                        )
                     self._metrics[key] = metric
         all_labels = {**self._constant, **labels}
         return metric.labels(**all_labels) if all_labels else metric

@@ -266,8 +266,15 @@ class Publisher:
     """Publishes versions of one model to one store. Thread-safe; use as a context manager."""
 
     def __init__(
-        self, store: Store, *, model: str, config: PublisherConfig | None = None, shard: ShardSpec | None = None,
-        signer: Signer | None = None, listeners: Sequence[PublishListener] = (), metrics: Metrics = NULL_METRICS,
+        self,
+        store: Store,
+        *,
+        model: str,
+        config: PublisherConfig | None = None,
+        shard: ShardSpec | None = None,
+        signer: Signer | None = None,
+        listeners: Sequence[PublishListener] = (),
+        metrics: Metrics = NULL_METRICS,
     ) -> None:
         self.store = store
         self.model = layout.check_model_name(model)
@@ -302,7 +309,11 @@ class Publisher:
     # ------------------------------------------------------------------------------ public
 
     def publish(
-        self, state_dict: Mapping, *, step: int | None = None, progress: Callable[[int], None] | None = None,
+        self,
+        state_dict: Mapping,
+        *,
+        step: int | None = None,
+        progress: Callable[[int], None] | None = None,
         placements: Mapping[str, Placement] | None = None,
     ) -> cf.Future[PublishResult]:
         """Snapshots `state_dict` now; returns a Future of the committed version.
@@ -328,15 +339,17 @@ class Publisher:
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
             if self.warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
-                self.warm_up = codecs.BackgroundWarmUp({dtype.name for dtype, _ in planned.values()},
-                                                      thread_name="ws-publisher-warm-up")
+                self.warm_up = codecs.BackgroundWarmUp(
+                    {dtype.name for dtype, _ in planned.values()}, thread_name="ws-publisher-warm-up"
+                )
             with self._lock:
                 spare, self._spare = self._spare, None
                 job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
                 job.t0, job.previous, job.progress = t0, self._last_job, progress
                 if self._device_parent is not None:  # on the tensors' device, before the host copy
-                    job.changes = self._device_parent.diff(state_dict, planned, job.version, job.parent,
-                                                           self._ranges_of)
+                    job.changes = self._device_parent.diff(
+                        state_dict, planned, job.version, job.parent, self._ranges_of
+                    )
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
         except BaseException:
@@ -382,8 +395,13 @@ class Publisher:
 
     # ----------------------------------------------------------------------------- planning
 
-    def _plan(self, snapshot: Snapshot, tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
-              placements: dict[str, Placement], step: int | None) -> _Job:
+    def _plan(
+        self,
+        snapshot: Snapshot,
+        tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
+        placements: dict[str, Placement],
+        step: int | None,
+    ) -> _Job:
         """Numbers the version and picks its parent from the layout the snapshot will have (the
         snapshot is filled later); called under the lock, in publish order."""
         if self._next_version is None:
@@ -404,8 +422,15 @@ class Publisher:
         parent = None if reason else chain.version
         totals = _ChainTotals(base=version) if reason else chain.totals
         job = _Job(
-            version=version, parent=parent, base=base, step=step, placements=placements,
-            snapshot=snapshot, parent_snapshot=parent_snapshot, totals=totals, parent_copied=parent_copied,
+            version=version,
+            parent=parent,
+            base=base,
+            step=step,
+            placements=placements,
+            snapshot=snapshot,
+            parent_snapshot=parent_snapshot,
+            totals=totals,
+            parent_copied=parent_copied,
         )
         self._chain = _Chain(version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done)
         self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
@@ -422,8 +447,13 @@ class Publisher:
         """
         return None if self.shard is None else version - self.config.max_in_flight
 
-    def _rebase_reason(self, chain: _Chain | None, tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
-                       placements: dict[str, Placement], horizon: int | None) -> str | None:
+    def _rebase_reason(
+        self,
+        chain: _Chain | None,
+        tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
+        placements: dict[str, Placement],
+        horizon: int | None,
+    ) -> str | None:
         if chain is None:
             return "no parent"
         failed = [v for v in self._failed if (horizon is None or v <= horizon) and chain.base <= v <= chain.version]
@@ -534,8 +564,17 @@ class Publisher:
                 tensor = snapshot[name]
                 futures[name] = [
                     self._encode_pool.submit(
-                        self._encode_one, version, tensor, parent_snapshot, job.parent or 0, name, start, stop,
-                        placements[name].start, packer, job.changes.get(name, {}).get(start),
+                        self._encode_one,
+                        version,
+                        tensor,
+                        parent_snapshot,
+                        job.parent or 0,
+                        name,
+                        start,
+                        stop,
+                        placements[name].start,
+                        packer,
+                        job.changes.get(name, {}).get(start),
                     )
                     for start, stop in self._chunk_ranges(tensor)
                 ]
@@ -555,13 +594,15 @@ class Publisher:
                 upload.result()
             for name, chunks in encoded.items():
                 # Packed refs learn their pack's key once it is sealed (all are, after finish).
-                refs = tuple(ref if slot is None else dataclasses.replace(ref, key=slot.pack.key, offset=slot.offset)
-                             for ref, slot in chunks)
+                refs = tuple(
+                    ref if slot is None else dataclasses.replace(ref, key=slot.pack.key, offset=slot.offset)
+                    for ref, slot in chunks
+                )
                 tensor = snapshot[name]
                 total += tensor.nbytes // tensor.dtype.itemsize
-                tensors.append(TensorEntry(
-                    name=name, dtype=tensor.dtype.name, shape=placements[name].global_shape, chunks=refs
-                ))
+                tensors.append(
+                    TensorEntry(name=name, dtype=tensor.dtype.name, shape=placements[name].global_shape, chunks=refs)
+                )
         except BaseException:
             for chunk_futures in futures.values():
                 for f in chunk_futures:
@@ -572,8 +613,11 @@ class Publisher:
         t_commit = time.perf_counter()
         self._wait_for_previous(job)
         header = PartHeader(
-            version=version, parent=job.parent, base=job.base,
-            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA, step=job.step,
+            version=version,
+            parent=job.parent,
+            base=job.base,
+            kind=KIND_FULL if parent_snapshot is None else KIND_DELTA,
+            step=job.step,
         )
         stats = {"changed_elements": changed, "total_elements": total}
         if self.shard is None:
@@ -603,8 +647,13 @@ class Publisher:
         self._record(result)
         log.info(
             "%s v%d committed: %s, %.1f MB -> %.2f MB (%.1fx), %.2f s",
-            self.model, version, manifest.kind, result.raw_bytes / 1e6,
-            (stored + len(data)) / 1e6, result.ratio, result.total_s,
+            self.model,
+            version,
+            manifest.kind,
+            result.raw_bytes / 1e6,
+            (stored + len(data)) / 1e6,
+            result.ratio,
+            result.total_s,
         )
         return result
 
@@ -617,9 +666,17 @@ class Publisher:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
         packed = any(c.packed for t in tensors for c in t.chunks)
         manifest = Manifest(
-            model=self.model, version=header.version, parent=header.parent, base=header.base, kind=header.kind,
-            step=header.step, created_unix_ms=int(time.time() * 1000), tensors=tuple(tensors),
-            digest=compute_digest(tensors), producer=producer, stats=stats,
+            model=self.model,
+            version=header.version,
+            parent=header.parent,
+            base=header.base,
+            kind=header.kind,
+            step=header.step,
+            created_unix_ms=int(time.time() * 1000),
+            tensors=tuple(tensors),
+            digest=compute_digest(tensors),
+            producer=producer,
+            stats=stats,
             format=FORMAT_PACKS if packed else FORMAT_VERSION,  # format-1 readers still read unpacked versions
         )
         data = manifest.to_bytes()
@@ -683,8 +740,17 @@ class Publisher:
         return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
 
     def _encode_one(
-        self, version: int, tensor: SnapshotTensor, parent: Snapshot | None, parent_version: int, name: str,
-        start: int, stop: int, offset: int, packer: PackWriter | None, changes: Changes | None = None,
+        self,
+        version: int,
+        tensor: SnapshotTensor,
+        parent: Snapshot | None,
+        parent_version: int,
+        name: str,
+        start: int,
+        stop: int,
+        offset: int,
+        packer: PackWriter | None,
+        changes: Changes | None = None,
     ) -> tuple[ChunkRef, int, cf.Future | None, PackSlot | None]:
         """Encodes local elements [start, stop) (global: + offset) against `parent` (version
         `parent_version`; None and 0 for a full version) and queues the upload, or adds the object
@@ -742,8 +808,9 @@ _SET = threading.Event()  # a snapshot that is complete from the start (read bac
 _SET.set()
 
 
-def _placements(planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
-                ) -> dict[str, Placement]:
+def _placements(
+    planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
+) -> dict[str, Placement]:
     """Every tensor's placement (`planned`: name -> (dtype, local shape)): the given one
     (checked to fit), else the whole tensor."""
     out = {}
@@ -757,9 +824,15 @@ def _placements(planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Ma
     return out
 
 
-def publish_once(store: Store, state_dict: Mapping, *, model: str, step: int | None = None,
-                 config: PublisherConfig | None = None, progress: Callable[[int], None] | None = None
-                 ) -> PublishResult:
+def publish_once(
+    store: Store,
+    state_dict: Mapping,
+    *,
+    model: str,
+    step: int | None = None,
+    config: PublisherConfig | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> PublishResult:
     """Publishes one version and waits for its commit (what the CLI does)."""
     with Publisher(store, model=model, config=config) as publisher:
         return publisher.publish(state_dict, step=step, progress=progress).result()

@@ -61,16 +61,15 @@ class WeightsState:
         """torch tensors over the buffers (no copy; they change if the state advances)."""
         if self.manifest is None:
             raise IntegrityError("weights state is invalid after a failed apply; read the version again")
-        return {
-            t.name: to_tensor(self.buffers[t.name], dtype_by_name(t.dtype), t.shape) for t in self.manifest.tensors
-        }
+        return {t.name: to_tensor(self.buffers[t.name], dtype_by_name(t.dtype), t.shape) for t in self.manifest.tensors}
 
 
 class Reader:
     """Reads versions of one model from one store."""
 
-    def __init__(self, store: Store, *, model: str, workers: int | None = None,
-                 objects_by_address: bool = False) -> None:
+    def __init__(
+        self, store: Store, *, model: str, workers: int | None = None, objects_by_address: bool = False
+    ) -> None:
         self.store = store
         # A cache (an agent's) holds every object under its own content address, packed upstream
         # or not; a publisher's store holds packed objects in their packs.
@@ -99,8 +98,13 @@ class Reader:
         return state
 
     def advance_route(
-        self, state: WeightsState, version: int | None = None, *, progress: Progress | None = None,
-        fold: bool = True, done: Collection[tuple[str, int, int]] = (),
+        self,
+        state: WeightsState,
+        version: int | None = None,
+        *,
+        progress: Progress | None = None,
+        fold: bool = True,
+        done: Collection[tuple[str, int, int]] = (),
     ) -> Route | None:
         """`advance`, folding the deltas into one when that is cheaper (`fold.plan_route`);
         returns the route taken and why (None: `state` already held `version`). `done`: chunk
@@ -118,8 +122,9 @@ class Reader:
                 if route.kind == FOLDED:
                     self._apply_folded(state, route, progress)
                 else:
-                    self._apply_chain(state, list(route.manifests), progress,
-                                      done=done if len(route.manifests) == 1 else ())
+                    self._apply_chain(
+                        state, list(route.manifests), progress, done=done if len(route.manifests) == 1 else ()
+                    )
                 return route
         route = Route(CHAIN, tuple(chain), f"from the base v{chain[0].version}: the state is not on its chain")
         self._apply_chain(state, chain, progress)
@@ -140,8 +145,14 @@ class Reader:
 
     # ------------------------------------------------------------------------------ private
 
-    def _apply_chain(self, state: WeightsState, chain: list[Manifest], progress: Progress | None, *,
-                     done: Collection[tuple[str, int, int]] = ()) -> None:
+    def _apply_chain(
+        self,
+        state: WeightsState,
+        chain: list[Manifest],
+        progress: Progress | None,
+        *,
+        done: Collection[tuple[str, int, int]] = (),
+    ) -> None:
         cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-apply")
         io = cf.ThreadPoolExecutor(self.io_workers, thread_name_prefix="ws-fetch")
         try:
@@ -149,8 +160,16 @@ class Reader:
                 final = i == len(chain) - 1
                 state_manifest, state.manifest = state.manifest, None  # invalid until this one is applied
                 try:
-                    self._apply_version(state, state_manifest, manifest, cpu, io, verify_same=final,
-                                        progress=progress if final else None, done=done if final else ())
+                    self._apply_version(
+                        state,
+                        state_manifest,
+                        manifest,
+                        cpu,
+                        io,
+                        verify_same=final,
+                        progress=progress if final else None,
+                        done=done if final else (),
+                    )
                 except BaseException:
                     state.buffers.clear()
                     raise
@@ -167,8 +186,10 @@ class Reader:
         first, target = route.manifests[0], route.manifests[-1]
         current = state.manifest
         if current is None or current.version != first.parent:
-            raise IntegrityError(f"{self.model}: folded deltas start on v{first.parent}, "
-                                 f"but the state holds {current.version if current else 'nothing'}")
+            raise IntegrityError(
+                f"{self.model}: folded deltas start on v{first.parent}, "
+                f"but the state holds {current.version if current else 'nothing'}"
+            )
         if current.layout != target.layout:
             raise LayoutError(f"{self.model} v{target.version} changes tensor layout without a rebase")
         state.manifest = None
@@ -205,8 +226,16 @@ class Reader:
         return out.nbytes
 
     def _apply_version(
-        self, state: WeightsState, current: Manifest | None, manifest: Manifest, cpu: cf.Executor, io: cf.Executor,
-        *, verify_same: bool, progress: Progress | None, done: Collection[tuple[str, int, int]] = (),
+        self,
+        state: WeightsState,
+        current: Manifest | None,
+        manifest: Manifest,
+        cpu: cf.Executor,
+        io: cf.Executor,
+        *,
+        verify_same: bool,
+        progress: Progress | None,
+        done: Collection[tuple[str, int, int]] = (),
     ) -> None:
         if manifest.kind == KIND_FULL:
             # Reuse buffers of the right size (an agent re-basing keeps its memory).
@@ -224,24 +253,48 @@ class Reader:
                 )
             if current.layout != manifest.layout:
                 raise LayoutError(f"{self.model} v{manifest.version} changes tensor layout without a rebase")
-        self._fetch_and_apply(state.buffers, manifest, cpu, io, verify_same=verify_same, progress=progress,
-                              done=done if manifest.kind != KIND_FULL else ())
+        self._fetch_and_apply(
+            state.buffers,
+            manifest,
+            cpu,
+            io,
+            verify_same=verify_same,
+            progress=progress,
+            done=done if manifest.kind != KIND_FULL else (),
+        )
 
     def _fetch_and_apply(
-        self, buffers: dict[str, np.ndarray], manifest: Manifest, cpu: cf.Executor, io: cf.Executor, *,
-        verify_same: bool, progress: Progress | None, done: Collection[tuple[str, int, int]] = (),
+        self,
+        buffers: dict[str, np.ndarray],
+        manifest: Manifest,
+        cpu: cf.Executor,
+        io: cf.Executor,
+        *,
+        verify_same: bool,
+        progress: Progress | None,
+        done: Collection[tuple[str, int, int]] = (),
     ) -> None:
         """Fetches the version's objects on `io`, applies them on `cpu` as they arrive, and (with
         verify_same) hashes its unchanged ranges; returns when all are done, raises the first error.
         Ranges in `done` are in the buffers already (see advance_route)."""
         tensor_of = {id(c): t for t in manifest.tensors for c in t.chunks}
-        groups = iter(self.plan_reads([c for t in manifest.tensors for c in t.chunks
-                                       if c.codec != CODEC_SAME and (t.name, c.start, c.stop) not in done]))
+        groups = iter(
+            self.plan_reads(
+                [
+                    c
+                    for t in manifest.tensors
+                    for c in t.chunks
+                    if c.codec != CODEC_SAME and (t.name, c.start, c.stop) not in done
+                ]
+            )
+        )
         window = 2 * self.io_workers  # reads fetching, fetched or being applied: the memory bound
         # Each running future maps to its stage: ("fetch", group), ("apply",) or ("check",).
         running: dict[cf.Future, tuple] = {
             cpu.submit(self._check_same, buffers[t.name], t, c): ("check",)
-            for t in manifest.tensors for c in t.chunks if c.codec == CODEC_SAME and verify_same
+            for t in manifest.tensors
+            for c in t.chunks
+            if c.codec == CODEC_SAME and verify_same
         }
         held = 0
         try:
@@ -276,8 +329,13 @@ class Reader:
             raise IntegrityError(f"{tensor.name}[{ref.start}:{ref.stop}] differs from the published bytes")
         return out.nbytes
 
-    def _apply_objects(self, buffers: dict[str, np.ndarray], tensor_of: dict[int, TensorEntry],
-                       group: list[ChunkRef], objects: list[bytes]) -> int:
+    def _apply_objects(
+        self,
+        buffers: dict[str, np.ndarray],
+        tensor_of: dict[int, TensorEntry],
+        group: list[ChunkRef],
+        objects: list[bytes],
+    ) -> int:
         done = 0
         for ref, obj in zip(group, objects, strict=True):
             tensor = tensor_of[id(ref)]
@@ -326,15 +384,18 @@ class Reader:
             if len(obj) == ref.size and object_hash(obj) == ref.object:
                 return obj
             if attempt < FETCH_ATTEMPTS:
-                log.warning("%s does not match its manifest (%d of %d bytes); fetching it again",
-                            where, len(obj), ref.size)
+                log.warning(
+                    "%s does not match its manifest (%d of %d bytes); fetching it again", where, len(obj), ref.size
+                )
         raise IntegrityError(f"{where} is corrupt (size or hash mismatch in {FETCH_ATTEMPTS} fetches)")
 
     def _where(self, ref: ChunkRef) -> str:
         if ref.offset is None or self.objects_by_address:
             return f"chunk object {self._prefix + ref.address_key} in {self.store.uri}"
-        return f"chunk object {ref.object} at bytes {ref.offset}..{ref.offset + ref.size} of pack " \
-               f"{self._prefix + ref.key} in {self.store.uri}"
+        return (
+            f"chunk object {ref.object} at bytes {ref.offset}..{ref.offset + ref.size} of pack "
+            f"{self._prefix + ref.key} in {self.store.uri}"
+        )
 
     def _read(self, ref: ChunkRef, start: int | None, length: int | None) -> bytes:
         """The whole object (start None) or a byte range of `ref`'s pack, errors made clear."""
@@ -343,15 +404,19 @@ class Reader:
             try:
                 return self.store.get(key)
             except ObjectNotFound:
-                raise IntegrityError(f"chunk object {key} named by a manifest is missing from {self.store.uri}") from None
+                raise IntegrityError(
+                    f"chunk object {key} named by a manifest is missing from {self.store.uri}"
+                ) from None
         key = self._prefix + ref.key
         try:
             return self.store.get_range(key, start, length)
         except ObjectNotFound:
             raise IntegrityError(f"pack {key} named by a manifest is missing from {self.store.uri}") from None
         except ObjectTooShort:
-            raise IntegrityError(f"pack {key} in {self.store.uri} is shorter than the manifest's index says "
-                                 f"(bytes {start}..{start + length}): truncated, or a bad index") from None
+            raise IntegrityError(
+                f"pack {key} in {self.store.uri} is shorter than the manifest's index says "
+                f"(bytes {start}..{start + length}): truncated, or a bad index"
+            ) from None
 
 
 def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:

@@ -107,13 +107,19 @@ class PartHeader:
 # ---------------------------------------------------------------------------------- writing
 
 
-def write_part(store: Store, model: str, spec: ShardSpec, header: PartHeader, tensors: list[TensorEntry],
-               stats: dict[str, int]) -> None:
+def write_part(
+    store: Store, model: str, spec: ShardSpec, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]
+) -> None:
     """Records this rank's chunk references; its chunks must already be durable."""
     doc = {
-        "format": PART_FORMAT, "model": model, "session": spec.session, "rank": spec.rank,
-        "world_size": spec.world_size, **dataclasses.asdict(header),
-        "tensors": [t.to_json() for t in tensors], "stats": stats,
+        "format": PART_FORMAT,
+        "model": model,
+        "session": spec.session,
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+        **dataclasses.asdict(header),
+        "tensors": [t.to_json() for t in tensors],
+        "stats": stats,
     }
     store.put(layout.part_key(model, header.version, spec.session, spec.rank), canonical_json(doc))
 
@@ -186,8 +192,9 @@ def wait_for_parts(store: Store, model: str, spec: ShardSpec, version: int) -> l
         _poll(time.monotonic() + spec.commit_timeout_s, check)
     except _Timeout:
         missing = sorted(r for key, r in wanted.items() if key not in present)
-        raise PublishError(f"{model} v{version}: no part from ranks {missing} within "
-                           f"{spec.commit_timeout_s:.0f} s") from None
+        raise PublishError(
+            f"{model} v{version}: no part from ranks {missing} within {spec.commit_timeout_s:.0f} s"
+        ) from None
     parts = []
     for key in sorted(wanted, key=wanted.get):
         try:
@@ -218,8 +225,10 @@ def wait_for_commit(store: Store, model: str, spec: ShardSpec, version: int) -> 
     except _Timeout:
         raise PublishError(f"{model} v{version}: rank 0 neither committed nor aborted it in time") from None
     if manifest.producer.get("session") != spec.session:
-        raise VersionConflict(f"{model} v{version} was committed by another job (session "
-                              f"{manifest.producer.get('session')!r}, ours {spec.session!r})")
+        raise VersionConflict(
+            f"{model} v{version} was committed by another job (session "
+            f"{manifest.producer.get('session')!r}, ours {spec.session!r})"
+        )
     return manifest
 
 
@@ -233,12 +242,14 @@ def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHea
     headers = set()
     for part in parts:
         if part.get("format") != PART_FORMAT or part.get("session") != spec.session or part.get("model") != model:
-            raise PublishError(f"{model}: part of rank {part.get('rank')} is not a format-{PART_FORMAT} part "
-                               f"of this session")
+            raise PublishError(
+                f"{model}: part of rank {part.get('rank')} is not a format-{PART_FORMAT} part of this session"
+            )
         headers.add(PartHeader(**{f.name: part.get(f.name) for f in dataclasses.fields(PartHeader)}))
     if len(headers) != 1:
-        raise PublishError(f"{model}: ranks disagree on the version's parent/base/kind/step: "
-                           f"{sorted(map(str, headers))}")
+        raise PublishError(
+            f"{model}: ranks disagree on the version's parent/base/kind/step: {sorted(map(str, headers))}"
+        )
     header = headers.pop()
     merged: dict[str, dict] = {}
     stats = {"changed_elements": 0, "total_elements": 0}
@@ -248,12 +259,15 @@ def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHea
         for t in part["tensors"]:
             entry = merged.setdefault(t["name"], {"dtype": t["dtype"], "shape": tuple(t["shape"]), "chunks": []})
             if (entry["dtype"], entry["shape"]) != (t["dtype"], tuple(t["shape"])):
-                raise PublishError(f"{model}: ranks disagree on {t['name']!r}: {entry['dtype']} {entry['shape']} "
-                                   f"vs {t['dtype']} {tuple(t['shape'])} (rank {part['rank']})")
+                raise PublishError(
+                    f"{model}: ranks disagree on {t['name']!r}: {entry['dtype']} {entry['shape']} "
+                    f"vs {t['dtype']} {tuple(t['shape'])} (rank {part['rank']})"
+                )
             entry["chunks"].extend(ChunkRef(**c) for c in t["chunks"])
     tensors = [
-        TensorEntry(name=name, dtype=e["dtype"], shape=e["shape"],
-                    chunks=tuple(sorted(e["chunks"], key=lambda c: c.start)))
+        TensorEntry(
+            name=name, dtype=e["dtype"], shape=e["shape"], chunks=tuple(sorted(e["chunks"], key=lambda c: c.start))
+        )
         for name, e in sorted(merged.items())
     ]
     return header, tensors, stats

@@ -60,8 +60,7 @@ class TaskSource(_IndexedSource):
         prompt, answer = self.task.sample(random.Random(f"task-sft/{self.seed}/{index}"))
         prompt_ids = self.tokenizer.encode(prompt)
         answer_ids = self.tokenizer.encode(answer, bos=False) + [self.tokenizer.EOS]
-        return Example(tokens=prompt_ids + answer_ids,
-                       loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(answer_ids))
+        return Example(tokens=prompt_ids + answer_ids, loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(answer_ids))
 
 
 class RolloutSource:
@@ -71,8 +70,16 @@ class RolloutSource:
 
     kind = "rollouts"
 
-    def __init__(self, queue_dir: str, *, dp_rank: int, dp_size: int, current_step: Callable[[], int],
-                 max_staleness_steps: int, wait_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        queue_dir: str,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        current_step: Callable[[], int],
+        max_staleness_steps: int,
+        wait_timeout_s: float = 600.0,
+    ) -> None:
         self.queue = RolloutQueue(queue_dir)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.current_step = current_step
@@ -87,10 +94,18 @@ class RolloutSource:
         payload = self._claim(count * self.dp_size) if self.dp_rank == 0 else None
         box = [payload]
         dist.broadcast_object_list(box, src=0)
-        mine = box[0][self.dp_rank * count:(self.dp_rank + 1) * count]
+        mine = box[0][self.dp_rank * count : (self.dp_rank + 1) * count]
         self.taken += len(box[0])
-        return [Example(tokens=r["tokens"], loss_weights=r["loss_weights"], advantage=r["advantage"],
-                        sampler_logprobs=r["sampler_logprobs"], sampler_step=r["sampler_step"]) for r in mine]
+        return [
+            Example(
+                tokens=r["tokens"],
+                loss_weights=r["loss_weights"],
+                advantage=r["advantage"],
+                sampler_logprobs=r["sampler_logprobs"],
+                sampler_step=r["sampler_step"],
+            )
+            for r in mine
+        ]
 
     def _claim(self, need: int) -> list[dict]:
         t0 = time.monotonic()
@@ -128,10 +143,12 @@ class RolloutSource:
         if not groups:
             return head + "the rollout workers sampled nothing in that time: are they running? (their logs)"
         mean = sum(g["reward"] for g in groups) / len(groups)
-        return (head + f"the rollout workers sampled {len(groups)} groups in that time, none with a reward "
-                f"signal (every completion of a group scored the same; mean reward {mean:.2f}): the model "
-                f"gives the same reward to every sample on the task. A longer warm start (--warmup-steps) or "
-                f"a lower RL learning rate avoids it.")
+        return (
+            head + f"the rollout workers sampled {len(groups)} groups in that time, none with a reward "
+            f"signal (every completion of a group scored the same; mean reward {mean:.2f}): the model "
+            f"gives the same reward to every sample on the task. A longer warm start (--warmup-steps) or "
+            f"a lower RL learning rate avoids it."
+        )
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "taken": self.taken}
@@ -142,12 +159,19 @@ class RolloutSource:
 
 def run_warm_start(job, task: AdditionTask, *, steps: int, export_dir: str) -> None:
     """SFT on the task for `steps`; rank 0 writes the resulting fp32 weights as an HF directory."""
-    sft = dataclasses.replace(job, train=dataclasses.replace(
-        job.train, steps=steps, loss=LossConfig(kind="sft"),
-        schedule=dataclasses.replace(job.train.schedule, warmup_steps=min(job.train.schedule.warmup_steps, steps))))
+    sft = dataclasses.replace(
+        job,
+        train=dataclasses.replace(
+            job.train,
+            steps=steps,
+            loss=LossConfig(kind="sft"),
+            schedule=dataclasses.replace(job.train.schedule, warmup_steps=min(job.train.schedule.warmup_steps, steps)),
+        ),
+    )
     holder: dict[str, Trainer] = {}
-    source = _LazySource(holder, lambda t: TaskSource(task, dp_rank=t.dp_rank, dp_size=t.dp_size,
-                                                      seed=job.train.data.seed))
+    source = _LazySource(
+        holder, lambda t: TaskSource(task, dp_rank=t.dp_rank, dp_size=t.dp_size, seed=job.train.data.seed)
+    )
     trainer = holder["trainer"] = Trainer(sft, source=source)
     try:
         trainer.train()
@@ -162,27 +186,47 @@ def run_warm_start(job, task: AdditionTask, *, steps: int, export_dir: str) -> N
         trainer.close()
 
 
-def run_grpo(job, *, export_dir: str | None, first_step: int, steps: int, queue_dir: str, max_staleness_steps: int,
-             lr: float | None) -> None:
+def run_grpo(
+    job,
+    *,
+    export_dir: str | None,
+    first_step: int,
+    steps: int,
+    queue_dir: str,
+    max_staleness_steps: int,
+    lr: float | None,
+) -> None:
     """GRPO on queued rollouts for `steps` steps, numbered on from `first_step` (the warm start's
     steps), so that every published version has its own step and staleness is counted right."""
     optimizer = job.train.optimizer if lr is None else dataclasses.replace(job.train.optimizer, lr=lr)
-    train = dataclasses.replace(job.train, steps=first_step + steps, optimizer=optimizer,
-                                loss=dataclasses.replace(job.train.loss, kind="grpo"))
+    train = dataclasses.replace(
+        job.train, steps=first_step + steps, optimizer=optimizer, loss=dataclasses.replace(job.train.loss, kind="grpo")
+    )
     if export_dir is not None:
         train = dataclasses.replace(train, model=ModelSpec(init_dir=export_dir))
     holder: dict[str, Trainer] = {}
-    source = _LazySource(holder, lambda t: RolloutSource(queue_dir, dp_rank=t.dp_rank, dp_size=t.dp_size,
-                                                         current_step=lambda: t.step,
-                                                         max_staleness_steps=max_staleness_steps))
+    source = _LazySource(
+        holder,
+        lambda t: RolloutSource(
+            queue_dir,
+            dp_rank=t.dp_rank,
+            dp_size=t.dp_size,
+            current_step=lambda: t.step,
+            max_staleness_steps=max_staleness_steps,
+        ),
+    )
     trainer = holder["trainer"] = Trainer(dataclasses.replace(job, train=train), source=source)
     trainer.step = max(trainer.step, first_step)  # a fresh Trainer counts from 0; go on from the warm start
     try:
         trainer.train()
         rollouts = source.inner
         if trainer.rank == 0:
-            log.info("GRPO done: %d rollouts trained on, %d stale groups dropped, %.1f s waiting for rollouts",
-                     rollouts.taken, rollouts.dropped_groups, rollouts.waited_s)
+            log.info(
+                "GRPO done: %d rollouts trained on, %d stale groups dropped, %.1f s waiting for rollouts",
+                rollouts.taken,
+                rollouts.dropped_groups,
+                rollouts.waited_s,
+            )
     finally:
         trainer.close()
 
@@ -225,8 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--export-dir", required=True, help="where the warm-started weights go (HF directory)")
     parser.add_argument("--warmup-steps", type=int, default=40, help="SFT steps before GRPO (0: none)")
     parser.add_argument("--rl-steps", type=int, default=60, help="GRPO steps")
-    parser.add_argument("--max-staleness-steps", type=int, default=4,
-                        help="drop rollouts sampled by weights older than this many steps")
+    parser.add_argument(
+        "--max-staleness-steps", type=int, default=4, help="drop rollouts sampled by weights older than this many steps"
+    )
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--rl-lr", type=float, help="GRPO learning rate (default: the config's optimizer lr)")
     parser.add_argument("--log-level", default="INFO")
@@ -238,9 +283,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = AdditionTask(max_operand=args.max_operand)
         if args.warmup_steps:
             run_warm_start(job, task, steps=args.warmup_steps, export_dir=args.export_dir)
-        run_grpo(job, export_dir=args.export_dir if args.warmup_steps else None, first_step=args.warmup_steps,
-                 steps=args.rl_steps, queue_dir=args.rollouts, max_staleness_steps=args.max_staleness_steps,
-                 lr=args.rl_lr)
+        run_grpo(
+            job,
+            export_dir=args.export_dir if args.warmup_steps else None,
+            first_step=args.warmup_steps,
+            steps=args.rl_steps,
+            queue_dir=args.rollouts,
+            max_staleness_steps=args.max_staleness_steps,
+            lr=args.rl_lr,
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

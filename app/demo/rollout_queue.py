@@ -79,8 +79,10 @@ class RolloutQueue:
         return taken, dropped
 
     def counts(self) -> dict[str, int]:
-        return {d.name: sum(1 for p in d.iterdir() if not p.name.startswith(".tmp-"))
-                for d in (self.pending, self.claimed, self.dropped)}
+        return {
+            d.name: sum(1 for p in d.iterdir() if not p.name.startswith(".tmp-"))
+            for d in (self.pending, self.claimed, self.dropped)
+        }
 
     def claimed_groups(self) -> list[list[Rollout]]:
         """Every group the trainer took, in claim order (for the demo's report)."""

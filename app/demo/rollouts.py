@@ -111,20 +111,38 @@ class RolloutWorker:
         if std > 0:
             prompt_ids = self.tokenizer.encode(prompt)
             group = [
-                Rollout(tokens=prompt_ids + c["token_ids"],
-                        loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
-                        sampler_logprobs=[0.0] * len(prompt_ids) + c["logprobs"], advantage=(r - mean) / std,
-                        reward=r, weight_version=version, sampler_step=step, weight_versions=c["versions"])
+                Rollout(
+                    tokens=prompt_ids + c["token_ids"],
+                    loss_weights=[0.0] * len(prompt_ids) + [1.0] * len(c["token_ids"]),
+                    sampler_logprobs=[0.0] * len(prompt_ids) + c["logprobs"],
+                    advantage=(r - mean) / std,
+                    reward=r,
+                    weight_version=version,
+                    sampler_step=step,
+                    weight_versions=c["versions"],
+                )
                 for c, r in zip(completions, rewards, strict=True)
             ]
             self.queue.put(group, worker=self.config.worker)
-        return {"t": time.time(), "server": server, "version": version, "step": step, "reward": mean,
-                "queued": std > 0, "worker": self.config.worker, "versions": doc.get("weight_versions", [version]),
-                "restarts": doc.get("restarts", 0)}
+        return {
+            "t": time.time(),
+            "server": server,
+            "version": version,
+            "step": step,
+            "reward": mean,
+            "queued": std > 0,
+            "worker": self.config.worker,
+            "versions": doc.get("weight_versions", [version]),
+            "restarts": doc.get("restarts", 0),
+        }
 
     def _sample_reference(self, server: str, prompt: str) -> dict | None:
-        body = {"prompts": [prompt] * self.config.group_size, "max_new_tokens": self.config.max_new_tokens,
-                "temperature": self.config.temperature, "seed": self.rng.randrange(2**31)}
+        body = {
+            "prompts": [prompt] * self.config.group_size,
+            "max_new_tokens": self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "seed": self.rng.randrange(2**31),
+        }
         if self.config.max_new_tokens > ANSWER_TOKENS:
             body["stop"] = None  # a long rollout: generate all of them
         try:
@@ -144,22 +162,44 @@ class RolloutWorker:
         if before in (None, "", "None"):
             return None  # no version swapped in yet
         ids = self.tokenizer.encode(prompt)
-        sampled = _post(server + "/v1/completions", {
-            "model": "m", "prompt": ids, "n": self.config.group_size, "max_tokens": self.config.max_new_tokens,
-            "temperature": self.config.temperature, "seed": self.rng.randrange(2**31), "return_token_ids": True,
-            "stop_token_ids": [self.tokenizer.EOS]})
+        sampled = _post(
+            server + "/v1/completions",
+            {
+                "model": "m",
+                "prompt": ids,
+                "n": self.config.group_size,
+                "max_tokens": self.config.max_new_tokens,
+                "temperature": self.config.temperature,
+                "seed": self.rng.randrange(2**31),
+                "return_token_ids": True,
+                "stop_token_ids": [self.tokenizer.EOS],
+            },
+        )
         completions = [list(c["token_ids"]) for c in sampled["choices"]]
-        scored = _post(server + "/v1/completions", {
-            "model": "m", "prompt": [ids + c for c in completions], "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 1})
+        scored = _post(
+            server + "/v1/completions",
+            {
+                "model": "m",
+                "prompt": [ids + c for c in completions],
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 1,
+            },
+        )
         if _get(server + "/weight_info").get("weight_version") != before:
             return None  # a swap came between the calls: sample again
         out = []
         for tokens, choice in zip(completions, scored["choices"], strict=True):
-            positions = choice["prompt_logprobs"][len(ids):]
+            positions = choice["prompt_logprobs"][len(ids) :]
             logprobs = [float(entry[str(token)]["logprob"]) for token, entry in zip(tokens, positions, strict=False)]
-            out.append({"text": self.tokenizer.decode(tokens), "token_ids": tokens, "logprobs": logprobs,
-                        "versions": [{"version": int(before), "start": 0, "stop": len(tokens)}]})
+            out.append(
+                {
+                    "text": self.tokenizer.decode(tokens),
+                    "token_ids": tokens,
+                    "logprobs": logprobs,
+                    "versions": [{"version": int(before), "start": 0, "stop": len(tokens)}],
+                }
+            )
         return {"weight_version": int(before), "completions": out}
 
     def run(self, stop: threading.Event) -> None:
@@ -205,8 +245,9 @@ def _get(url: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s [rollouts] %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s [rollouts] %(name)s %(levelname)s: %(message)s"
+    )
     config = RolloutConfig(**json.loads(argv[0]))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

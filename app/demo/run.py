@@ -31,8 +31,14 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _ARCH = {  # ~0.8M parameters: learns two-digit addition on two CPU cores in a few minutes
-    "model_type": "qwen3", "vocab_size": 259, "hidden_size": 128, "intermediate_size": 384,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+    "model_type": "qwen3",
+    "vocab_size": 259,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
 }
 
 
@@ -92,7 +98,9 @@ class DemoConfig:
         if self.swap_policy not in ("drain", "in_flight", "abort"):
             raise ValueError(f'swap_policy must be "drain", "in_flight" or "abort", got {self.swap_policy!r}')
         if self.rollout_tokens < 1 or self.rollout_tokens > 1024:
-            raise ValueError(f"rollout_tokens must be in 1..1024 (the reference server's limit), got {self.rollout_tokens}")
+            raise ValueError(
+                f"rollout_tokens must be in 1..1024 (the reference server's limit), got {self.rollout_tokens}"
+            )
 
     @property
     def model_architecture(self) -> dict[str, Any]:
@@ -114,11 +122,18 @@ class _Children:
         self.logs = logs
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, argv: list[str], *, ready_line: bool = False,
-              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict | None]:
+    def start(
+        self, name: str, argv: list[str], *, ready_line: bool = False, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen, dict | None]:
         log_file = open(self.logs / f"{name}.log", "w")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
-                                text=True, start_new_session=True, env=env)  # own group: Ctrl-C reaches us, we stop it
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE if ready_line else log_file,
+            stderr=log_file,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )  # own group: Ctrl-C reaches us, we stop it
         self.procs[name] = proc
         if not ready_line:
             return proc, None
@@ -146,12 +161,14 @@ class _Children:
             self.stop(name)
 
 
-def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: list[str],
-                vllm_url: str | None = None) -> Path:
+def _agent_toml(
+    config: DemoConfig, root: Path, name: str, region: str, peers: list[str], vllm_url: str | None = None
+) -> Path:
     arch = "\n".join(f"{k} = {json.dumps(v)}" for k, v in config.model_architecture.items())
     if vllm_url is None:
-        engine = ('[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n'
-                  f"[agent.engine.model]\n{arch}\n")
+        engine = (
+            f'[agent.engine]\ntype = "reference"\nport = 0\nmax_concurrent_requests = 2\n[agent.engine.model]\n{arch}\n'
+        )
     else:  # the agent waits for its vLLM server to come up
         engine = f'[agent.engine]\ntype = "vllm"\nurl = "{vllm_url}"\nstart_timeout_s = {config.timeout_s}\n'
     path = root / "agents" / f"{name}.toml"
@@ -160,7 +177,8 @@ def _agent_toml(config: DemoConfig, root: Path, name: str, region: str, peers: l
         f'[agent]\nmodel = "{config.model}"\nname = "{name}"\nregion = "{region}"\n'
         f'cache_dir = "{root / "agents" / name}"\nstore = "{config.store_uri}"\npeers = {json.dumps(peers)}\n'
         "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n"
-        f'swap_policy = "{config.swap_policy}"\n' + engine)
+        f'swap_policy = "{config.swap_policy}"\n' + engine
+    )
     return path
 
 
@@ -176,7 +194,7 @@ mixed_precision = "none"
 [train]
 steps = {config.warmup_steps + config.rl_steps}
 seed = {config.seed}
-metrics_path = "{root / 'trainer' / 'metrics.jsonl'}"
+metrics_path = "{root / "trainer" / "metrics.jsonl"}"
 
 [train.model]
 init_seed = {config.seed}
@@ -212,7 +230,7 @@ store = "{config.store_uri}"
 model = "{config.model}"
 every_steps = 1
 push = {json.dumps(leaders)}
-log_path = "{root / 'trainer' / 'publish.jsonl'}"
+log_path = "{root / "trainer" / "publish.jsonl"}"
 
 [train.publish.publisher]
 max_in_flight = 2
@@ -261,26 +279,47 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
             for i in reversed(range(config.agents_per_region)):
                 name = f"{region}-{i + 1}"
                 toml = _agent_toml(config, root, name, region, downstream, vllm_urls.get(name))
-                _, ready = children.start(name, [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml),
-                                                 "--verbose"], ready_line=True)  # INFO: each version served
+                _, ready = children.start(
+                    name,
+                    [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml), "--verbose"],
+                    ready_line=True,
+                )  # INFO: each version served
                 agents[name] = {"region": region, "address": ready["address"], "engine_url": ready["engine_url"]}
                 downstream = [ready["address"]]
             leaders.append(downstream[0])
-        echo(f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model} "
-             f"({config.engine} engines, swap policy {config.swap_policy}, rollouts of {config.rollout_tokens} "
-             f"tokens); store {config.store_uri}")
+        echo(
+            f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model} "
+            f"({config.engine} engines, swap policy {config.swap_policy}, rollouts of {config.rollout_tokens} "
+            f"tokens); store {config.store_uri}"
+        )
 
         # -- trainer
-        trainer_argv = [python, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={config.trainer_ranks}", "-m", "weightsync.app.demo.rl",
-                        "--config", str(_trainer_toml(config, root, leaders)), "--rollouts", str(root / "rollouts"),
-                        "--export-dir", str(root / "trainer" / "warm-start"),
-                        f"--warmup-steps={config.warmup_steps}", f"--rl-steps={config.rl_steps}",
-                        f"--rl-lr={config.rl_lr}", f"--max-staleness-steps={config.max_staleness_steps}",
-                        f"--max-operand={config.max_operand}", "--log-level=WARNING"]
+        trainer_argv = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={config.trainer_ranks}",
+            "-m",
+            "weightsync.app.demo.rl",
+            "--config",
+            str(_trainer_toml(config, root, leaders)),
+            "--rollouts",
+            str(root / "rollouts"),
+            "--export-dir",
+            str(root / "trainer" / "warm-start"),
+            f"--warmup-steps={config.warmup_steps}",
+            f"--rl-steps={config.rl_steps}",
+            f"--rl-lr={config.rl_lr}",
+            f"--max-staleness-steps={config.max_staleness_steps}",
+            f"--max-operand={config.max_operand}",
+            "--log-level=WARNING",
+        ]
         trainer, _ = children.start("trainer", trainer_argv)
-        echo(f"trainer: {config.trainer_ranks} ranks (FSDP2, gloo), {config.warmup_steps} SFT warm-start steps "
-             f"then {config.rl_steps} GRPO steps, publishing every step")
+        echo(
+            f"trainer: {config.trainer_ranks} ranks (FSDP2, gloo), {config.warmup_steps} SFT warm-start steps "
+            f"then {config.rl_steps} GRPO steps, publishing every step"
+        )
 
         # -- watch, starting the rollout workers as the warm start ends
         queue = RolloutQueue(root / "rollouts")
@@ -301,8 +340,9 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
                 last_line = line
             time.sleep(1.0)
         if trainer.returncode != 0:
-            raise RuntimeError(f"the trainer exited with code {trainer.returncode}; "
-                               f"see {root / 'logs' / 'trainer.log'}")
+            raise RuntimeError(
+                f"the trainer exited with code {trainer.returncode}; see {root / 'logs' / 'trainer.log'}"
+            )
         for name in [n for n in children.procs if n.startswith("rollouts-")]:
             children.stop(name)
 
@@ -319,19 +359,26 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         bit_exact = {name: s.served_digest == s.current_digest == final.digest for name, s in statuses.items()}
         report = build_report(config, root, store, statuses, queue)
         summary = {
-            "config": dataclasses.asdict(config), "store": config.store_uri, "last_version": latest,
-            "agents": {name: {**agents[name], "version": int(s.current_version), "bit_exact": bit_exact[name]}
-                       for name, s in statuses.items()},
-            "all_bit_exact": all(bit_exact.values()), **report,
+            "config": dataclasses.asdict(config),
+            "store": config.store_uri,
+            "last_version": latest,
+            "agents": {
+                name: {**agents[name], "version": int(s.current_version), "bit_exact": bit_exact[name]}
+                for name, s in statuses.items()
+            },
+            "all_bit_exact": all(bit_exact.values()),
+            **report,
         }
         (root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         plot = write_plot(summary, root / "summary.png")
         for line in summary["table"]:
             echo(line)
         echo(summary["headline"])
-        echo(f"every agent serves v{latest} bit for bit: {'yes' if summary['all_bit_exact'] else 'NO'} "
-             f"(each re-hashed the weights it serves). Summary: {root / 'summary.json'}"
-             + (f", plot: {plot}" if plot else ""))
+        echo(
+            f"every agent serves v{latest} bit for bit: {'yes' if summary['all_bit_exact'] else 'NO'} "
+            f"(each re-hashed the weights it serves). Summary: {root / 'summary.json'}"
+            + (f", plot: {plot}" if plot else "")
+        )
         for client in clients.values():
             client.close()
         return summary
@@ -340,8 +387,9 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
 
 
 def _agent_names(config: DemoConfig) -> list[str]:
-    return [f"region-{chr(ord('a') + r)}-{i + 1}"
-            for r in range(config.regions) for i in range(config.agents_per_region)]
+    return [
+        f"region-{chr(ord('a') + r)}-{i + 1}" for r in range(config.regions) for i in range(config.agents_per_region)
+    ]
 
 
 def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children) -> dict[str, str]:
@@ -352,8 +400,10 @@ def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children) -> 
 
     python = find_vllm_python(config.vllm_python)
     if python is None:
-        raise RuntimeError("--engine vllm needs vLLM: run `bash scripts/setup_vllm.sh` (makes .venv-vllm) or give "
-                           "--vllm-python / $WEIGHTSYNC_VLLM_PYTHON, an interpreter with vLLM and weightsync")
+        raise RuntimeError(
+            "--engine vllm needs vLLM: run `bash scripts/setup_vllm.sh` (makes .venv-vllm) or give "
+            "--vllm-python / $WEIGHTSYNC_VLLM_PYTHON, an interpreter with vLLM and weightsync"
+        )
     model_config = ModelConfig(**config.model_architecture)
     model_dir = root / "vllm-initial"
     save_pretrained(model_dir, model_config, build_model(model_config, seed=config.seed).state_dict())  # bf16
@@ -369,11 +419,19 @@ def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children) -> 
 def _start_workers(config: DemoConfig, root: Path, agents: dict, children: _Children) -> None:
     servers = [a["engine_url"] for a in agents.values()]
     for w in range(config.rollout_workers):
-        worker = {"servers": servers, "queue_dir": str(root / "rollouts"), "store": config.store_uri,
-                  "model": config.model, "worker": f"w{w}", "group_size": config.group_size,
-                  "max_operand": config.max_operand, "seed": config.seed + w, "engine": config.engine,
-                  "max_new_tokens": config.rollout_tokens,
-                  "stats_path": str(root / "rollouts" / f"stats-w{w}.jsonl")}
+        worker = {
+            "servers": servers,
+            "queue_dir": str(root / "rollouts"),
+            "store": config.store_uri,
+            "model": config.model,
+            "worker": f"w{w}",
+            "group_size": config.group_size,
+            "max_operand": config.max_operand,
+            "seed": config.seed + w,
+            "engine": config.engine,
+            "max_new_tokens": config.rollout_tokens,
+            "stats_path": str(root / "rollouts" / f"stats-w{w}.jsonl"),
+        }
         children.start(f"rollouts-w{w}", [sys.executable, "-m", "weightsync.app.demo.rollouts", json.dumps(worker)])
 
 
@@ -394,6 +452,8 @@ def _progress_line(config: DemoConfig, step: int, metrics: list[dict], store, cl
     loss = f"loss {metrics[-1].get('loss', float('nan')):.3f}" if metrics else "loss -"
     stale = metrics[-1].get("data/staleness_steps") if metrics else None
     counts = queue.counts()
-    return (f"step {step:>3}/{config.warmup_steps + config.rl_steps} {phase:<7} {loss} | committed v{latest} | "
-            f"serving {', '.join(served)} | {reward} | rollouts queued {counts['pending']} used {counts['claimed']} "
-            f"dropped {counts['dropped']}" + (f" | staleness {stale:.1f}" if stale is not None else ""))
+    return (
+        f"step {step:>3}/{config.warmup_steps + config.rl_steps} {phase:<7} {loss} | committed v{latest} | "
+        f"serving {', '.join(served)} | {reward} | rollouts queued {counts['pending']} used {counts['claimed']} "
+        f"dropped {counts['dropped']}" + (f" | staleness {stale:.1f}" if stale is not None else "")
+    )

@@ -22,8 +22,9 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
     """The interpreter that runs vLLM: `explicit`, else $WEIGHTSYNC_VLLM_PYTHON, else
     ./.venv-vllm/bin/python (the working directory, then the source checkout), else None."""
     candidates = [explicit, os.environ.get("WEIGHTSYNC_VLLM_PYTHON")]
-    candidates += [str(base / ".venv-vllm" / "bin" / "python")
-                   for base in (Path.cwd(), Path(__file__).resolve().parents[2])]
+    candidates += [
+        str(base / ".venv-vllm" / "bin" / "python") for base in (Path.cwd(), Path(__file__).resolve().parents[2])
+    ]
     return next((c for c in candidates if c and Path(c).exists()), None)
 
 
@@ -33,19 +34,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_server_command(python: str, model_dir: str | os.PathLike, port: int, *, extension: bool = True,
-                        dev_mode: bool = True, max_model_len: int = 256,
-                        extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+def vllm_server_command(
+    python: str,
+    model_dir: str | os.PathLike,
+    port: int,
+    *,
+    extension: bool = True,
+    dev_mode: bool = True,
+    max_model_len: int = 256,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of a vLLM server on 127.0.0.1:`port` serving `model_dir` as model "m"."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     else:
         env.pop("VLLM_SERVER_DEV_MODE", None)
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
-            "--max-num-seqs", "4", *extra_args]
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        "4",
+        *extra_args,
+    ]
     if extension:
         argv += ["--worker-extension-cls", EXTENSION]
     return argv, env

@@ -77,8 +77,10 @@ class FutureTable:
         with self._lock:
             while True:
                 if request_id not in self._outcomes:
-                    raise NotFound(f"unknown request id {request_id!r} (never issued, or its result expired "
-                                   f"{self.retention_s:.0f} s after it completed)")
+                    raise NotFound(
+                        f"unknown request id {request_id!r} (never issued, or its result expired "
+                        f"{self.retention_s:.0f} s after it completed)"
+                    )
                 outcome = self._outcomes[request_id]
                 remaining = deadline - time.monotonic()
                 if outcome is not None or remaining <= 0:

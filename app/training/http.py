@@ -47,8 +47,15 @@ DYNAMIC_CONFIG = {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 class TrainingHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], service: TrainingService, *, api_key: str,
-                 max_body_bytes: int = 64 * 1024 * 1024, fwdbwd_max_chunk_len: int = 1024) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        service: TrainingService,
+        *,
+        api_key: str,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        fwdbwd_max_chunk_len: int = 1024,
+    ) -> None:
         self.service, self.api_key, self.max_body_bytes = service, api_key, max_body_bytes
         client_config = {**CLIENT_CONFIG, "fwdbwd_max_chunk_len": fwdbwd_max_chunk_len}
         self.routes = _routes(service, client_config)
@@ -118,16 +125,21 @@ class _Handler(BaseHTTPRequestHandler):
             if route is not None:
                 result = route(body)
             elif method == "GET" and path.startswith("/api/v1/training_runs/") and path.endswith("/checkpoints"):
-                result = self.server.service.list_checkpoints(path[len("/api/v1/training_runs/"):-len("/checkpoints")])
+                result = self.server.service.list_checkpoints(
+                    path[len("/api/v1/training_runs/") : -len("/checkpoints")]
+                )
             elif method == "POST" and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
-                result = self.server.service.finish_session(path[len("/api/v1/sessions/"):-len("/finish")],
-                                                            _json(body))
+                result = self.server.service.finish_session(
+                    path[len("/api/v1/sessions/") : -len("/finish")], _json(body)
+                )
             elif method == "GET" and path.startswith("/api/v1/samplers/"):
-                result = self.server.service.get_sampler(path[len("/api/v1/samplers/"):])
+                result = self.server.service.get_sampler(path[len("/api/v1/samplers/") :])
             else:
-                raise NotSupported(f"{method} {path} is not implemented by the weightsync training server "
-                                   f"(feature {path.rsplit('/', 1)[-1]!r}); see docs/training-api.md for the "
-                                   "routes it serves")
+                raise NotSupported(
+                    f"{method} {path} is not implemented by the weightsync training server "
+                    f"(feature {path.rsplit('/', 1)[-1]!r}); see docs/training-api.md for the "
+                    "routes it serves"
+                )
         except Exception as e:  # noqa: BLE001 (one table maps every error to a status; the body names it)
             self._send_error(e)
             return
@@ -146,8 +158,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         if length > self.server.max_body_bytes:
             self.close_connection = True  # the unread body would otherwise be parsed as the next request
-            raise PayloadTooLarge(f"request body of {length} bytes is over this server's limit of "
-                                  f"{self.server.max_body_bytes} bytes; send fewer datums per request")
+            raise PayloadTooLarge(
+                f"request body of {length} bytes is over this server's limit of "
+                f"{self.server.max_body_bytes} bytes; send fewer datums per request"
+            )
         body = self.rfile.read(length) if length else b""
         if self.headers.get("Content-Encoding", "").lower() == "zstd":
             import zstandard

@@ -59,8 +59,13 @@ class LoraSettings:
             raise UserInputError(f"lora_config.rank must be an integer >= 0 (0 = full fine-tuning), got {rank!r}")
         if rank == 0:
             return None
-        settings = cls(rank=rank, train_attn=bool(doc.get("train_attn", True)), train_mlp=bool(doc.get("train_mlp", True)),
-                       train_unembed=bool(doc.get("train_unembed", True)), seed=doc.get("seed"))
+        settings = cls(
+            rank=rank,
+            train_attn=bool(doc.get("train_attn", True)),
+            train_mlp=bool(doc.get("train_mlp", True)),
+            train_unembed=bool(doc.get("train_unembed", True)),
+            seed=doc.get("seed"),
+        )
         if not (settings.train_attn or settings.train_mlp or settings.train_unembed):
             raise UserInputError("lora_config needs at least one of train_attn, train_mlp, train_unembed")
         return settings
@@ -69,12 +74,16 @@ class LoraSettings:
 def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
     """Module names (as in named_modules) of the linear layers that get adapters."""
     wanted = (ATTN if settings.train_attn else ()) + (MLP if settings.train_mlp else ())
-    names = [name for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted]
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+    ]
     if settings.train_unembed:
         if getattr(model.config, "tie_word_embeddings", False):
-            raise UserInputError("train_unembed needs a separate lm_head, but this model ties its embeddings; "
-                                 "set train_unembed=False")
+            raise UserInputError(
+                "train_unembed needs a separate lm_head, but this model ties its embeddings; set train_unembed=False"
+            )
         names.append("lm_head")
     return names
 
@@ -107,8 +116,9 @@ def _adapted_output_weight(self: nn.Module) -> torch.Tensor:
     return head.weight + head.lora_scale * (head.lora_B.weight @ head.lora_A.weight)
 
 
-def initial_adapters(model_shapes: Mapping[str, tuple[int, ...]], names: list[str], settings: LoraSettings
-                     ) -> dict[str, torch.Tensor]:
+def initial_adapters(
+    model_shapes: Mapping[str, tuple[int, ...]], names: list[str], settings: LoraSettings
+) -> dict[str, torch.Tensor]:
     """A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform with a=sqrt(5), as PEFT), drawn from
     `seed` in name order; B = 0."""
     generator = torch.Generator().manual_seed(0 if settings.seed is None else int(settings.seed))
@@ -116,8 +126,9 @@ def initial_adapters(model_shapes: Mapping[str, tuple[int, ...]], names: list[st
     for name in names:
         out_features, in_features = model_shapes[f"{name}.weight"]
         bound = 1.0 / math.sqrt(in_features)
-        tensors[f"{name}.lora_A.weight"] = torch.empty(settings.rank, in_features).uniform_(-bound, bound,
-                                                                                          generator=generator)
+        tensors[f"{name}.lora_A.weight"] = torch.empty(settings.rank, in_features).uniform_(
+            -bound, bound, generator=generator
+        )
         tensors[f"{name}.lora_B.weight"] = torch.zeros(out_features, settings.rank)
     return tensors
 
@@ -135,8 +146,9 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], names: list[str], scale
         with torch.no_grad():
             if isinstance(weight, DTensor):
                 local = weight.to_local() + scale * (b.to_local() @ a.full_tensor())
-                merged[f"{name}.weight"] = DTensor.from_local(local, weight.device_mesh, weight.placements,
-                                                              shape=weight.shape, stride=weight.stride())
+                merged[f"{name}.weight"] = DTensor.from_local(
+                    local, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
+                )
             else:
                 merged[f"{name}.weight"] = weight + scale * (b @ a)
     return merged

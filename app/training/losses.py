@@ -82,8 +82,10 @@ def loss_spec(name: str) -> LossSpec:
 def resolve_config(spec: LossSpec, name: str, config: Mapping[str, float | str]) -> dict[str, float]:
     unknown = sorted(set(config) - set(spec.config_defaults))
     if unknown:
-        raise UserInputError(f"loss_fn_config keys {unknown} are not understood by {name!r}; "
-                             f"it takes {sorted(spec.config_defaults) or 'none'}")
+        raise UserInputError(
+            f"loss_fn_config keys {unknown} are not understood by {name!r}; "
+            f"it takes {sorted(spec.config_defaults) or 'none'}"
+        )
     resolved = dict(spec.config_defaults)
     for key, value in config.items():
         if isinstance(value, str):
@@ -94,8 +96,9 @@ def resolve_config(spec: LossSpec, name: str, config: Mapping[str, float | str])
     return resolved
 
 
-def check_inputs(spec: LossSpec, name: str, index: int, tokens: np.ndarray, inputs: Mapping[str, np.ndarray],
-                 vocab_size: int) -> None:
+def check_inputs(
+    spec: LossSpec, name: str, index: int, tokens: np.ndarray, inputs: Mapping[str, np.ndarray], vocab_size: int
+) -> None:
     """Raises UserInputError unless the datum carries exactly the inputs `name` needs, each of
     shape (len(model_input),), with target tokens inside the vocabulary."""
     where = f"data[{index}]"
@@ -103,15 +106,20 @@ def check_inputs(spec: LossSpec, name: str, index: int, tokens: np.ndarray, inpu
     allowed = set(spec.required) | {"weights"}
     unknown = sorted(set(inputs) - allowed)
     if missing or unknown:
-        raise UserInputError(f"{where}.loss_fn_inputs: {name!r} needs {list(spec.required)}"
-                             + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else ""))
+        raise UserInputError(
+            f"{where}.loss_fn_inputs: {name!r} needs {list(spec.required)}"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; unknown {unknown}" if unknown else "")
+        )
     length = tokens.shape[0]
     if length == 0:
         raise UserInputError(f"{where}.model_input is empty")
     for key, value in inputs.items():
         if value.shape != (length,):
-            raise UserInputError(f"{where}.loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
-                                 f"[{length}], one value per model_input token")
+            raise UserInputError(
+                f"{where}.loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
+                f"[{length}], one value per model_input token"
+            )
         if key != "target_tokens" and not np.all(np.isfinite(value)):
             raise UserInputError(f"{where}.loss_fn_inputs[{key!r}] holds NaN or infinity")
     for what, ids in (("model_input", tokens), ("loss_fn_inputs['target_tokens']", inputs["target_tokens"])):

@@ -47,8 +47,10 @@ class SeqIdOrder:
             if earlier is not None and earlier[0] == kind:
                 return earlier[1]
             if seq_id < self.next_seq_id or seq_id in self._buffered:
-                raise UserInputError(f"seq_id {seq_id} was already used for this model (next expected: "
-                                     f"{self.next_seq_id}); requests of a model need increasing seq_ids")
+                raise UserInputError(
+                    f"seq_id {seq_id} was already used for this model (next expected: "
+                    f"{self.next_seq_id}); requests of a model need increasing seq_ids"
+                )
             self._buffered[seq_id] = (time.monotonic(), request_id, release)
             self._submitted[seq_id] = (kind, request_id)
             while len(self._submitted) > _REMEMBERED:
@@ -69,9 +71,14 @@ class SeqIdOrder:
                 return
             expired, self._buffered = self._buffered, {}
         for seq_id, (_, request_id, _) in sorted(expired.items()):
-            self._on_expired(seq_id, request_id, UserInputError(
-                f"seq_id gap: request seq_id {seq_id} waited {self.gap_timeout_s:g} s for seq_id "
-                f"{self.next_seq_id}, which never arrived; a model's requests must carry consecutive seq_ids"))
+            self._on_expired(
+                seq_id,
+                request_id,
+                UserInputError(
+                    f"seq_id gap: request seq_id {seq_id} waited {self.gap_timeout_s:g} s for seq_id "
+                    f"{self.next_seq_id}, which never arrived; a model's requests must carry consecutive seq_ids"
+                ),
+            )
 
     def fail_all(self, error: Exception) -> None:
         """Fails every buffered request with `error` (its model is gone: nothing will release them)."""

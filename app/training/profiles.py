@@ -59,8 +59,9 @@ class Profile:
         if self.ranks < 1 or self.version < 1:
             raise ValueError(f"profile {self.name}: ranks and version must be >= 1")
         if self.sampler_engine not in ENGINES or self.sampler_weights not in SAMPLER_WEIGHTS:
-            raise ValueError(f"profile {self.name}: [sampler] engine must be one of {ENGINES}, weights one of "
-                             f"{SAMPLER_WEIGHTS}")
+            raise ValueError(
+                f"profile {self.name}: [sampler] engine must be one of {ENGINES}, weights one of {SAMPLER_WEIGHTS}"
+            )
 
     @property
     def key(self) -> str:
@@ -84,13 +85,20 @@ def parse_profile(doc: dict[str, Any], *, where: str) -> Profile:
     model, parallel, sampler = doc.get("model", {}), doc.get("parallel", {}), doc.get("sampler", {})
     try:
         return Profile(
-            name=doc["name"], version=int(doc["version"]), description=doc.get("description", ""),
-            model_dir=model.get("model_dir"), architecture=model.get("architecture"),
-            init_seed=int(model.get("init_seed", 0)), ranks=int(parallel.get("ranks", 1)),
-            mixed_precision=parallel.get("mixed_precision", "none"), cpu_offload=bool(parallel.get("cpu_offload")),
+            name=doc["name"],
+            version=int(doc["version"]),
+            description=doc.get("description", ""),
+            model_dir=model.get("model_dir"),
+            architecture=model.get("architecture"),
+            init_seed=int(model.get("init_seed", 0)),
+            ranks=int(parallel.get("ranks", 1)),
+            mixed_precision=parallel.get("mixed_precision", "none"),
+            cpu_offload=bool(parallel.get("cpu_offload")),
             activation_checkpointing=bool(parallel.get("activation_checkpointing")),
-            sampler_engine=sampler.get("engine", "reference"), sampler_weights=sampler.get("weights", "merged"),
-            sampler_url=sampler.get("url"))
+            sampler_engine=sampler.get("engine", "reference"),
+            sampler_weights=sampler.get("weights", "merged"),
+            sampler_url=sampler.get("url"),
+        )
     except KeyError as e:
         raise ValueError(f"{where}: missing {e}") from None
 

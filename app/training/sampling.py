@@ -60,14 +60,18 @@ class SamplingParams:
     stop_strings: tuple[str, ...]
 
 
-def parse_sampling_params(doc: Any, *, eos_token_id: int | None, vocab_size: int, max_new_tokens: int) -> SamplingParams:
+def parse_sampling_params(
+    doc: Any, *, eos_token_id: int | None, vocab_size: int, max_new_tokens: int
+) -> SamplingParams:
     """The SDK's SamplingParams JSON, checked."""
     if not isinstance(doc, dict):
         raise UserInputError("sampling_params must be an object")
     max_tokens = doc.get("max_tokens")
     max_tokens = max_new_tokens if max_tokens is None else max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_new_tokens:
-        raise UserInputError(f"sampling_params.max_tokens must be an integer in [1, {max_new_tokens}], got {max_tokens!r}")
+        raise UserInputError(
+            f"sampling_params.max_tokens must be an integer in [1, {max_new_tokens}], got {max_tokens!r}"
+        )
     temperature = float(doc.get("temperature", 1.0))
     if not (temperature == 0 or 1e-3 <= temperature <= 100):
         raise UserInputError(f"sampling_params.temperature must be 0 (greedy) or in [0.001, 100], got {temperature}")
@@ -90,8 +94,15 @@ def parse_sampling_params(doc: Any, *, eos_token_id: int | None, vocab_size: int
         stop_tokens = tuple(stop)
     else:
         raise UserInputError("sampling_params.stop must be a string, a list of strings or a list of token ids")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=None if seed is None else int(seed), stop_tokens=stop_tokens, stop_strings=stop_strings)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=None if seed is None else int(seed),
+        stop_tokens=stop_tokens,
+        stop_strings=stop_strings,
+    )
 
 
 class Generator:
@@ -109,12 +120,16 @@ class Generator:
         return module.eval()
 
     @torch.no_grad()
-    def sample(self, weights: Any, prompt: Sequence[int], *, num_samples: int, params: SamplingParams,
-               prompt_logprobs: bool) -> tuple[list[SampledSequence], np.ndarray | None]:
+    def sample(
+        self, weights: Any, prompt: Sequence[int], *, num_samples: int, params: SamplingParams, prompt_logprobs: bool
+    ) -> tuple[list[SampledSequence], np.ndarray | None]:
         if params.stop_strings and self.tokenizer is None:
             raise UserInputError("stop strings need the model's tokenizer, which the base model directory lacks")
-        weights = {k: v.float() for k, v in weights.items()} if next(iter(weights.values())).dtype != torch.float32 \
+        weights = (
+            {k: v.float() for k, v in weights.items()}
+            if next(iter(weights.values())).dtype != torch.float32
             else weights
+        )
         generator = torch.Generator()
         if params.seed is None:
             generator.seed()
@@ -148,8 +163,10 @@ class Generator:
             if all(done) or len(prompt) + len(rows[0]) >= self.config.max_position_embeddings:
                 break
             next_logits = module(tokens[:, None], cache=cache, weights=weights)[:, -1, :]
-        sequences = [SampledSequence(np.asarray(t, dtype=np.int64), np.asarray(lp, dtype=np.float32), s)
-                     for t, lp, s in zip(rows, row_lps, stopped, strict=True)]
+        sequences = [
+            SampledSequence(np.asarray(t, dtype=np.int64), np.asarray(lp, dtype=np.float32), s)
+            for t, lp, s in zip(rows, row_lps, stopped, strict=True)
+        ]
         return sequences, prompt_lp
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
@@ -203,13 +220,23 @@ ENGINES = ("reference", "vllm")
 class SamplerHub:
     """The agents (one per store model) and base-model engines that sampling runs on."""
 
-    def __init__(self, *, store_uri: str, cache_root: str | Path, wait_s: float = 300.0, max_snapshots: int = 2,
-                 engine: str = "reference", vllm_url: str | None = None, vllm_api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        store_uri: str,
+        cache_root: str | Path,
+        wait_s: float = 300.0,
+        max_snapshots: int = 2,
+        engine: str = "reference",
+        vllm_url: str | None = None,
+        vllm_api_key: str | None = None,
+    ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"sampler engine must be one of {ENGINES}, got {engine!r}")
         if engine == "vllm" and not vllm_url:
-            raise ValueError("the vllm sampler engine needs the vLLM server's URL (--vllm-url or the profile's "
-                             "[sampler] url)")
+            raise ValueError(
+                "the vllm sampler engine needs the vLLM server's URL (--vllm-url or the profile's [sampler] url)"
+            )
         self.store_uri, self.cache_root, self.wait_s = store_uri, Path(cache_root), wait_s
         self.max_snapshots = max_snapshots
         self.engine, self.vllm_url, self.vllm_api_key = engine, vllm_url, vllm_api_key
@@ -241,14 +268,22 @@ class SamplerHub:
                 elif adapter:
                     raise NotSupported("the reference sampler engine serves merged weights, not adapter-only versions")
                 else:
-                    engine = ReferenceEngine(ReferenceEngineConfig(model=load_config(base_dir),
-                                                                   compute_dtype="float32"))
+                    engine = ReferenceEngine(
+                        ReferenceEngineConfig(model=load_config(base_dir), compute_dtype="float32")
+                    )
                 # drain: a request running at a swap finishes on the old version, so every
                 # response comes from one version (vLLM's spans would otherwise mix two).
-                config = AgentConfig(model=store_model, cache_dir=str(self.cache_root / store_model.replace("/", "_")),
-                                     name=f"sampler-{store_model}", store=self.store_uri, poll_interval_s=0.5,
-                                     push_wait_s=1.0, workers=2, swap_policy="drain",
-                                     weights_kind="adapter" if adapter else "model")
+                config = AgentConfig(
+                    model=store_model,
+                    cache_dir=str(self.cache_root / store_model.replace("/", "_")),
+                    name=f"sampler-{store_model}",
+                    store=self.store_uri,
+                    poll_interval_s=0.5,
+                    push_wait_s=1.0,
+                    workers=2,
+                    swap_policy="drain",
+                    weights_kind="adapter" if adapter else "model",
+                )
                 try:
                     server = AgentServer(config, engine=engine).start()
                 except BaseException:
@@ -266,49 +301,82 @@ class SamplerHub:
         from weightsync.app.training.vllm_sampling import GENERATE_ROUTE
 
         if self._vllm_owner is not None:
-            raise NotSupported(f"the vLLM server at {self.vllm_url} already serves the sampler weights of "
-                               f"{self._vllm_owner}; one vLLM server serves one training run (start a vLLM server "
-                               "and a training server per run, or sample on the reference engine)")
-        engine = VllmEngine(VllmEngineConfig(url=self.vllm_url, api_key=self.vllm_api_key, start_timeout_s=30.0,
-                                             lora_name=store_model if adapter else None))
+            raise NotSupported(
+                f"the vLLM server at {self.vllm_url} already serves the sampler weights of "
+                f"{self._vllm_owner}; one vLLM server serves one training run (start a vLLM server "
+                "and a training server per run, or sample on the reference engine)"
+            )
+        engine = VllmEngine(
+            VllmEngineConfig(
+                url=self.vllm_url,
+                api_key=self.vllm_api_key,
+                start_timeout_s=30.0,
+                lora_name=store_model if adapter else None,
+            )
+        )
         if GENERATE_ROUTE not in engine.routes:
-            raise TrainingError(f"the vLLM server at {self.vllm_url} lacks {GENERATE_ROUTE}, which reports the "
-                                "weight version of every token: start it with --enable-scale-out")
+            raise TrainingError(
+                f"the vLLM server at {self.vllm_url} lacks {GENERATE_ROUTE}, which reports the "
+                "weight version of every token: start it with --enable-scale-out"
+            )
         self._vllm_owner = store_model
         return engine
 
-    def sample(self, session: SamplingSession, prompt: Sequence[int], *, num_samples: int, params: SamplingParams,
-               prompt_logprobs: bool) -> tuple[int, list[SampledSequence], np.ndarray | None]:
+    def sample(
+        self,
+        session: SamplingSession,
+        prompt: Sequence[int],
+        *,
+        num_samples: int,
+        params: SamplingParams,
+        prompt_logprobs: bool,
+    ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
         """(the version that produced it, sequences, prompt logprobs)."""
         if session.store_model is not None and self.engine == "vllm":
-            return self._sample_vllm(session, prompt, num_samples=num_samples, params=params,
-                                     prompt_logprobs=prompt_logprobs)
+            return self._sample_vllm(
+                session, prompt, num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs
+            )
         engine = self._engine(session)
         generator = self._generator(session.base_dir)
         with engine.lease() as served:
             if served.version == session.version:
-                sequences, prompt_lp = generator.sample(served.weights, prompt, num_samples=num_samples,
-                                                        params=params, prompt_logprobs=prompt_logprobs)
+                sequences, prompt_lp = generator.sample(
+                    served.weights, prompt, num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs
+                )
                 return served.version, sequences, prompt_lp
         # The agent has moved on to a newer version: this client's snapshot is rebuilt from the
         # store (every chunk hash and the version digest checked, as the agent does).
         weights = self._snapshot(session)
-        sequences, prompt_lp = generator.sample(weights, prompt, num_samples=num_samples, params=params,
-                                                prompt_logprobs=prompt_logprobs)
+        sequences, prompt_lp = generator.sample(
+            weights, prompt, num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs
+        )
         return session.version, sequences, prompt_lp
 
-    def _sample_vllm(self, session: SamplingSession, prompt: Sequence[int], *, num_samples: int,
-                     params: SamplingParams, prompt_logprobs: bool
-                     ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
+    def _sample_vllm(
+        self,
+        session: SamplingSession,
+        prompt: Sequence[int],
+        *,
+        num_samples: int,
+        params: SamplingParams,
+        prompt_logprobs: bool,
+    ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
         self._synced_agent(session)  # vLLM serves the client's version or a newer one
         generator = self._generator(session.base_dir)
         version, sequences, prompt_lp = self._vllm_sampler.sample(
-            prompt, num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs,
-            context=generator.config.max_position_embeddings, tokenizer=generator.tokenizer,
-            model=session.store_model if session.adapter else None)
+            prompt,
+            num_samples=num_samples,
+            params=params,
+            prompt_logprobs=prompt_logprobs,
+            context=generator.config.max_position_embeddings,
+            tokenizer=generator.tokenizer,
+            model=session.store_model if session.adapter else None,
+        )
         if version < session.version:
-            raise SamplerUnavailable(f"vLLM at {self.vllm_url} answered with v{version}, older than the sampling "
-                                     f"client's v{session.version}: something else swapped its weights")
+            raise SamplerUnavailable(
+                f"vLLM at {self.vllm_url} answered with v{version}, older than the sampling "
+                f"client's v{session.version}: something else swapped its weights"
+            )
         return version, sequences, prompt_lp
 
     def _snapshot(self, session: SamplingSession) -> Any:
@@ -363,9 +431,12 @@ class SamplerHub:
                 server = self._agents[session.store_model]
         if not server.agent.wait_for_version(session.version, self.wait_s):
             last_error = server.agent.status().get("last_error")
-            raise SamplerUnavailable(f"the agent of {session.store_model} did not reach version {session.version} "
-                                     f"within {self.wait_s:g} s (it serves {server.agent.served_version()}"
-                                     + (f"; last error: {last_error}" if last_error else "") + ")")
+            raise SamplerUnavailable(
+                f"the agent of {session.store_model} did not reach version {session.version} "
+                f"within {self.wait_s:g} s (it serves {server.agent.served_version()}"
+                + (f"; last error: {last_error}" if last_error else "")
+                + ")"
+            )
         return server
 
     def _base_engine(self, base_dir: str) -> Any:
@@ -379,8 +450,9 @@ class SamplerHub:
             return engine
 
     def _generator(self, base_dir: str) -> Generator:
-        return self._build_once(self._generators, base_dir,
-                                lambda: Generator(load_config(base_dir), _load_tokenizer(base_dir)))
+        return self._build_once(
+            self._generators, base_dir, lambda: Generator(load_config(base_dir), _load_tokenizer(base_dir))
+        )
 
     def close(self) -> None:
         with self._lock:

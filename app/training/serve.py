@@ -36,38 +36,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port; the ready line names it)")
     parser.add_argument("--api-key", default=None, help=f"the key clients must send (default: ${API_KEY_ENV})")
     parser.add_argument("--state-dir", required=True, help="checkpoints and run descriptions (kept across restarts)")
-    parser.add_argument("--store", default=None, help="where save_weights_for_sampler publishes (file:// or s3://; "
-                        "default file://<state-dir>/store)")
-    parser.add_argument("--model", action="append", default=[], metavar="DIR",
-                        help="a base model directory to advertise in get_server_capabilities (repeatable)")
-    parser.add_argument("--profile", default=None, metavar="NAME[@VERSION]",
-                        help="a training profile (app/training/profiles): fixes the model, layout, precision, offload "
-                             "and checkpointing, and lets clients pass its name as base_model")
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="where save_weights_for_sampler publishes (file:// or s3://; default file://<state-dir>/store)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a base model directory to advertise in get_server_capabilities (repeatable)",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="NAME[@VERSION]",
+        help="a training profile (app/training/profiles): fixes the model, layout, precision, offload "
+        "and checkpointing, and lets clients pass its name as base_model",
+    )
     parser.add_argument("--profile-model-dir", default=None, help="the profile's weights (overrides its model_dir)")
-    parser.add_argument("--sampler-engine", choices=("reference", "vllm"), default=None,
-                        help="what sampling clients of saved weights run on (default: the profile's, else "
-                             "reference)")
-    parser.add_argument("--sampler-weights", choices=("merged", "adapter"), default=None,
-                        help="what a LoRA run's sampling clients run on: merged weights (default: the profile's, "
-                             "else merged) or adapter-only versions, which vLLM serves as a LoRA adapter (--sampler-"
-                             "engine vllm; start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
-    parser.add_argument("--vllm-url", default=None, metavar="URL",
-                        help="the vLLM server for --sampler-engine vllm (weightsync's worker extension, "
-                             "VLLM_SERVER_DEV_MODE=1, --enable-scale-out; docs/training-api.md)")
-    parser.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, "
-                        "gradients and optimizer state")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    parser.add_argument(
+        "--sampler-engine",
+        choices=("reference", "vllm"),
+        default=None,
+        help="what sampling clients of saved weights run on (default: the profile's, else reference)",
+    )
+    parser.add_argument(
+        "--sampler-weights",
+        choices=("merged", "adapter"),
+        default=None,
+        help="what a LoRA run's sampling clients run on: merged weights (default: the profile's, "
+        "else merged) or adapter-only versions, which vLLM serves as a LoRA adapter (--sampler-"
+        "engine vllm; start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    parser.add_argument(
+        "--vllm-url",
+        default=None,
+        metavar="URL",
+        help="the vLLM server for --sampler-engine vllm (weightsync's worker extension, "
+        "VLLM_SERVER_DEV_MODE=1, --enable-scale-out; docs/training-api.md)",
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients and optimizer state"
+    )
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward"
+    )
     parser.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
     parser.add_argument("--long-poll-s", type=float, default=10.0, help="how long retrieve_future waits")
-    parser.add_argument("--gap-timeout-s", type=float, default=120.0,
-                        help="how long a request waits for a missing earlier seq_id before it fails")
-    parser.add_argument("--session-timeout-s", type=float, default=600.0,
-                        help="a session with no heartbeat or request for this long is finished and its models "
-                             "unloaded (the SDK beats every 10 s)")
+    parser.add_argument(
+        "--gap-timeout-s",
+        type=float,
+        default=120.0,
+        help="how long a request waits for a missing earlier seq_id before it fails",
+    )
+    parser.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=600.0,
+        help="a session with no heartbeat or request for this long is finished and its models "
+        "unloaded (the SDK beats every 10 s)",
+    )
     parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body accepted")
-    parser.add_argument("--fwdbwd-max-chunk-len", type=int, default=1024,
-                        help="datums per forward_backward request the SDK is told to send (it splits larger calls "
-                             "into chunks sent in parallel)")
+    parser.add_argument(
+        "--fwdbwd-max-chunk-len",
+        type=int,
+        default=1024,
+        help="datums per forward_backward request the SDK is told to send (it splits larger calls "
+        "into chunks sent in parallel)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -96,13 +134,18 @@ def run(args: argparse.Namespace) -> int:
     args.sampler_engine = args.sampler_engine or "reference"
     args.sampler_weights = args.sampler_weights or "merged"
     if args.sampler_weights == "adapter" and args.sampler_engine != "vllm":
-        raise SystemExit("--sampler-weights adapter needs --sampler-engine vllm: the reference engine serves merged "
-                         "weights")
+        raise SystemExit(
+            "--sampler-weights adapter needs --sampler-engine vllm: the reference engine serves merged weights"
+        )
     if args.sampler_engine == "vllm" and not args.vllm_url:  # every rank stops here, before the process group
-        raise SystemExit("sampler engine vllm needs the vLLM server's URL: --vllm-url URL (or the profile's "
-                         "[sampler] url)")
-    parallel = ParallelConfig(cpu_offload=args.cpu_offload, activation_checkpointing=args.activation_checkpointing,
-                              mixed_precision=args.mixed_precision)
+        raise SystemExit(
+            "sampler engine vllm needs the vLLM server's URL: --vllm-url URL (or the profile's [sampler] url)"
+        )
+    parallel = ParallelConfig(
+        cpu_offload=args.cpu_offload,
+        activation_checkpointing=args.activation_checkpointing,
+        mixed_precision=args.mixed_precision,
+    )
     runtime = init_runtime(parallel)
     mesh = build_mesh(parallel, runtime)
     worker = Worker(runtime, mesh, parallel)
@@ -132,21 +175,41 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         directory = profile.materialise(os.path.join(args.state_dir, "profiles"))
         aliases = ((profile.name, directory), (profile.key, directory))
         log.info("profile %s: %s", profile.key, profile.description)
-    config = ServiceConfig(state_dir=args.state_dir, long_poll_s=args.long_poll_s, gap_timeout_s=args.gap_timeout_s,
-                           session_timeout_s=args.session_timeout_s,
-                           known_models=tuple(args.model), store=args.store, model_aliases=aliases,
-                           sampler_engine=args.sampler_engine, vllm_url=args.vllm_url,
-                           sampler_weights=args.sampler_weights)
+    config = ServiceConfig(
+        state_dir=args.state_dir,
+        long_poll_s=args.long_poll_s,
+        gap_timeout_s=args.gap_timeout_s,
+        session_timeout_s=args.session_timeout_s,
+        known_models=tuple(args.model),
+        store=args.store,
+        model_aliases=aliases,
+        sampler_engine=args.sampler_engine,
+        vllm_url=args.vllm_url,
+        sampler_weights=args.sampler_weights,
+    )
     service = TrainingService(config, Commander(worker))
-    server = TrainingHTTPServer((args.host, args.port), service, api_key=api_key,
-                                max_body_bytes=int(args.max_body_mib * 1024 * 1024),
-                                fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len)
+    server = TrainingHTTPServer(
+        (args.host, args.port),
+        service,
+        api_key=api_key,
+        max_body_bytes=int(args.max_body_mib * 1024 * 1024),
+        fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len,
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.serve_in_thread()
-    print(json.dumps({"event": "ready", "url": server.url, "world_size": worker.world_size,
-                      "profile": profile.key if profile else None}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "url": server.url,
+                "world_size": worker.world_size,
+                "profile": profile.key if profile else None,
+            }
+        ),
+        flush=True,
+    )
     stop.wait()
     log.info("stopping")
     server.shutdown()
@@ -174,8 +237,16 @@ def launch(argv: Sequence[str], nproc: int | None) -> int:
         return main(argv)
     import subprocess
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "weightsync.app.training.serve", *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "weightsync.app.training.serve",
+        *argv,
+    ]
     return subprocess.run(command, check=False).returncode
 
 
@@ -211,8 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _configure_logging(level: str) -> None:
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
+    )
 
 
 if __name__ == "__main__":

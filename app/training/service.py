@@ -95,16 +95,21 @@ class ServiceConfig:
         return self.store or f"file://{Path(self.state_dir).resolve() / 'store'}"
 
     def __post_init__(self) -> None:
-        if self.long_poll_s <= 0 or self.gap_timeout_s <= 0 or self.session_timeout_s <= 0 \
-                or self.max_context_tokens < 1:
+        if (
+            self.long_poll_s <= 0
+            or self.gap_timeout_s <= 0
+            or self.session_timeout_s <= 0
+            or self.max_context_tokens < 1
+        ):
             raise ValueError("long_poll_s, gap_timeout_s and session_timeout_s must be > 0 and max_context_tokens >= 1")
         if self.sampler_engine == "vllm" and not self.vllm_url:
             raise ValueError("sampler_engine 'vllm' needs vllm_url, the vLLM server's base URL")
         if self.sampler_weights not in ("merged", "adapter"):
             raise ValueError(f"sampler_weights must be 'merged' or 'adapter', got {self.sampler_weights!r}")
         if self.sampler_weights == "adapter" and self.sampler_engine != "vllm":
-            raise ValueError("sampler_weights 'adapter' needs sampler_engine 'vllm': the reference engine serves "
-                             "merged weights")
+            raise ValueError(
+                "sampler_weights 'adapter' needs sampler_engine 'vllm': the reference engine serves merged weights"
+            )
 
 
 @dataclasses.dataclass
@@ -135,8 +140,12 @@ class TrainingService:
         self._jobs: queue.Queue[tuple[str, Callable[[], Outcome], str | None] | None] = queue.Queue()
         self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
         self._executor.start()
-        self.samplers = SamplerHub(store_uri=config.store_uri, cache_root=self.state_dir / "sampler-agents",
-                                   engine=config.sampler_engine, vllm_url=config.vllm_url)
+        self.samplers = SamplerHub(
+            store_uri=config.store_uri,
+            cache_root=self.state_dir / "sampler-agents",
+            engine=config.sampler_engine,
+            vllm_url=config.vllm_url,
+        )
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self._sampling_pool = cf.ThreadPoolExecutor(config.sampling_threads, thread_name_prefix="sampling")
         self._closed = threading.Event()
@@ -186,11 +195,9 @@ class TrainingService:
             self.commander.run(commands.Unload(record.model_id))
             with self._lock:
                 self.models.pop(record.model_id, None)
-            record.order.fail_all(SessionFinished(f"session {session_id} was finished before this request's "
-                                                  "turn came"))
+            record.order.fail_all(SessionFinished(f"session {session_id} was finished before this request's turn came"))
             log.info("model %s unloaded: its session finished", record.model_id)
-        return Outcome(json={"type": "unload", "session_id": session_id,
-                             "model_ids": [r.model_id for r in records]})
+        return Outcome(json={"type": "unload", "session_id": session_id, "model_ids": [r.model_id for r in records]})
 
     def _check_open(self, session_id: str) -> None:
         """Refuses a finished session; an open one (known or not: a restarted server forgot its
@@ -214,18 +221,25 @@ class TrainingService:
                 context = load_config(dict(self.config.model_aliases).get(directory, directory)).max_position_embeddings
             except ValueError:
                 continue
-            models.append({"model_name": directory, "max_context_length": context, "trainable": True,
-                           "sampleable": True})
+            models.append(
+                {"model_name": directory, "max_context_length": context, "trainable": True, "sampleable": True}
+            )
         return {"supported_models": models}
 
     def get_info(self, body: Mapping[str, Any]) -> dict[str, Any]:
         record = self._model(_field(body, "model_id", str))
         rank = record.lora.rank if record.lora is not None else 0
         return {
-            "type": "get_info", "model_id": record.model_id,
-            "model_data": {"arch": record.model_type, "model_name": record.base_model,
-                           "tokenizer_id": record.base_model},
-            "is_lora": rank > 0, "lora_rank": rank or None, "model_name": record.base_model,
+            "type": "get_info",
+            "model_id": record.model_id,
+            "model_data": {
+                "arch": record.model_type,
+                "model_name": record.base_model,
+                "tokenizer_id": record.base_model,
+            },
+            "is_lora": rank > 0,
+            "lora_rank": rank or None,
+            "model_name": record.base_model,
         }
 
     # ------------------------------------------------------------------ models
@@ -249,8 +263,10 @@ class TrainingService:
         aliases = dict(self.config.model_aliases)
         path = Path(aliases.get(base_model, base_model)).expanduser()
         if not (path / "config.json").is_file():
-            raise UserInputError(f"base_model {base_model!r} is not an HF-style model directory on the server "
-                                 "(config.json + safetensors + tokenizer)")
+            raise UserInputError(
+                f"base_model {base_model!r} is not an HF-style model directory on the server "
+                "(config.json + safetensors + tokenizer)"
+            )
         return str(path.resolve())
 
     def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: LoraSettings | None) -> Outcome:
@@ -261,8 +277,15 @@ class TrainingService:
             if model_id in self.models:
                 raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
         info = self.commander.run(commands.CreateModel(model_id, base_dir, lora))
-        record = ModelRecord(model_id, base_model, base_dir, lora, info["vocab_size"], info["model_type"],
-                             SeqIdOrder(first=1, gap_timeout_s=self.config.gap_timeout_s, on_expired=self._expired))
+        record = ModelRecord(
+            model_id,
+            base_model,
+            base_dir,
+            lora,
+            info["vocab_size"],
+            info["model_type"],
+            SeqIdOrder(first=1, gap_timeout_s=self.config.gap_timeout_s, on_expired=self._expired),
+        )
         with self._lock:
             self.models[model_id] = record
         self._write_run(record)
@@ -271,9 +294,15 @@ class TrainingService:
     def _write_run(self, record: ModelRecord) -> None:
         run_dir = self._run_dir(record.model_id)
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run_dir / "run.json", {"model_id": record.model_id, "base_model": record.base_model,
-                                           "base_dir": record.base_dir,
-                                           "lora": dataclasses.asdict(record.lora) if record.lora else None})
+        _write_json(
+            run_dir / "run.json",
+            {
+                "model_id": record.model_id,
+                "base_model": record.base_model,
+                "base_dir": record.base_dir,
+                "lora": dataclasses.asdict(record.lora) if record.lora else None,
+            },
+        )
 
     def _run_dir(self, model_id: str) -> Path:
         if "/" in model_id or model_id in ("", ".", ".."):
@@ -299,7 +328,9 @@ class TrainingService:
             error = e
             request_id = self._submit_ordered(record, batch.seq_id, request_id, lambda: _raise(error))
         else:
-            request_id = self._submit_ordered(record, batch.seq_id, request_id, lambda: self._run_forward_backward(command))
+            request_id = self._submit_ordered(
+                record, batch.seq_id, request_id, lambda: self._run_forward_backward(command)
+            )
         return {"request_id": request_id, "model_id": record.model_id}
 
     def _check_forward_backward(self, record: ModelRecord, batch: ForwardBackwardBatch) -> commands.ForwardBackward:
@@ -309,8 +340,10 @@ class TrainingService:
             raise UserInputError("forward_backward needs at least one datum")
         for i, datum in enumerate(batch.data):
             if len(datum.tokens) > self.config.max_context_tokens:
-                raise UserInputError(f"data[{i}] has {len(datum.tokens)} tokens, over this server's limit of "
-                                     f"{self.config.max_context_tokens}")
+                raise UserInputError(
+                    f"data[{i}] has {len(datum.tokens)} tokens, over this server's limit of "
+                    f"{self.config.max_context_tokens}"
+                )
             check_inputs(spec, batch.loss_fn, i, datum.tokens, datum.inputs, record.vocab_size)
         return commands.ForwardBackward(record.model_id, batch.loss_fn, config, batch.data, batch.forward_only)
 
@@ -325,21 +358,31 @@ class TrainingService:
         request_id = self.futures.create("optim")
         try:
             if not isinstance(params, Mapping):
-                kind = (body.get("optimizer_params") or {}).get("type") if isinstance(body.get("optimizer_params"),
-                                                                                       Mapping) else None
+                kind = (
+                    (body.get("optimizer_params") or {}).get("type")
+                    if isinstance(body.get("optimizer_params"), Mapping)
+                    else None
+                )
                 raise UserInputError(f"optim_step needs adam_params (this server trains with AdamW); got {kind!r}")
             command = commands.OptimStep(
-                record.model_id, learning_rate=_number(params, "learning_rate", 1e-4, low=0.0),
+                record.model_id,
+                learning_rate=_number(params, "learning_rate", 1e-4, low=0.0),
                 beta1=_number(params, "beta1", 0.9, low=0.0, below=1.0),
                 beta2=_number(params, "beta2", 0.95, low=0.0, below=1.0),
-                eps=_number(params, "eps", 1e-12, low=0.0), weight_decay=_number(params, "weight_decay", 0.0, low=0.0),
-                grad_clip_norm=_number(params, "grad_clip_norm", 0.0, low=0.0))
+                eps=_number(params, "eps", 1e-12, low=0.0),
+                weight_decay=_number(params, "weight_decay", 0.0, low=0.0),
+                grad_clip_norm=_number(params, "grad_clip_norm", 0.0, low=0.0),
+            )
         except UserInputError as e:
             error = e
             request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
         else:
-            request_id = self._submit_ordered(record, seq_id, request_id,
-                                 lambda: Outcome(json={"type": "optim_step", "metrics": self.commander.run(command)}))
+            request_id = self._submit_ordered(
+                record,
+                seq_id,
+                request_id,
+                lambda: Outcome(json={"type": "optim_step", "metrics": self.commander.run(command)}),
+            )
         return {"request_id": request_id, "model_id": record.model_id}
 
     # ------------------------------------------------------------------ checkpoints (DCP)
@@ -350,8 +393,9 @@ class TrainingService:
         name = body.get("path") or f"state-{seq_id:06d}"
         request_id = self.futures.create("save")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            error = UserInputError(f"checkpoint name {name!r} must be 1-128 characters of letters, digits, '.', '_' "
-                                   "or '-' (no '/')")
+            error = UserInputError(
+                f"checkpoint name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-' (no '/')"
+            )
             request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
             return {"request_id": request_id, "model_id": record.model_id}
         directory = self._run_dir(record.model_id) / "weights" / name
@@ -401,8 +445,10 @@ class TrainingService:
     def _checkpoint_dir(self, path: str) -> tuple[str, Path]:
         match = _TINKER_PATH.fullmatch(path)
         if not match or match.group(2) != "weights":
-            raise UserInputError(f"{path!r} is not a training-state path; expected tinker://<model_id>/weights/<name> "
-                                 "as returned by save_state")
+            raise UserInputError(
+                f"{path!r} is not a training-state path; expected tinker://<model_id>/weights/<name> "
+                "as returned by save_state"
+            )
         model_id, _, name = match.groups()
         directory = self._run_dir(model_id) / "weights" / name
         if not (directory / ".metadata").is_file():
@@ -417,9 +463,14 @@ class TrainingService:
             for directory in sorted(root.iterdir()) if root.is_dir() else []:
                 if directory.name.startswith("."):
                     continue
-                found.append({"checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
-                              "time": _iso_time(directory.stat().st_mtime),
-                              "tinker_path": f"tinker://{model_id}/{kind}/{directory.name}"})
+                found.append(
+                    {
+                        "checkpoint_id": f"{kind}/{directory.name}",
+                        "checkpoint_type": checkpoint_type,
+                        "time": _iso_time(directory.stat().st_mtime),
+                        "tinker_path": f"tinker://{model_id}/{kind}/{directory.name}",
+                    }
+                )
         return {"checkpoints": found}
 
     # ------------------------------------------------------------------ sampler weights, sampling
@@ -430,8 +481,9 @@ class TrainingService:
         name = body.get("path")
         request_id = self.futures.create("save_sampler")
         if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
-            error = UserInputError(f"sampler weights name {name!r} must be 1-128 characters of letters, digits, '.', "
-                                   "'_' or '-' (no '/')")
+            error = UserInputError(
+                f"sampler weights name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-' (no '/')"
+            )
             request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
             return {"request_id": request_id, "model_id": record.model_id}
         store_model = _store_model_name(record.model_id)
@@ -441,32 +493,54 @@ class TrainingService:
             # merged ones are published too (any other engine or reader can use them).
             serve_adapter = record.lora is not None and self.config.sampler_weights == "adapter"
             adapter_model = store_model + "-adapter"
-            address = self.samplers.ensure_agent(adapter_model if serve_adapter else store_model, record.base_dir,
-                                                 adapter=serve_adapter)
+            address = self.samplers.ensure_agent(
+                adapter_model if serve_adapter else store_model, record.base_dir, adapter=serve_adapter
+            )
             kind = "full" if record.lora is None else "merged"
-            result = self.commander.run(commands.PublishWeights(record.model_id, self.config.store_uri, store_model,
-                                                                () if serve_adapter else (address,), kind))
+            result = self.commander.run(
+                commands.PublishWeights(
+                    record.model_id, self.config.store_uri, store_model, () if serve_adapter else (address,), kind
+                )
+            )
             version = int(result["version"])
             extra = {}
             if record.lora is not None:
                 # Engines that serve adapters sync this store model instead: adapter-only versions.
-                adapter = self.commander.run(commands.PublishWeights(
-                    record.model_id, self.config.store_uri, adapter_model, (address,) if serve_adapter else (),
-                    "adapter"))
-                extra = {"adapter_store_model": adapter_model, "adapter_version": adapter["version"],
-                         "serves": "adapter" if serve_adapter else "merged"}
+                adapter = self.commander.run(
+                    commands.PublishWeights(
+                        record.model_id,
+                        self.config.store_uri,
+                        adapter_model,
+                        (address,) if serve_adapter else (),
+                        "adapter",
+                    )
+                )
+                extra = {
+                    "adapter_store_model": adapter_model,
+                    "adapter_version": adapter["version"],
+                    "serves": "adapter" if serve_adapter else "merged",
+                }
             label = name or f"sampler-v{version:06d}"
             path = f"tinker://{record.model_id}/sampler_weights/{label}"
             directory = self._run_dir(record.model_id) / "sampler_weights" / label
             directory.mkdir(parents=True, exist_ok=True)
-            _write_json(directory / "sampler.json", {"store": self.config.store_uri, "store_model": store_model,
-                                                     "version": version, "base_model": record.base_model,
-                                                     "kind": kind, **extra})
+            _write_json(
+                directory / "sampler.json",
+                {
+                    "store": self.config.store_uri,
+                    "store_model": store_model,
+                    "version": version,
+                    "base_model": record.base_model,
+                    "kind": kind,
+                    **extra,
+                },
+            )
             if name is not None:
                 return Outcome(json={"type": "save_weights_for_sampler", "path": path})
             if serve_adapter:
-                session = self._add_sampling_session(record.base_model, record.base_dir, adapter_model,
-                                                     int(adapter["version"]), path, adapter=True)
+                session = self._add_sampling_session(
+                    record.base_model, record.base_dir, adapter_model, int(adapter["version"]), path, adapter=True
+                )
             else:
                 session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
             return Outcome(json={"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session})
@@ -479,36 +553,58 @@ class TrainingService:
         if model_path is not None:
             match = _TINKER_PATH.fullmatch(model_path) if isinstance(model_path, str) else None
             if not match or match.group(2) != "sampler_weights":
-                raise UserInputError(f"model_path {model_path!r} is not sampler weights; expected "
-                                     "tinker://<model_id>/sampler_weights/<name> from save_weights_for_sampler")
+                raise UserInputError(
+                    f"model_path {model_path!r} is not sampler weights; expected "
+                    "tinker://<model_id>/sampler_weights/<name> from save_weights_for_sampler"
+                )
             meta_path = self._run_dir(match.group(1)) / "sampler_weights" / match.group(3) / "sampler.json"
             if not meta_path.is_file():
                 raise NotFound(f"no sampler weights at {model_path}")
             meta = json.loads(meta_path.read_text())
             run = json.loads((self._run_dir(match.group(1)) / "run.json").read_text())
             if meta.get("serves") == "adapter":
-                session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["adapter_store_model"],
-                                                     int(meta["adapter_version"]), model_path, adapter=True)
+                session = self._add_sampling_session(
+                    meta["base_model"],
+                    run["base_dir"],
+                    meta["adapter_store_model"],
+                    int(meta["adapter_version"]),
+                    model_path,
+                    adapter=True,
+                )
             else:
-                session = self._add_sampling_session(meta["base_model"], run["base_dir"], meta["store_model"],
-                                                     int(meta["version"]), model_path)
+                session = self._add_sampling_session(
+                    meta["base_model"], run["base_dir"], meta["store_model"], int(meta["version"]), model_path
+                )
         else:
             base_model = _field(body, "base_model", str)
             session = self._add_sampling_session(base_model, self._resolve_base_model(base_model), None, 0, None)
         return {"type": "create_sampling_session", "sampling_session_id": session}
 
-    def _add_sampling_session(self, base_model: str, base_dir: str, store_model: str | None, version: int,
-                              model_path: str | None, *, adapter: bool = False) -> str:
+    def _add_sampling_session(
+        self,
+        base_model: str,
+        base_dir: str,
+        store_model: str | None,
+        version: int,
+        model_path: str | None,
+        *,
+        adapter: bool = False,
+    ) -> str:
         session_id = f"sampler-{uuid.uuid4().hex[:16]}"
         with self._lock:
-            self.sampling_sessions[session_id] = SamplingSession(session_id, base_model, base_dir, store_model,
-                                                                 version, model_path, adapter)
+            self.sampling_sessions[session_id] = SamplingSession(
+                session_id, base_model, base_dir, store_model, version, model_path, adapter
+            )
         return session_id
 
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:
         session = self._sampling_session(sampler_id)
-        return {"sampler_id": session.session_id, "base_model": session.base_model, "model_path": session.model_path,
-                "weight_version": session.version}
+        return {
+            "sampler_id": session.session_id,
+            "base_model": session.base_model,
+            "model_path": session.model_path,
+            "weight_version": session.version,
+        }
 
     def _sampling_session(self, sampler_id: str) -> SamplingSession:
         with self._lock:
@@ -534,26 +630,36 @@ class TrainingService:
         if len(prompt) == 0 or prompt.min() < 0 or prompt.max() >= config.vocab_size:
             raise UserInputError(f"prompt must be non-empty with token ids in [0, {config.vocab_size})")
         if len(prompt) >= config.max_position_embeddings:
-            raise UserInputError(f"prompt has {len(prompt)} tokens; the model's context is "
-                                 f"{config.max_position_embeddings}")
+            raise UserInputError(
+                f"prompt has {len(prompt)} tokens; the model's context is {config.max_position_embeddings}"
+            )
         _, eos = self.samplers.tokenizer_info(session.base_dir)
-        params = parse_sampling_params(body.get("sampling_params"), eos_token_id=eos, vocab_size=config.vocab_size,
-                                       max_new_tokens=self.config.max_sample_tokens)
+        params = parse_sampling_params(
+            body.get("sampling_params"),
+            eos_token_id=eos,
+            vocab_size=config.vocab_size,
+            max_new_tokens=self.config.max_sample_tokens,
+        )
         want_prompt_logprobs = bool(body.get("prompt_logprobs"))
         request_id = self.futures.create("sample")
 
         def run() -> None:
             try:
                 version, sequences, prompt_lp = self.samplers.sample(
-                    session, prompt.tolist(), num_samples=num_samples, params=params,
-                    prompt_logprobs=want_prompt_logprobs)
+                    session,
+                    prompt.tolist(),
+                    num_samples=num_samples,
+                    params=params,
+                    prompt_logprobs=want_prompt_logprobs,
+                )
             except Exception as e:
                 if not isinstance(e, UserInputError):
                     log.exception("sampling request %s failed", request_id)
                 self.futures.fail(request_id, e)
                 return
-            self.futures.resolve(request_id, Outcome(proto=encode_sample_response(sequences, prompt_lp),
-                                                     weight_version=version))
+            self.futures.resolve(
+                request_id, Outcome(proto=encode_sample_response(sequences, prompt_lp), weight_version=version)
+            )
 
         self._sampling_pool.submit(run)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}-{i}" for i in range(num_samples)]}
@@ -571,6 +677,7 @@ class TrainingService:
         """The request id to answer with: `request_id`, or for a retried seq_id the first
         request's (the new future is then dropped unused)."""
         kind = request_id.rsplit("-", 1)[0]
+
         def release() -> None:
             self._enqueue(request_id, self._while_loaded(record, job), _session_of(record.model_id))
 
@@ -583,6 +690,7 @@ class TrainingService:
     def _while_loaded(self, record: ModelRecord, job: Callable[[], Outcome]) -> Callable[[], Outcome]:
         """`job`, refused if its model was unloaded before it ran: a request accepted just before
         its session finished, queued behind the unload."""
+
         def run() -> Outcome:
             with self._lock:
                 loaded = self.models.get(record.model_id) is record
@@ -590,6 +698,7 @@ class TrainingService:
                 self._check_open(_session_of(record.model_id))
                 raise NotFound(f"model {record.model_id} is no longer loaded")
             return job()
+
         return run
 
     def _expired(self, seq_id: int, request_id: str, error: Exception) -> None:

@@ -61,9 +61,17 @@ class VllmSampler:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.api_key = api_key or os.environ.get("VLLM_API_KEY")  # as the VllmEngine does
 
-    def sample(self, prompt: Sequence[int], *, num_samples: int, params: Any, prompt_logprobs: bool,
-               context: int, tokenizer: Any | None, model: str | None = None
-               ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
+    def sample(
+        self,
+        prompt: Sequence[int],
+        *,
+        num_samples: int,
+        params: Any,
+        prompt_logprobs: bool,
+        context: int,
+        tokenizer: Any | None,
+        model: str | None = None,
+    ) -> tuple[int, list[SampledSequence], np.ndarray | None]:
         """(the weight version that produced it, sequences, prompt logprobs or None). `params` is
         sampling.SamplingParams; `context` the model's max_position_embeddings; `model` the LoRA
         adapter to sample with (None: the served model)."""
@@ -71,9 +79,15 @@ class VllmSampler:
             raise UserInputError("stop strings need the model's tokenizer, which the base model directory lacks")
         prompt = [int(t) for t in prompt]
         sampling_params: dict[str, Any] = {
-            "n": num_samples, "max_tokens": max(1, min(params.max_tokens, context - len(prompt))),
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "stop_token_ids": list(params.stop_tokens), "ignore_eos": True, "logprobs": 0}
+            "n": num_samples,
+            "max_tokens": max(1, min(params.max_tokens, context - len(prompt))),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop_token_ids": list(params.stop_tokens),
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
         if params.seed is not None:
             sampling_params["seed"] = params.seed
         if prompt_logprobs:
@@ -94,8 +108,9 @@ class VllmSampler:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url + GENERATE_ROUTE, data=json.dumps(body).encode(),
-                                         headers=headers, method="POST")
+        request = urllib.request.Request(
+            self.url + GENERATE_ROUTE, data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 return json.loads(reply.read(_REPLY_BYTES))
@@ -114,20 +129,25 @@ def _one_version(choices: list[dict[str, Any]], url: str) -> int:
     for choice in choices:
         spans = choice.get("weight_versions")
         if spans is None:
-            raise VllmSamplingError(f"vLLM at {url} reports no weight_versions: it needs vLLM >= 0.32 and an "
-                                    "agent that labels versions (/update_weight_version)")
+            raise VllmSamplingError(
+                f"vLLM at {url} reports no weight_versions: it needs vLLM >= 0.32 and an "
+                "agent that labels versions (/update_weight_version)"
+            )
         labels.update(span.get("version") for span in spans)
     if len(labels) != 1:
         # The agent swaps with the drain policy, under which this cannot happen: someone else
         # swapped weights into this server mid-request. Refuse rather than tag it wrongly.
-        raise VllmSamplingError(f"the response spans weight versions {sorted(map(str, labels))}; the vLLM server "
-                                f"at {url} must be swapped only by this training server's agent")
+        raise VllmSamplingError(
+            f"the response spans weight versions {sorted(map(str, labels))}; the vLLM server "
+            f"at {url} must be swapped only by this training server's agent"
+        )
     label = labels.pop()
     try:
         return int(label)
     except (TypeError, ValueError):
-        raise VllmSamplingError(f"vLLM at {url} serves weights labelled {label!r}, not a version this training "
-                                "server's agent swapped in") from None
+        raise VllmSamplingError(
+            f"vLLM at {url} serves weights labelled {label!r}, not a version this training server's agent swapped in"
+        ) from None
 
 
 def _sequence(choice: dict[str, Any], params: Any, tokenizer: Any | None) -> SampledSequence:
@@ -150,8 +170,10 @@ def _prompt_logprobs(reply: dict[str, Any], prompt: list[int]) -> np.ndarray:
     """log p(prompt[i] | prompt[:i]) per position; NaN for the first (nothing precedes it)."""
     entries = reply.get("prompt_logprobs")
     if not isinstance(entries, list) or len(entries) != len(prompt):
-        raise VllmSamplingError(f"vLLM returned {len(entries) if isinstance(entries, list) else 'no'} prompt "
-                                f"logprobs for a {len(prompt)}-token prompt")
+        raise VllmSamplingError(
+            f"vLLM returned {len(entries) if isinstance(entries, list) else 'no'} prompt "
+            f"logprobs for a {len(prompt)}-token prompt"
+        )
     out = np.full(len(prompt), np.nan, dtype=np.float32)
     for i, entry in enumerate(entries[1:], start=1):
         candidate = (entry or {}).get(str(prompt[i])) or (entry or {}).get(prompt[i])

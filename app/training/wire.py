@@ -67,7 +67,9 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
 
 def _decode_datum(index: int, msg: Any) -> Datum:
     tokens = decode_model_input_chunks([(c.WhichOneof("chunk"), c) for c in msg.model_input], f"data[{index}]")
-    inputs = {name: _decode_tensor(t, f"data[{index}].loss_fn_inputs[{name!r}]") for name, t in msg.loss_fn_inputs.items()}
+    inputs = {
+        name: _decode_tensor(t, f"data[{index}].loss_fn_inputs[{name!r}]") for name, t in msg.loss_fn_inputs.items()
+    }
     return Datum(tokens, inputs)
 
 
@@ -75,8 +77,10 @@ def decode_model_input_chunks(chunks: Sequence[tuple[str | None, Any]], where: s
     parts = []
     for i, (kind, chunk) in enumerate(chunks):
         if kind != "encoded_text":
-            raise NotSupported(f"{where}.model_input chunk {i} is {kind!r}: this server trains text models only "
-                               "(encoded_text chunks); image and audio inputs are not supported")
+            raise NotSupported(
+                f"{where}.model_input chunk {i} is {kind!r}: this server trains text models only "
+                "(encoded_text chunks); image and audio inputs are not supported"
+            )
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
             raise UserInputError(f"{where}.model_input chunk {i}: token bytes are not int32 ({len(raw)} bytes)")
@@ -97,7 +101,9 @@ def _decode_tensor(msg: Any, where: str) -> np.ndarray:
     flat = np.frombuffer(raw, dtype=dtype)
     if shape:
         if int(np.prod(shape)) != flat.size:
-            raise UserInputError(f"{where}: shape {shape} needs {int(np.prod(shape))} elements, the data has {flat.size}")
+            raise UserInputError(
+                f"{where}: shape {shape} needs {int(np.prod(shape))} elements, the data has {flat.size}"
+            )
         return flat.reshape(shape).astype(np.float32 if dtype == np.float32 else np.int64)
     return flat.astype(np.float32 if dtype == np.float32 else np.int64)
 
@@ -109,12 +115,17 @@ def _decode_csr(csr: Any, dtype: Any, shape: list[int], where: str) -> np.ndarra
     crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
     col = np.frombuffer(csr.col_indices, dtype=np.int64)
     rows, cols = shape
-    if crow.size != rows + 1 or col.size != values.size or (crow.size and crow[-1] != values.size) \
-            or (col.size and (col.min() < 0 or col.max() >= cols)) or np.any(np.diff(crow) < 0):
+    if (
+        crow.size != rows + 1
+        or col.size != values.size
+        or (crow.size and crow[-1] != values.size)
+        or (col.size and (col.min() < 0 or col.max() >= cols))
+        or np.any(np.diff(crow) < 0)
+    ):
         raise UserInputError(f"{where}: inconsistent sparse CSR indices for shape {shape}")
     dense = np.zeros(shape, dtype=dtype)
     for r in range(rows):
-        dense[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
+        dense[r, col[crow[r] : crow[r + 1]]] = values[crow[r] : crow[r + 1]]
     return dense
 
 

@@ -168,16 +168,20 @@ class Worker:
             config, weights = load_config(command.base_dir), None
         targets: list[str] = []
         if command.lora is None:
-            model = build_sharded_model(config, weights, mesh=self.mesh, config=self.parallel,
-                                        device=self.runtime.device)
+            model = build_sharded_model(
+                config, weights, mesh=self.mesh, config=self.parallel, device=self.runtime.device
+            )
         else:
             model, targets = self._build_lora_model(config, weights, command.lora)
         del weights
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=0.0, foreach=True)
         self.models[command.model_id] = TrainedModel(config, model, optimizer, lora=command.lora, lora_targets=targets)
-        return {"vocab_size": config.vocab_size, "model_type": config.model_type,
-                "trainable_parameters": sum(p.numel() for p in params)}
+        return {
+            "vocab_size": config.vocab_size,
+            "model_type": config.model_type,
+            "trainable_parameters": sum(p.numel() for p in params),
+        }
 
     def _build_lora_model(self, config: ModelConfig, weights: dict | None, settings: LoraSettings):
         """build_sharded_model's steps, with adapters attached before sharding and initialised
@@ -231,12 +235,22 @@ class Worker:
                 datum = command.data[i]
                 n = len(datum.tokens)
                 row_logprobs = logprobs[row, :n]
-                inputs = {k: torch.from_numpy(v.astype(np.float32)).to(device)
-                          for k, v in datum.inputs.items() if k != "target_tokens"}
+                inputs = {
+                    k: torch.from_numpy(v.astype(np.float32)).to(device)
+                    for k, v in datum.inputs.items()
+                    if k != "target_tokens"
+                }
                 per_token = spec.fn(row_logprobs, inputs, config)
                 total = total + per_token.sum()
-                outputs.append((i, {"logprobs": row_logprobs.detach().float().cpu().numpy(),
-                                    "elementwise_loss": per_token.detach().float().cpu().numpy()}))
+                outputs.append(
+                    (
+                        i,
+                        {
+                            "logprobs": row_logprobs.detach().float().cpu().numpy(),
+                            "elementwise_loss": per_token.detach().float().cpu().numpy(),
+                        },
+                    )
+                )
             if not command.forward_only:
                 (total * world).backward()
         loss_sum = total.detach().double().reshape(1).cpu()
@@ -259,8 +273,12 @@ class Worker:
     def _OptimStep(self, command: OptimStep) -> dict[str, float]:
         trained = self.models[command.model_id]
         for group in trained.optimizer.param_groups:
-            group.update(lr=command.learning_rate, betas=(command.beta1, command.beta2), eps=command.eps,
-                         weight_decay=command.weight_decay)
+            group.update(
+                lr=command.learning_rate,
+                betas=(command.beta1, command.beta2),
+                eps=command.eps,
+                weight_decay=command.weight_decay,
+            )
         params = [p for p in trained.model.parameters() if p.grad is not None]
         max_norm = command.grad_clip_norm if command.grad_clip_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True) if params else torch.zeros(())
@@ -297,8 +315,9 @@ class Worker:
             state.update(optim=optim_state, extra={"optim_steps": 0})
         dcp.load(state, checkpoint_id=command.directory)
         if command.with_optimizer:
-            set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(
+                trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
             trained.optim_steps = int(state["extra"]["optim_steps"])
         else:
             set_model_state_dict(trained.model, state["model"])
@@ -315,10 +334,14 @@ class Worker:
         trained = self.models[command.model_id]
         publisher = trained.publishers.get(command.store_model)
         if publisher is None:
-            config = PublishConfig(store=command.store, model=command.store_model, push=command.push,
-                                   publisher=PublisherConfig(workers=2, max_in_flight=1,
-                                                             weights_kind="adapter" if command.kind == "adapter"
-                                                             else "model"))
+            config = PublishConfig(
+                store=command.store,
+                model=command.store_model,
+                push=command.push,
+                publisher=PublisherConfig(
+                    workers=2, max_in_flight=1, weights_kind="adapter" if command.kind == "adapter" else "model"
+                ),
+            )
             publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
             trained.publishers[command.store_model] = publisher
         state = trained.model.state_dict()
@@ -330,8 +353,10 @@ class Worker:
         publisher.publish(state, trained.optim_steps)
         metrics = publisher.collect(wait=True)
         if publisher.failures != failures:
-            raise RuntimeError(f"publishing {command.store_model} to {command.store} failed (see the server log); "
-                               "the next save_weights_for_sampler publishes a full version")
+            raise RuntimeError(
+                f"publishing {command.store_model} to {command.store} failed (see the server log); "
+                "the next save_weights_for_sampler publishes a full version"
+            )
         return {"version": publisher.last_version, "ratio": metrics.get("publish/ratio")}
 
     def _barrier(self) -> None:

@@ -27,14 +27,18 @@ def _machine() -> dict:
 
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
-                                  check=False).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30, check=False
+            ).stdout.strip()
         return ""
 
-    return {**describe_machine(), "load_avg": [round(x, 2) for x in os.getloadavg()],
-            "code": str(Path(weightsync.__file__).resolve().parent.parent),
-            "git_head": git("rev-parse", "--short", "HEAD"),
-            "git_modified": git("status", "--short", "--untracked-files=no").splitlines()}
+    return {
+        **describe_machine(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "code": str(Path(weightsync.__file__).resolve().parent.parent),
+        "git_head": git("rev-parse", "--short", "HEAD"),
+        "git_modified": git("status", "--short", "--untracked-files=no").splitlines(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,9 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--versions-per-round", type=int, default=3)
     parser.add_argument("--convergence-bound-s", type=float, default=60.0)
     parser.add_argument("--fault-scale", type=float, default=1.0, help="multiplies every fault's probability")
-    parser.add_argument("--swap-policy", choices=["drain", "in_flight", "abort", "mixed"], default="drain",
-                        help="every agent's swap policy (docs/agents.md); mixed: all three in one cluster, one "
-                             "per agent (bench/chaos/config.py, MIXED_POLICIES)")
+    parser.add_argument(
+        "--swap-policy",
+        choices=["drain", "in_flight", "abort", "mixed"],
+        default="drain",
+        help="every agent's swap policy (docs/agents.md); mixed: all three in one cluster, one "
+        "per agent (bench/chaos/config.py, MIXED_POLICIES)",
+    )
     parser.add_argument("--workdir", help="where processes keep caches and logs (default: a temp dir)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep logs and caches (kept anyway on violations)")
     args = parser.parse_args(argv)
@@ -68,16 +76,27 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = _machine()
     results = {}
-    for store in (["local", "s3"] if args.store == "both" else [args.store]):
-        config = ChaosConfig(rounds=args.rounds, seed=args.seed, store=store,
-                             versions_per_round=args.versions_per_round, convergence_bound_s=args.convergence_bound_s,
-                             fault_scale=args.fault_scale, keep_workdir=args.keep_workdir,
-                             swap_policy=args.swap_policy,
-                             workdir=None if args.workdir is None else str(Path(args.workdir) / store))
+    for store in ["local", "s3"] if args.store == "both" else [args.store]:
+        config = ChaosConfig(
+            rounds=args.rounds,
+            seed=args.seed,
+            store=store,
+            versions_per_round=args.versions_per_round,
+            convergence_bound_s=args.convergence_bound_s,
+            fault_scale=args.fault_scale,
+            keep_workdir=args.keep_workdir,
+            swap_policy=args.swap_policy,
+            workdir=None if args.workdir is None else str(Path(args.workdir) / store),
+        )
         results[store] = run_chaos(config)
     machine["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
-    record = {"bench": "chaos", "command": "python -m bench.chaos " + " ".join(argv), "machine": machine,
-              "violations": sum(r["violations"] for r in results.values()), "results": results}
+    record = {
+        "bench": "chaos",
+        "command": "python -m bench.chaos " + " ".join(argv),
+        "machine": machine,
+        "violations": sum(r["violations"] for r in results.values()),
+        "results": results,
+    }
     print(json.dumps(record, indent=1))
     return 1 if record["violations"] else 0
 

@@ -49,17 +49,25 @@ class Checks:
                         self.checks["generation_ranges_unreadable"] += 1  # collected by gc meanwhile
                         continue
                     self.reference.swap(version, state.state_dict(), digest=state.manifest.digest)
-                    body = {"prompt_ids": [GENERATION_PROMPT + tokens[:start]], "temperature": 0, "stop": None,
-                            "max_new_tokens": GENERATION_TOKENS - start}
+                    body = {
+                        "prompt_ids": [GENERATION_PROMPT + tokens[:start]],
+                        "temperature": 0,
+                        "stop": None,
+                        "max_new_tokens": GENERATION_TOKENS - start,
+                    }
                     expected = self.reference.handle_generate(json.dumps(body).encode())["completions"][0]["token_ids"]
                     if start == 0:
                         alone[version] = expected
                 self.checks["generation_ranges_checked"] += 1
                 self.checks[f"generation_ranges_checked_{policy}"] += 1
-                if tokens[start:stop] != expected[:stop - start]:
-                    self.violation("served_digest", name, f"tokens {start}..{stop} said to be v{version}'s are "
-                                                          f"{tokens[start:stop]}; its published weights give "
-                                                          f"{expected[:stop - start]}")
+                if tokens[start:stop] != expected[: stop - start]:
+                    self.violation(
+                        "served_digest",
+                        name,
+                        f"tokens {start}..{stop} said to be v{version}'s are "
+                        f"{tokens[start:stop]}; its published weights give "
+                        f"{expected[: stop - start]}",
+                    )
 
     def _converge(self, *, record: bool) -> None:
         latest = max(self.refresh_committed(), default=0)
@@ -81,9 +89,12 @@ class Checks:
             for name in pending:
                 with contextlib.suppress(Exception):
                     errors[name] = self.client(self.agents[name]).status(timeout_s=5).last_error
-            self.violation("convergence", ",".join(sorted(pending)),
-                           f"not serving v{latest} {self.config.convergence_bound_s} s after the faults stopped; "
-                           f"last errors: {errors}")
+            self.violation(
+                "convergence",
+                ",".join(sorted(pending)),
+                f"not serving v{latest} {self.config.convergence_bound_s} s after the faults stopped; "
+                f"last errors: {errors}",
+            )
         elif record:
             self.convergence_s.append(elapsed)
 
@@ -103,8 +114,12 @@ class Checks:
                 continue
             self.checks["versions_verified"] += 1
             if self.expected.get(manifest.step) not in (None, manifest.digest):
-                self.violation("readable", "store", f"v{version} (step {manifest.step}) has digest {manifest.digest}, "
-                                                    f"the trainer's weights {self.expected[manifest.step]}")
+                self.violation(
+                    "readable",
+                    "store",
+                    f"v{version} (step {manifest.step}) has digest {manifest.digest}, "
+                    f"the trainer's weights {self.expected[manifest.step]}",
+                )
         for agent in self.agents.values():
             self.monitor.verify(agent, final=True)
         # What each agent's model answers, against the same engine code run here on the store's bytes
@@ -125,12 +140,17 @@ class Checks:
                     continue  # collected meanwhile: served_digest has checked it against its digest already
                 self.reference.swap(version, state.state_dict(), digest=state.manifest.digest)
                 expected[version] = self.reference.handle_generate(json.dumps(body).encode())["completions"][0][
-                    "token_ids"]
+                    "token_ids"
+                ]
             self.checks["generation_checks"] += 1
             if got["completions"][0]["token_ids"] != expected[version]:
-                self.violation("served_digest", agent.name, f"greedy completion {got['completions'][0]['token_ids']} "
-                                                            f"on v{version}; its published weights give "
-                                                            f"{expected[version]}")
+                self.violation(
+                    "served_digest",
+                    agent.name,
+                    f"greedy completion {got['completions'][0]['token_ids']} "
+                    f"on v{version}; its published weights give "
+                    f"{expected[version]}",
+                )
         self._check_generations(reader)
         try:
             collect_garbage(self.direct, MODEL, keep=self.config.gc_keep + 1, grace_s=self.config.gc_grace_s)

@@ -9,8 +9,14 @@ import dataclasses
 from pathlib import Path
 
 MODEL = "chaos-lm"
-ARCH = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
+ARCH = {
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 REGIONS = ("east", "west")
 PROMPT = "weightsync chaos: "
 GENERATION_PROMPT = [256, 99, 104, 97, 111, 115]
@@ -21,9 +27,19 @@ SWAP_POLICIES = ("drain", "in_flight", "abort")
 MIXED_POLICIES = ("drain", "in_flight", "abort", "in_flight")
 """Under swap_policy "mixed": east-1, east-2, west-1, west-2. in_flight twice: it is the policy whose
 responses span versions, the one with the most to check per token range."""
-FAULT_KINDS = ("kill_publisher", "kill_agent", "stall_agent", "partition_leader", "flip_in_flight",
-               "flip_store_object", "flip_agent_cache", "stale_cache_restart", "s3_faults", "clock_skew",
-               "gc_during_publish")
+FAULT_KINDS = (
+    "kill_publisher",
+    "kill_agent",
+    "stall_agent",
+    "partition_leader",
+    "flip_in_flight",
+    "flip_store_object",
+    "flip_agent_cache",
+    "stale_cache_restart",
+    "s3_faults",
+    "clock_skew",
+    "gc_during_publish",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,7 +87,15 @@ class ChaosConfig:
 
 
 FAULT_PROBABILITY = {
-    "kill_publisher": 0.3, "kill_agent": 0.45, "stall_agent": 0.2, "partition_leader": 0.25, "flip_in_flight": 0.35,
-    "flip_store_object": 0.25, "flip_agent_cache": 0.3, "stale_cache_restart": 0.2, "s3_faults": 0.7,
-    "clock_skew": 0.4, "gc_during_publish": 0.3,
+    "kill_publisher": 0.3,
+    "kill_agent": 0.45,
+    "stall_agent": 0.2,
+    "partition_leader": 0.25,
+    "flip_in_flight": 0.35,
+    "flip_store_object": 0.25,
+    "flip_agent_cache": 0.3,
+    "stale_cache_restart": 0.2,
+    "s3_faults": 0.7,
+    "clock_skew": 0.4,
+    "gc_during_publish": 0.3,
 }

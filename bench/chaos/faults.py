@@ -22,8 +22,11 @@ class Faults:
     """The fault actions of Run; each one that runs on a timer gets its own seeded generator."""
 
     def _draw_plan(self) -> dict[str, bool]:
-        kinds = [k for k in FAULT_KINDS if (k != "s3_faults" or self.config.store == "s3")
-                 and (k != "stale_cache_restart" or self.snapshots)]
+        kinds = [
+            k
+            for k in FAULT_KINDS
+            if (k != "s3_faults" or self.config.store == "s3") and (k != "stale_cache_restart" or self.snapshots)
+        ]
         plan = {k: self.rng.random() < min(1.0, FAULT_PROBABILITY[k] * self.config.fault_scale) for k in kinds}
         if not any(plan.values()):
             plan[self.rng.choice(kinds)] = True
@@ -132,8 +135,11 @@ class Faults:
         except IntegrityError:
             self.checks["store_corruptions_detected"] += 1
         except WeightsyncError as e:
-            self.violation("readable", "store", f"corrupt {key} of v{version} refused with {type(e).__name__}, "
-                                                f"not IntegrityError: {e}")
+            self.violation(
+                "readable",
+                "store",
+                f"corrupt {key} of v{version} refused with {type(e).__name__}, not IntegrityError: {e}",
+            )
         else:
             self.violation("readable", "store", f"v{version} verified with a flipped byte in {key}")
 

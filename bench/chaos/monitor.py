@@ -91,8 +91,12 @@ class Monitor:
                 if agent.stale:
                     self._stale_since.setdefault(name, time.monotonic())
                 else:
-                    self.run.violation("monotonic", name, f"restarted on its own cache serving v{version}, "
-                                                          f"older than the v{before} it served before it died")
+                    self.run.violation(
+                        "monotonic",
+                        name,
+                        f"restarted on its own cache serving v{version}, "
+                        f"older than the v{before} it served before it died",
+                    )
             else:
                 agent.stale = False  # caught up before we looked: its cache is its own from here
         if name in self._stale_since and version >= self.before_restart.get(name, 0):
@@ -128,8 +132,11 @@ class Monitor:
             if len({m[0] for m in mismatches}) > 1:  # the version changed under the re-hash: retry
                 mismatches = mismatches[-1:]
             time.sleep(0.2)
-        self.run.violation("served_digest", agent.name, f"served bytes do not hash to the version digest "
-                                                        f"(version, digest, re-hash, committed): {mismatches}")
+        self.run.violation(
+            "served_digest",
+            agent.name,
+            f"served bytes do not hash to the version digest (version, digest, re-hash, committed): {mismatches}",
+        )
         return False
 
     def _sample_rss(self) -> None:
@@ -158,6 +165,9 @@ class Monitor:
             first = self.rss_first.setdefault(key, rss)
             self.rss_growth[kind] = max(self.rss_growth[kind], rss - first)
             if kind != "driver" and rss - first > self.run.config.rss_growth_bound_mb:
-                self.run.violation("memory", name, f"RSS grew from {first:.0f} to {rss:.0f} MB (bound "
-                                                   f"+{self.run.config.rss_growth_bound_mb:.0f} MB)")
+                self.run.violation(
+                    "memory",
+                    name,
+                    f"RSS grew from {first:.0f} to {rss:.0f} MB (bound +{self.run.config.rss_growth_bound_mb:.0f} MB)",
+                )
                 self.rss_first[key] = rss  # report each excursion once

@@ -78,14 +78,28 @@ class AgentProc:
         self.stopped = False  # SIGSTOPped
         self.up = threading.Event()
 
-    def write_config(self, *, store: str, peers: list[str], token_file: Path, public_key: Path,
-                     swap_policy: str = "drain") -> None:
+    def write_config(
+        self, *, store: str, peers: list[str], token_file: Path, public_key: Path, swap_policy: str = "drain"
+    ) -> None:
         engine = {"type": "reference", "port": 0, "torch_threads": 1}
-        lines = ["[agent]", f'model = "{MODEL}"', f'name = "{self.name}"', f'region = "{self.region}"',
-                 f'listen = "{self.address}"', f'cache_dir = "{self.cache}"', f'store = "{store}"',
-                 f"peers = {json.dumps(peers)}", f'token_file = "{token_file}"',
-                 f'trusted_keys = ["{public_key}"]', "require_signatures = true", "poll_interval_s = 1.0",
-                 "push_wait_s = 1.0", "workers = 1", f'swap_policy = "{swap_policy}"', "[agent.engine]"]
+        lines = [
+            "[agent]",
+            f'model = "{MODEL}"',
+            f'name = "{self.name}"',
+            f'region = "{self.region}"',
+            f'listen = "{self.address}"',
+            f'cache_dir = "{self.cache}"',
+            f'store = "{store}"',
+            f"peers = {json.dumps(peers)}",
+            f'token_file = "{token_file}"',
+            f'trusted_keys = ["{public_key}"]',
+            "require_signatures = true",
+            "poll_interval_s = 1.0",
+            "push_wait_s = 1.0",
+            "workers = 1",
+            f'swap_policy = "{swap_policy}"',
+            "[agent.engine]",
+        ]
         lines += [f"{k} = {json.dumps(v)}" for k, v in engine.items()]
         lines += ["[agent.engine.model]"] + [f"{k} = {json.dumps(v)}" for k, v in ARCH.items()]
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +110,12 @@ class AgentProc:
         with open(self.log_path, "a") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(self.config_path), "-v"],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=self.env, cwd=REPO)
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=self.env,
+                cwd=REPO,
+            )
         line = readline(self.proc.stdout, deadline_s)
         if line is None:
             self.kill()
@@ -159,7 +178,13 @@ class PublisherProc:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.chaos", "publisher", "--spec", str(self.spec_path)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=self.env, cwd=REPO)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=self.env,
+                cwd=REPO,
+            )
         self.events = queue.Queue()
         proc, events = self.proc, self.events
 

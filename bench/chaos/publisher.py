@@ -38,12 +38,17 @@ def expected_digest(weights: dict, chunk_bytes: int) -> str:
         data = raw_bytes(tensor)
         per_chunk = max(1, chunk_bytes // dtype.itemsize)
         count = tensor.numel()
-        chunks = tuple(ChunkRef(start=s, stop=min(s + per_chunk, count), codec="same",
-                                raw=xxh3_hex(data[s * dtype.itemsize:min(s + per_chunk, count) * dtype.itemsize]))
-                       for s in range(0, count, per_chunk))
+        chunks = tuple(
+            ChunkRef(
+                start=s,
+                stop=min(s + per_chunk, count),
+                codec="same",
+                raw=xxh3_hex(data[s * dtype.itemsize : min(s + per_chunk, count) * dtype.itemsize]),
+            )
+            for s in range(0, count, per_chunk)
+        )
         entries.append(TensorEntry(name=name, dtype=dtype.name, shape=tuple(tensor.shape), chunks=chunks))
     return compute_digest(entries)
-
 
 
 class _SkewedClock:
@@ -85,12 +90,25 @@ def publisher_main(spec_path: str) -> int:
         def on_failure(self, version, error):
             pass
 
-    pusher = Pusher(PushConfig(targets=tuple(spec["targets"]), model=MODEL, token=spec["token"],
-                               give_up_after_s=spec["push_give_up_s"], retry_backoff_s=(0.1, 2.0)))
-    config = PublisherConfig(chunk_bytes=spec["chunk_bytes"], rebase_every=spec["rebase_every"], workers=1,
-                             max_in_flight=1)
-    publisher = Publisher(open_store(spec["store"]), model=MODEL, config=config,
-                          signer=Signer.from_pem(spec["signing_key"]), listeners=[SlowLink(), pusher])
+    pusher = Pusher(
+        PushConfig(
+            targets=tuple(spec["targets"]),
+            model=MODEL,
+            token=spec["token"],
+            give_up_after_s=spec["push_give_up_s"],
+            retry_backoff_s=(0.1, 2.0),
+        )
+    )
+    config = PublisherConfig(
+        chunk_bytes=spec["chunk_bytes"], rebase_every=spec["rebase_every"], workers=1, max_in_flight=1
+    )
+    publisher = Publisher(
+        open_store(spec["store"]),
+        model=MODEL,
+        config=config,
+        signer=Signer.from_pem(spec["signing_key"]),
+        listeners=[SlowLink(), pusher],
+    )
     trainer = fake_trainer(spec["seed"])
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
@@ -101,8 +119,14 @@ def publisher_main(spec_path: str) -> int:
         try:
             trainer.advance_to(step)
             result = publisher.publish(trainer.state_dict(), step=step).result()
-            event = {"event": "committed", "step": step, "version": result.version, "digest": result.manifest.digest,
-                     "kind": result.manifest.kind, "created_unix_ms": result.manifest.created_unix_ms}
+            event = {
+                "event": "committed",
+                "step": step,
+                "version": result.version,
+                "digest": result.manifest.digest,
+                "kind": result.manifest.kind,
+                "created_unix_ms": result.manifest.created_unix_ms,
+            }
         except Exception as e:  # noqa: BLE001 - the driver decides what a failure means; the process stays up
             event = {"event": "failed", "step": step, "error": f"{type(e).__name__}: {e}"}
         finally:

@@ -92,20 +92,33 @@ class Run(Faults, Checks):
         ports = {f"{r}-{i}": free_port() for r in REGIONS for i in (1, 2)}
         for region in REGIONS:
             leader, follower = f"{region}-1", f"{region}-2"
-            self.proxies[f"publisher->{leader}"] = TcpRelay(f"publisher->{leader}", ports[leader],
-                                                            random.Random(self.rng.random()))
-            self.proxies[f"{leader}->{follower}"] = TcpRelay(f"{leader}->{follower}", ports[follower],
-                                                             random.Random(self.rng.random()))
+            self.proxies[f"publisher->{leader}"] = TcpRelay(
+                f"publisher->{leader}", ports[leader], random.Random(self.rng.random())
+            )
+            self.proxies[f"{leader}->{follower}"] = TcpRelay(
+                f"{leader}->{follower}", ports[follower], random.Random(self.rng.random())
+            )
             for name in (leader, follower):
                 agent = AgentProc(name, region, ports[name], self.work, env)
                 peers = [self.proxies[f"{leader}->{follower}"].address] if name == leader else []
-                agent.write_config(store=self.store_uri, peers=peers, token_file=self.work / "token",
-                                   public_key=self.work / "publisher.pub", swap_policy=self.config.policy_of(name))
+                agent.write_config(
+                    store=self.store_uri,
+                    peers=peers,
+                    token_file=self.work / "token",
+                    public_key=self.work / "publisher.pub",
+                    swap_policy=self.config.policy_of(name),
+                )
                 self.agents[name] = agent
-        spec = {"store": self.store_uri, "seed": self.config.seed, "chunk_bytes": self.config.chunk_bytes,
-                "rebase_every": self.config.rebase_every, "token": self.token, "push_give_up_s": 30.0,
-                "signing_key": str(self.work / "publisher.key"),
-                "targets": [self.proxies[f"publisher->{r}-1"].address for r in REGIONS]}
+        spec = {
+            "store": self.store_uri,
+            "seed": self.config.seed,
+            "chunk_bytes": self.config.chunk_bytes,
+            "rebase_every": self.config.rebase_every,
+            "token": self.token,
+            "push_give_up_s": 30.0,
+            "signing_key": str(self.work / "publisher.key"),
+            "targets": [self.proxies[f"publisher->{r}-1"].address for r in REGIONS],
+        }
         (self.work / "publisher.json").write_text(json.dumps(spec))
         self.publisher = PublisherProc(self.work / "publisher.json", self.work / "publisher.log", env)
         self.trainer = fake_trainer(self.config.seed)
@@ -116,7 +129,9 @@ class Run(Faults, Checks):
         from weightsync.format.tensors import dtype_of
 
         codecs.warm_up({dtype_of(t).name for t in self.trainer.published().values()})
-        starters = [threading.Thread(target=a.start, args=(self.config.start_deadline_s,)) for a in self.agents.values()]
+        starters = [
+            threading.Thread(target=a.start, args=(self.config.start_deadline_s,)) for a in self.agents.values()
+        ]
         starters.append(threading.Thread(target=self.publisher.start, args=(self.config.start_deadline_s,)))
         for t in starters:
             t.start()
@@ -139,8 +154,13 @@ class Run(Faults, Checks):
         from harness.fault_proxy import FaultProxy
         from weightsync.stores.s3 import S3Store
 
-        creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+        creds = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
         os.environ.update(creds)
         for name in [k for k in os.environ if k.startswith("AWS_") and k not in creds]:
             del os.environ[name]
@@ -158,8 +178,7 @@ class Run(Faults, Checks):
         """Keeps a long greedy generation running on `agent`'s engine while faults and swaps happen;
         the end-of-round checks compare every token range of the answers with the weights of its
         version (checks.py). Failures (the agent killed, stalled) are the faults' business."""
-        body = {"prompt_ids": [GENERATION_PROMPT], "max_new_tokens": GENERATION_TOKENS, "temperature": 0,
-                "stop": None}
+        body = {"prompt_ids": [GENERATION_PROMPT], "max_new_tokens": GENERATION_TOKENS, "temperature": 0, "stop": None}
         while not self._closing.is_set():
             if not agent.up.is_set() or agent.engine_url is None:
                 self._closing.wait(0.2)
@@ -258,8 +277,11 @@ class Run(Faults, Checks):
         plan = self._draw_plan()
         for kind, on in plan.items():
             self.faults[kind] += bool(on)
-        print(f"chaos: round {number} {self.config.store}: {sorted(k for k, on in plan.items() if on)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"chaos: round {number} {self.config.store}: {sorted(k for k, on in plan.items() if on)}",
+            file=sys.stderr,
+            flush=True,
+        )
         if plan.get("s3_faults"):
             self._start_s3_faults()
         if plan.get("partition_leader"):
@@ -291,9 +313,13 @@ class Run(Faults, Checks):
         self.expected[step] = expected_digest(self.trainer.published(), self.config.chunk_bytes)
         skew_s = 0.0
         if plan.get("clock_skew"):
-            skew_s = self.rng.choice([-time.time() + self.rng.uniform(0, 86400),  # near the epoch
-                                      -self.rng.uniform(1, 20) * 365 * 86400,  # years in the past
-                                      self.rng.uniform(1, 80) * 365 * 86400])  # years in the future
+            skew_s = self.rng.choice(
+                [
+                    -time.time() + self.rng.uniform(0, 86400),  # near the epoch
+                    -self.rng.uniform(1, 20) * 365 * 86400,  # years in the past
+                    self.rng.uniform(1, 80) * 365 * 86400,
+                ]
+            )  # years in the future
             self.details["clock_skew_publishes"] += 1
         estimate_s = 70 * self.config.slow_s + 0.3
         for attempt in range(6):
@@ -302,13 +328,22 @@ class Run(Faults, Checks):
                 self.details["publisher_restarts"] += 1
             timers = []
             if attempt == 0:
-                for kind, action in (("kill_publisher", self._kill_publisher), ("kill_agent", self._kill_agent),
-                                     ("stall_agent", self._stall_agent), ("gc_during_publish", self._gc)):
+                for kind, action in (
+                    ("kill_publisher", self._kill_publisher),
+                    ("kill_agent", self._kill_agent),
+                    ("stall_agent", self._stall_agent),
+                    ("gc_during_publish", self._gc),
+                ):
                     if plan.get(kind):
                         # Each action gets its own generator, drawn here: the plan stays a function
                         # of the seed although actions run on timer threads.
-                        timers.append(threading.Timer(self.rng.uniform(0, 1.5 * estimate_s), self._guarded,
-                                                      args=(action, random.Random(self.rng.getrandbits(64)))))
+                        timers.append(
+                            threading.Timer(
+                                self.rng.uniform(0, 1.5 * estimate_s),
+                                self._guarded,
+                                args=(action, random.Random(self.rng.getrandbits(64))),
+                            )
+                        )
             self._publishing = True
             self.details["publish_attempts"] += 1
             self.publisher.send({"step": step, "slow_s": self.config.slow_s, "skew_s": skew_s})
@@ -319,7 +354,9 @@ class Run(Faults, Checks):
             for t in timers:
                 t.join()
             if event is None:
-                self.violation("no_hang", "publisher", f"step {step}: no outcome within {self.config.publish_deadline_s} s")
+                self.violation(
+                    "no_hang", "publisher", f"step {step}: no outcome within {self.config.publish_deadline_s} s"
+                )
                 self.publisher.kill()
             elif event["event"] == "committed":
                 with self._lock:
@@ -347,20 +384,28 @@ class Run(Faults, Checks):
             "rounds": self.round,
             "versions_committed": self.details["versions_committed"],
             "faults": {k: self.faults[k] for k in FAULT_KINDS if k in self.faults},
-            "fault_details": dict(sorted(self.details.items())) | {
+            "fault_details": dict(sorted(self.details.items()))
+            | {
                 "flips_in_flight": sum(p.flips for p in self.proxies.values()),
-                "s3_injected": s3, "stale_windows_max_s": round(max(monitor.stale_windows, default=0.0), 2)},
+                "s3_injected": s3,
+                "stale_windows_max_s": round(max(monitor.stale_windows, default=0.0), 2),
+            },
             "violations": len(self.violations),
             "violation_details": self.violations[:50],
-            "convergence_s": {"p50": round(statistics.median(times), 2) if times else None,
-                              "p90": round(times[int(0.9 * (len(times) - 1))], 2) if times else None,
-                              "max": round(times[-1], 2) if times else None,
-                              "bound": self.config.convergence_bound_s},
+            "convergence_s": {
+                "p50": round(statistics.median(times), 2) if times else None,
+                "p90": round(times[int(0.9 * (len(times) - 1))], 2) if times else None,
+                "max": round(times[-1], 2) if times else None,
+                "bound": self.config.convergence_bound_s,
+            },
             "peak_rss_mb": {k: round(v, 1) for k, v in sorted(monitor.rss_peak.items())},
             "max_rss_growth_mb": {k: round(v, 1) for k, v in sorted(monitor.rss_growth.items())},
-            "checks": dict(self.checks) | {"served_observations": monitor.observations,
-                                           "verify_calls": monitor.verify_calls,
-                                           "verify_races": monitor.verify_races},
+            "checks": dict(self.checks)
+            | {
+                "served_observations": monitor.observations,
+                "verify_calls": monitor.verify_calls,
+                "verify_races": monitor.verify_races,
+            },
             "wall_s": round(wall_s, 1),
             "workdir": str(self.work) if (self.config.keep_workdir or self.violations) else None,
         }

@@ -24,8 +24,14 @@ from weightsync.transport.rpc import AgentClient
 from weightsync.versions import read_manifest
 
 MODEL = "availability-lm"
-ARCH = ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
+ARCH = ModelConfig(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 PUBLISH = PublisherConfig(chunk_bytes=16 * 1024, rebase_every=10, workers=2)
 WAIT_S = 120
 
@@ -81,9 +87,18 @@ def test_a_corrupt_object_in_the_newest_version_does_not_stop_serving(tmp_path):
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
 
-    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), name="agent", region="r",
-                         store=store.uri, engine={"type": "reference", "model": dataclasses.asdict(ARCH), "port": 0},
-                         poll_interval_s=0.5, push_wait_s=1.0, workers=2, metrics_port=0)
+    config = AgentConfig(
+        model=MODEL,
+        cache_dir=str(tmp_path / "agent"),
+        name="agent",
+        region="r",
+        store=store.uri,
+        engine={"type": "reference", "model": dataclasses.asdict(ARCH), "port": 0},
+        poll_interval_s=0.5,
+        push_wait_s=1.0,
+        workers=2,
+        metrics_port=0,
+    )
     server = AgentServer(config).start()
     try:
         _assert_serves(server, 2, published[2])  # v1 + the v2 delta, verified; never a byte of v3
@@ -124,8 +139,10 @@ def test_a_corrupt_object_in_the_newest_version_does_not_stop_serving(tmp_path):
 
 def _sample(exposition: str, name: str) -> float:
     """The value of the one sample of gauge `name` (any labels) in a Prometheus exposition."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
-              if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {"]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in exposition.splitlines()
+        if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {"
+    ]
     assert len(values) == 1, (name, values)
     return values[0]
-

@@ -41,9 +41,13 @@ def test_valid_config_loads():
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_case_is_one_edit_from_the_valid_config(name):
     """A case that differs from valid.toml in one place fails for that place, not another."""
-    diff = [line for line in difflib.unified_diff(VALID.read_text().splitlines(), (CORPUS / name).read_text()
-                                                  .splitlines(), lineterm="", n=0)
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    diff = [
+        line
+        for line in difflib.unified_diff(
+            VALID.read_text().splitlines(), (CORPUS / name).read_text().splitlines(), lineterm="", n=0
+        )
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
     assert 1 <= len(diff) <= 4, diff
 
 
@@ -60,8 +64,14 @@ def test_loader_names_the_key(name):
 def test_cli_exits_2_with_one_line_naming_the_key(name, tmp_path):
     spec = EXPECTED[name]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "WEIGHTSYNC_"))}
-    proc = subprocess.run([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(CORPUS / name)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(CORPUS / name)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()

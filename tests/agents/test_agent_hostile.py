@@ -83,10 +83,17 @@ def _config(kind: str, root: Path) -> AgentConfig:
     settings = dict(EXPECTED["agents"][kind])
     if "trusted_keys" in settings:
         settings["trusted_keys"] = tuple(str(CORPUS / k) for k in settings["trusted_keys"])
-    return AgentConfig(model=MODEL, cache_dir=str(root / "cache"), name=f"hostile-{kind}",
-                       store=LocalStore(root / "store").uri, workers=1, poll_interval_s=0.5, push_wait_s=0.5,
-                       engine={"type": "reference", "model": EXPECTED["arch"], "port": 0, "torch_threads": 1},
-                       **settings)
+    return AgentConfig(
+        model=MODEL,
+        cache_dir=str(root / "cache"),
+        name=f"hostile-{kind}",
+        store=LocalStore(root / "store").uri,
+        workers=1,
+        poll_interval_s=0.5,
+        push_wait_s=0.5,
+        engine={"type": "reference", "model": EXPECTED["arch"], "port": 0, "torch_threads": 1},
+        **settings,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +139,18 @@ class Snapshot:
 
 
 def _store_listing(directory: Path) -> list[tuple[str, str]]:
-    return sorted((str(p.relative_to(directory)), hashlib.sha256(p.read_bytes()).hexdigest())
-                  for p in directory.rglob("*") if p.is_file())
+    return sorted(
+        (str(p.relative_to(directory)), hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in directory.rglob("*")
+        if p.is_file()
+    )
 
 
 def _snapshot(server: AgentServer, store_dir: Path) -> Snapshot:
     served = server.engine.served()
-    return Snapshot(served.version, served.digest, {k: v.clone() for k, v in served.weights.items()},
-                    _store_listing(store_dir))
+    return Snapshot(
+        served.version, served.digest, {k: v.clone() for k, v in served.weights.items()}, _store_listing(store_dir)
+    )
 
 
 def _assert_unchanged(server: AgentServer, store_dir: Path, before: Snapshot, *, nothing_pending: bool) -> None:
@@ -164,8 +175,9 @@ def _assert_still_takes_a_good_version(server: AgentServer, store_dir: Path) -> 
     """Commits the corpus's next/ (good v3 and a full v6) and waits for the agent to serve v6."""
     shutil.copytree(CORPUS / "next", store_dir, dirs_exist_ok=True)
     want = Reader(LocalStore(store_dir), model=MODEL).read(6)
-    assert server.agent.wait_for_version(6, WAIT_S), f"after the case the agent never served v6: " \
-                                                     f"{server.agent.status()['last_error']}"
+    assert server.agent.wait_for_version(6, WAIT_S), (
+        f"after the case the agent never served v6: {server.agent.status()['last_error']}"
+    )
     served = server.engine.served()
     assert served.version == 6 and served.digest == want.manifest.digest
     for name, tensor in want.state_dict().items():
@@ -181,12 +193,19 @@ class Wire:
     def __init__(self, address: str) -> None:
         self.channel = open_channel(address)
         raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
-        self.offer = self.channel.unary_unary(OFFER, request_serializer=sync_pb2.OfferRequest.SerializeToString,
-                                              response_deserializer=sync_pb2.OfferReply.FromString)
-        self.push = self.channel.stream_unary(PUSH_OBJECTS, request_serializer=encode_object_frame,
-                                              response_deserializer=sync_pb2.PushReply.FromString)
-        self.status = self.channel.unary_unary(GET_STATUS, request_serializer=sync_pb2.StatusRequest.SerializeToString,
-                                               response_deserializer=sync_pb2.StatusReply.FromString)
+        self.offer = self.channel.unary_unary(
+            OFFER,
+            request_serializer=sync_pb2.OfferRequest.SerializeToString,
+            response_deserializer=sync_pb2.OfferReply.FromString,
+        )
+        self.push = self.channel.stream_unary(
+            PUSH_OBJECTS, request_serializer=encode_object_frame, response_deserializer=sync_pb2.PushReply.FromString
+        )
+        self.status = self.channel.unary_unary(
+            GET_STATUS,
+            request_serializer=sync_pb2.StatusRequest.SerializeToString,
+            response_deserializer=sync_pb2.StatusReply.FromString,
+        )
         self.raw_offer = self.channel.unary_unary(OFFER, **raw)
         self.raw_push = self.channel.stream_unary(PUSH_OBJECTS, **raw)
 
@@ -212,12 +231,20 @@ def _run_step(server: AgentServer, wire: Wire, step: dict) -> None:
         _wait_failure(server, step["version"], step["error"], step["match"])
         return
     if rpc == "offer":
-        request = sync_pb2.OfferRequest(model=step.get("model", MODEL), version=step["version"],
-                                        manifest=_read(step["manifest"]), signature=_read(step["signature"]),
-                                        objects=step.get("objects", []), hops=step.get("hops", 0), origin="hostile")
+        request = sync_pb2.OfferRequest(
+            model=step.get("model", MODEL),
+            version=step["version"],
+            manifest=_read(step["manifest"]),
+            signature=_read(step["signature"]),
+            objects=step.get("objects", []),
+            hops=step.get("hops", 0),
+            origin="hostile",
+        )
         code, details, reply = wire.call(wire.offer, request, token)
     elif rpc == "push":
-        frames = [ObjectFrame(f.get("model", MODEL), f["version"], f["object"], _read(f["data"])) for f in step["frames"]]
+        frames = [
+            ObjectFrame(f.get("model", MODEL), f["version"], f["object"], _read(f["data"])) for f in step["frames"]
+        ]
         code, details, reply = wire.call(wire.push, iter(frames), token)
     elif rpc == "status":
         code, details, reply = wire.call(wire.status, sync_pb2.StatusRequest(), token)
@@ -227,8 +254,9 @@ def _run_step(server: AgentServer, wire: Wire, step: dict) -> None:
         code, details, reply = wire.call(wire.raw_push, iter([_read(r) for r in step["raw"]]), token)
     else:
         raise AssertionError(f"unknown step {rpc!r}")
-    assert (code, step["match"] in details) == (step["code"], True), f"{rpc}: got {code} {details!r}, want " \
-                                                                    f"{step['code']} with {step['match']!r}"
+    assert (code, step["match"] in details) == (step["code"], True), (
+        f"{rpc}: got {code} {details!r}, want {step['code']} with {step['match']!r}"
+    )
     if "decision" in step:
         assert sync_pb2.OfferReply.Decision.Name(reply.decision) == step["decision"]
     if "kept" in step:
@@ -273,7 +301,9 @@ def test_corpus_is_complete_and_regenerates(gen, tmp_path):
     # only their names are compared, not their bytes).
     gen.write(tmp_path)
     again = json.loads((tmp_path / "expected.json").read_text())
-    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()} == files - {"make_agent_hostile.py"}
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()} == files - {
+        "make_agent_hostile.py"
+    }
     assert again == EXPECTED
 
 
@@ -291,20 +321,32 @@ def test_corpus_store_holds_what_the_cases_assume(gen):
 
 # The fast tier (scripts/test.sh --fast) runs a few cases of each kind; every case is marked
 # slow otherwise (each starts an agent: ~1.5 s, ~75 s in all on 2 cores), and CI runs them all.
-FAST_CASES = {"offer_v3_tampered_after_signing", "offer_without_a_token", "open_delta_on_the_wrong_parent",
-              "open_full_with_a_zstd_bomb", "push_object_corrupted_in_flight", "raw_push_frame_with_a_bad_varint",
-              "signed_delta_on_the_wrong_parent"}
+FAST_CASES = {
+    "offer_v3_tampered_after_signing",
+    "offer_without_a_token",
+    "open_delta_on_the_wrong_parent",
+    "open_full_with_a_zstd_bomb",
+    "push_object_corrupted_in_flight",
+    "raw_push_frame_with_a_bad_varint",
+    "signed_delta_on_the_wrong_parent",
+}
 
 
 def test_fast_cases_are_cases():
     assert FAST_CASES <= set(CASES), "a renamed case would silently leave the fast tier"
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=([pytest.mark.xfail(strict=True, reason=case["xfail"])] if "xfail" in case else [])
-                 + ([] if name in FAST_CASES else [pytest.mark.slow]))
-    for name, case in sorted(CASES.items())
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=([pytest.mark.xfail(strict=True, reason=case["xfail"])] if "xfail" in case else [])
+            + ([] if name in FAST_CASES else [pytest.mark.slow]),
+        )
+        for name, case in sorted(CASES.items())
+    ],
+)
 def test_hostile_conversation_is_refused_and_changes_nothing(name, start_agent):
     case = CASES[name]
     server, store_dir = start_agent(case["agent"])
@@ -315,8 +357,9 @@ def test_hostile_conversation_is_refused_and_changes_nothing(name, start_agent):
             _run_step(server, wire, step)
     finally:
         wire.close()
-    _assert_unchanged(server, store_dir, before,
-                      nothing_pending=not any(s["rpc"] == "wait_failure" for s in case["steps"]))
+    _assert_unchanged(
+        server, store_dir, before, nothing_pending=not any(s["rpc"] == "wait_failure" for s in case["steps"])
+    )
     _assert_still_takes_a_good_version(server, store_dir)
 
 
@@ -332,10 +375,18 @@ def test_inputs_too_big_for_files_are_refused(start_agent):
     over_format = b"\0" * (max_object_bytes(MAX_CHUNK_BYTES) + 1)
     over_message = b"\0" * (MAX_MESSAGE_BYTES + 1)
     cases = [
-        (wire.offer, sync_pb2.OfferRequest(model=MODEL, version=3, manifest=huge_manifest), "INVALID_ARGUMENT",
-         f"manifest of {MAX_MANIFEST_BYTES + 1} bytes exceeds"),
-        (wire.push, iter([ObjectFrame(MODEL, 3, object_hash(over_format), over_format)]), "INVALID_ARGUMENT",
-         "over the format's limit"),
+        (
+            wire.offer,
+            sync_pb2.OfferRequest(model=MODEL, version=3, manifest=huge_manifest),
+            "INVALID_ARGUMENT",
+            f"manifest of {MAX_MANIFEST_BYTES + 1} bytes exceeds",
+        ),
+        (
+            wire.push,
+            iter([ObjectFrame(MODEL, 3, object_hash(over_format), over_format)]),
+            "INVALID_ARGUMENT",
+            "over the format's limit",
+        ),
         (wire.push, iter([ObjectFrame(MODEL, 3, "0" * 32, over_message)]), "RESOURCE_EXHAUSTED", ""),
     ]
     try:
@@ -353,7 +404,9 @@ def test_every_parser_corpus_manifest_offered_to_an_agent_is_refused(start_agent
     before = _snapshot(server, store_dir)
     wire = Wire(server.address)
     # An empty manifest field is not a hostile manifest on the wire: it is an objects-only offer.
-    names = sorted(n for n, spec in PARSER_EXPECTED.items() if spec["kind"] == "manifest" and n != "manifest_empty.json")
+    names = sorted(
+        n for n, spec in PARSER_EXPECTED.items() if spec["kind"] == "manifest" and n != "manifest_empty.json"
+    )
     assert len(names) >= 60
     try:
         for name in names:
@@ -378,8 +431,11 @@ def test_every_parser_corpus_chunk_delivered_in_a_version_is_refused(gen, start_
     v2 = Reader(LocalStore(store_dir), model=MODEL).read(2).manifest
     # Left out, because in this setting they would be valid: chunk_applied_to_wrong_parent is built
     # against another parent, chunk_wrong_dtype is refused only for a float16 tensor.
-    names = sorted(n for n, spec in PARSER_EXPECTED.items()
-                   if spec["kind"] == "chunk" and spec["parent_seed"] == 0 and spec["dtype"] == "bfloat16")
+    names = sorted(
+        n
+        for n, spec in PARSER_EXPECTED.items()
+        if spec["kind"] == "chunk" and spec["parent_seed"] == 0 and spec["dtype"] == "bfloat16"
+    )
     assert len(names) >= 35
     wire = Wire(server.address)
     refused_at_offer = 0
@@ -392,23 +448,35 @@ def test_every_parser_corpus_chunk_delivered_in_a_version_is_refused(gen, start_
             for t in v2.tensors:
                 chunks = tuple(ChunkRef(start=c.start, stop=c.stop, codec="same", raw=c.raw) for c in t.chunks)
                 if t.name == gen.EMBED:
-                    chunks = (ChunkRef(start=0, stop=spec["count"], codec=CODEC_NAMES[spec["codec"]], raw=spec["raw"],
-                                       object=address, key=chunk_key(address), size=len(obj)),)
+                    chunks = (
+                        ChunkRef(
+                            start=0,
+                            stop=spec["count"],
+                            codec=CODEC_NAMES[spec["codec"]],
+                            raw=spec["raw"],
+                            object=address,
+                            key=chunk_key(address),
+                            size=len(obj),
+                        ),
+                    )
                 tensors.append(dataclasses.replace(t, chunks=chunks))
-            manifest = dataclasses.replace(v2, version=version, parent=2, base=1, tensors=tuple(tensors),
-                                           digest=compute_digest(tensors)).to_bytes()
+            manifest = dataclasses.replace(
+                v2, version=version, parent=2, base=1, tensors=tuple(tensors), digest=compute_digest(tensors)
+            ).to_bytes()
             try:
                 parse_manifest(manifest)
             except WeightsyncError as e:  # e.g. an oversized object: the manifest naming it is refused
-                got, details, _ = wire.call(wire.offer, sync_pb2.OfferRequest(
-                    model=MODEL, version=version, manifest=manifest), None)
+                got, details, _ = wire.call(
+                    wire.offer, sync_pb2.OfferRequest(model=MODEL, version=version, manifest=manifest), None
+                )
                 assert (got, str(e) in details) == (status_for(e).name, True), f"{name}: {got} {details!r}"
                 refused_at_offer += 1
                 continue
             # Offer first, then push: a push wakes the sync thread, which would spend the wake-up on
             # retrying the previous failed version and then sleep out its backoff.
-            got, details, reply = wire.call(wire.offer, sync_pb2.OfferRequest(
-                model=MODEL, version=version, manifest=manifest), None)
+            got, details, reply = wire.call(
+                wire.offer, sync_pb2.OfferRequest(model=MODEL, version=version, manifest=manifest), None
+            )
             assert got == "OK" and reply.decision == sync_pb2.OfferReply.WANTED, f"{name}: {got} {details}"
             got, details, _ = wire.call(wire.push, iter([ObjectFrame(MODEL, version, address, obj)]), None)
             assert got == "OK", f"{name}: {got} {details}"
@@ -432,8 +500,10 @@ def test_every_parser_corpus_chunk_delivered_in_a_version_is_refused(gen, start_
 
 def _signed_store_files(gen, manifest, objects) -> dict[str, bytes]:
     data = manifest.to_bytes()
-    files = {manifest_key(MODEL, manifest.version): data,
-             signature_key(MODEL, manifest.version, xxh3_hex(data)): gen.TRUSTED.sign(data)}
+    files = {
+        manifest_key(MODEL, manifest.version): data,
+        signature_key(MODEL, manifest.version, xxh3_hex(data)): gen.TRUSTED.sign(data),
+    }
     files.update({model_prefix(MODEL) + chunk_key(a): o for a, o in objects.items()})
     return files
 
@@ -446,8 +516,15 @@ def test_clock_skew_in_manifests_does_not_matter(gen, start_agent):
     previous = gen.weights(2)
     for version, created in ((3, 0), (4, 2**62), (5, 1)):
         weights = gen.weights(version)
-        manifest, objects = gen.encode_version(weights, previous, version=version, parent_version=version - 1,
-                                               base=1, step=version, created_unix_ms=created)
+        manifest, objects = gen.encode_version(
+            weights,
+            previous,
+            version=version,
+            parent_version=version - 1,
+            base=1,
+            step=version,
+            created_unix_ms=created,
+        )
         for key, data in _signed_store_files(gen, manifest, objects).items():
             store.put(key, data)
         assert server.agent.wait_for_version(version, WAIT_S), server.agent.status()["last_error"]
@@ -479,6 +556,7 @@ def test_a_bogus_unsigned_offer_does_not_hide_the_stores_real_version(start_agen
 
 def _v6_objects(store: LocalStore) -> set[str]:
     """Objects of next/'s v6 that v3 does not share."""
+
     def names(v: int) -> set[str]:
         return {c.object for t in read_manifest(store, MODEL, v).tensors for c in t.chunks if c.object}
 
@@ -526,9 +604,13 @@ def test_a_compromised_bucket_cannot_make_a_signing_agent_serve_a_forgery(gen, s
     store.put(manifest_key(MODEL, 3), data)
     _wait_last_error(server, "not signed")
     signature = signature_key(MODEL, 3, xxh3_hex(data))
-    for document, match in [(gen.UNTRUSTED.sign(data), "which is not trusted"),
-                            (store.get(signature_key(MODEL, 2, xxh3_hex(store.get(manifest_key(MODEL, 2))))),
-                             "does not match the manifest")]:
+    for document, match in [
+        (gen.UNTRUSTED.sign(data), "which is not trusted"),
+        (
+            store.get(signature_key(MODEL, 2, xxh3_hex(store.get(manifest_key(MODEL, 2))))),
+            "does not match the manifest",
+        ),
+    ]:
         store.put(signature, document)
         _wait_last_error(server, match)
         served = server.engine.served()
@@ -559,5 +641,7 @@ def test_a_damaged_old_cached_manifest_does_not_stop_cache_gc(gen, start_agent):
             store.put(key, value)
         assert server.agent.wait_for_version(version, WAIT_S), server.agent.status()["last_error"]
     keep = server.config.cache_keep_versions
-    cached_versions = sorted(int(i.key.rsplit("/", 1)[1].split(".")[0]) for i in cache.list(f"models/{MODEL}/versions/"))
+    cached_versions = sorted(
+        int(i.key.rsplit("/", 1)[1].split(".")[0]) for i in cache.list(f"models/{MODEL}/versions/")
+    )
     assert len(cached_versions) <= keep + 2, f"the cache keeps growing: {cached_versions}"

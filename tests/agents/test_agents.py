@@ -53,10 +53,19 @@ WAIT_S = 60
 
 
 def _agent(tmp_path, name: str, store: LocalStore | None, *, region: str = "r", peers=(), **settings) -> AgentServer:
-    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / name), name=name, region=region,
-                         store=store.uri if store is not None else None, peers=tuple(peers), engine=ENGINE,
-                         poll_interval_s=settings.pop("poll_interval_s", 0.5),
-                         push_wait_s=settings.pop("push_wait_s", 1.0), workers=2, **settings)
+    config = AgentConfig(
+        model=MODEL,
+        cache_dir=str(tmp_path / name),
+        name=name,
+        region=region,
+        store=store.uri if store is not None else None,
+        peers=tuple(peers),
+        engine=ENGINE,
+        poll_interval_s=settings.pop("poll_interval_s", 0.5),
+        push_wait_s=settings.pop("push_wait_s", 1.0),
+        workers=2,
+        **settings,
+    )
     return AgentServer(config).start()
 
 
@@ -96,10 +105,14 @@ def cluster(tmp_path, agent_settings, push_give_up_s):
     for region in ("east", "west"):
         follower = _agent(tmp_path, f"{region}-2", store, region=region, **agent_settings)
         agents[f"{region}-2"] = follower
-        agents[f"{region}-1"] = _agent(tmp_path, f"{region}-1", store, region=region, peers=[follower.address],
-                                       **agent_settings)
-    pusher = Pusher(PushConfig(targets=(agents["east-1"].address, agents["west-1"].address), model=MODEL,
-                               give_up_after_s=push_give_up_s))
+        agents[f"{region}-1"] = _agent(
+            tmp_path, f"{region}-1", store, region=region, peers=[follower.address], **agent_settings
+        )
+    pusher = Pusher(
+        PushConfig(
+            targets=(agents["east-1"].address, agents["west-1"].address), model=MODEL, give_up_after_s=push_give_up_s
+        )
+    )
     publisher = Publisher(store, model=MODEL, config=PUBLISH, listeners=[pusher])
     yield store, agents, publisher, pusher
     publisher.close()
@@ -258,8 +271,14 @@ def guarded(tmp_path):
         for step in range(2):
             publisher.publish(trainer.state_dict(), step=step).result()
             trainer.step()
-    agent = _agent(tmp_path, "guarded", store, token_file=str(tmp_path / "token"),
-                   trusted_keys=(str(tmp_path / "pub.pub"),), require_signatures=True)
+    agent = _agent(
+        tmp_path,
+        "guarded",
+        store,
+        token_file=str(tmp_path / "token"),
+        trusted_keys=(str(tmp_path / "pub.pub"),),
+        require_signatures=True,
+    )
     assert agent.agent.wait_for_version(2, WAIT_S)
     yield agent, store, signer, trainer
     agent.stop(0)
@@ -296,12 +315,18 @@ def test_offers_that_must_be_refused_change_nothing(guarded, tmp_path):
         (AccessDenied, AgentClient(agent.address, token="wrong"), dict(manifest=data2)),
         (AccessDenied, AgentClient(agent.address), dict(manifest=data2)),
         (SignatureError, good, dict(version=3, manifest=rogue_v3.to_bytes())),
-        (SignatureError, good, dict(version=3, manifest=rogue_v3.to_bytes(),
-                                    signature=Signer.generate().sign(rogue_v3.to_bytes()))),
+        (
+            SignatureError,
+            good,
+            dict(version=3, manifest=rogue_v3.to_bytes(), signature=Signer.generate().sign(rogue_v3.to_bytes())),
+        ),
         (StaleVersion, good, dict(version=1, manifest=data1, signature=signer.sign(data1))),
         # Tampered after signing: parses, but the signature no longer matches.
-        (SignatureError, good, dict(version=3, manifest=data2.replace(b'"version":2', b'"version":3'),
-                                    signature=signer.sign(data2))),
+        (
+            SignatureError,
+            good,
+            dict(version=3, manifest=data2.replace(b'"version":2', b'"version":3'), signature=signer.sign(data2)),
+        ),
         (FormatError, good, dict(version=3, manifest=rogue_bytes[:-5])),
         (FormatError, good, dict(version=3, manifest=rogue_v3.to_bytes(), model="other-model")),
     ]
@@ -338,8 +363,10 @@ def test_tls_and_mutual_tls(tmp_path):
     target = f"localhost:{port}"
     client_tls = TlsConfig(ca=certs["ca"], cert=certs["client"], key=certs["client_key"])
     assert AgentClient(target, tls=client_tls).status().agent == "tls"
-    for bad in (TlsConfig(ca=certs["ca"]),  # no client certificate
-                TlsConfig(ca=certs["other_ca"], cert=certs["client"], key=certs["client_key"])):  # untrusted server
+    for bad in (
+        TlsConfig(ca=certs["ca"]),  # no client certificate
+        TlsConfig(ca=certs["other_ca"], cert=certs["client"], key=certs["client_key"]),
+    ):  # untrusted server
         with pytest.raises(RpcUnavailable):
             AgentClient(target, tls=bad).status(timeout_s=5)
     with pytest.raises(RpcUnavailable):
@@ -421,14 +448,20 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
     config.write_text(
         "[agent]\n"
         f'model = "{MODEL}"\nname = "killed"\ncache_dir = "{tmp_path / "cache"}"\nstore = "{store.uri}"\n'
-        'poll_interval_s = 0.5\npush_wait_s = 1.0\n'
-        f"[agent.engine]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in engine.items())
-        + "\n[agent.engine.model]\n" + model_lines + "\n"
+        "poll_interval_s = 0.5\npush_wait_s = 1.0\n"
+        f"[agent.engine]\n"
+        + "\n".join(f"{k} = {json.dumps(v)}" for k, v in engine.items())
+        + "\n[agent.engine.model]\n"
+        + model_lines
+        + "\n"
     )
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         ready = json.loads(proc.stdout.readline())
         assert ready["event"] == "ready"
         return proc, ready["address"], ready["engine_url"]
@@ -451,8 +484,9 @@ def test_an_agent_killed_mid_stream_restarts_and_converges(tmp_path):
 
     pusher = SlowPusher(PushConfig(targets=(address,), model=MODEL, give_up_after_s=5))
     try:
-        with Publisher(store, model=MODEL, config=dataclasses.replace(PUBLISH, chunk_bytes=4096, workers=1),
-                       listeners=[pusher]) as publisher:
+        with Publisher(
+            store, model=MODEL, config=dataclasses.replace(PUBLISH, chunk_bytes=4096, workers=1), listeners=[pusher]
+        ) as publisher:
             first = publisher.publish(trainer.state_dict(), step=0).result()
             deadline = time.monotonic() + WAIT_S
             while engine_version(url)["weight_version"] != 1 and time.monotonic() < deadline:

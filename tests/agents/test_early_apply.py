@@ -58,8 +58,13 @@ def _wait_for_caught_up_spare(agent) -> None:
     buffers = agent.agent.buffers
     while True:
         spare, served = buffers.spare, buffers.served
-        if spare is not None and spare.manifest is not None and served is not None and \
-                served.manifest is not None and spare.manifest.digest == served.manifest.digest:
+        if (
+            spare is not None
+            and spare.manifest is not None
+            and served is not None
+            and served.manifest is not None
+            and spare.manifest.digest == served.manifest.digest
+        ):
             return
         assert time.monotonic() < deadline, "the agent's spare never caught up with the served version"
         time.sleep(0.01)
@@ -96,8 +101,12 @@ def test_pushed_chunks_are_applied_before_the_offer_and_served_bit_exactly(tmp_p
                     assert entry["applied_early"] == 0
                 assert entry["bytes_fetched"] == 0
                 trainer.step()
-        assert all(p.parent == p_version - 1 for p_version, addresses in gate.addresses.items() if p_version > 1
-                   for p in (gate.placements[a] for a in addresses)), "a delta chunk's placement names its parent"
+        assert all(
+            p.parent == p_version - 1
+            for p_version, addresses in gate.addresses.items()
+            if p_version > 1
+            for p in (gate.placements[a] for a in addresses)
+        ), "a delta chunk's placement names its parent"
     finally:
         pusher.close(timeout_s=5)
         agent.stop(0)
@@ -128,8 +137,9 @@ def test_a_forged_chunk_applied_early_is_redone_and_never_served(tmp_path):
             forged_raw = np.random.default_rng(5).integers(0, 2**16, ref.stop - ref.start, dtype=np.uint16).tobytes()
             forged = pack_chunk(CODEC_FULL, 0, dtype, ref.stop - ref.start, xxh3_digest(forged_raw), forged_raw)
             address = object_hash(forged)
-            AgentClient(agent.address).push(iter([ObjectFrame(
-                MODEL, 3, address, forged, ChunkPlacement(tensor.name, ref.start, ref.stop, 2))]))
+            AgentClient(agent.address).push(
+                iter([ObjectFrame(MODEL, 3, address, forged, ChunkPlacement(tensor.name, ref.start, ref.stop, 2))])
+            )
             result = publisher.publish(trainer.state_dict()).result()
             _assert_serves(agent, 3, trainer.published())
         entry = _ledger(agent, 3)
@@ -177,8 +187,12 @@ def test_chunks_of_a_version_that_never_commits_do_not_reach_the_next_one(tmp_pa
             _assert_serves(agent, 3, trainer.published())
         # Early: only the new v3's chunks whose ranges the stale ones left alone.
         stale_ranges = {(p.tensor, p.start, p.stop) for _, _, p in stale_v3}
-        fresh = [c for t in result.manifest.tensors for c in t.chunks
-                 if c.object is not None and (t.name, c.start, c.stop) not in stale_ranges]
+        fresh = [
+            c
+            for t in result.manifest.tensors
+            for c in t.chunks
+            if c.object is not None and (t.name, c.start, c.stop) not in stale_ranges
+        ]
         assert _ledger(agent, 3)["applied_early"] == len(fresh) < _object_chunks(result.manifest)
     finally:
         pusher.close(timeout_s=5)

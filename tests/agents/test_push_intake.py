@@ -25,8 +25,15 @@ MODEL = "intake-test-lm"
 def _intake(tmp_path, push_wait_s: float) -> PushIntake:
     config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), push_wait_s=push_wait_s)
     cache = AgentCache(config.cache_path, model=MODEL, name="a")
-    return PushIntake(config, cache, accept=None, served_version=lambda: 0, relay=None, metrics=NULL_METRICS,
-                      cond=threading.Condition())
+    return PushIntake(
+        config,
+        cache,
+        accept=None,
+        served_version=lambda: 0,
+        relay=None,
+        metrics=NULL_METRICS,
+        cond=threading.Condition(),
+    )
 
 
 def _ref(data: bytes) -> tuple[str, ChunkRef]:

@@ -27,12 +27,21 @@ WAIT_S = 60
 def test_drain_a_request_on_an_old_buffer_holds_the_next_version_logged_with_its_reason(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="weightsync")
     store = LocalStore(tmp_path / "store")
-    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), name="a", store=store.uri, engine=ENGINE,
-                         poll_interval_s=0.2, swap_policy="drain", workers=1)
+    config = AgentConfig(
+        model=MODEL,
+        cache_dir=str(tmp_path / "agent"),
+        name="a",
+        store=store.uri,
+        engine=ENGINE,
+        poll_interval_s=0.2,
+        swap_policy="drain",
+        workers=1,
+    )
     server = AgentServer(config).start()
     trainer = FakeTrainer()
     try:
         with Publisher(store, model=MODEL, config=PublisherConfig(workers=1)) as publisher:
+
             def publish() -> int:
                 trainer.step()
                 return publisher.publish(trainer.state_dict(), step=trainer.step_count).result().version
@@ -50,8 +59,9 @@ def test_drain_a_request_on_an_old_buffer_holds_the_next_version_logged_with_its
             assert server.agent.wait_for_version(v3, WAIT_S)
         entry = next(e for e in server.agent.status()["ledger"] if e["version"] == v3)
         assert entry["timings_s"]["drain"] > 0 and entry["outcome"] == "served"
-        assert "swap_policy drain" in next(r.getMessage() for r in caplog.records
-                                           if "waiting for requests still running on v1" in r.getMessage())
+        assert "swap_policy drain" in next(
+            r.getMessage() for r in caplog.records if "waiting for requests still running on v1" in r.getMessage()
+        )
     finally:
         server.stop(0)
 

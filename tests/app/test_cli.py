@@ -61,8 +61,19 @@ def test_publish_ls_pull_verify_roundtrip(tmp_path, capsys):
 
     for version, expected in ((1, first), (2, second)):
         out_dir = tmp_path / f"pulled{version}"
-        code, out, _ = _run(capsys, "pull", "--store", store, "--model", "org/m", "--version", str(version),
-                            "--out", str(out_dir), "--json")
+        code, out, _ = _run(
+            capsys,
+            "pull",
+            "--store",
+            store,
+            "--model",
+            "org/m",
+            "--version",
+            str(version),
+            "--out",
+            str(out_dir),
+            "--json",
+        )
         assert code == 0 and json.loads(out)["version"] == version
         assert_bit_equal(load_file(out_dir / "model.safetensors"), _bf16(expected))
 
@@ -106,8 +117,9 @@ def test_gc_dry_run_then_real(tmp_path, capsys):
     store = str(tmp_path / "store")
     for c in (c1, c2, c1):  # v3 (same bytes as v1) is a delta on v2
         assert _run(capsys, "publish", "--store", store, "--model", "m", "--chunk-mib", "0.01", str(c))[0] == 0
-    code, out, _ = _run(capsys, "gc", "--store", store, "--model", "m", "--keep", "1", "--grace-s", "0",
-                        "--dry-run", "--json")
+    code, out, _ = _run(
+        capsys, "gc", "--store", store, "--model", "m", "--keep", "1", "--grace-s", "0", "--dry-run", "--json"
+    )
     plan = json.loads(out)
     assert code == 0 and plan["dry_run"] and plan["keep_versions"] == [1, 2, 3] and plan["delete_versions"] == []
 
@@ -155,11 +167,29 @@ def test_real_subprocess_and_help_does_not_import_torch(tmp_path):
     script = "import sys, weightsync.app.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", script]).returncode == 0
     store = str(tmp_path / "store")
-    done = subprocess.run([sys.executable, "-m", "weightsync.app.cli", "publish", "--store", store, "--model", "m",
-                           str(c2), "--json"], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "weightsync.app.cli", "publish", "--store", store, "--model", "m", str(c2), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(done.stdout)["version"] == 1
-    done = subprocess.run([sys.executable, "-m", "weightsync.app.cli", "pull", "--store", store, "--model", "m",
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.app.cli",
+            "pull",
+            "--store",
+            store,
+            "--model",
+            "m",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert_bit_equal(load_file(tmp_path / "out" / "model.safetensors"), _bf16(second))
 

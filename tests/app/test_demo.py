@@ -25,8 +25,16 @@ def test_the_demo_loop_runs_and_every_agent_ends_bit_exact(tmp_path):
     # sampled per group used, after 60 (reward ~0.07) ~3.5, so the run took 100-230 s, then ~65 s.
     # Long rollouts under the in_flight swap policy: generations run past the answer, swaps meet
     # them, and the trainer learns from what the versions that made the answer sampled.
-    config = DemoConfig(out_dir=str(tmp_path / "demo"), warmup_steps=60, rl_steps=2, group_size=4,
-                        groups_per_step=2, timeout_s=850, swap_policy="in_flight", rollout_tokens=48)
+    config = DemoConfig(
+        out_dir=str(tmp_path / "demo"),
+        warmup_steps=60,
+        rl_steps=2,
+        group_size=4,
+        groups_per_step=2,
+        timeout_s=850,
+        swap_policy="in_flight",
+        rollout_tokens=48,
+    )
     summary = run_demo(config, echo=lines.append)
 
     last = summary["last_version"]

@@ -13,8 +13,9 @@ from weightsync.app.demo.rl import RolloutSource
 
 
 def _source(queue_dir) -> RolloutSource:
-    return RolloutSource(str(queue_dir), dp_rank=0, dp_size=1, current_step=lambda: 31, max_staleness_steps=4,
-                         wait_timeout_s=0.2)
+    return RolloutSource(
+        str(queue_dir), dp_rank=0, dp_size=1, current_step=lambda: 31, max_staleness_steps=4, wait_timeout_s=0.2
+    )
 
 
 def test_a_queue_no_worker_feeds_names_the_workers(tmp_path):
@@ -27,6 +28,9 @@ def test_groups_without_a_reward_signal_are_named_as_the_reason(tmp_path):
     rows = [{"t": now + 60, "reward": 0.0, "queued": False, "version": 31}] * 5  # within the wait
     rows.append({"t": now - 3600, "reward": 1.0, "queued": True, "version": 3})  # before the wait: not counted
     (tmp_path / "stats-w0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{torn")
-    with pytest.raises(TimeoutError, match=r"sampled 5 groups in that time, none with a reward signal .*mean "
-                                           r"reward 0\.00"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"sampled 5 groups in that time, none with a reward signal .*mean "
+        r"reward 0\.00",
+    ):
         _source(tmp_path)._claim(4)

@@ -18,8 +18,17 @@ require_vllm()
 @pytest.mark.timeout(1800)
 def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path):
     lines: list[str] = []
-    config = DemoConfig(out_dir=str(tmp_path / "demo"), engine="vllm", regions=1, agents_per_region=2,
-                        warmup_steps=60, rl_steps=2, group_size=4, groups_per_step=2, timeout_s=1700)
+    config = DemoConfig(
+        out_dir=str(tmp_path / "demo"),
+        engine="vllm",
+        regions=1,
+        agents_per_region=2,
+        warmup_steps=60,
+        rl_steps=2,
+        group_size=4,
+        groups_per_step=2,
+        timeout_s=1700,
+    )
     summary = run_demo(config, echo=lambda line: lines.append(line))
 
     last = summary["last_version"]

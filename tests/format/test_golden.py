@@ -46,9 +46,18 @@ FULL_OBJECT_HEX = (
     "5753434b01000103010040000000000008000000000000004300000000000000"  # header 0..31
     "f061486d5558d2791f748d20218e0565dceadd6943f86999ec12603b7cb1e189"  # header 32..63: raw, payload hashes
     "02"  # two streams
-    "08000000000000001100000000000000" "08000000000000001100000000000000"  # (raw_len, comp_len) x 2
-    "28b52ffd" "20" "08" "410000" "000080c049800180"  # zstd magic, descriptor, size 8, raw block: plane 0
-    "28b52ffd" "20" "08" "410000" "00803fbf407f0047"  # the same for plane 1
+    "08000000000000001100000000000000"
+    "08000000000000001100000000000000"  # (raw_len, comp_len) x 2
+    "28b52ffd"
+    "20"
+    "08"
+    "410000"
+    "000080c049800180"  # zstd magic, descriptor, size 8, raw block: plane 0
+    "28b52ffd"
+    "20"
+    "08"
+    "410000"
+    "00803fbf407f0047"  # the same for plane 1
 )
 
 # A sparse delta object (element 2 differed by its lowest bit from the parent), zstd level 1.
@@ -76,7 +85,8 @@ CTX_RAW_XXH3 = "e7e2a3db24cb6369f72990af667302e5"
 CTX_OBJECT_HEX = (
     "5753434b01000401010040000000000040000000000000001800000000000000"  # header: codec 4, 64 elements
     "e7e2a3db24cb6369f72990af667302e568e71178996749419f6534ca421c7de2"
-    "0700000000000000" "7800"  # 7 changed elements, class base 120 (exponent of 2^-7)
+    "0700000000000000"
+    "7800"  # 7 changed elements, class base 120 (exponent of 2^-7)
     "00082fdc3c06c7c9236895200000"  # the range coder's bytes (the first is always 0)
 )
 
@@ -86,9 +96,26 @@ CTX_OBJECT_HEX = (
 RANS_OBJECT_HEX = (
     "5753434b01000501010040000000000040000000000000003600000000000000"  # header: codec 5, 64 elements
     "e7e2a3db24cb6369f72990af667302e5f3009444b793a69eac90167d3aced77e"
-    "0700000000000000" "7800" "0180" "05000000"  # 7 changed, class base 120, classes 0 and 15, 5 words
-    "06" "1b" "0a" "07" "d502" "d60a" "00" "00" "00" "00" "d502"  # class 0: 6 changes, gamma 27, 10, 7 freqs
-    "01" "00" "01" "01" "8010"  # class 15: 1 change, gamma 0, one gap symbol, one step symbol of 2048
+    "0700000000000000"
+    "7800"
+    "0180"
+    "05000000"  # 7 changed, class base 120, classes 0 and 15, 5 words
+    "06"
+    "1b"
+    "0a"
+    "07"
+    "d502"
+    "d60a"
+    "00"
+    "00"
+    "00"
+    "00"
+    "d502"  # class 0: 6 changes, gamma 27, 10, 7 freqs
+    "01"
+    "00"
+    "01"
+    "01"
+    "8010"  # class 15: 1 change, gamma 0, one gap symbol, one step symbol of 2048
     "f4b8b50021d91f00b7a2"  # the rANS words: X0, X1, then one more
     "3001000000000000"  # the raw bits
 )
@@ -247,16 +274,42 @@ GOLDEN_DELTA_DIGEST = "f6775f33b4f51579a9e849aa49bdc41b"
 
 def _full_manifest() -> Manifest:
     tensors = (
-        TensorEntry(name="a.weight", dtype="bfloat16", shape=(2, 4), chunks=(
-            ChunkRef(start=0, stop=8, codec="full", raw=RAW_XXH3, object=OBJ, key=f"chunks/e6/{OBJ}", size=131),)),
+        TensorEntry(
+            name="a.weight",
+            dtype="bfloat16",
+            shape=(2, 4),
+            chunks=(
+                ChunkRef(start=0, stop=8, codec="full", raw=RAW_XXH3, object=OBJ, key=f"chunks/e6/{OBJ}", size=131),
+            ),
+        ),
         TensorEntry(name="b.empty", dtype="float32", shape=(0, 3), chunks=()),
-        TensorEntry(name="c.step", dtype="int64", shape=(), chunks=(
-            ChunkRef(start=0, stop=1, codec="full", raw="0" * 31 + "1", object="1" * 32,
-                     key="chunks/11/" + "1" * 32, size=100),)),
+        TensorEntry(
+            name="c.step",
+            dtype="int64",
+            shape=(),
+            chunks=(
+                ChunkRef(
+                    start=0,
+                    stop=1,
+                    codec="full",
+                    raw="0" * 31 + "1",
+                    object="1" * 32,
+                    key="chunks/11/" + "1" * 32,
+                    size=100,
+                ),
+            ),
+        ),
     )
     return Manifest(
-        model="org/tiny", version=1, parent=None, base=1, kind="full", step=None, created_unix_ms=1764000000000,
-        tensors=tensors, digest=GOLDEN_FULL_DIGEST,
+        model="org/tiny",
+        version=1,
+        parent=None,
+        base=1,
+        kind="full",
+        step=None,
+        created_unix_ms=1764000000000,
+        tensors=tensors,
+        digest=GOLDEN_FULL_DIGEST,
         producer={"host": "golden", "name": "weightsync", "version": "0.1.0"},
         stats={"changed_elements": 9, "total_elements": 9},
     )
@@ -264,18 +317,40 @@ def _full_manifest() -> Manifest:
 
 def _delta_manifest() -> Manifest:
     tensors = (
-        TensorEntry(name="a.weight", dtype="bfloat16", shape=(2, 4), chunks=(
-            ChunkRef(start=0, stop=4, codec="sparse", raw="2" * 32, object="3" * 32, key="chunks/33/" + "3" * 32,
-                     size=95),
-            ChunkRef(start=4, stop=8, codec="same", raw="4" * 32))),
+        TensorEntry(
+            name="a.weight",
+            dtype="bfloat16",
+            shape=(2, 4),
+            chunks=(
+                ChunkRef(
+                    start=0, stop=4, codec="sparse", raw="2" * 32, object="3" * 32, key="chunks/33/" + "3" * 32, size=95
+                ),
+                ChunkRef(start=4, stop=8, codec="same", raw="4" * 32),
+            ),
+        ),
         TensorEntry(name="b.empty", dtype="float32", shape=(0, 3), chunks=()),
-        TensorEntry(name="c.step", dtype="int64", shape=(), chunks=(
-            ChunkRef(start=0, stop=1, codec="xor", raw="5" * 32, object="6" * 32, key="chunks/66/" + "6" * 32,
-                     size=90),)),
+        TensorEntry(
+            name="c.step",
+            dtype="int64",
+            shape=(),
+            chunks=(
+                ChunkRef(
+                    start=0, stop=1, codec="xor", raw="5" * 32, object="6" * 32, key="chunks/66/" + "6" * 32, size=90
+                ),
+            ),
+        ),
     )
     return Manifest(
-        model="org/tiny", version=2, parent=1, base=1, kind="delta", step=7, created_unix_ms=1764000001234,
-        tensors=tensors, digest=GOLDEN_DELTA_DIGEST, producer={"name": "weightsync", "version": "0.1.0"},
+        model="org/tiny",
+        version=2,
+        parent=1,
+        base=1,
+        kind="delta",
+        step=7,
+        created_unix_ms=1764000001234,
+        tensors=tensors,
+        digest=GOLDEN_DELTA_DIGEST,
+        producer={"name": "weightsync", "version": "0.1.0"},
         stats={"changed_elements": 3, "total_elements": 9},
     )
 
@@ -291,9 +366,11 @@ def _packed_delta_manifest() -> Manifest:
 
 @pytest.mark.parametrize(
     "build, golden, digest",
-    [(_full_manifest, GOLDEN_FULL_MANIFEST, GOLDEN_FULL_DIGEST),
-     (_delta_manifest, GOLDEN_DELTA_MANIFEST, GOLDEN_DELTA_DIGEST),
-     (_packed_delta_manifest, GOLDEN_PACKED_MANIFEST, GOLDEN_DELTA_DIGEST)],
+    [
+        (_full_manifest, GOLDEN_FULL_MANIFEST, GOLDEN_FULL_DIGEST),
+        (_delta_manifest, GOLDEN_DELTA_MANIFEST, GOLDEN_DELTA_DIGEST),
+        (_packed_delta_manifest, GOLDEN_PACKED_MANIFEST, GOLDEN_DELTA_DIGEST),
+    ],
     ids=["full", "delta", "packed-delta"],
 )
 def test_manifest_canonical_bytes_parse_and_digest(build, golden, digest):
@@ -318,9 +395,23 @@ def test_digest_ignores_codecs_and_objects():
     """Equal weights and chunking give equal digests, however they were encoded."""
     delta = _delta_manifest()
     recoded = tuple(
-        TensorEntry(name=t.name, dtype=t.dtype, shape=t.shape, chunks=tuple(
-            ChunkRef(start=c.start, stop=c.stop, codec="full", raw=c.raw, object="7" * 32,
-                     key="chunks/77/" + "7" * 32, size=1000) for c in t.chunks))
+        TensorEntry(
+            name=t.name,
+            dtype=t.dtype,
+            shape=t.shape,
+            chunks=tuple(
+                ChunkRef(
+                    start=c.start,
+                    stop=c.stop,
+                    codec="full",
+                    raw=c.raw,
+                    object="7" * 32,
+                    key="chunks/77/" + "7" * 32,
+                    size=1000,
+                )
+                for c in t.chunks
+            ),
+        )
         for t in delta.tensors
     )
     assert compute_digest(recoded) == GOLDEN_DELTA_DIGEST

@@ -39,9 +39,25 @@ from weightsync.format.manifest import (
 )
 
 # CI runs a bounded fuzz; WEIGHTSYNC_FUZZ_EXAMPLES=20000 runs a longer one.
-FUZZ = settings(max_examples=int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300")), deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
-HEADER_FIELDS = ["magic", "fmt", "codec", "level", "dtype", "flags", "hsize", "reserved", "count", "plen", "raw", "phash"]
+FUZZ = settings(
+    max_examples=int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+HEADER_FIELDS = [
+    "magic",
+    "fmt",
+    "codec",
+    "level",
+    "dtype",
+    "flags",
+    "hsize",
+    "reserved",
+    "count",
+    "plen",
+    "raw",
+    "phash",
+]
 
 # ----------------------------------------------------------------------------------- manifests
 
@@ -49,25 +65,57 @@ HEADER_FIELDS = ["magic", "fmt", "codec", "level", "dtype", "flags", "hsize", "r
 def _valid_manifests() -> list[bytes]:
     obj = "ab" * 16
     delta_tensors = (
-        TensorEntry(name="layers.0.w", dtype="bfloat16", shape=(8, 8), chunks=(
-            ChunkRef(start=0, stop=40, codec="sparse", raw="a" * 32, object=obj, key=chunk_key(obj), size=99),
-            ChunkRef(start=40, stop=50, codec="xor", raw="b" * 32, object=obj, key=chunk_key(obj), size=80),
-            ChunkRef(start=50, stop=64, codec="same", raw="c" * 32))),
+        TensorEntry(
+            name="layers.0.w",
+            dtype="bfloat16",
+            shape=(8, 8),
+            chunks=(
+                ChunkRef(start=0, stop=40, codec="sparse", raw="a" * 32, object=obj, key=chunk_key(obj), size=99),
+                ChunkRef(start=40, stop=50, codec="xor", raw="b" * 32, object=obj, key=chunk_key(obj), size=80),
+                ChunkRef(start=50, stop=64, codec="same", raw="c" * 32),
+            ),
+        ),
         TensorEntry(name="layers.0/empty", dtype="float32", shape=(0, 4), chunks=()),
-        TensorEntry(name="scale", dtype="int64", shape=(), chunks=(
-            ChunkRef(start=0, stop=1, codec="same", raw="d" * 32),)),
+        TensorEntry(
+            name="scale", dtype="int64", shape=(), chunks=(ChunkRef(start=0, stop=1, codec="same", raw="d" * 32),)
+        ),
     )
     full_tensors = tuple(
-        TensorEntry(name=t.name, dtype=t.dtype, shape=t.shape, chunks=tuple(
-            ChunkRef(start=c.start, stop=c.stop, codec="full", raw=c.raw, object=obj, key=chunk_key(obj), size=120)
-            for c in t.chunks))
+        TensorEntry(
+            name=t.name,
+            dtype=t.dtype,
+            shape=t.shape,
+            chunks=tuple(
+                ChunkRef(start=c.start, stop=c.stop, codec="full", raw=c.raw, object=obj, key=chunk_key(obj), size=120)
+                for c in t.chunks
+            ),
+        )
         for t in delta_tensors
     )
-    delta = Manifest(model="org/m", version=3, parent=2, base=1, kind="delta", step=11, created_unix_ms=5,
-                     tensors=delta_tensors, digest=compute_digest(delta_tensors),
-                     producer={"name": "weightsync", "nested": {"a": [1, 2, None]}}, stats={"changed": 3})
-    full = Manifest(model="m", version=1, parent=None, base=1, kind="full", step=None, created_unix_ms=0,
-                    tensors=full_tensors, digest=compute_digest(full_tensors))
+    delta = Manifest(
+        model="org/m",
+        version=3,
+        parent=2,
+        base=1,
+        kind="delta",
+        step=11,
+        created_unix_ms=5,
+        tensors=delta_tensors,
+        digest=compute_digest(delta_tensors),
+        producer={"name": "weightsync", "nested": {"a": [1, 2, None]}},
+        stats={"changed": 3},
+    )
+    full = Manifest(
+        model="m",
+        version=1,
+        parent=None,
+        base=1,
+        kind="full",
+        step=None,
+        created_unix_ms=0,
+        tensors=full_tensors,
+        digest=compute_digest(full_tensors),
+    )
     out = [delta.to_bytes(), full.to_bytes()]
     for data in out:
         parse_manifest(data)  # the seeds themselves are valid
@@ -75,18 +123,54 @@ def _valid_manifests() -> list[bytes]:
 
 
 VALID_MANIFESTS = _valid_manifests()
-VOCAB = ["format", "model", "version", "parent", "base", "kind", "step", "created_unix_ms", "tensors", "digest",
-         "producer", "stats", "name", "dtype", "shape", "chunks", "start", "stop", "codec", "raw", "object", "key",
-         "size", "same", "full", "delta", "sparse", "xor", "bfloat16", "../x", "/abs", ""]
+VOCAB = [
+    "format",
+    "model",
+    "version",
+    "parent",
+    "base",
+    "kind",
+    "step",
+    "created_unix_ms",
+    "tensors",
+    "digest",
+    "producer",
+    "stats",
+    "name",
+    "dtype",
+    "shape",
+    "chunks",
+    "start",
+    "stop",
+    "codec",
+    "raw",
+    "object",
+    "key",
+    "size",
+    "same",
+    "full",
+    "delta",
+    "sparse",
+    "xor",
+    "bfloat16",
+    "../x",
+    "/abs",
+    "",
+]
 _scalars = (
-    st.none() | st.booleans()
-    | st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, -1, 2**46, 2**46 + 1, 2**63, 10**12, 64, 65])
-    | st.text(max_size=20) | st.sampled_from(VOCAB) | st.sampled_from(["a" * 32, "A" * 32, chunk_key("ab" * 16)])
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([0, 1, -1, 2**46, 2**46 + 1, 2**63, 10**12, 64, 65])
+    | st.text(max_size=20)
+    | st.sampled_from(VOCAB)
+    | st.sampled_from(["a" * 32, "A" * 32, chunk_key("ab" * 16)])
 )
 _json = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8) | st.sampled_from(VOCAB), inner,
-                                                               max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8) | st.sampled_from(VOCAB), inner, max_size=5)
+    ),
     max_leaves=30,
 )
 
@@ -94,8 +178,15 @@ _json = st.recursive(
 def _redigest(doc) -> None:
     """Best effort: fixes the digest of a mutated document so the parser checks what comes after it."""
     try:
-        tensors = [TensorEntry(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]),
-                               chunks=tuple(ChunkRef(**c) for c in t["chunks"])) for t in doc["tensors"]]
+        tensors = [
+            TensorEntry(
+                name=t["name"],
+                dtype=t["dtype"],
+                shape=tuple(t["shape"]),
+                chunks=tuple(ChunkRef(**c) for c in t["chunks"]),
+            )
+            for t in doc["tensors"]
+        ]
         digest = compute_digest(tensors)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return  # too broken to digest: the parser must refuse it some other way
@@ -147,12 +238,19 @@ def _manifest_shaped(draw):
 
     def chunk(start, numel):
         stop = value(st.integers(start + 1, min(start + 70, numel)))
-        doc = {"start": start, "stop": stop, "codec": value(st.sampled_from(codecs)),
-               "raw": value(st.sampled_from(["a" * 32, "0" * 32]))}
+        doc = {
+            "start": start,
+            "stop": stop,
+            "codec": value(st.sampled_from(codecs)),
+            "raw": value(st.sampled_from(["a" * 32, "0" * 32])),
+        }
         if doc["codec"] != "same" or draw(st.integers(0, 20)) < noise:
             obj = value(st.sampled_from(["ab" * 16, "cd" * 16]))
-            doc.update(object=obj, key=value(st.just(chunk_key(obj) if isinstance(obj, str) else "x")),
-                       size=value(st.integers(65, 4160)))
+            doc.update(
+                object=obj,
+                key=value(st.just(chunk_key(obj) if isinstance(obj, str) else "x")),
+                size=value(st.integers(65, 4160)),
+            )
         return doc
 
     tensors = []
@@ -164,13 +262,28 @@ def _manifest_shaped(draw):
             chunks.append(chunk(start, numel))
             stop = chunks[-1]["stop"]
             start = stop if type(stop) is int and stop > start else numel
-        tensors.append({"name": value(st.sampled_from([f"t{i}", f"t{i}/a.b"])),
-                        "dtype": value(st.sampled_from(["bfloat16", "float32", "int64", "bool", "float8_e5m2"])),
-                        "shape": shape, "chunks": value(st.just(chunks))})
-    doc = {"format": value(st.just(1)), "model": value(st.sampled_from(["m", "org/m.v2"])), "version": version,
-           "parent": parent, "base": base, "kind": kind, "step": value(st.none() | st.integers(0, 10)),
-           "created_unix_ms": value(st.integers(0, 10**13)), "tensors": tensors, "digest": "0" * 32,
-           "producer": value(st.just({})), "stats": value(st.dictionaries(st.text(max_size=3), st.integers()))}
+        tensors.append(
+            {
+                "name": value(st.sampled_from([f"t{i}", f"t{i}/a.b"])),
+                "dtype": value(st.sampled_from(["bfloat16", "float32", "int64", "bool", "float8_e5m2"])),
+                "shape": shape,
+                "chunks": value(st.just(chunks)),
+            }
+        )
+    doc = {
+        "format": value(st.just(1)),
+        "model": value(st.sampled_from(["m", "org/m.v2"])),
+        "version": version,
+        "parent": parent,
+        "base": base,
+        "kind": kind,
+        "step": value(st.none() | st.integers(0, 10)),
+        "created_unix_ms": value(st.integers(0, 10**13)),
+        "tensors": tensors,
+        "digest": "0" * 32,
+        "producer": value(st.just({})),
+        "stats": value(st.dictionaries(st.text(max_size=3), st.integers())),
+    }
     if draw(st.integers(0, 9)) < noise:
         del doc[draw(st.sampled_from(sorted(doc)))]
     return doc
@@ -185,8 +298,24 @@ def test_manifest_shaped_documents(doc, redigest):
 
 
 _NUMBER = re.compile(rb"(?<![0-9a-z\"])-?[0-9]+(?![0-9a-z\"])")
-_NUMBER_TEXTS = [b"0", b"-1", b"1.0", b"1e3", b"-0", b"007", b"99999999999999999999999999", b"NaN", b"Infinity",
-                 b"true", b"null", b'"1"', b"[]", b"{}", b"1" * 5000, b"18446744073709551616"]
+_NUMBER_TEXTS = [
+    b"0",
+    b"-1",
+    b"1.0",
+    b"1e3",
+    b"-0",
+    b"007",
+    b"99999999999999999999999999",
+    b"NaN",
+    b"Infinity",
+    b"true",
+    b"null",
+    b'"1"',
+    b"[]",
+    b"{}",
+    b"1" * 5000,
+    b"18446744073709551616",
+]
 
 
 @FUZZ
@@ -201,8 +330,9 @@ def test_mutated_manifest_bytes(data, which):
         start = data.draw(st.integers(0, len(raw) - 1))
         del raw[start : start + data.draw(st.integers(1, 20))]
     elif how == "insert":
-        raw[data.draw(st.integers(0, len(raw))) : 0] = data.draw(st.sampled_from(
-            [b",", b"{", b"]", b'"', b"\\", b"\x00", b" ", b"\xff", b'"x":1,', b'{"a":', b"\\ud800"]))
+        raw[data.draw(st.integers(0, len(raw))) : 0] = data.draw(
+            st.sampled_from([b",", b"{", b"]", b'"', b"\\", b"\x00", b" ", b"\xff", b'"x":1,', b'{"a":', b"\\ud800"])
+        )
     elif how == "truncate":
         del raw[data.draw(st.integers(0, len(raw) - 1)) :]
     elif how == "number":  # replace one integer literal with something else
@@ -215,7 +345,9 @@ def test_mutated_manifest_bytes(data, which):
         raw[m.start() : m.start()] = m.group(0) + b"0,"
     else:  # a key (and its value) removed at the JSON level, digest recomputed
         doc = json.loads(raw)
-        path = data.draw(st.sampled_from([(), ("tensors", 0), ("tensors", 0, "chunks", 0), ("tensors", 0, "chunks", 2)]))
+        path = data.draw(
+            st.sampled_from([(), ("tensors", 0), ("tensors", 0, "chunks", 0), ("tensors", 0, "chunks", 2)])
+        )
         target = doc
         for part in path:
             target = target[part]
@@ -230,9 +362,17 @@ def test_mutated_manifest_bytes(data, which):
 def test_mutated_manifest_values(data, which):
     """One field anywhere in a valid manifest replaced by a random value, the digest recomputed."""
     doc = json.loads(VALID_MANIFESTS[which])
-    paths = [(k,) for k in doc] + [("tensors", i, k) for i, t in enumerate(doc["tensors"]) for k in t] + [
-        ("tensors", i, "chunks", j, k) for i, t in enumerate(doc["tensors"]) for j, c in enumerate(t["chunks"])
-        for k in c] + [("tensors", 0, "shape", 0)]
+    paths = (
+        [(k,) for k in doc]
+        + [("tensors", i, k) for i, t in enumerate(doc["tensors"]) for k in t]
+        + [
+            ("tensors", i, "chunks", j, k)
+            for i, t in enumerate(doc["tensors"])
+            for j, c in enumerate(t["chunks"])
+            for k in c
+        ]
+        + [("tensors", 0, "shape", 0)]
+    )
     path = data.draw(st.sampled_from(paths))
     target = doc
     for part in path[:-1]:
@@ -304,14 +444,20 @@ def test_random_bytes_as_chunk(data):
 
 
 @FUZZ
-@given(payload=st.binary(max_size=400), codec_id=st.sampled_from([CODEC_FULL, CODEC_XOR, CODEC_SPARSE]),
-       dtype_code=st.sampled_from(sorted(BY_CODE)), count=st.integers(0, 64), level=st.integers(0, 22))
+@given(
+    payload=st.binary(max_size=400),
+    codec_id=st.sampled_from([CODEC_FULL, CODEC_XOR, CODEC_SPARSE]),
+    dtype_code=st.sampled_from(sorted(BY_CODE)),
+    count=st.integers(0, 64),
+    level=st.integers(0, 22),
+)
 def test_random_payload_behind_a_valid_header(payload, codec_id, dtype_code, count, level):
     """A well-formed header (hashes right) over a random payload: the decoder itself is fuzzed."""
     dtype = BY_CODE[dtype_code]
     raw = b"\x11" * 16
-    header = HEADER.pack(b"WSCK", 1, codec_id, level, dtype_code, 0, 64, 0, count, len(payload), raw,
-                         xxh3_digest(payload))
+    header = HEADER.pack(
+        b"WSCK", 1, codec_id, level, dtype_code, 0, 64, 0, count, len(payload), raw, xxh3_digest(payload)
+    )
     parent = np.zeros(count * dtype.itemsize, dtype=np.uint8)
     _check_chunk(header + payload, parent, dtype.name, raw.hex(), codec_id)
 
@@ -342,7 +488,9 @@ def test_mutated_chunk_objects(data, which):
         candidate = _repack(obj, bytes(payload))
     elif how == "table" and codec_id == CODEC_CTX:  # no stream table: its changed count or class base
         if data.draw(st.booleans()):
-            struct.pack_into("<Q", payload, 0, data.draw(st.sampled_from([0, 1, 2**32, 2**64 - 1]) | st.integers(0, 5000)))
+            struct.pack_into(
+                "<Q", payload, 0, data.draw(st.sampled_from([0, 1, 2**32, 2**64 - 1]) | st.integers(0, 5000))
+            )
         else:
             struct.pack_into("<H", payload, 8, data.draw(st.integers(0, 2**16 - 1)))
         candidate = _repack(obj, bytes(payload))
@@ -354,11 +502,23 @@ def test_mutated_chunk_objects(data, which):
         struct.pack_into("<Q", payload, 1 + 16 * entry + 8 * field, value)
         candidate = _repack(obj, bytes(payload))
     else:
-        limits = {"fmt": 2**16 - 1, "codec": 255, "level": 255, "dtype": 255, "flags": 255, "hsize": 2**16 - 1,
-                  "reserved": 2**32 - 1, "count": 2**64 - 1, "plen": 2**64 - 1}
+        limits = {
+            "fmt": 2**16 - 1,
+            "codec": 255,
+            "level": 255,
+            "dtype": 255,
+            "flags": 255,
+            "hsize": 2**16 - 1,
+            "reserved": 2**32 - 1,
+            "count": 2**64 - 1,
+            "plen": 2**64 - 1,
+        }
         field = data.draw(st.sampled_from([*limits, "raw"]))
-        value = data.draw(st.binary(min_size=16, max_size=16)) if field == "raw" else data.draw(
-            st.integers(0, limits[field]) | st.sampled_from([0, 1, 2, 3]))
+        value = (
+            data.draw(st.binary(min_size=16, max_size=16))
+            if field == "raw"
+            else data.draw(st.integers(0, limits[field]) | st.sampled_from([0, 1, 2, 3]))
+        )
         candidate = _repack(obj, **{field: value})
         if field == "plen":
             assume(value != len(payload))

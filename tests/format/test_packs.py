@@ -58,8 +58,7 @@ def _packed_refs(manifest) -> list[ChunkRef]:
     return [c for t in manifest.tensors for c in t.chunks if c.packed]
 
 
-def test_deltas_are_packed_full_versions_are_not(tmp_store, make_state_dict, perturb, published_view,
-                                                  assert_bit_equal):
+def test_deltas_are_packed_full_versions_are_not(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal):
     sds = _series(make_state_dict, perturb, 3)
     results = _publish(tmp_store, sds)
     full, deltas = results[0].manifest, [r.manifest for r in results[1:]]
@@ -75,8 +74,9 @@ def test_deltas_are_packed_full_versions_are_not(tmp_store, make_state_dict, per
         assert_bit_equal(reader.read(version).state_dict(), published_view(sd))
 
 
-def test_pack_size_bounds_packs_and_reads_are_coalesced(tmp_path, make_state_dict, perturb, published_view,
-                                                       assert_bit_equal):
+def test_pack_size_bounds_packs_and_reads_are_coalesced(
+    tmp_path, make_state_dict, perturb, published_view, assert_bit_equal
+):
     sds = _series(make_state_dict, perturb, 2)
     # The bound from the members themselves (their size depends on the codec that wins): about a
     # third of the delta per pack, so there are several packs and several members in some pack.
@@ -102,8 +102,9 @@ def test_pack_size_bounds_packs_and_reads_are_coalesced(tmp_path, make_state_dic
     assert sorted(key for key, _ in store.reads) == sorted(model_prefix(MODEL) + k for k in packs)
 
 
-def test_unpacked_stores_and_mixed_chains_still_read(tmp_store, make_state_dict, perturb, published_view,
-                                                     assert_bit_equal):
+def test_unpacked_stores_and_mixed_chains_still_read(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     sds = _series(make_state_dict, perturb, 4)
     old = _publish(tmp_store, sds[:2], pack_bytes=0)  # as an older publisher wrote them
     assert all(not r.manifest.has_packs and r.manifest.format == FORMAT_VERSION for r in old)
@@ -151,13 +152,14 @@ def test_pack_holding_other_bytes_than_its_index_says_is_an_integrity_error(tmp_
     against its own hash."""
     refs, key = _one_delta(tmp_store, make_state_dict, perturb)
     data = tmp_store.get(key)
-    tmp_store.put(key, data[refs[-1].offset:] + data[:refs[-1].offset])  # members moved around
+    tmp_store.put(key, data[refs[-1].offset :] + data[: refs[-1].offset])  # members moved around
     with pytest.raises(IntegrityError, match="is corrupt"):
         Reader(tmp_store, model=MODEL).read(2)
 
 
-def test_gc_keeps_packs_of_kept_versions_and_deletes_the_rest(tmp_store, make_state_dict, perturb,
-                                                              published_view, assert_bit_equal):
+def test_gc_keeps_packs_of_kept_versions_and_deletes_the_rest(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     sds = _series(make_state_dict, perturb, 6)
     results = _publish(tmp_store, sds, rebase_every=2, rebase_chain_ratio=1e9)  # bases 1 and 4
     assert [r.manifest.kind for r in results] == ["full", "delta", "delta"] * 2
@@ -202,7 +204,8 @@ def test_plan_reads_groups_nearby_members_of_one_pack():
     loose = ChunkRef(start=0, stop=1, codec="xor", raw="a" * 32, object="c" * 32, key="chunks/cc/" + "c" * 32, size=99)
     groups = plan_reads([c, loose, b, other, a])
     assert sorted(groups, key=lambda g: (g[0].key, g[0].offset)) == sorted(
-        [[a, b], [c], [other], [loose]], key=lambda g: (g[0].key, g[0].offset))
+        [[a, b], [c], [other], [loose]], key=lambda g: (g[0].key, g[0].offset)
+    )
     assert group_span([a, b]) == (0, 150)
     big = [_ref(i * 1000, 1000) for i in range(10)]
     assert [len(g) for g in plan_reads(big, max_bytes=3000)] == [3, 3, 3, 1]

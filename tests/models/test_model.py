@@ -11,8 +11,14 @@ import torch
 
 from weightsync.models import KVCache, ModelConfig, build_model, load_pretrained, save_pretrained
 
-SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 CASES = [("llama", False), ("qwen2", True), ("qwen3", False)]
 
 
@@ -51,9 +57,13 @@ def test_greedy_generation_equals_step_by_step_argmax():
     for i in range(6):
         logits = model(seq)[:, -1]
         assert torch.equal(logits.argmax(-1), tokens[:, i])
-        torch.testing.assert_close(torch.log_softmax(logits, -1).gather(1, tokens[:, i:i + 1]).squeeze(1),
-                                   logprobs[:, i], atol=1e-5, rtol=1e-5)
-        seq = torch.cat([seq, tokens[:, i:i + 1]], dim=1)
+        torch.testing.assert_close(
+            torch.log_softmax(logits, -1).gather(1, tokens[:, i : i + 1]).squeeze(1),
+            logprobs[:, i],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        seq = torch.cat([seq, tokens[:, i : i + 1]], dim=1)
 
 
 def test_sampling_is_seeded_and_stops():
@@ -63,8 +73,9 @@ def test_sampling_is_seeded_and_stops():
     b, _ = model.generate(prompt, max_new_tokens=8, generator=torch.Generator().manual_seed(5), top_k=10)
     assert torch.equal(a, b)
     stop = int(a[0, 0])
-    c, _ = model.generate(prompt, max_new_tokens=8, generator=torch.Generator().manual_seed(5), top_k=10,
-                          stop_token=stop)
+    c, _ = model.generate(
+        prompt, max_new_tokens=8, generator=torch.Generator().manual_seed(5), top_k=10, stop_token=stop
+    )
     assert c[0, 0] == stop and bool((c[0] == stop).all())
 
 
@@ -82,8 +93,13 @@ def test_hf_directory_round_trip(tmp_path, model_type, tied):
 
 
 def test_rope_theta_is_read_where_transformers_5_writes_it():
-    doc = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
-           "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+    doc = {
+        "model_type": "qwen3",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    }
     assert ModelConfig.from_hf(doc).rope_theta == 1000000.0
     assert ModelConfig.from_hf({**doc, "rope_theta": 500.0}).rope_theta == 500.0  # the top level wins
     assert ModelConfig.from_hf({k: v for k, v in doc.items() if k != "rope_parameters"}).rope_theta == 10000.0

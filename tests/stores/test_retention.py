@@ -23,8 +23,9 @@ def _publish(store, count: int, rebase_every: int) -> None:
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(128, 128, generator=g), "n": torch.ones(128)}
     # Bases exactly every rebase_every + 1 versions, whatever the deltas weigh.
-    config = PublisherConfig(chunk_bytes=8192, rebase_every=rebase_every, rebase_chain_ratio=1e9,
-                             parent_from_store=False)
+    config = PublisherConfig(
+        chunk_bytes=8192, rebase_every=rebase_every, rebase_chain_ratio=1e9, parent_from_store=False
+    )
     with Publisher(store, model=MODEL, config=config) as publisher:
         for _ in range(count):
             publisher.publish(state).result()

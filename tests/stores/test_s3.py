@@ -19,8 +19,9 @@ from weightsync.versions import list_versions
 pytestmark = pytest.mark.s3
 
 
-def test_versions_publish_and_read_back_bit_exactly(s3_store, make_state_dict, perturb, published_view,
-                                                     assert_bit_equal):
+def test_versions_publish_and_read_back_bit_exactly(
+    s3_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     sd = make_state_dict(3)
     expected = {}
     with Publisher(s3_store, model="org/s3-model", config=PublisherConfig(chunk_bytes=16 * 1024)) as publisher:
@@ -70,8 +71,9 @@ def test_cli_with_s3_uris(s3_store, s3_endpoint, tmp_path, capsys, monkeypatch):
     assert plan["keep_versions"] == [1, 2] and plan["delete_versions"] == []
 
 
-def test_a_rerun_after_a_failed_commit_uploads_no_chunk_twice(s3_store, make_state_dict, published_view,
-                                                               assert_bit_equal):
+def test_a_rerun_after_a_failed_commit_uploads_no_chunk_twice(
+    s3_store, make_state_dict, published_view, assert_bit_equal
+):
     """A publisher that dies after its chunks are durable but before its manifest (simulated by a
     failing commit) leaves no version; the re-run commits it and re-uploads nothing."""
     from weightsync.errors import PublishError, StoreError
@@ -215,9 +217,17 @@ def test_small_pages_list_everything(s3_store):
     assert [i.key for i in _like(s3_store, list_page_size=5).list("k/")] == [f"k/{i:03d}" for i in range(23)]
 
 
-@pytest.mark.parametrize("bad", [dict(io_concurrency=0), dict(part_bytes=MiB), dict(retry_mode="legacy"),
-                                 dict(multipart_threshold_bytes=5 * MiB, part_bytes=8 * MiB),
-                                 dict(list_page_size=1001), dict(transfer_deadline_s=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(io_concurrency=0),
+        dict(part_bytes=MiB),
+        dict(retry_mode="legacy"),
+        dict(multipart_threshold_bytes=5 * MiB, part_bytes=8 * MiB),
+        dict(list_page_size=1001),
+        dict(transfer_deadline_s=0),
+    ],
+)
 def test_config_refuses_bad_settings(bad):
     from weightsync.stores.s3 import S3StoreConfig
 

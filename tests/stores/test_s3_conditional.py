@@ -35,11 +35,16 @@ MODEL = "org/unconditional"
 def _s3rver_script() -> Path:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
-        pytest.skip("node and npm are needed for s3rver (an S3 server that ignores If-None-Match); "
-                    f"install Node.js, then `npm install --prefix tests/.npm s3rver@{S3RVER_VERSION}`")
+        pytest.skip(
+            "node and npm are needed for s3rver (an S3 server that ignores If-None-Match); "
+            f"install Node.js, then `npm install --prefix tests/.npm s3rver@{S3RVER_VERSION}`"
+        )
     if not S3RVER_JS.exists():
-        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(NPM_PREFIX),
-                        f"s3rver@{S3RVER_VERSION}"], check=True, timeout=600)
+        subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--prefix", str(NPM_PREFIX), f"s3rver@{S3RVER_VERSION}"],
+            check=True,
+            timeout=600,
+        )
     return S3RVER_JS
 
 
@@ -51,9 +56,24 @@ def s3rver(tmp_path_factory):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     data = tmp_path_factory.mktemp("s3rver")
-    proc = subprocess.Popen(["node", str(script), "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "--silent",
-                             "--configure-bucket", "weights"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            "node",
+            str(script),
+            "-d",
+            str(data),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "--silent",
+            "--configure-bucket",
+            "weights",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     # It prints one line once it listens: wait for that line (or the process's end), not a clock.
     listening = threading.Event()
     output: list[str] = []
@@ -93,8 +113,13 @@ def _store(endpoint: str, **config) -> S3Store:
 
 
 def _publish(store, make_state_dict, seed: int = 0):
-    return publish_once(store, make_state_dict(seed, width=64), model=MODEL, step=seed,
-                        config=PublisherConfig(chunk_bytes=4096, workers=1))
+    return publish_once(
+        store,
+        make_state_dict(seed, width=64),
+        model=MODEL,
+        step=seed,
+        config=PublisherConfig(chunk_bytes=4096, workers=1),
+    )
 
 
 def test_s3rver_ignores_the_header_and_the_probe_sees_it(s3rver_env):
@@ -118,8 +143,9 @@ def test_publishing_is_refused_with_the_reason_and_the_way_out(s3rver_env, make_
 
 
 @pytest.mark.parametrize("how", ["config", "uri", "env"])
-def test_with_the_opt_in_it_publishes_and_pulls(s3rver_env, how, make_state_dict, published_view,
-                                                assert_bit_equal, monkeypatch):
+def test_with_the_opt_in_it_publishes_and_pulls(
+    s3rver_env, how, make_state_dict, published_view, assert_bit_equal, monkeypatch
+):
     prefix = f"run-{uuid.uuid4().hex[:8]}"
     if how == "config":
         store = S3Store("weights", prefix, endpoint_url=s3rver_env, config=S3StoreConfig(single_publisher=True))
@@ -148,8 +174,9 @@ def test_with_the_opt_in_a_committed_version_is_still_not_overwritten(s3rver_env
     assert store.get("models/x/once") == b"1"
 
 
-def test_reading_from_a_server_that_ignores_the_header_needs_no_opt_in(s3rver_env, make_state_dict, published_view,
-                                                                       assert_bit_equal):
+def test_reading_from_a_server_that_ignores_the_header_needs_no_opt_in(
+    s3rver_env, make_state_dict, published_view, assert_bit_equal
+):
     writer = _store(s3rver_env, single_publisher=True)
     _publish(writer, make_state_dict, seed=3)
     reader = S3Store("weights", writer.prefix.rstrip("/"), endpoint_url=s3rver_env)

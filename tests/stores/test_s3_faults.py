@@ -62,8 +62,15 @@ def bucket(s3_endpoint) -> str:
 
 def _store(endpoint: str, bucket: str, **overrides) -> S3Store:
     """A store with test-sized timeouts and parts (moto's smallest part is 5 MiB), retries as in production."""
-    settings = dict(endpoint_url=endpoint, io_concurrency=8, connect_timeout_s=5, read_timeout_s=5,
-                    part_bytes=5 * MiB, multipart_threshold_bytes=6 * MiB, transfer_deadline_s=90)
+    settings = dict(
+        endpoint_url=endpoint,
+        io_concurrency=8,
+        connect_timeout_s=5,
+        read_timeout_s=5,
+        part_bytes=5 * MiB,
+        multipart_threshold_bytes=6 * MiB,
+        transfer_deadline_s=90,
+    )
     return S3Store(bucket, "run", config=S3StoreConfig(**{**settings, **overrides}))
 
 
@@ -88,8 +95,9 @@ def test_proxy_passes_keep_alive_and_chunked_requests_through(proxy, bucket, s3_
     data = os.urandom(300_000)
     conn = http.client.HTTPConnection("127.0.0.1", int(proxy.endpoint.rsplit(":", 1)[1]), timeout=30)
     pieces = (data[i : i + 65536] for i in range(0, len(data), 65536))
-    conn.request("PUT", f"/{bucket}/run/chunked", body=pieces, encode_chunked=True,
-                 headers={"Transfer-Encoding": "chunked"})
+    conn.request(
+        "PUT", f"/{bucket}/run/chunked", body=pieces, encode_chunked=True, headers={"Transfer-Encoding": "chunked"}
+    )
     response = conn.getresponse()
     response.read()
     assert response.status == 200
@@ -160,8 +168,9 @@ def test_a_corrupt_chunk_is_never_accepted(proxy, bucket, s3_endpoint, make_stat
     with Publisher(_store(s3_endpoint, bucket), model="m", config=PublisherConfig(chunk_bytes=64 * 1024)) as pub:
         pub.publish(sd).result()
     proxy.set_plan(FaultPlan(rates={FLIP_RESPONSE: 1.0}, seed=3))
-    store = _store(proxy.endpoint, bucket, crc32_checksums=check == "crc32", verify_md5=check == "md5",
-                   transfer_attempts=2)
+    store = _store(
+        proxy.endpoint, bucket, crc32_checksums=check == "crc32", verify_md5=check == "md5", transfer_attempts=2
+    )
     t0 = time.monotonic()
     with pytest.raises(WeightsyncError) as info:
         Reader(store, model="m").read(1)
@@ -193,9 +202,14 @@ def test_connection_failures_botocore_gave_up_on_are_retried_by_the_store(proxy,
     long-lived publisher on a flaky link drains the quota); the store's own bounded attempts then
     carry every operation through connection resets. Here botocore gets one attempt."""
     store = _store(proxy.endpoint, bucket, max_attempts=1, transfer_attempts=4)
-    operations = [("put", lambda: store.put("k", b"v")), ("get", lambda: store.get("k")),
-                  ("stat", lambda: store.exists("k")), ("touch", lambda: store.touch("k")),
-                  ("put_new", lambda: store.put_new("new", b"n")), ("delete", lambda: store.delete("new"))]
+    operations = [
+        ("put", lambda: store.put("k", b"v")),
+        ("get", lambda: store.get("k")),
+        ("stat", lambda: store.exists("k")),
+        ("touch", lambda: store.touch("k")),
+        ("put_new", lambda: store.put_new("new", b"n")),
+        ("delete", lambda: store.delete("new")),
+    ]
     for name, operation in operations:
         before = proxy.counts().get(RESET_BEFORE, 0)
         proxy.set_plan(FaultPlan(rates={RESET_BEFORE: 1.0}, max_faults=2))
@@ -248,8 +262,9 @@ def test_a_stalled_server_fails_within_a_bound(proxy, bucket):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_publish_and_pull_through_every_fault(proxy, bucket, s3_endpoint, make_state_dict, perturb,
-                                              published_view, assert_bit_equal):
+def test_publish_and_pull_through_every_fault(
+    proxy, bucket, s3_endpoint, make_state_dict, perturb, published_view, assert_bit_equal
+):
     proxy.set_plan(FaultPlan(rates=ALL_FAULTS, seed=2024, delay_s=0.2))
     store = _store(proxy.endpoint, bucket)
     config = PublisherConfig(chunk_bytes=64 * 1024, rebase_every=3, workers=2)
@@ -263,7 +278,7 @@ def test_publish_and_pull_through_every_fault(proxy, bucket, s3_endpoint, make_s
                 failed[step] = e
             assert time.monotonic() - t0 < BOUND_S
             sd = perturb(sd, 0.03, step)
-    print(f"\npublished {sorted(published)}, failed {({s: str(e)[:200] for s, e in failed.items()})}")
+    print(f"\npublished {sorted(published)}, failed { ({s: str(e)[:200] for s, e in failed.items()}) }")
 
     # Through the faults, every listed version reads back whole or fails clearly.
     listed = list_versions(store, "m")
@@ -295,8 +310,9 @@ def test_publish_and_pull_through_every_fault(proxy, bucket, s3_endpoint, make_s
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_gc_through_faults_keeps_what_retained_versions_need(proxy, bucket, s3_endpoint, make_state_dict, perturb,
-                                                            published_view, assert_bit_equal):
+def test_gc_through_faults_keeps_what_retained_versions_need(
+    proxy, bucket, s3_endpoint, make_state_dict, perturb, published_view, assert_bit_equal
+):
     direct = _store(s3_endpoint, bucket)
     sd, published = make_state_dict(8), {}
     config = PublisherConfig(chunk_bytes=64 * 1024, rebase_every=2, workers=2)

@@ -235,7 +235,9 @@ def test_exists(store):
 
 
 @pytest.mark.parametrize("op", ["exists", "get", "touch", "delete"])
-@pytest.mark.parametrize("present, missing", [("a/b", "a"), ("a", "a/b")], ids=["missing-is-a-prefix", "missing-under-object"])
+@pytest.mark.parametrize(
+    "present, missing", [("a/b", "a"), ("a", "a/b")], ids=["missing-is-a-prefix", "missing-under-object"]
+)
 def test_keys_related_to_existing_objects_behave_as_missing(store, present, missing, op):
     """`a` when only `a/b` exists, and `a/b` when only `a` exists, are simply missing keys (as
     on an object store): exists is False, get/touch raise ObjectNotFound, delete is a no-op."""
@@ -254,8 +256,17 @@ def test_keys_related_to_existing_objects_behave_as_missing(store, present, miss
 # ----------------------------------------------------------------------------------- list
 
 
-LIST_KEYS = ["b", "a/c/d", "a/b0", "a-b", "ab", "a/b", "models/m/versions/000000000002.json",
-             "models/m/versions/000000000010.json", "models/m/chunks/ab/abcd"]
+LIST_KEYS = [
+    "b",
+    "a/c/d",
+    "a/b0",
+    "a-b",
+    "ab",
+    "a/b",
+    "models/m/versions/000000000002.json",
+    "models/m/versions/000000000010.json",
+    "models/m/chunks/ab/abcd",
+]
 
 
 @pytest.fixture
@@ -275,8 +286,19 @@ def test_list_everything_in_key_order_with_sizes(listed_store):
 
 @pytest.mark.parametrize(
     "prefix",
-    ["a/", "a/b", "a", "a/c/", "a/c/d", "models/m/versions/", "models/m/versions/00000000001", "models/", "zzz",
-     "nothing/here/", "a/b0/"],
+    [
+        "a/",
+        "a/b",
+        "a",
+        "a/c/",
+        "a/c/d",
+        "models/m/versions/",
+        "models/m/versions/00000000001",
+        "models/",
+        "zzz",
+        "nothing/here/",
+        "a/b0/",
+    ],
 )
 def test_list_prefix_filters_like_a_string_prefix(listed_store, prefix):
     assert [i.key for i in listed_store.list(prefix)] == sorted(k for k in LIST_KEYS if k.startswith(prefix))

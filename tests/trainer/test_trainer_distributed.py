@@ -32,8 +32,17 @@ REPO = SCENARIOS.parents[2]
 def launch(suite: str, out: Path, *more: Path, nproc: int, check: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCENARIOS), suite, str(out), *map(str, more)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(SCENARIOS),
+        suite,
+        str(out),
+        *map(str, more),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     if check and proc.returncode != 0:
         pytest.fail(f"{suite} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -136,7 +145,18 @@ def test_guard_skips_and_rolls_back(two_ranks):
     _, results = two_ranks
     history = results["guard"]
     assert [m["verdict"] for m in history] == [
-        "accept", "skip", "accept", "accept", "skip", "skip", "rollback", "accept", "accept", "accept", "accept"]
+        "accept",
+        "skip",
+        "accept",
+        "accept",
+        "skip",
+        "skip",
+        "rollback",
+        "accept",
+        "accept",
+        "accept",
+        "accept",
+    ]
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
     assert all(torch.isfinite(t).all() for t in results["guard_state"].values())
 
@@ -155,7 +175,7 @@ def test_local_shards_reassemble_to_full_state(two_ranks):
             local = part["shards"][name].reshape(-1)
             shape, start = part["placements"].get(name, (tuple(want.shape), 0))
             assert tuple(shape) == tuple(want.shape)
-            flat[start:start + local.numel()] = local
+            flat[start : start + local.numel()] = local
             covered += local.numel()
         assert covered == want.numel(), name
         assert torch.equal(flat.reshape(want.shape), want), name
@@ -196,7 +216,7 @@ def test_killed_rank_leaves_no_partial_version_and_restart_resumes(tmp_path):
     results = torch.load(tmp_path / "restart.pt", weights_only=False)
     assert [m["step"] for m in results["history"]] == list(range(4, 11))
     after = list_versions(store, "tiny")
-    new = after[len(before):]
+    new = after[len(before) :]
     assert [read_manifest(store, "tiny", v).step for v in new] == list(range(4, 11))
     assert read_manifest(store, "tiny", new[0]).kind == "full"  # a new session starts with a full version
     state = reader.read(after[-1])
@@ -207,14 +227,27 @@ def test_train_entry_point_runs_the_example_config_on_two_ranks(tmp_path):
     """What `weightsync train --config FILE --nproc 2` runs: torchrun, the example config."""
     from weightsync.trainer.checkpoint import list_checkpoints
 
-    code = ("import sys; from weightsync.trainer.launch import run_train; "
-            "sys.exit(run_train(sys.argv[1], nproc=2, overrides=sys.argv[2:], log_level='WARNING'))")
-    overrides = ["train.steps=3", "train.schedule.warmup_steps=1", "train.checkpoint.every_steps=2",
-                 f"train.checkpoint.dir={tmp_path}/ckpt", f"train.publish.store={tmp_path}/store",
-                 f"train.metrics_path={tmp_path}/metrics.jsonl"]
+    code = (
+        "import sys; from weightsync.trainer.launch import run_train; "
+        "sys.exit(run_train(sys.argv[1], nproc=2, overrides=sys.argv[2:], log_level='WARNING'))"
+    )
+    overrides = [
+        "train.steps=3",
+        "train.schedule.warmup_steps=1",
+        "train.checkpoint.every_steps=2",
+        f"train.checkpoint.dir={tmp_path}/ckpt",
+        f"train.publish.store={tmp_path}/store",
+        f"train.metrics_path={tmp_path}/metrics.jsonl",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "trainer" / "configs" / "sft_tiny.toml"),
-                           *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "trainer" / "configs" / "sft_tiny.toml"), *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3] and all(m["verdict"] == "accept" for m in lines)

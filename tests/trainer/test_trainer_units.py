@@ -32,8 +32,17 @@ from weightsync.trainer.optim import lr_at
 from weightsync.trainer.publish import flat_start
 
 EXAMPLE_CONFIG = Path(__file__).parents[2] / "trainer" / "configs" / "sft_tiny.toml"
-TINY = {"train": {"model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                            "num_attention_heads": 2, "num_key_value_heads": 1}}}
+TINY = {
+    "train": {
+        "model": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        }
+    }
+}
 
 
 # ---------------------------------------------------------------------------------- config
@@ -54,19 +63,22 @@ def test_overrides_use_toml_values():
         apply_override({}, "no-equals-sign")
 
 
-@pytest.mark.parametrize(("patch", "message"), [
-    ({"parallel": {"dp_shards": 2}}, r"unknown key\(s\) \['dp_shards'\]"),
-    ({"train": {"optimizer": {"lr": "fast"}}}, r"lr must be float, got 'fast'"),
-    ({"train": {"optimizer": {"lr": -1.0}}}, "positive"),
-    ({"parallel": {"mixed_precision": "fp8"}}, r"must be one of \['none', 'bf16'\]"),
-    ({"train": {"data": {"global_batch_size": 6, "micro_batch_size": 4}}}, "multiple of micro_batch_size"),
-    ({"train": {"loss": {"kind": "grpo"}}}, "synthetic source"),
-    ({"train": {"loss": {"kl_coef": 0.1}}}, "applies to kind"),
-    ({"train": {"model": {"init_dir": "/some/dir"}}}, "exactly one of"),
-    ({"train": {"model": {"hidden_sise": 32}}}, "hidden_sise"),
-    ({"train": {"steps": 3, "schedule": {"warmup_steps": 5}}}, "longer than the run"),
-    ({"train": {"data": {"source": "jsonl"}}}, "needs train.data.path"),
-])
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"parallel": {"dp_shards": 2}}, r"unknown key\(s\) \['dp_shards'\]"),
+        ({"train": {"optimizer": {"lr": "fast"}}}, r"lr must be float, got 'fast'"),
+        ({"train": {"optimizer": {"lr": -1.0}}}, "positive"),
+        ({"parallel": {"mixed_precision": "fp8"}}, r"must be one of \['none', 'bf16'\]"),
+        ({"train": {"data": {"global_batch_size": 6, "micro_batch_size": 4}}}, "multiple of micro_batch_size"),
+        ({"train": {"loss": {"kind": "grpo"}}}, "synthetic source"),
+        ({"train": {"loss": {"kl_coef": 0.1}}}, "applies to kind"),
+        ({"train": {"model": {"init_dir": "/some/dir"}}}, "exactly one of"),
+        ({"train": {"model": {"hidden_sise": 32}}}, "hidden_sise"),
+        ({"train": {"steps": 3, "schedule": {"warmup_steps": 5}}}, "longer than the run"),
+        ({"train": {"data": {"source": "jsonl"}}}, "needs train.data.path"),
+    ],
+)
 def test_invalid_configs_say_how_to_fix(patch, message):
     doc = json.loads(json.dumps(TINY))
     for section, table in patch.items():
@@ -131,8 +143,9 @@ def test_synthetic_sources_shard_the_same_global_batch(cls):
 def test_synthetic_example_is_a_verifiable_task():
     example = ArithmeticSource(dp_rank=0, dp_size=1, seed=0).take(1)[0]
     text = bytes(t for t in example.tokens.tolist() if t < 256).decode()
-    prompt = bytes(t for t, w in zip(example.tokens.tolist(), example.loss_weights.tolist(), strict=True)
-                   if t < 256 and w == 0).decode()
+    prompt = bytes(
+        t for t, w in zip(example.tokens.tolist(), example.loss_weights.tolist(), strict=True) if t < 256 and w == 0
+    ).decode()
     a, b = prompt.rstrip("=").split("+")
     assert text == f"{prompt}{int(a) + int(b)}"
     assert example.tokens[-1] == 257 and example.loss_weights[-1] == 1  # EOS is trained
@@ -240,8 +253,9 @@ def test_compute_loss_dispatches_on_kind():
     assert sums.metrics["loss/nll"].item() == pytest.approx(2.0)
     assert compute_loss(LossConfig(), logprobs, mb).loss.item() == pytest.approx(2.0)
     with pytest.raises(ValueError, match="advantage"):
-        compute_loss(LossConfig(kind="grpo"), logprobs, collate([Example(tokens=[1, 2], loss_weights=[0, 1])],
-                                                                max_seq_len=8))
+        compute_loss(
+            LossConfig(kind="grpo"), logprobs, collate([Example(tokens=[1, 2], loss_weights=[0, 1])], max_seq_len=8)
+        )
 
 
 # ----------------------------------------------------------------------------------- guard
@@ -310,7 +324,7 @@ def test_dim0_shards_reassemble_at_their_flat_starts(shape, ranks):
         if not shape and r:
             continue
         start = flat_start(shape, (lo,) + (0,) * (len(shape) - 1) if shape else (), tuple(local.shape))
-        rebuilt[start:start + local.numel()] = local.reshape(-1)
+        rebuilt[start : start + local.numel()] = local.reshape(-1)
     assert torch.equal(rebuilt.reshape(shape), full)
 
 
@@ -338,10 +352,12 @@ def test_only_complete_checkpoints_are_found(tmp_path):
 def test_exit_worker_flushes_output_and_logs_then_exits_with_the_code():
     """A finished worker skips finalization (the gloo group FSDP keeps alive could abort it
     there) but loses no output: buffered stdout and the log handlers are flushed first."""
-    script = ("import logging, sys; logging.basicConfig(stream=sys.stderr); print('result line', end=''); "
-              "logging.getLogger('w').warning('last log line'); "
-              "import atexit; atexit.register(print, 'finalized'); "
-              "from weightsync.trainer.parallel import exit_worker; exit_worker(3)")
+    script = (
+        "import logging, sys; logging.basicConfig(stream=sys.stderr); print('result line', end=''); "
+        "logging.getLogger('w').warning('last log line'); "
+        "import atexit; atexit.register(print, 'finalized'); "
+        "from weightsync.trainer.parallel import exit_worker; exit_worker(3)"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3
     assert proc.stdout == "result line"  # flushed, and no finalization (atexit did not run)

@@ -47,8 +47,14 @@ BASE = {
         "steps": STEPS,
         "seed": 1,
         "model": {
-            "model_type": "qwen3", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "init_seed": 3,
+            "model_type": "qwen3",
+            "vocab_size": 259,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "init_seed": 3,
         },
         "optimizer": {"lr": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.01},
         "schedule": {"warmup_steps": 2, "decay": "cosine"},
@@ -130,17 +136,30 @@ def write_jsonl(path: Path) -> None:
                 j = int(example.loss_weights.nonzero()[0])
                 tokens[j] = 48 + (tokens[j] - 48 + 1) % 10
             logprobs = (-5.5 + 0.3 * torch.randn(len(tokens), generator=g)) * example.loss_weights
-            f.write(json.dumps({"tokens": tokens, "loss_weights": example.loss_weights.tolist(),
-                                "advantage": -1.0 if i % 2 else 1.0, "sampler_logprobs": logprobs.tolist(),
-                                "sampler_step": 0}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "tokens": tokens,
+                        "loss_weights": example.loss_weights.tolist(),
+                        "advantage": -1.0 if i % 2 else 1.0,
+                        "sampler_logprobs": logprobs.tolist(),
+                        "sampler_step": 0,
+                    }
+                )
+                + "\n"
+            )
 
 
 def grpo_job(out: Path, **extra):
     if dist.get_rank() == 0:
         write_jsonl(out / "grpo.jsonl")
     dist.barrier()
-    return job(data={"source": "jsonl", "path": str(out / "grpo.jsonl")},
-               loss={"kind": "grpo", "kl_coef": 0.05}, guard={"enabled": True, "watch": "loss/nll"}, **extra)
+    return job(
+        data={"source": "jsonl", "path": str(out / "grpo.jsonl")},
+        loss={"kind": "grpo", "kl_coef": 0.05},
+        guard={"enabled": True, "watch": "loss/nll"},
+        **extra,
+    )
 
 
 def suite_one_rank(out: Path, two_ranks_out: Path) -> dict:
@@ -154,8 +173,7 @@ def suite_one_rank(out: Path, two_ranks_out: Path) -> dict:
 
 def suite_hsdp(out: Path) -> dict:
     """4 ranks as 2 replicas x 2 shards, publishing: replica 1 publishes nothing of its own."""
-    config = job(parallel={"dp_replicate": 2}, data={"micro_batch_size": 2},
-                 publish=publish_to(str(out / "store")))
+    config = job(parallel={"dp_replicate": 2}, data={"micro_batch_size": 2}, publish=publish_to(str(out / "store")))
     trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
     return {"history": history, "state": state, "published_states": trainer.published_states}
 
@@ -164,14 +182,15 @@ def suite_two_ranks(out: Path) -> dict:
     rank = dist.get_rank()
     results = {}
     ckpt, store = out / "ckpt", out / "store"
-    config = job(checkpoint={"dir": str(ckpt), "every_steps": 3, "keep_last": 2},
-                 publish=publish_to(str(store)))
+    config = job(checkpoint={"dir": str(ckpt), "every_steps": 3, "keep_last": 2}, publish=publish_to(str(store)))
     trainer, results["plain"], results["plain_state"] = run(config, cls=RecordingTrainer, published_states={})
     results["published_states"] = trainer.published_states
     # Each rank's own shards and where they go, to reassemble in the test.
     shards, placements = collect_local_shards(trainer.model.state_dict(), rank=rank)
-    torch.save({"shards": shards, "placements": {k: (p.global_shape, p.start) for k, p in placements.items()}},
-               out / f"shards-rank{rank}.pt")
+    torch.save(
+        {"shards": shards, "placements": {k: (p.global_shape, p.start) for k, p in placements.items()}},
+        out / f"shards-rank{rank}.pt",
+    )
 
     # Resume: a fresh job directory holding only the step-3 checkpoint.
     resume_dir = out / "resume"
@@ -194,21 +213,24 @@ def suite_two_ranks(out: Path) -> dict:
     _, results["accum"], _ = run(job(data={"micro_batch_size": 2}))
     _, results["ac"], _ = run(job(parallel={"activation_checkpointing": True}))
     _, results["grpo"], _ = run(grpo_job(out))
-    _, results["bf16_offload"], _ = run(job(parallel={"mixed_precision": "bf16", "cpu_offload": True,
-                                                      "activation_checkpointing": True}))
+    _, results["bf16_offload"], _ = run(
+        job(parallel={"mixed_precision": "bf16", "cpu_offload": True, "activation_checkpointing": True})
+    )
     # Guard: call 2 is NaN (skipped, training goes on); calls 5-7 are NaN: 5 and 6 are skipped,
     # the third in a row rolls back to the step-4 checkpoint; steps 5-8 then run again.
     guard = {"enabled": True, "action": "rollback", "rollback_after": 3, "min_history": 2}
     _, results["guard"], results["guard_state"] = run(
         job(steps=8, guard=guard, checkpoint={"dir": str(out / "guard-ckpt"), "every_steps": 4}),
-        cls=FaultyTrainer, bad_calls={2, 5, 6, 7},
+        cls=FaultyTrainer,
+        bad_calls={2, 5, 6, 7},
     )
     return results
 
 
 def suite_kill(out: Path) -> dict:
-    config = job(steps=10, checkpoint={"dir": str(out / "ckpt"), "every_steps": 3},
-                 publish=publish_to(str(out / "store")))
+    config = job(
+        steps=10, checkpoint={"dir": str(out / "ckpt"), "every_steps": 3}, publish=publish_to(str(out / "store"))
+    )
 
     class KillingTrainer(Trainer):
         def publish(self):
@@ -239,8 +261,9 @@ def suite_kill(out: Path) -> dict:
 
 
 def suite_restart(out: Path) -> dict:
-    config = job(steps=10, checkpoint={"dir": str(out / "ckpt"), "every_steps": 3},
-                 publish=publish_to(str(out / "store")))
+    config = job(
+        steps=10, checkpoint={"dir": str(out / "ckpt"), "every_steps": 3}, publish=publish_to(str(out / "store"))
+    )
     trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
     return {"history": history, "state": state, "published_states": trainer.published_states}
 
@@ -250,11 +273,17 @@ def suite_gpu(out: Path) -> dict:
     results = {}
     for offload in (False, True):
         torch.cuda.reset_peak_memory_stats()
-        config = job(parallel={"device": "cuda", "mixed_precision": "bf16", "cpu_offload": offload},
-                     publish=publish_to(str(out / f"store-{int(offload)}")))
+        config = job(
+            parallel={"device": "cuda", "mixed_precision": "bf16", "cpu_offload": offload},
+            publish=publish_to(str(out / f"store-{int(offload)}")),
+        )
         trainer, history, state = run(config, cls=RecordingTrainer, published_states={})
-        results[offload] = {"history": history, "state": state, "published_states": trainer.published_states,
-                            "peak_cuda_bytes": torch.cuda.max_memory_allocated()}
+        results[offload] = {
+            "history": history,
+            "state": state,
+            "published_states": trainer.published_states,
+            "peak_cuda_bytes": torch.cuda.max_memory_allocated(),
+        }
     return results
 
 
@@ -265,8 +294,14 @@ def main() -> None:
     suite, out, *more = sys.argv[1], Path(sys.argv[2]), *map(Path, sys.argv[3:])
     runtime = init_runtime(ParallelConfig(device="cuda" if suite == "gpu" else "cpu"))
     configure_logging("WARNING")
-    results = {"one_rank": suite_one_rank, "two_ranks": suite_two_ranks, "hsdp": suite_hsdp, "kill": suite_kill,
-               "restart": suite_restart, "gpu": suite_gpu}[suite](out, *more)
+    results = {
+        "one_rank": suite_one_rank,
+        "two_ranks": suite_two_ranks,
+        "hsdp": suite_hsdp,
+        "kill": suite_kill,
+        "restart": suite_restart,
+        "gpu": suite_gpu,
+    }[suite](out, *more)
     if runtime.rank == 0:
         torch.save(results, out / f"{suite}.pt")
     dist.barrier()

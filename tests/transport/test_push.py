@@ -110,8 +110,9 @@ def test_the_offer_does_not_wait_for_the_version_s_object_stream_to_close(tmp_pa
         assert gate.waits and all(gate.waits), "an object of v2 waited for an offer that never came while it was held"
         assert agent.agent.status()["ledger"][0]["bytes_fetched"] == 0, "v2 came by push, not from the store"
         made = {(version, address): len(obj) for version, address, obj in recorder.objects}  # equal chunks: one object
-        assert pusher.stats()[agent.address]["sent_bytes"] == sum(made.values()), \
+        assert pusher.stats()[agent.address]["sent_bytes"] == sum(made.values()), (
             "objects the offer overtook were sent again although the stream delivered them"
+        )
     finally:
         pusher.close(timeout_s=5)
         agent.stop(0)
@@ -155,8 +156,9 @@ def test_a_version_that_never_commits_does_not_hold_back_the_next(tmp_path):
     store = LocalStore(tmp_path / "store")
     # Only an offer brings it a version; it fetches what no push brings at once.
     agent = _agent(tmp_path, "a", store, poll_interval_s=3600.0, push_wait_s=0.1)
-    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, max_buffered_bytes=0,
-                               give_up_after_s=PUSH_ONLY_GIVE_UP_S))
+    pusher = Pusher(
+        PushConfig(targets=(agent.address,), model=MODEL, max_buffered_bytes=0, give_up_after_s=PUSH_ONLY_GIVE_UP_S)
+    )
     recorder = Recorder()
     trainer = FakeTrainer(11)
     try:
@@ -185,8 +187,9 @@ def test_a_version_left_with_nothing_to_send_gives_way_to_a_newer_offer():
     refuses connections (a real socket, nothing listening)."""
     from weightsync.transport.push import _Version
 
-    pusher = Pusher(PushConfig(targets=("127.0.0.1:1",), model=MODEL, give_up_after_s=3600.0,
-                               retry_backoff_s=(0.05, 0.1)))
+    pusher = Pusher(
+        PushConfig(targets=("127.0.0.1:1",), model=MODEL, give_up_after_s=3600.0, retry_backoff_s=(0.05, 0.1))
+    )
     target = pusher._targets[0]
     try:
         with target._cond:

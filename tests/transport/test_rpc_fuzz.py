@@ -53,8 +53,9 @@ from weightsync.transport.v1 import sync_pb2
 EXAMPLES = int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300"))
 # Hypothesis's own default: a fresh random search on a developer's machine, a fixed one where CI is
 # set (so a submission never fails on a bug it did not bring). Long searches: docs/testing.md.
-FUZZ = settings(max_examples=EXAMPLES, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 FUZZ_CHANNEL = settings(FUZZ, max_examples=max(10, EXAMPLES // 3))
 CORPUS = Path(__file__).parents[1] / "hostile" / "agent"
 EXPECTED = json.loads((CORPUS / "expected.json").read_text())
@@ -62,8 +63,16 @@ MODEL = EXPECTED["model"]
 SETTINGS = EXPECTED["agents"]["guarded"]
 TOKEN = SETTINGS["token"]
 # Codes from weightsync.transport.rpc.STATUS_BY_ERROR (and grpc's own for oversized messages): a refusal with a reason.
-ALLOWED = {"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-           "UNAUTHENTICATED", "NOT_FOUND", "UNAVAILABLE"}
+ALLOWED = {
+    "OK",
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "NOT_FOUND",
+    "UNAVAILABLE",
+}
 CALLS: collections.Counter[str] = collections.Counter()
 
 
@@ -92,10 +101,19 @@ MATERIAL = _material()
 def agent(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzzed-agent")
     shutil.copytree(CORPUS / "store", root / "store")
-    config = AgentConfig(model=MODEL, cache_dir=str(root / "cache"), name="fuzzed", store=LocalStore(root / "store").uri,
-                         token=TOKEN, trusted_keys=(str(CORPUS / "trusted.pub"),), require_signatures=True,
-                         max_pending_bytes=SETTINGS["max_pending_bytes"], workers=1, poll_interval_s=0.5,
-                         engine={"type": "reference", "model": EXPECTED["arch"], "port": 0, "torch_threads": 1})
+    config = AgentConfig(
+        model=MODEL,
+        cache_dir=str(root / "cache"),
+        name="fuzzed",
+        store=LocalStore(root / "store").uri,
+        token=TOKEN,
+        trusted_keys=(str(CORPUS / "trusted.pub"),),
+        require_signatures=True,
+        max_pending_bytes=SETTINGS["max_pending_bytes"],
+        workers=1,
+        poll_interval_s=0.5,
+        engine={"type": "reference", "model": EXPECTED["arch"], "port": 0, "torch_threads": 1},
+    )
     server = AgentServer(config).start()
     assert server.agent.wait_for_version(2, 60)
     before = _state(server, root / "store")
@@ -108,10 +126,15 @@ def agent(tmp_path_factory):
 
 def _state(server: AgentServer, store_dir: Path) -> tuple:
     served = server.engine.served()
-    weights = {n: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-               for n, t in served.weights.items()}
-    store = sorted((str(p.relative_to(store_dir)), hashlib.sha256(p.read_bytes()).hexdigest())
-                   for p in store_dir.rglob("*") if p.is_file())
+    weights = {
+        n: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in served.weights.items()
+    }
+    store = sorted(
+        (str(p.relative_to(store_dir)), hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in store_dir.rglob("*")
+        if p.is_file()
+    )
     status = server.agent.status(verify=True)
     assert status["served_digest"] == served.digest, "the served bytes no longer hash to their digest"
     return served.version, served.digest, weights, store, status["current_version"], status["target_version"]
@@ -131,7 +154,7 @@ def mutated(draw, pool: list[bytes]) -> bytes:
         if op == "flip":
             data[at] ^= 1 << draw(st.integers(0, 7))
         elif op == "cut":
-            del data[at:at + draw(st.integers(1, 64))]
+            del data[at : at + draw(st.integers(1, 64))]
         elif op == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=16))
         elif op == "digit":
@@ -147,8 +170,14 @@ def mutated(draw, pool: list[bytes]) -> bytes:
                 continue
             if isinstance(doc, dict) and doc:
                 key = draw(st.sampled_from(sorted(doc)))
-                doc[key] = draw(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=12)
-                                | st.just(doc[key]) | st.lists(st.integers(), max_size=3))
+                doc[key] = draw(
+                    st.none()
+                    | st.booleans()
+                    | st.integers(-(2**70), 2**70)
+                    | st.text(max_size=12)
+                    | st.just(doc[key])
+                    | st.lists(st.integers(), max_size=3)
+                )
                 data = bytearray(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     return bytes(data)
 
@@ -157,8 +186,9 @@ hex32 = st.text("0123456789abcdef", min_size=32, max_size=32)
 names = st.sampled_from([MODEL] * 6 + ["other-model", "", "../" + MODEL]) | st.text(max_size=12)
 real_manifests = st.sampled_from(MATERIAL["manifests"])
 manifests = st.just(b"") | real_manifests | real_manifests | mutated(MATERIAL["manifests"]) | st.binary(max_size=300)
-signatures = (st.just(b"") | st.sampled_from(MATERIAL["signatures"]) | mutated(MATERIAL["signatures"])
-              | st.binary(max_size=200))
+signatures = (
+    st.just(b"") | st.sampled_from(MATERIAL["signatures"]) | mutated(MATERIAL["signatures"]) | st.binary(max_size=200)
+)
 
 
 @st.composite
@@ -172,16 +202,25 @@ def offers(draw) -> sync_pb2.OfferRequest:
     except (ValueError, KeyError, TypeError):
         version = None
     return sync_pb2.OfferRequest(
-        model=draw(names), version=draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)) if version is None else version,
-        manifest=manifest, signature=draw(signatures), objects=draw(st.lists(hex32 | st.text(max_size=40), max_size=4)),
-        origin=draw(st.text(max_size=20)), hops=draw(st.integers(0, 2**32 - 1) | st.integers(0, 20)))
+        model=draw(names),
+        version=draw(st.integers(0, 2**64 - 1) | st.integers(0, 8)) if version is None else version,
+        manifest=manifest,
+        signature=draw(signatures),
+        objects=draw(st.lists(hex32 | st.text(max_size=40), max_size=4)),
+        origin=draw(st.text(max_size=20)),
+        hops=draw(st.integers(0, 2**32 - 1) | st.integers(0, 20)),
+    )
 
 
 @st.composite
 def frames(draw) -> bytes:
     data = draw(st.sampled_from(MATERIAL["objects"]) | mutated(MATERIAL["objects"]) | st.binary(max_size=2000))
-    address = draw(st.just(object_hash(data)) | hex32 | st.text(max_size=40)
-                   | st.sampled_from([object_hash(o) for o in MATERIAL["objects"]]))
+    address = draw(
+        st.just(object_hash(data))
+        | hex32
+        | st.text(max_size=40)
+        | st.sampled_from([object_hash(o) for o in MATERIAL["objects"]])
+    )
     version = draw(st.integers(0, 2**64 - 1) | st.integers(0, 8))
     frame = encode_object_frame(ObjectFrame(draw(names), version, address, data))
     if draw(st.booleans()):
@@ -230,8 +269,11 @@ def _call_handler(handler, payload, streaming: bool) -> str:
     try:
         if handler.request_deserializer is not None:
             try:
-                payload = [handler.request_deserializer(p) for p in payload] if streaming else \
-                    handler.request_deserializer(payload)
+                payload = (
+                    [handler.request_deserializer(p) for p in payload]
+                    if streaming
+                    else handler.request_deserializer(payload)
+                )
             except Exception as e:  # noqa: BLE001 - grpc answers INTERNAL to any of these
                 return f"INTERNAL (deserializer: {type(e).__name__}: {e})"
         if streaming:
@@ -277,8 +319,11 @@ def test_handlers_refuse_bytes_that_are_not_messages_with_invalid_argument(handl
 def wire(agent):
     channel = open_channel(agent.address)
     raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
-    calls = {"offer": channel.unary_unary(OFFER, **raw), "push": channel.stream_unary(PUSH_OBJECTS, **raw),
-             "status": channel.unary_unary(GET_STATUS, **raw)}
+    calls = {
+        "offer": channel.unary_unary(OFFER, **raw),
+        "push": channel.stream_unary(PUSH_OBJECTS, **raw),
+        "status": channel.unary_unary(GET_STATUS, **raw),
+    }
     yield calls
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -297,8 +342,12 @@ def _over_channel(call, payload, token: str | None) -> str:
 
 
 @FUZZ_CHANNEL
-@given(offer=offers(), stream=st.lists(frames(), min_size=1, max_size=3), raw=raw_requests,
-       token=st.sampled_from([TOKEN, TOKEN, TOKEN, "wrong", None]))
+@given(
+    offer=offers(),
+    stream=st.lists(frames(), min_size=1, max_size=3),
+    raw=raw_requests,
+    token=st.sampled_from([TOKEN, TOKEN, TOKEN, "wrong", None]),
+)
 def test_rpcs_over_a_real_channel_answer_only_with_weightsync_codes(wire, offer, stream, raw, token):
     _record("channel offer", _over_channel(wire["offer"], offer.SerializeToString(), token))
     _record("channel push", _over_channel(wire["push"], iter(stream), token))

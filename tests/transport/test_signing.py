@@ -32,7 +32,22 @@ def test_rotation_trusts_several_keys():
     assert verifier.verify(DATA, new.sign(DATA)) == new.key_id
 
 
-@pytest.mark.parametrize("case", ["tampered", "untrusted", "unsigned", "malformed", "alg", "oversized", "bad_hex", "not_an_object", "key_id_list", "alg_object", "sig_number"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tampered",
+        "untrusted",
+        "unsigned",
+        "malformed",
+        "alg",
+        "oversized",
+        "bad_hex",
+        "not_an_object",
+        "key_id_list",
+        "alg_object",
+        "sig_number",
+    ],
+)
 def test_bad_signatures_are_refused(case):
     signer = Signer.generate()
     verifier = Verifier([signer._key.public_key()])

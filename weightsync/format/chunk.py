@@ -48,9 +48,7 @@ class ChunkHeader:
     payload_xxh3: bytes  # 16 bytes: hash of the payload that follows the header
 
 
-def pack_chunk(
-    codec_id: int, zstd_level: int, dtype: DType, count: int, raw_xxh3: bytes, payload: bytes
-) -> bytes:
+def pack_chunk(codec_id: int, zstd_level: int, dtype: DType, count: int, raw_xxh3: bytes, payload: bytes) -> bytes:
     """The object bytes of a chunk: header then payload."""
     header = HEADER.pack(
         CHUNK_MAGIC,
@@ -95,9 +93,7 @@ def unpack_chunk(obj: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
     if count * dtype.itemsize > MAX_CHUNK_BYTES:
         raise FormatError(f"chunk of {count} x {dtype.itemsize} bytes exceeds the {MAX_CHUNK_BYTES}-byte limit")
     if HEADER_SIZE + payload_bytes != len(view):
-        raise FormatError(
-            f"chunk object is {len(view)} bytes but its header declares {HEADER_SIZE + payload_bytes}"
-        )
+        raise FormatError(f"chunk object is {len(view)} bytes but its header declares {HEADER_SIZE + payload_bytes}")
     payload = view[HEADER_SIZE:]
     if xxh3_digest(payload) != payload_h:
         raise IntegrityError("chunk payload does not match the hash in its header")

@@ -45,15 +45,11 @@ def dtype_by_name(name: str) -> DType:
     try:
         return BY_NAME[name]
     except (KeyError, TypeError):
-        raise UnsupportedFormatError(
-            f"unsupported dtype {name!r}; supported: {', '.join(sorted(BY_NAME))}"
-        ) from None
+        raise UnsupportedFormatError(f"unsupported dtype {name!r}; supported: {', '.join(sorted(BY_NAME))}") from None
 
 
 def dtype_by_code(code: int) -> DType:
     try:
         return BY_CODE[code]
     except KeyError:
-        raise UnsupportedFormatError(
-            f"unknown dtype code {code}; supported codes: {sorted(BY_CODE)}"
-        ) from None
+        raise UnsupportedFormatError(f"unknown dtype code {code}; supported codes: {sorted(BY_CODE)}") from None

@@ -77,7 +77,7 @@ _SIGNATURE_FILE = re.compile(rf"(\d{{{VERSION_DIGITS}}})-[0-9a-f]{{32}}\.sig")
 
 def version_from_signature_key(model: str, key: str) -> int | None:
     prefix = signatures_prefix(model)
-    match = _SIGNATURE_FILE.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
+    match = _SIGNATURE_FILE.fullmatch(key[len(prefix) :]) if key.startswith(prefix) else None
     return int(match.group(1)) if match else None
 
 

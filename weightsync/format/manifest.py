@@ -44,8 +44,18 @@ MAX_FREEFORM_BYTES = 64 * 1024  # producer and stats objects
 MAX_FREEFORM_DEPTH = 32  # nesting inside producer/stats; deeper would let re-encoding overflow the stack
 
 _TOP_KEYS = {
-    "format", "model", "version", "parent", "base", "kind", "step", "created_unix_ms",
-    "tensors", "digest", "producer", "stats",
+    "format",
+    "model",
+    "version",
+    "parent",
+    "base",
+    "kind",
+    "step",
+    "created_unix_ms",
+    "tensors",
+    "digest",
+    "producer",
+    "stats",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "chunks"}
 _CHUNK_KEYS = {"start", "stop", "codec", "raw", "object", "key", "size"}
@@ -267,9 +277,18 @@ def manifest_from_json(doc: Any) -> Manifest:
     if names != sorted(names) or len(set(names)) != len(names):
         raise FormatError("tensor names must be unique and sorted")
     manifest = Manifest(
-        model=model, version=version, parent=parent, base=base, kind=kind, step=step,
-        created_unix_ms=created, tensors=tuple(tensors), digest=doc["digest"],
-        producer=producer, stats=stats, format=fmt,
+        model=model,
+        version=version,
+        parent=parent,
+        base=base,
+        kind=kind,
+        step=step,
+        created_unix_ms=created,
+        tensors=tuple(tensors),
+        digest=doc["digest"],
+        producer=producer,
+        stats=stats,
+        format=fmt,
     )
     if compute_digest(manifest.tensors) != manifest.digest:
         raise IntegrityError(f"manifest of version {version} does not match its own digest")
@@ -289,8 +308,9 @@ def _check_pack_index(manifest: Manifest) -> None:
         spans.sort()
         for (start, stop, obj), (next_start, _, next_obj) in itertools.pairwise(spans):
             if next_start < stop and not (next_start == start and next_obj == obj):
-                raise FormatError(f"pack {key}: objects at bytes {start}..{stop} and {next_start}.. overlap "
-                                  "(a bad pack index)")
+                raise FormatError(
+                    f"pack {key}: objects at bytes {start}..{stop} and {next_start}.. overlap (a bad pack index)"
+                )
 
 
 def _tensor_from_json(t: Any, kind: str, fmt: int = FORMAT_VERSION) -> TensorEntry:
@@ -351,9 +371,7 @@ def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str, fmt: int = FORM
         if kind == KIND_FULL and codec != "full":
             raise FormatError(f"{where}: a full version can only hold 'full' chunks, got {codec!r}")
     else:
-        raise UnsupportedFormatError(
-            f"{where}: unknown codec {codec!r}; supported: {sorted([*CODEC_IDS, CODEC_SAME])}"
-        )
+        raise UnsupportedFormatError(f"{where}: unknown codec {codec!r}; supported: {sorted([*CODEC_IDS, CODEC_SAME])}")
     start = _int(c["start"], f"{where} start", 0, MAX_TENSOR_BYTES)
     stop = _int(c["stop"], f"{where} stop", start + 1, MAX_TENSOR_BYTES)
     raw_bytes = (stop - start) * dtype.itemsize
@@ -369,13 +387,13 @@ def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str, fmt: int = FORM
     if not packed:
         if not is_chunk_key(c["key"]) or c["key"] != chunk_key(c["object"]):
             raise FormatError(f"{where}: key {c['key']!r} is not the content address of its object")
-        return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"],
-                        size=size)
+        return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size)
     if not is_pack_key(c["key"]):
         raise FormatError(f"{where}: key {c['key']!r} of a packed chunk is not a pack's content address")
     offset = _int(c["offset"], f"{where} offset", 0, MAX_PACK_BYTES - size)
-    return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size,
-                    offset=offset)
+    return ChunkRef(
+        start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size, offset=offset
+    )
 
 
 def check_tensor_name(name: Any) -> str:

@@ -58,8 +58,7 @@ class PackWriter:
     on (the publisher's upload future).
     """
 
-    def __init__(self, pack_bytes: int, upload: Callable[[str, bytes], object],
-                 key_of: Callable[[str], str]) -> None:
+    def __init__(self, pack_bytes: int, upload: Callable[[str, bytes], object], key_of: Callable[[str], str]) -> None:
         self.pack_bytes = pack_bytes
         self._upload = upload
         self._key_of = key_of
@@ -98,8 +97,7 @@ class PackWriter:
             self._uploads.append(handle)
 
 
-def plan_reads(refs: Iterable[ChunkRef], max_bytes: int = READ_BYTES, max_gap: int = GAP_BYTES
-               ) -> list[list[ChunkRef]]:
+def plan_reads(refs: Iterable[ChunkRef], max_bytes: int = READ_BYTES, max_gap: int = GAP_BYTES) -> list[list[ChunkRef]]:
     """The refs grouped into reads: members of one pack within `max_gap` bytes of each other (in
     offset order) share a ranged read of at most `max_bytes` (a few unneeded bytes cost less than
     a round trip); any other ref is a read of its own."""

@@ -58,12 +58,15 @@ def take_snapshot(
     Raises LayoutError for non-tensors, UnsupportedFormatError for dtypes the format lacks.
     """
     reuse = reuse or {}
-    return {name: copy_tensor(state_dict[name], dtype, shape, reuse.get(name))
-            for name, (dtype, shape) in snapshot_layout(state_dict, cast_floats_to).items()}
+    return {
+        name: copy_tensor(state_dict[name], dtype, shape, reuse.get(name))
+        for name, (dtype, shape) in snapshot_layout(state_dict, cast_floats_to).items()
+    }
 
 
-def snapshot_layout(state_dict: Mapping[str, torch.Tensor], cast_floats_to: str | None = None
-                    ) -> dict[str, tuple[DType, tuple[int, ...]]]:
+def snapshot_layout(
+    state_dict: Mapping[str, torch.Tensor], cast_floats_to: str | None = None
+) -> dict[str, tuple[DType, tuple[int, ...]]]:
     """What a snapshot of `state_dict` will hold, name -> (dtype, shape), checked before anything
     is copied (a publisher plans a version from it and encodes tensors as they are copied).
     Raises LayoutError for non-tensors, UnsupportedFormatError for dtypes the format lacks."""
@@ -85,8 +88,9 @@ def snapshot_layout(state_dict: Mapping[str, torch.Tensor], cast_floats_to: str 
     return out
 
 
-def copy_tensor(tensor: torch.Tensor, dtype: DType, shape: tuple[int, ...], spare: SnapshotTensor | None = None
-                ) -> SnapshotTensor:
+def copy_tensor(
+    tensor: torch.Tensor, dtype: DType, shape: tuple[int, ...], spare: SnapshotTensor | None = None
+) -> SnapshotTensor:
     """One tensor of a snapshot: its bytes in `spare`'s buffer when that fits, else fresh memory."""
     if spare is not None and spare.dtype == dtype and spare.shape == shape:
         _copy_into(spare.data, tensor.detach(), dtype, shape)

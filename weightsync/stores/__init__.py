@@ -19,8 +19,16 @@ from weightsync.errors import StoreError
 from weightsync.stores.base import ObjectInfo, Store, check_key, check_range
 from weightsync.stores.local import LocalStore
 
-__all__ = ["STORE_SCHEMES", "LocalStore", "ObjectInfo", "Store", "check_key", "check_range", "open_store",
-           "store_uri_forms"]
+__all__ = [
+    "STORE_SCHEMES",
+    "LocalStore",
+    "ObjectInfo",
+    "Store",
+    "check_key",
+    "check_range",
+    "open_store",
+    "store_uri_forms",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,5 +78,7 @@ def _refuse_scheme_like_path(text: str) -> None:
     scheme, rest = match.groups()
     if scheme in STORE_SCHEMES or rest.startswith("/"):
         hint = f"; did you mean {scheme}://{rest.lstrip('/')}?" if scheme in STORE_SCHEMES else ""
-        raise StoreError(f"store URI {text!r} is neither a directory nor a URI this build opens{hint} "
-                         f"(supported: {store_uri_forms()}; write ./{text} for a directory of that name)")
+        raise StoreError(
+            f"store URI {text!r} is neither a directory nor a URI this build opens{hint} "
+            f"(supported: {store_uri_forms()}; write ./{text} for a directory of that name)"
+        )

@@ -82,8 +82,12 @@ def check_key(key: str) -> str:
 
 
 def check_range(start: int, length: int) -> None:
-    if (not isinstance(start, int) or not isinstance(length, int) or isinstance(start, bool)
-            or isinstance(length, bool) or start < 0 or length < 1):
+    if (
+        not isinstance(start, int)
+        or not isinstance(length, int)
+        or isinstance(start, bool)
+        or isinstance(length, bool)
+        or start < 0
+        or length < 1
+    ):
         raise StoreError(f"invalid byte range: start {start!r}, length {length!r} (need start >= 0, length >= 1)")
-
-

@@ -58,8 +58,10 @@ class LocalStore:
         except OSError as e:
             raise StoreError(f"cannot read {self.uri}/{key}: {e}") from e
         if len(data) != length:
-            raise ObjectTooShort(f"{self.uri}/{key}: bytes {start}..{start + length} run past the object's end "
-                             f"({start + len(data)} bytes)")
+            raise ObjectTooShort(
+                f"{self.uri}/{key}: bytes {start}..{start + length} run past the object's end "
+                f"({start + len(data)} bytes)"
+            )
         return data
 
     def put(self, key: str, data: bytes | memoryview) -> None:
@@ -191,8 +193,6 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
 
 
 def open_local(location: str, **options) -> LocalStore:

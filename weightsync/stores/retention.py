@@ -94,8 +94,7 @@ def plan_gc(
             manifest = manifests[manifest.parent]
     referenced = {prefix + key for v in keep_set for key in manifests[v].objects()}
     # The same objects under their own addresses: where a cache (agents) keeps packed ones.
-    referenced |= {prefix + c.address_key for v in keep_set for t in manifests[v].tensors for c in t.chunks
-                   if c.packed}
+    referenced |= {prefix + c.address_key for v in keep_set for t in manifests[v].tensors for c in t.chunks if c.packed}
     delete_objects, delete_bytes, young = [], 0, 0
     for info in objects:
         if info.key in referenced:
@@ -153,16 +152,25 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
         abort_stale_uploads(older_than_s=grace_s)
     log.info(
         "gc %s: deleted %d versions, %d objects (%.1f MB); kept %s",
-        plan.model, len(plan.delete_versions), len(plan.delete_objects), plan.delete_bytes / 1e6,
+        plan.model,
+        len(plan.delete_versions),
+        len(plan.delete_objects),
+        plan.delete_bytes / 1e6,
         list(plan.keep_versions),
     )
 
 
-def collect_garbage(store: Store, model: str, *, keep: int, protect: frozenset[int] | set[int] = frozenset(),
-                    grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False) -> GcPlan:
+def collect_garbage(
+    store: Store,
+    model: str,
+    *,
+    keep: int,
+    protect: frozenset[int] | set[int] = frozenset(),
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+) -> GcPlan:
     """Plans and (unless dry_run) applies a gc; returns the plan."""
     plan = plan_gc(store, model, keep=keep, protect=protect, grace_s=grace_s)
     if not dry_run:
         apply_gc(store, plan, grace_s=grace_s)
     return plan
-

@@ -143,7 +143,14 @@ class S3StoreConfig:
 # Codes botocore retries itself (5xx, SlowDown, throttling, RequestTimeout) are absent: when they
 # reach us its attempts are spent.
 _MISSING, _PRECONDITION, _CORRUPT, _CONFLICT, _NO_BUCKET, _NO_UPLOAD, _EMPTY_RANGE = (
-    "missing", "precondition", "corrupt", "conflict", "no bucket", "no upload", "empty range")
+    "missing",
+    "precondition",
+    "corrupt",
+    "conflict",
+    "no bucket",
+    "no upload",
+    "empty range",
+)
 _ERROR_MEANINGS = {
     "NoSuchKey": _MISSING,
     "NotFound": _MISSING,
@@ -183,8 +190,9 @@ class _Precondition(StoreError):
 class S3Store:
     """Objects under `s3://bucket/prefix/`. Thread-safe."""
 
-    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
-                 config: S3StoreConfig | None = None) -> None:
+    def __init__(
+        self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, config: S3StoreConfig | None = None
+    ) -> None:
         import boto3
         import botocore.config
         import botocore.exceptions
@@ -215,17 +223,24 @@ class S3Store:
         self._client = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, config=client_config)
         # Failures while a response body streams, which botocore leaves to the caller.
         self._stream_errors = (
-            botocore.exceptions.IncompleteReadError, botocore.exceptions.ResponseStreamingError,
-            botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectionClosedError,
-            urllib3.exceptions.HTTPError, ConnectionError, TimeoutError,
+            botocore.exceptions.IncompleteReadError,
+            botocore.exceptions.ResponseStreamingError,
+            botocore.exceptions.ReadTimeoutError,
+            botocore.exceptions.ConnectionClosedError,
+            urllib3.exceptions.HTTPError,
+            ConnectionError,
+            TimeoutError,
         )
         self._checksum_error = botocore.exceptions.FlexibleChecksumError
         # A request that still fails at the connection after botocore's retries. botocore stops
         # retrying at once when its client-wide retry quota is spent (a long-lived publisher on
         # a flaky link drains it), so the store's own bounded attempts take these too.
         self._connection_errors = (
-            botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
-            urllib3.exceptions.HTTPError, ConnectionError, TimeoutError,
+            botocore.exceptions.ConnectionError,
+            botocore.exceptions.HTTPClientError,
+            urllib3.exceptions.HTTPError,
+            ConnectionError,
+            TimeoutError,
         )
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -242,15 +257,25 @@ class S3Store:
 
     def get(self, key: str) -> bytes:
         full = self._key(key)
-        return self._retrying(f"read {self.uri}/{key}", lambda deadline: self._get_once(full, key, deadline),
-                              retry_on=(_Transient, _Replaced))
+        return self._retrying(
+            f"read {self.uri}/{key}",
+            lambda deadline: self._get_once(full, key, deadline),
+            retry_on=(_Transient, _Replaced),
+        )
 
     def _get_once(self, full: str, key: str, deadline: float) -> bytes:
         part = self.config.part_bytes
         checksum = {"ChecksumMode": "ENABLED"} if self.config.crc32_checksums else {}
         try:
-            response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full,
-                                  Range=f"bytes=0-{part - 1}", **checksum)
+            response = self._call(
+                "read",
+                key,
+                self._client.get_object,
+                Bucket=self.bucket,
+                Key=full,
+                Range=f"bytes=0-{part - 1}",
+                **checksum,
+            )
         except _EmptyRange:  # S3 refuses any range of an empty object
             response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full, **checksum)
         length = response["ContentLength"]
@@ -265,9 +290,11 @@ class S3Store:
             etag = response["ETag"]
             ranges = [(start, min(start + part, size)) for start in range(length, size, part)]
             self._parallel(
-                lambda r: self._retrying(f"read {self.uri}/{key} bytes {r[0]}-{r[1] - 1}",
-                                         lambda d: self._get_range(full, key, etag, r[0], view[r[0]:r[1]], d),
-                                         deadline=deadline),
+                lambda r: self._retrying(
+                    f"read {self.uri}/{key} bytes {r[0]}-{r[1] - 1}",
+                    lambda d: self._get_range(full, key, etag, r[0], view[r[0] : r[1]], d),
+                    deadline=deadline,
+                ),
                 ranges,
             )
         self._check_md5(response, buffer)
@@ -286,8 +313,10 @@ class S3Store:
 
         def read(piece: tuple[int, int]) -> None:
             lo, hi = piece
-            self._retrying(f"read {self.uri}/{key} bytes {start + lo}-{start + hi - 1}",
-                           lambda d: self._get_range(full, key, None, start + lo, view[lo:hi], d))
+            self._retrying(
+                f"read {self.uri}/{key} bytes {start + lo}-{start + hi - 1}",
+                lambda d: self._get_range(full, key, None, start + lo, view[lo:hi], d),
+            )
 
         if len(pieces) == 1:
             read(pieces[0])
@@ -298,18 +327,29 @@ class S3Store:
     def _get_range(self, full: str, key: str, etag: str | None, start: int, out: memoryview, deadline: float) -> None:
         condition = {"IfMatch": etag} if etag is not None else {}
         try:
-            response = self._call("read", key, self._client.get_object, Bucket=self.bucket, Key=full,
-                                  Range=f"bytes={start}-{start + len(out) - 1}", **condition)
+            response = self._call(
+                "read",
+                key,
+                self._client.get_object,
+                Bucket=self.bucket,
+                Key=full,
+                Range=f"bytes={start}-{start + len(out) - 1}",
+                **condition,
+            )
         except _Precondition:
             raise _Replaced(f"{self.uri}/{key} was replaced while being read") from None
         except _EmptyRange:  # the range starts at or past the end
-            raise ObjectTooShort(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end") from None
+            raise ObjectTooShort(
+                f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end"
+            ) from None
         expected = f"bytes {start}-{start + len(out) - 1}/"
         match = _CONTENT_RANGE.fullmatch(response.get("ContentRange") or "")
         if match and int(match.group(1)) == start and int(match.group(3)) < start + len(out):
             response["Body"].close()
-            raise ObjectTooShort(f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end "
-                             f"({match.group(3)} bytes)")
+            raise ObjectTooShort(
+                f"{self.uri}/{key}: bytes {start}..{start + len(out)} run past the object's end "
+                f"({match.group(3)} bytes)"
+            )
         if not (response.get("ContentRange") or "").startswith(expected) or response["ContentLength"] != len(out):
             raise _Transient(f"asked for {expected}, got {response.get('ContentRange')}")
         self._read_body(response, out, key, deadline)
@@ -339,8 +379,10 @@ class S3Store:
 
     def exists(self, key: str) -> bool:
         try:
-            self._retrying(f"stat {self.uri}/{key}", lambda _: self._call(
-                "stat", key, self._client.head_object, Bucket=self.bucket, Key=self._key(key)))
+            self._retrying(
+                f"stat {self.uri}/{key}",
+                lambda _: self._call("stat", key, self._client.head_object, Bucket=self.bucket, Key=self._key(key)),
+            )
             return True
         except ObjectNotFound:
             return False
@@ -349,12 +391,14 @@ class S3Store:
         if prefix:
             check_key(prefix.rstrip("/") or "x")
         pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self.prefix + prefix, PaginationConfig={"PageSize": self.config.list_page_size},
+            Bucket=self.bucket,
+            Prefix=self.prefix + prefix,
+            PaginationConfig={"PageSize": self.config.list_page_size},
         )
         try:
             for page in pages:
                 for item in page.get("Contents", []):
-                    yield ObjectInfo(item["Key"][len(self.prefix):], item["Size"], item["LastModified"].timestamp())
+                    yield ObjectInfo(item["Key"][len(self.prefix) :], item["Size"], item["LastModified"].timestamp())
         except Exception as e:  # botocore raises many types; _map is the one table
             raise self._map(e, prefix, "list") from None
 
@@ -372,7 +416,8 @@ class S3Store:
                     "would overwrite each other's manifest. Use a server that supports conditional writes "
                     "(AWS S3, MinIO, R2, recent Ceph), or, if exactly one publisher writes each model, opt in with "
                     "S3StoreConfig(single_publisher=True), ?single_publisher=1 on the store URI or "
-                    "WEIGHTSYNC_S3_SINGLE_PUBLISHER=1. Reading needs none of this.")
+                    "WEIGHTSYNC_S3_SINGLE_PUBLISHER=1. Reading needs none of this."
+                )
             # One publisher: nobody races us, but a restarted one must still not overwrite a commit.
             if self.exists(key):
                 raise ObjectExists(f"{self.uri}/{key} already exists")
@@ -395,8 +440,11 @@ class S3Store:
             if self._create_only_honoured is None:
                 self._create_only_honoured = self._probe_create_only()
                 if not self._create_only_honoured:
-                    log.warning("%s: the server ignores If-None-Match: *; commits are not atomic here%s", self.uri,
-                                " (single_publisher: allowed)" if self._single_publisher() else "")
+                    log.warning(
+                        "%s: the server ignores If-None-Match: *; commits are not atomic here%s",
+                        self.uri,
+                        " (single_publisher: allowed)" if self._single_publisher() else "",
+                    )
             return self._create_only_honoured
 
     def _probe_create_only(self) -> bool:
@@ -406,7 +454,9 @@ class S3Store:
         try:
             try:
                 for body in (b"first", b"second"):
-                    self._retrying(f"probe {self.uri}/{key}", lambda _, body=body: self._put_once(full, key, body, True))
+                    self._retrying(
+                        f"probe {self.uri}/{key}", lambda _, body=body: self._put_once(full, key, body, True)
+                    )
             except _Precondition:  # refused (or our first write's lost reply retried into itself)
                 return True
             return False
@@ -434,15 +484,24 @@ class S3Store:
         if self.config.crc32_checksums:
             crc = zlib.crc32(data).to_bytes(4, "big")
             kwargs.update(ChecksumAlgorithm="CRC32", ChecksumCRC32=base64.b64encode(crc).decode())
-        response = self._call("write", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=data,
-                              ContentMD5=base64.b64encode(md5.digest()).decode(), **kwargs)
+        response = self._call(
+            "write",
+            key,
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=full,
+            Body=data,
+            ContentMD5=base64.b64encode(md5.digest()).decode(),
+            **kwargs,
+        )
         if not self._etag_matches(response, md5.hexdigest()):
             # The server stored other bytes than we sent without checking Content-MD5. A plain
             # object is simply written again; a create-only one is ours (our create won), so
             # remove it (If-Match: only that object) and create it again.
             if create_only:
-                self._call("clean up", key, self._client.delete_object, Bucket=self.bucket, Key=full,
-                           IfMatch=response["ETag"])
+                self._call(
+                    "clean up", key, self._client.delete_object, Bucket=self.bucket, Key=full, IfMatch=response["ETag"]
+                )
             raise _Transient("the server stored bytes that differ from those sent (ETag is not their MD5)")
 
     def _upload_multipart(self, full: str, key: str, data: bytes) -> None:
@@ -453,14 +512,22 @@ class S3Store:
         numbered = [(n + 1, view[offset : offset + part]) for n, offset in enumerate(range(0, len(data), part))]
         try:
             digests = self._parallel(
-                lambda item: self._retrying(f"write {self.uri}/{key} part {item[0]}",
-                                            lambda _: self._upload_part(full, key, upload_id, *item)),
+                lambda item: self._retrying(
+                    f"write {self.uri}/{key} part {item[0]}", lambda _: self._upload_part(full, key, upload_id, *item)
+                ),
                 numbered,
             )
             parts = [{"PartNumber": n, "ETag": f'"{d.hex()}"'} for (n, _), d in zip(numbered, digests, strict=True)]
             try:
-                response = self._call("write", key, self._client.complete_multipart_upload, Bucket=self.bucket,
-                                      Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts})
+                response = self._call(
+                    "write",
+                    key,
+                    self._client.complete_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
             except _NoUpload:  # an earlier attempt completed it and its response was lost: the ETag tells
                 response = self._call("write", key, self._client.head_object, Bucket=self.bucket, Key=full)
         except BaseException:
@@ -468,15 +535,24 @@ class S3Store:
             raise
         expected = hashlib.md5(b"".join(digests)).hexdigest() + f"-{len(parts)}"
         if not self._etag_matches(response, expected):
-            raise StoreError(f"{self.uri}/{key}: multipart upload completed with ETag {response.get('ETag')}, "
-                             f"expected {expected}")
+            raise StoreError(
+                f"{self.uri}/{key}: multipart upload completed with ETag {response.get('ETag')}, expected {expected}"
+            )
 
     def _upload_part(self, full: str, key: str, upload_id: str, number: int, body: memoryview) -> bytes:
         data = bytes(body)
         md5 = hashlib.md5(data)
-        response = self._call("write", key, self._client.upload_part, Bucket=self.bucket, Key=full,
-                              UploadId=upload_id, PartNumber=number, Body=data,
-                              ContentMD5=base64.b64encode(md5.digest()).decode())
+        response = self._call(
+            "write",
+            key,
+            self._client.upload_part,
+            Bucket=self.bucket,
+            Key=full,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=data,
+            ContentMD5=base64.b64encode(md5.digest()).decode(),
+        )
         if not self._etag_matches(response, md5.hexdigest()):
             raise _Transient(f"part {number} stored with bytes that differ from those sent (ETag is not their MD5)")
         return md5.digest()
@@ -493,8 +569,9 @@ class S3Store:
         cutoff = time.time() - older_than_s
         aborted = 0
         try:
-            pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
-                                                                                   Prefix=self.prefix)
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self.prefix
+            )
             for page in pages:
                 for upload in page.get("Uploads", []):
                     if upload["Initiated"].timestamp() < cutoff:
@@ -507,14 +584,26 @@ class S3Store:
     def touch(self, key: str) -> None:
         full = self._key(key)
         checksum = {"ChecksumAlgorithm": "CRC32"} if self.config.crc32_checksums else {}  # the copy keeps one
-        self._retrying(f"touch {self.uri}/{key}", lambda _: self._call(
-            "touch", key, self._client.copy_object, Bucket=self.bucket, Key=full,
-            CopySource={"Bucket": self.bucket, "Key": full}, MetadataDirective="REPLACE", **checksum))
+        self._retrying(
+            f"touch {self.uri}/{key}",
+            lambda _: self._call(
+                "touch",
+                key,
+                self._client.copy_object,
+                Bucket=self.bucket,
+                Key=full,
+                CopySource={"Bucket": self.bucket, "Key": full},
+                MetadataDirective="REPLACE",
+                **checksum,
+            ),
+        )
 
     def delete(self, key: str) -> None:
         try:
-            self._retrying(f"delete {self.uri}/{key}", lambda _: self._call(
-                "delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._key(key)))
+            self._retrying(
+                f"delete {self.uri}/{key}",
+                lambda _: self._call("delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._key(key)),
+            )
         except ObjectNotFound:
             pass
 
@@ -551,8 +640,14 @@ class S3Store:
             return _EmptyRange(f"{where}: range not satisfiable")
         return StoreError(f"cannot {action} {where}: {type(e).__name__}: {e}")
 
-    def _retrying(self, what: str, attempt: Callable[[float], T], *, deadline: float | None = None,
-                  retry_on: tuple[type[BaseException], ...] = (_Transient,)) -> T:
+    def _retrying(
+        self,
+        what: str,
+        attempt: Callable[[float], T],
+        *,
+        deadline: float | None = None,
+        retry_on: tuple[type[BaseException], ...] = (_Transient,),
+    ) -> T:
         """Runs `attempt(deadline)` until it succeeds, at most transfer_attempts times and no new
         attempt after the deadline, backing off with jitter; then a StoreError."""
         t0 = time.monotonic()

@@ -176,8 +176,13 @@ class _Target:
                 self.metrics.inc("push/errors", target=self.address)
                 state.resume = True
                 if time.monotonic() - state.started > self.config.give_up_after_s:
-                    log.warning("push to %s: giving up on v%d after %.0f s (%s); it will catch up from the store",
-                                self.address, state.version, self.config.give_up_after_s, e)
+                    log.warning(
+                        "push to %s: giving up on v%d after %.0f s (%s); it will catch up from the store",
+                        self.address,
+                        state.version,
+                        self.config.give_up_after_s,
+                        e,
+                    )
                     self._finish(state)
                 else:
                     log.info("push to %s failed (%s); retrying in %.1f s", self.address, e, backoff)
@@ -221,8 +226,13 @@ class _Target:
             offer = state.offer
             addresses = list(state.objects)
         if offer is None:
-            offer = sync_pb2.OfferRequest(model=self.config.model, version=state.version, objects=addresses,
-                                          origin=self.config.origin, hops=self.config.hops)
+            offer = sync_pb2.OfferRequest(
+                model=self.config.model,
+                version=state.version,
+                objects=addresses,
+                origin=self.config.origin,
+                hops=self.config.hops,
+            )
         reply = self.client.offer(offer)
         with self._cond:
             state.unsent.clear()
@@ -253,8 +263,14 @@ class _Target:
         try:
             while True:
                 with self._cond:
-                    while (not state.unsent and state.offer is None and not state.failed and not self._closed
-                           and not self._waiting_is_pointless(state) and not call.done()):  # done: it broke
+                    while (
+                        not state.unsent
+                        and state.offer is None
+                        and not state.failed
+                        and not self._closed
+                        and not self._waiting_is_pointless(state)
+                        and not call.done()
+                    ):  # done: it broke
                         self._cond.wait(timeout=0.5)
                     if not state.unsent:
                         if state.offer is None and not state.failed and self._waiting_is_pointless(state):
@@ -316,8 +332,12 @@ class Pusher:
 
     def offer(self, version: int, manifest_bytes: bytes, signature: bytes | None, hops: int | None = None) -> None:
         offer = sync_pb2.OfferRequest(
-            model=self.config.model, version=version, manifest=manifest_bytes, signature=signature or b"",
-            origin=self.config.origin, hops=self.config.hops if hops is None else hops,
+            model=self.config.model,
+            version=version,
+            manifest=manifest_bytes,
+            signature=signature or b"",
+            origin=self.config.origin,
+            hops=self.config.hops if hops is None else hops,
         )
         for target in self._targets:
             target.add_offer(offer)
@@ -331,8 +351,10 @@ class Pusher:
         return all(t.idle() for t in self._targets)
 
     def stats(self) -> dict[str, dict]:
-        return {t.address: {"sent_bytes": t.sent_bytes, "dropped_objects": t.dropped_objects,
-                            "last_error": t.last_error} for t in self._targets}
+        return {
+            t.address: {"sent_bytes": t.sent_bytes, "dropped_objects": t.dropped_objects, "last_error": t.last_error}
+            for t in self._targets
+        }
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Waits up to `timeout_s` for pending versions, then stops."""

@@ -124,13 +124,21 @@ def encode_object_frame(frame: ObjectFrame) -> bytes:
     """`ObjectFrame` in protobuf wire format: fields 1-3, the placement (5-8), then field 4
     (data) last."""
     model, obj = frame.model.encode(), frame.object.encode()
-    head = (b"\x0a" + _varint(len(model)) + model + b"\x10" + _varint(frame.version)
-            + b"\x1a" + _varint(len(obj)) + obj)
+    head = b"\x0a" + _varint(len(model)) + model + b"\x10" + _varint(frame.version) + b"\x1a" + _varint(len(obj)) + obj
     where = frame.placement
     if where is not None:
         tensor = where.tensor.encode()
-        head += (b"\x2a" + _varint(len(tensor)) + tensor + b"\x30" + _varint(where.start) + b"\x38"
-                 + _varint(where.stop) + b"\x40" + _varint(where.parent))
+        head += (
+            b"\x2a"
+            + _varint(len(tensor))
+            + tensor
+            + b"\x30"
+            + _varint(where.start)
+            + b"\x38"
+            + _varint(where.stop)
+            + b"\x40"
+            + _varint(where.parent)
+        )
     return head + b"\x22" + _varint(len(frame.data)) + frame.data
 
 
@@ -167,12 +175,12 @@ def decode_object_frame(data: bytes) -> ObjectFrame:
             length, pos = _read_varint(view, pos)
             if pos + length > len(view):
                 raise errors.FormatError("malformed object frame (truncated field)")
-            value, pos = view[pos:pos + length], pos + length
+            value, pos = view[pos : pos + length], pos + length
         elif wire in (1, 5):
             width = 8 if wire == 1 else 4
             if pos + width > len(view):
                 raise errors.FormatError("malformed object frame (truncated field)")
-            value, pos = view[pos:pos + width], pos + width
+            value, pos = view[pos : pos + width], pos + width
         else:
             raise errors.FormatError(f"malformed object frame (wire type {wire})")
         # A known field with the wrong wire type would be read as the wrong Python type: a varint
@@ -233,14 +241,16 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     if not (tls.cert and tls.key):
         raise ValueError("a TLS server needs cert and key")
     return grpc.ssl_server_credentials(
-        [(_read(tls.key), _read(tls.cert))], root_certificates=_read(tls.ca),
+        [(_read(tls.key), _read(tls.cert))],
+        root_certificates=_read(tls.ca),
         require_client_auth=tls.require_client_cert,
     )
 
 
 def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates=_read(tls.ca), private_key=_read(tls.key),
-                                        certificate_chain=_read(tls.cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca), private_key=_read(tls.key), certificate_chain=_read(tls.cert)
+    )
 
 
 def read_token(token: str | None = None, token_file: str | None = None) -> str | None:
@@ -309,13 +319,18 @@ class AgentClient:
         self.channel = open_channel(target, tls)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._offer = self.channel.unary_unary(
-            OFFER, request_serializer=sync_pb2.OfferRequest.SerializeToString,
-            response_deserializer=sync_pb2.OfferReply.FromString)
+            OFFER,
+            request_serializer=sync_pb2.OfferRequest.SerializeToString,
+            response_deserializer=sync_pb2.OfferReply.FromString,
+        )
         self._push = self.channel.stream_unary(
-            PUSH_OBJECTS, request_serializer=encode_object_frame, response_deserializer=sync_pb2.PushReply.FromString)
+            PUSH_OBJECTS, request_serializer=encode_object_frame, response_deserializer=sync_pb2.PushReply.FromString
+        )
         self._status = self.channel.unary_unary(
-            GET_STATUS, request_serializer=sync_pb2.StatusRequest.SerializeToString,
-            response_deserializer=sync_pb2.StatusReply.FromString)
+            GET_STATUS,
+            request_serializer=sync_pb2.StatusRequest.SerializeToString,
+            response_deserializer=sync_pb2.StatusReply.FromString,
+        )
 
     def offer(self, request: sync_pb2.OfferRequest, timeout_s: float = OFFER_DEADLINE_S) -> sync_pb2.OfferReply:
         try:
@@ -372,12 +387,19 @@ def agent_service_handler(
     def push(raw_frames: Iterator[bytes], context: grpc.ServicerContext) -> sync_pb2.PushReply:
         return push_objects((decode_object_frame(raw) for raw in raw_frames), context)
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Offer": grpc.unary_unary_rpc_method_handler(
-            parsed(sync_pb2.OfferRequest.FromString, offer), response_serializer=sync_pb2.OfferReply.SerializeToString),
-        "PushObjects": grpc.stream_unary_rpc_method_handler(
-            push, response_serializer=sync_pb2.PushReply.SerializeToString),
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            parsed(sync_pb2.StatusRequest.FromString, get_status),
-            response_serializer=sync_pb2.StatusReply.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Offer": grpc.unary_unary_rpc_method_handler(
+                parsed(sync_pb2.OfferRequest.FromString, offer),
+                response_serializer=sync_pb2.OfferReply.SerializeToString,
+            ),
+            "PushObjects": grpc.stream_unary_rpc_method_handler(
+                push, response_serializer=sync_pb2.PushReply.SerializeToString
+            ),
+            "GetStatus": grpc.unary_unary_rpc_method_handler(
+                parsed(sync_pb2.StatusRequest.FromString, get_status),
+                response_serializer=sync_pb2.StatusReply.SerializeToString,
+            ),
+        },
+    )

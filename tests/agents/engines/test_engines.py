@@ -26,8 +26,14 @@ from weightsync.agents.engine import SWAP_POLICIES, Engine, open_engine
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 ENGINES = ["reference", "safetensors_dir", "sglang"]
 
 
@@ -91,12 +97,25 @@ class Kit:
         elif kind == "sglang":
             save_pretrained(tmp_path / "template", ModelConfig(**SMALL), make_weights(0))
             self.server = SGLangContractServer(tmp_path / "template")
-            self.engine = open_engine({"type": "sglang", "url": self.server.url, "root": str(tmp_path / "snapshots"),
-                                       "template_dir": str(tmp_path / "template"), "retry_backoff_s": 0.0, **options})
+            self.engine = open_engine(
+                {
+                    "type": "sglang",
+                    "url": self.server.url,
+                    "root": str(tmp_path / "snapshots"),
+                    "template_dir": str(tmp_path / "template"),
+                    "retry_backoff_s": 0.0,
+                    **options,
+                }
+            )
         else:
             self.fake = FakeReloadServer()
-            options = {"root": str(tmp_path / "snapshots"), "reload_url": self.fake.url, "model": SMALL,
-                       "reload_backoff_s": 0.0, **options}
+            options = {
+                "root": str(tmp_path / "snapshots"),
+                "reload_url": self.fake.url,
+                "model": SMALL,
+                "reload_backoff_s": 0.0,
+                **options,
+            }
             self.engine = open_engine({"type": "safetensors_dir", **options})
 
     def served(self) -> tuple[int | None, dict[str, torch.Tensor] | None]:
@@ -213,7 +232,8 @@ def test_readers_only_ever_see_whole_versions(kit):
                     version, weights = observed
                     seen.append(version)
                     if sorted(weights) != sorted(versions[version]) or not all(
-                            torch.equal(weights[n], t) for n, t in versions[version].items()):
+                        torch.equal(weights[n], t) for n, t in versions[version].items()
+                    ):
                         problems.append(f"version {version} observed with other tensors")
             except Exception as e:  # reported below; a reader thread must not die silently
                 problems.append(repr(e))
@@ -343,8 +363,17 @@ def test_dir_unreachable_server_fails_after_retries(tmp_path):
     fake = FakeReloadServer()
     url = fake.url
     fake.close()  # nothing listens there any more
-    engine = open_engine({"type": "safetensors_dir", "root": str(tmp_path / "s"), "model": SMALL,
-                          "reload_url": url, "reload_retries": 1, "reload_backoff_s": 0.0, "reload_timeout_s": 5})
+    engine = open_engine(
+        {
+            "type": "safetensors_dir",
+            "root": str(tmp_path / "s"),
+            "model": SMALL,
+            "reload_url": url,
+            "reload_retries": 1,
+            "reload_backoff_s": 0.0,
+            "reload_timeout_s": 5,
+        }
+    )
     try:
         with pytest.raises(WeightsyncError, match="after 2 attempts"):
             engine.swap(1, make_weights(1), digest="digest-1")
@@ -355,10 +384,17 @@ def test_dir_unreachable_server_fails_after_retries(tmp_path):
 
 def test_dir_snapshot_layout_body_template_and_retention(tmp_path):
     fake = FakeReloadServer()
-    engine = open_engine({
-        "type": "safetensors_dir", "root": str(tmp_path / "s"), "model": SMALL, "reload_url": fake.url,
-        "reload_body": {"model_path": "{path}", "weight_version": "{version}", "tags": ["{digest}", 7]},
-        "keep_snapshots": 2, "max_shard_bytes": 20_000})
+    engine = open_engine(
+        {
+            "type": "safetensors_dir",
+            "root": str(tmp_path / "s"),
+            "model": SMALL,
+            "reload_url": fake.url,
+            "reload_body": {"model_path": "{path}", "weight_version": "{version}", "tags": ["{digest}", 7]},
+            "keep_snapshots": 2,
+            "max_shard_bytes": 20_000,
+        }
+    )
     try:
         for v in range(1, 5):
             engine.swap(v, make_weights(v), digest=f"digest-{v}")
@@ -382,8 +418,9 @@ def test_dir_template_files_and_layout(tmp_path):
     save_pretrained(template, ModelConfig(**SMALL), make_weights(0))
     (template / "tokenizer.json").write_text('{"model": "bytes"}')
     fake = FakeReloadServer()
-    engine = open_engine({"type": "safetensors_dir", "root": str(tmp_path / "s"), "template_dir": str(template),
-                          "reload_url": fake.url})
+    engine = open_engine(
+        {"type": "safetensors_dir", "root": str(tmp_path / "s"), "template_dir": str(template), "reload_url": fake.url}
+    )
     try:
         bad = make_weights(1)
         bad["model.norm.weight"] = bad["model.norm.weight"].float()
@@ -447,8 +484,9 @@ for v in range(1, 100000):
 @pytest.mark.slow
 def test_dir_sigkill_mid_swap_leaves_current_complete(tmp_path):
     root = tmp_path / "s"
-    child = subprocess.Popen([sys.executable, "-c", _CRASH_CHILD.format(small=SMALL), str(root)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CRASH_CHILD.format(small=SMALL), str(root)], stdout=subprocess.PIPE, text=True
+    )
     try:
         for _ in range(15):  # let it get well into its loop, then kill it wherever it is
             assert child.stdout.readline(), "the child died before being killed"
@@ -490,6 +528,7 @@ assert json.loads((engine.current_dir() / "config.json").read_text()) == {hf!r}
 assert "weightsync.models" not in sys.modules, "the engine imported the decoder"
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", child, str(tmp_path / "s")], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "s")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -24,8 +24,15 @@ from weightsync.errors import LayoutError
 from weightsync.models import ByteTokenizer, CausalLM, ModelConfig, build_model, save_pretrained
 
 # Byte-tokenizer vocabulary; a wide init so greedy choices have clear margins and differ per version.
-BYTE_MODEL = dict(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, initializer_range=0.3)
+BYTE_MODEL = dict(
+    vocab_size=259,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.3,
+)
 TOKENIZER = ByteTokenizer()
 
 
@@ -72,8 +79,9 @@ def test_generates_text_and_id_prompts_of_mixed_lengths(server):
     reference = build_model(ModelConfig(**BYTE_MODEL))  # the model library, in-process, same weights
 
     def expected(rows: list[list[int]]) -> torch.Tensor:
-        return reference.generate(torch.tensor(rows), max_new_tokens=6, temperature=0, stop_token=TOKENIZER.EOS,
-                                  weights=weights)[0]
+        return reference.generate(
+            torch.tensor(rows), max_new_tokens=6, temperature=0, stop_token=TOKENIZER.EOS, weights=weights
+        )[0]
 
     texts = ["hello", "a", "", "world", "a longer prompt"]  # "hello" and "world": one batch of two
     status, headers, answer = post(server.url, {"prompts": texts, "max_new_tokens": 6})
@@ -83,9 +91,11 @@ def test_generates_text_and_id_prompts_of_mixed_lengths(server):
     assert len(completions) == len(texts)
     pair = expected([TOKENIZER.encode("hello"), TOKENIZER.encode("world")])
     for i, text in enumerate(texts):
-        want = pair[0 if text == "hello" else 1] if text in ("hello", "world") else expected([TOKENIZER.encode(text)])[0]
+        want = (
+            pair[0 if text == "hello" else 1] if text in ("hello", "world") else expected([TOKENIZER.encode(text)])[0]
+        )
         got = completions[i]
-        assert got["token_ids"] == want.tolist()[:len(got["token_ids"])], text
+        assert got["token_ids"] == want.tolist()[: len(got["token_ids"])], text
         assert len(got["token_ids"]) == len(got["logprobs"]) <= 6
         assert all(lp <= 0 for lp in got["logprobs"])
         assert got["text"] == TOKENIZER.decode(got["token_ids"])
@@ -109,7 +119,7 @@ def test_sampling_is_seeded_and_stop_tokens_end_completions(server):
     tokens = greedy["completions"][0]["token_ids"]
     stop = tokens[2]
     stopped = post(server.url, {"prompt_ids": [[256, 5, 6]], "max_new_tokens": 12, "stop": stop})[2]
-    assert stopped["completions"][0]["token_ids"] == tokens[:tokens.index(stop) + 1]
+    assert stopped["completions"][0]["token_ids"] == tokens[: tokens.index(stop) + 1]
     assert stopped["completions"][0]["finish_reason"] == "stop"
 
 
@@ -123,9 +133,11 @@ def test_hammer_every_token_comes_from_a_swapped_in_version(server, policy):
     generates it from the prefix before it (so no token ever saw overwritten memory)."""
     versions = range(1, 13)
     weights = {v: make_weights(v) for v in versions}
-    requests = [{"prompt_ids": [[256, 1, 2], [256, 3, 4, 5, 6], [256, 3, 4]], "max_new_tokens": 8},
-                {"prompts": ["swap", "under load"], "max_new_tokens": 10},
-                {"prompt_ids": [[7] * 9], "max_new_tokens": 12, "stop": None}]
+    requests = [
+        {"prompt_ids": [[256, 1, 2], [256, 3, 4, 5, 6], [256, 3, 4]], "max_new_tokens": 8},
+        {"prompts": ["swap", "under load"], "max_new_tokens": 10},
+        {"prompt_ids": [[7] * 9], "max_new_tokens": 12, "stop": None},
+    ]
     expected = {}  # (version, request) -> completions, precomputed through the same server
     for v in versions:
         server.swap(v, weights[v], digest=f"digest-{v}")
@@ -182,12 +194,12 @@ def test_hammer_every_token_comes_from_a_swapped_in_version(server, policy):
             else:
                 assert answer["weight_versions"] == [v] and all(
                     c["versions"] == [{"version": v, "start": 0, "stop": len(c["token_ids"])}]
-                    for c in answer["completions"])
+                    for c in answer["completions"]
+                )
                 assert answer["completions"] == expected[v, r], f"request {r} at version {v}: mixed or stale weights"
             assert v >= previous, "a client saw versions go backwards"
             previous = v
     assert {a["weight_version"] for answers in responses.values() for _, _, a in answers} == set(versions)
-
 
 
 def check_ranges(answer: dict, body: dict, alone: dict[int, list[dict]]) -> None:
@@ -201,16 +213,23 @@ def check_ranges(answer: dict, body: dict, alone: dict[int, list[dict]]) -> None
     for i, (prompt, completion) in enumerate(zip(prompts, answer["completions"], strict=True)):
         tokens, ranges = completion["token_ids"], completion["versions"]
         assert ranges[0]["start"] == 0 and ranges[-1]["stop"] == len(tokens)
-        assert all(a["stop"] == b["start"] and a["version"] < b["version"] for a, b in zip(ranges, ranges[1:], strict=False))
+        assert all(
+            a["stop"] == b["start"] and a["version"] < b["version"] for a, b in zip(ranges, ranges[1:], strict=False)
+        )
         assert ranges[0]["version"] >= answer["weight_version"]
         assert {r["version"] for r in ranges} <= set(answer["weight_versions"])
         first = ranges[0]
-        assert tokens[:first["stop"]] == alone[first["version"]][i]["token_ids"][:first["stop"]]
+        assert tokens[: first["stop"]] == alone[first["version"]][i]["token_ids"][: first["stop"]]
         for r in ranges[1:]:
-            prefix = torch.tensor([list(prompt) + tokens[:r["start"]]])
-            again = model.generate(prefix, max_new_tokens=r["stop"] - r["start"], temperature=0,
-                                   stop_token=body.get("stop", TOKENIZER.EOS), weights=make_weights(r["version"]))[0]
-            assert again[0].tolist() == tokens[r["start"]:r["stop"]], f"tokens {r} are not v{r['version']}'s"
+            prefix = torch.tensor([list(prompt) + tokens[: r["start"]]])
+            again = model.generate(
+                prefix,
+                max_new_tokens=r["stop"] - r["start"],
+                temperature=0,
+                stop_token=body.get("stop", TOKENIZER.EOS),
+                weights=make_weights(r["version"]),
+            )[0]
+            assert again[0].tolist() == tokens[r["start"] : r["stop"]], f"tokens {r} are not v{r['version']}'s"
         assert all(lp == lp for lp in completion["logprobs"]), "a NaN logprob: a token saw overwritten weights"
 
 
@@ -354,9 +373,11 @@ def test_bad_requests_get_400_with_a_clear_message(server):
         status, _, answer = post(server.url, body)
         assert status == 400 and message in answer["error"], (body, answer)
     assert post(server.url, b"x" * (2 << 20))[0] == 413  # read and dropped: the client sees the 413
-    for headers, status in [({"Content-Length": str(100 << 20)}, 413),  # refused without reading the body
-                            ({"Content-Length": str(2 << 20), "Expect": "100-continue"}, 413),
-                            ({"Transfer-Encoding": "chunked"}, 411)]:
+    for headers, status in [
+        ({"Content-Length": str(100 << 20)}, 413),  # refused without reading the body
+        ({"Content-Length": str(2 << 20), "Expect": "100-continue"}, 413),
+        ({"Transfer-Encoding": "chunked"}, 411),
+    ]:
         connection = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
         connection.putrequest("POST", "/v1/generate")
         for key, value in headers.items():
@@ -375,8 +396,9 @@ def test_bad_requests_get_400_with_a_clear_message(server):
 
 def test_text_prompts_need_the_byte_vocabulary():
     with ReferenceServer(ReferenceServerConfig(model={**BYTE_MODEL, "vocab_size": 64})) as server:
-        server.swap(1, {n: t.to(torch.bfloat16) for n, t in build_model(server.model_config).state_dict().items()},
-                    digest="d")
+        server.swap(
+            1, {n: t.to(torch.bfloat16) for n, t in build_model(server.model_config).state_dict().items()}, digest="d"
+        )
         status, _, answer = post(server.url, {"prompts": ["a"]})
         assert status == 400 and "send prompt_ids" in answer["error"]
         status, _, answer = post(server.url, {"prompt_ids": [[1, 2]], "max_new_tokens": 3})
@@ -417,9 +439,14 @@ def test_version_and_metrics_endpoints(server):
     status, metrics = get(server.url, "/metrics")
     text = metrics.decode()
     assert status == 200
-    for line in ("weightsync_engine_weight_version 7.0", 'weightsync_engine_requests_total{outcome="ok"} 1.0',
-                 "weightsync_engine_swap_pause_seconds_count 1.0", "weightsync_engine_generated_tokens_total 3.0",
-                 "weightsync_engine_prompt_tokens_total 2.0", 'weightsync_engine_swaps_total{outcome="ok"} 1.0'):
+    for line in (
+        "weightsync_engine_weight_version 7.0",
+        'weightsync_engine_requests_total{outcome="ok"} 1.0',
+        "weightsync_engine_swap_pause_seconds_count 1.0",
+        "weightsync_engine_generated_tokens_total 3.0",
+        "weightsync_engine_prompt_tokens_total 2.0",
+        'weightsync_engine_swaps_total{outcome="ok"} 1.0',
+    ):
         assert line in text, line
 
 
@@ -437,11 +464,14 @@ def test_busy_slots_answer_503():
 
 
 def test_config_is_validated():
-    for kwargs, message in [({}, "exactly one of model"), ({"model": BYTE_MODEL, "model_dir": "x"}, "exactly one"),
-                            ({"model": {"hidden": 3}}, "field names of weightsync.models.ModelConfig"),
-                            ({"model": BYTE_MODEL, "compute_dtype": "fp8"}, "compute_dtype must be one of"),
-                            ({"model": BYTE_MODEL, "port": 70000}, "port must be"),
-                            ({"model": BYTE_MODEL, "max_batch_size": 0}, "max_batch_size must be a positive int")]:
+    for kwargs, message in [
+        ({}, "exactly one of model"),
+        ({"model": BYTE_MODEL, "model_dir": "x"}, "exactly one"),
+        ({"model": {"hidden": 3}}, "field names of weightsync.models.ModelConfig"),
+        ({"model": BYTE_MODEL, "compute_dtype": "fp8"}, "compute_dtype must be one of"),
+        ({"model": BYTE_MODEL, "port": 70000}, "port must be"),
+        ({"model": BYTE_MODEL, "max_batch_size": 0}, "max_batch_size must be a positive int"),
+    ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             ReferenceServerConfig(**kwargs)
 
@@ -472,9 +502,21 @@ def test_replica_rope_matches_the_model():
 def test_serve_entry_point(tmp_path):
     config = ModelConfig(**BYTE_MODEL)
     save_pretrained(tmp_path / "model", config, build_model(config).state_dict())
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.agents.reference_server", "--model-dir",
-                             str(tmp_path / "model"), "--port", "0", "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.agents.reference_server",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         started = json.loads(proc.stdout.readline())
         assert started["weight_version"] == 0

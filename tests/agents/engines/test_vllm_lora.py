@@ -48,9 +48,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log",
-                       extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4"),
-                       extra_env=LORA_ENV) as srv:
+    with vh.VllmServer(
+        model_dir,
+        tmp_path_factory.mktemp("vllm-log") / "server.log",
+        extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4"),
+        extra_env=LORA_ENV,
+    ) as srv:
         srv.wait_ready()
         yield srv
 
@@ -77,8 +80,9 @@ def published(model_dir, tmp_path_factory):
             if step:
                 for name, t in current.items():
                     mask = torch.rand(t.shape, generator=generator) < 0.05
-                    current[name] = torch.where(mask, (t.float() + 0.05 * torch.randn(t.shape, generator=generator)
-                                                       ).to(t.dtype), t)
+                    current[name] = torch.where(
+                        mask, (t.float() + 0.05 * torch.randn(t.shape, generator=generator)).to(t.dtype), t
+                    )
             snapshots.append({n: t.clone() for n, t in current.items()})
             publisher.publish(current, step=step).result()
     return store, snapshots
@@ -91,8 +95,10 @@ def read_version(store, version):
 
 def as_held(weights):
     """What vLLM holds for an adapter, computed independently: bf16, lora_B times alpha / rank."""
-    return {n: (t.to(torch.bfloat16) * SCALE).to(torch.bfloat16) if n.endswith("lora_B.weight") else t.to(torch.bfloat16)
-            for n, t in weights.items()}
+    return {
+        n: (t.to(torch.bfloat16) * SCALE).to(torch.bfloat16) if n.endswith("lora_B.weight") else t.to(torch.bfloat16)
+        for n, t in weights.items()
+    }
 
 
 def held_adapter(engine, tmp_path):
@@ -104,12 +110,16 @@ def held_adapter(engine, tmp_path):
 def cold_load(server, name, weights, directory):
     """The same adapter loaded by the test itself, as any PEFT adapter, under another name."""
     directory.mkdir()
-    save_file({f"base_model.model.{n}": t.contiguous() for n, t in weights.items()},
-              str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": list(TARGETS), "bias": "none"}))
-    vh.post_json(server.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)},
-                 timeout_s=300)
+    save_file(
+        {f"base_model.model.{n}": t.contiguous() for n, t in weights.items()},
+        str(directory / "adapter_model.safetensors"),
+    )
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": list(TARGETS), "bias": "none"}
+        )
+    )
+    vh.post_json(server.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)}, timeout_s=300)
 
 
 def generate(server, model):
@@ -167,8 +177,11 @@ def test_adapters_vllm_cannot_serve_are_refused_before_the_server_is_touched(ser
     too_big = {n: torch.cat([t] * 4, dim=0 if n.endswith("lora_A.weight") else 1) for n, t in a.items()}
     with pytest.raises(LayoutError, match="--max-lora-rank 16"):
         engine.swap(2, too_big, digest="x")
-    norm = {**a, "model.norm.lora_A.weight": torch.zeros(RANK, 128, dtype=torch.bfloat16),
-            "model.norm.lora_B.weight": torch.zeros(128, RANK, dtype=torch.bfloat16)}
+    norm = {
+        **a,
+        "model.norm.lora_A.weight": torch.zeros(RANK, 128, dtype=torch.bfloat16),
+        "model.norm.lora_B.weight": torch.zeros(128, RANK, dtype=torch.bfloat16),
+    }
     with pytest.raises(LayoutError, match=r"adapts \['norm'\]"):
         engine.swap(2, norm, digest="x")
     unpaired = {n: t for n, t in a.items() if not n.startswith("model.layers.0.mlp.down_proj.lora_B")}
@@ -182,8 +195,7 @@ def test_adapters_vllm_cannot_serve_are_refused_before_the_server_is_touched(ser
     engine.close()
 
 
-def test_a_damaged_adapter_handoff_is_caught_in_the_engine_and_the_served_version_stays(server, published,
-                                                                                        monkeypatch):
+def test_a_damaged_adapter_handoff_is_caught_in_the_engine_and_the_served_version_stays(server, published, monkeypatch):
     store, _ = published
     engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name="policy"))
     weights1, digest1 = read_version(store, 1)
@@ -194,13 +206,15 @@ def test_a_damaged_adapter_handoff_is_caught_in_the_engine_and_the_served_versio
         engine.swap(2, weights2, digest=digest2)
     monkeypatch.undo()
     assert engine.health()["healthy"] and engine.served_version() == 1 and not is_paused(server)
-    vllm_lora.verify(1, weights1, engine.rpc("weightsync_lora_digest", str(engine._lora_id)), SCALE, {},
-                     {"bfloat16": torch.bfloat16})  # the workers still hold v1's adapter exactly
+    vllm_lora.verify(
+        1, weights1, engine.rpc("weightsync_lora_digest", str(engine._lora_id)), SCALE, {}, {"bfloat16": torch.bfloat16}
+    )  # the workers still hold v1's adapter exactly
     engine.close()
 
 
-def test_a_worker_holding_another_adapter_keeps_the_server_paused_until_a_good_swap(server, published, monkeypatch,
-                                                                                   tmp_path):
+def test_a_worker_holding_another_adapter_keeps_the_server_paused_until_a_good_swap(
+    server, published, monkeypatch, tmp_path
+):
     store, _ = published
     engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name="policy"))
     weights1, digest1 = read_version(store, 1)
@@ -234,8 +248,13 @@ def test_a_server_without_runtime_lora_is_refused_with_what_to_start_it_with(mod
             VllmEngine(VllmEngineConfig(url=plain.url, lora_name="policy"))
         # An engine for whole models is not one for adapters, and the agent says so at start.
         engine = VllmEngine(VllmEngineConfig(url=plain.url))
-        config = AgentConfig(model="qwen3-tiny-adapter", cache_dir=str(tmp_path / "cache"), store=f"file://{tmp_path}",
-                             weights_kind="adapter", engine={"type": "vllm", "url": plain.url})
+        config = AgentConfig(
+            model="qwen3-tiny-adapter",
+            cache_dir=str(tmp_path / "cache"),
+            store=f"file://{tmp_path}",
+            weights_kind="adapter",
+            engine={"type": "vllm", "url": plain.url},
+        )
         with pytest.raises(ValueError, match="lora_name"):
             AgentServer(config, engine=engine)
         engine.close()
@@ -243,9 +262,15 @@ def test_a_server_without_runtime_lora_is_refused_with_what_to_start_it_with(mod
 
 def test_an_agent_syncs_adapter_versions_from_the_store(server, published, tmp_path):
     store, snapshots = published
-    config = AgentConfig(model="qwen3-tiny-adapter", cache_dir=str(tmp_path / "cache"), store=f"file://{store.root}",
-                         poll_interval_s=0.2, workers=1, weights_kind="adapter",
-                         engine={"type": "vllm", "url": server.url, "lora_name": "synced"})
+    config = AgentConfig(
+        model="qwen3-tiny-adapter",
+        cache_dir=str(tmp_path / "cache"),
+        store=f"file://{store.root}",
+        poll_interval_s=0.2,
+        workers=1,
+        weights_kind="adapter",
+        engine={"type": "vllm", "url": server.url, "lora_name": "synced"},
+    )
     engine = VllmEngine(VllmEngineConfig(url=server.url, lora_name="synced"))
     agent = AgentServer(config, engine=engine).start()
     try:

@@ -35,15 +35,18 @@ def test_the_rank_of_a_servable_adapter():
     assert vllm_lora.adapter_rank(1, adapter(rank=4), INFO) == 4
 
 
-@pytest.mark.parametrize(("weights", "message"), [
-    ({}, "holds no tensors"),
-    ({**adapter(), "model.norm.weight": torch.ones(16)}, "not a LoRA adapter matrix"),
-    ({"m.q_proj.lora_A.weight": torch.ones(4, 16)}, "needs both lora_A and lora_B"),
-    ({"m.q_proj.lora_A.weight": torch.ones(4, 16), "m.q_proj.lora_B.weight": torch.ones(24, 2)}, "A must be"),
-    ({**adapter(rank=4), **adapter(rank=2, modules=("m.k_proj",))}, "mixes adapter ranks"),
-    (adapter(rank=16), "--max-lora-rank 16"),
-    (adapter(modules=("model.layers.0.mlp.gate_proj",)), "adapts \\['gate_proj'\\]"),
-])
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ({}, "holds no tensors"),
+        ({**adapter(), "model.norm.weight": torch.ones(16)}, "not a LoRA adapter matrix"),
+        ({"m.q_proj.lora_A.weight": torch.ones(4, 16)}, "needs both lora_A and lora_B"),
+        ({"m.q_proj.lora_A.weight": torch.ones(4, 16), "m.q_proj.lora_B.weight": torch.ones(24, 2)}, "A must be"),
+        ({**adapter(rank=4), **adapter(rank=2, modules=("m.k_proj",))}, "mixes adapter ranks"),
+        (adapter(rank=16), "--max-lora-rank 16"),
+        (adapter(modules=("model.layers.0.mlp.gate_proj",)), "adapts \\['gate_proj'\\]"),
+    ],
+)
 def test_adapters_vllm_cannot_serve_are_refused_with_the_reason(weights, message):
     with pytest.raises(LayoutError, match=message):
         vllm_lora.adapter_rank(3, weights, INFO)

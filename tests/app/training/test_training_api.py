@@ -42,8 +42,21 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
     state = tmp_path_factory.mktemp("server") / "state"
-    with TrainingServer(state, extra_args=("--gap-timeout-s", "15", "--long-poll-s", "1", "--fwdbwd-max-chunk-len", "2",
-                                           "--max-body-mib", "1", "--model", model_dir)) as srv:
+    with TrainingServer(
+        state,
+        extra_args=(
+            "--gap-timeout-s",
+            "15",
+            "--long-poll-s",
+            "1",
+            "--fwdbwd-max-chunk-len",
+            "2",
+            "--max-body-mib",
+            "1",
+            "--model",
+            model_dir,
+        ),
+    ) as srv:
         yield srv
 
 
@@ -116,7 +129,8 @@ def test_forward_backward_cross_entropy_and_optim_step_match_plain_pytorch(servi
 
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1)
     loss = -sum(lp.sum() for lp in local_logprobs(reference, SEQS)) - sum(
-        lp.sum() for lp in local_logprobs(reference, SEQS[:2]))
+        lp.sum() for lp in local_logprobs(reference, SEQS[:2])
+    )
     loss.backward()
     optimizer.step()
     with torch.no_grad():
@@ -133,7 +147,7 @@ def test_policy_losses_follow_their_public_definitions(service, model_dir, loss_
     data, expected = [], 0.0
     config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn != "importance_sampling" else None
     for s, lp in zip(SEQS, current, strict=True):
-        sampler = (lp.detach() + torch.tensor(rng.normal(0, 0.3, lp.shape[0]), dtype=torch.float32))
+        sampler = lp.detach() + torch.tensor(rng.normal(0, 0.3, lp.shape[0]), dtype=torch.float32)
         adv = torch.tensor(rng.normal(0, 1, lp.shape[0]), dtype=torch.float32)
         data.append(make_datum(s, logprobs=sampler.tolist(), advantages=adv.tolist()))
         ratio = torch.exp(lp.detach() - sampler)
@@ -155,7 +169,10 @@ def test_forward_backward_custom_equals_the_builtin_loss_it_mirrors(service, mod
     custom = service.create_lora_training_client(base_model=model_dir, rank=0).result()
 
     def neg_log_likelihood(data, logprobs_list):
-        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum() for d, lp in zip(data, logprobs_list, strict=True))
+        loss = sum(
+            -(lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum()
+            for d, lp in zip(data, logprobs_list, strict=True)
+        )
         return loss, {"custom_metric": 1.0}
 
     adam = types.AdamParams(learning_rate=1e-2)
@@ -176,8 +193,7 @@ def test_futures_under_load_and_chunks_sent_out_of_order(service, model_dir):
     client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
     seqs = [SEQS[i % 3][: 4 + i % 5] for i in range(9)]
     want = local_logprobs(reference_model(model_dir), seqs)
-    futures = [client.forward([make_datum(s, [0.0] * (len(s) - 1)) for s in seqs], "cross_entropy")
-               for _ in range(12)]
+    futures = [client.forward([make_datum(s, [0.0] * (len(s) - 1)) for s in seqs], "cross_entropy") for _ in range(12)]
     for future in futures:
         outputs = future.result().loss_fn_outputs
         assert len(outputs) == len(seqs)
@@ -215,7 +231,9 @@ def fwdbwd_proto(model_id, seq_id, loss_fn="cross_entropy", forward_only=True):
 
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=sft_batch(), loss_fn=loss_fn),
-        model_id=model_id, seq_id=seq_id)
+        model_id=model_id,
+        seq_id=seq_id,
+    )
     msg = forward_backward_request_to_proto(request)
     msg.forward_only = forward_only
     return msg.SerializeToString()
@@ -255,11 +273,15 @@ def test_a_client_closed_by_its_with_block_finishes_its_session(server, model_di
     wait_unloaded(server, client.model_id)
     status, _, body = post(server, "/api/v1/session_heartbeat", {"session_id": session})
     assert status == 410 and b"finished (success)" in body, body
-    status, _, body = post(server, "/api/v1/optim_step", {"model_id": client.model_id, "seq_id": 99,
-                                                          "adam_params": {"learning_rate": 1e-3}})
+    status, _, body = post(
+        server,
+        "/api/v1/optim_step",
+        {"model_id": client.model_id, "seq_id": 99, "adam_params": {"learning_rate": 1e-3}},
+    )
     assert status == 410, body
-    status, _, body = post(server, "/api/v1/create_model", {"session_id": session, "model_seq_id": 7,
-                                                            "base_model": model_dir})
+    status, _, body = post(
+        server, "/api/v1/create_model", {"session_id": session, "model_seq_id": 7, "base_model": model_dir}
+    )
     assert status == 410, body
     status, _, body = post(server, "/api/v1/load_weights", {"session_id": session, "model_seq_id": 8, "path": saved})
     assert status == 410, body
@@ -291,8 +313,9 @@ def test_a_session_whose_client_went_silent_expires_and_its_model_is_unloaded(tm
         status, _, body = post(srv, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"})
         assert status == 200, body
         session = json.loads(body)["session_id"]
-        status, _, body = post(srv, "/api/v1/create_model", {"session_id": session, "model_seq_id": 0,
-                                                             "base_model": model_dir})
+        status, _, body = post(
+            srv, "/api/v1/create_model", {"session_id": session, "model_seq_id": 0, "base_model": model_dir}
+        )
         assert status == 200, body
         model_id = json.loads(body)["model_id"]
         deadline = time.monotonic() + 120
@@ -309,12 +332,17 @@ def test_a_session_whose_client_went_silent_expires_and_its_model_is_unloaded(tm
 def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server, service, model_dir):
     _, model_id = raw_model(server, service, model_dir)
     # seq 2 (optim_step) arrives before seq 1 (forward_backward): run first, it would see no gradient.
-    status, _, body = post(server, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 2,
-                                                          "adam_params": {"learning_rate": 1e-3}})
+    status, _, body = post(
+        server, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}}
+    )
     assert status == 200, body
     optim_id = json.loads(body)["request_id"]
-    status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 1, forward_only=False),
-                           content_type="application/x-protobuf")
+    status, _, body = post(
+        server,
+        "/api/v1/forward_backward",
+        fwdbwd_proto(model_id, 1, forward_only=False),
+        content_type="application/x-protobuf",
+    )
     assert status == 200, body
     _, result = wait_result(server, optim_id)
     assert json.loads(result)["metrics"]["grad_norm"] > 0
@@ -323,14 +351,19 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server, serv
 def test_a_seq_id_gap_fails_as_a_user_error_and_changes_nothing(server, service, model_dir):
     client, model_id = raw_model(server, service, model_dir)
     before = forward_logprobs(client, SEQS)  # seq 1 and 2 (two chunks of at most 2 datums)
-    status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 5, forward_only=False),
-                           content_type="application/x-protobuf")
+    status, _, body = post(
+        server,
+        "/api/v1/forward_backward",
+        fwdbwd_proto(model_id, 5, forward_only=False),
+        content_type="application/x-protobuf",
+    )
     assert status == 200
     _, result = wait_result(server, json.loads(body)["request_id"])  # the server waits 15 s for seq 3
     doc = json.loads(result)
     assert doc["category"] == "user" and "seq_id gap" in doc["error"] and "for seq_id 3" in doc["error"]
-    status, _, body = post(server, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 1,
-                                                          "adam_params": {"learning_rate": 1e-3}})
+    status, _, body = post(
+        server, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+    )
     assert status == 400 and b"already used" in body  # seq 1 was a forward_backward: not a retry
     # The SDK's next calls are seq 3 and 4, which the gap left free. The same calls batch the
     # datums as `before` did: a CPU's kernels may round differently per batch shape (AMD EPYC's
@@ -343,12 +376,17 @@ def test_a_seq_id_gap_fails_as_a_user_error_and_changes_nothing(server, service,
 def test_a_retried_request_gets_the_first_ones_future_and_runs_once(server, service, model_dir):
     """The SDK resends a request whose reply it lost (reset or timed-out connection) with the same
     seq_id; that must not fail the run, nor apply a step twice."""
+
     def train_and_read(retry: bool) -> list[torch.Tensor]:
         _, model_id = raw_model(server, service, model_dir)
-        requests = [("/api/v1/forward_backward", fwdbwd_proto(model_id, 1, forward_only=False), "application/x-protobuf"),
-                    ("/api/v1/optim_step", json.dumps({"model_id": model_id, "seq_id": 2,
-                                                       "adam_params": {"learning_rate": 1e-2}}).encode(),
-                     "application/json")]
+        requests = [
+            ("/api/v1/forward_backward", fwdbwd_proto(model_id, 1, forward_only=False), "application/x-protobuf"),
+            (
+                "/api/v1/optim_step",
+                json.dumps({"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-2}}).encode(),
+                "application/json",
+            ),
+        ]
         for route, body, content_type in requests:
             ids = []
             for _ in range(2 if retry else 1):
@@ -359,8 +397,13 @@ def test_a_retried_request_gets_the_first_ones_future_and_runs_once(server, serv
             kind, result = wait_result(server, ids[0])
             if kind == "application/json":
                 assert "error" not in json.loads(result), result
-        status, _, reply = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 3),
-                                content_type="application/x-protobuf", accept="application/x-protobuf")
+        status, _, reply = post(
+            server,
+            "/api/v1/forward_backward",
+            fwdbwd_proto(model_id, 3),
+            content_type="application/x-protobuf",
+            accept="application/x-protobuf",
+        )
         assert status == 200, reply
         _, result = wait_result(server, json.loads(reply)["request_id"])
         return [torch.tensor(o["logprobs"].data) for o in decode_fwdbwd(result).loss_fn_outputs]
@@ -390,12 +433,18 @@ def test_bad_inputs_fail_with_the_user_category_and_leave_the_model_unchanged(se
 
 def test_an_unknown_loss_name_and_a_garbage_body_are_user_errors(server, service, model_dir):
     _, model_id = raw_model(server, service, model_dir)
-    status, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(model_id, 1, loss_fn="no_such_loss"),
-                           content_type="application/x-protobuf")
+    status, _, body = post(
+        server,
+        "/api/v1/forward_backward",
+        fwdbwd_proto(model_id, 1, loss_fn="no_such_loss"),
+        content_type="application/x-protobuf",
+    )
     _, result = wait_result(server, json.loads(body)["request_id"])
     doc = json.loads(result)
     assert doc["category"] == "user" and "unknown loss function 'no_such_loss'" in doc["error"]
-    status, _, body = post(server, "/api/v1/forward_backward", b"\xff\x00garbage", content_type="application/x-protobuf")
+    status, _, body = post(
+        server, "/api/v1/forward_backward", b"\xff\x00garbage", content_type="application/x-protobuf"
+    )
     assert status == 400 and json.loads(body)["category"] == "user"
 
 
@@ -407,8 +456,9 @@ def test_an_oversized_request_is_refused_with_413(server, service, model_dir):
         client.forward_backward([make_datum(tokens, [1.0] * 150_000)], "cross_entropy").result()
     assert info.value.status_code == 413 and "over this server's limit" in str(info.value)
     # The refused body was never read, so its seq_id (3) is a hole only the caller can fill.
-    _, _, body = post(server, "/api/v1/forward_backward", fwdbwd_proto(client.model_id, 3),
-                      content_type="application/x-protobuf")
+    _, _, body = post(
+        server, "/api/v1/forward_backward", fwdbwd_proto(client.model_id, 3), content_type="application/x-protobuf"
+    )
     _, result = wait_result(server, json.loads(body)["request_id"])
     assert len(decode_fwdbwd(result).loss_fn_outputs) == len(SEQS)
     # Then the SDK goes on at seq 4 and 5, batching the datums as `before` did (a CPU's kernels
@@ -427,7 +477,8 @@ def decode_fwdbwd(payload):
 def test_a_bad_api_key_is_refused_with_401(server):
     with pytest.raises(tinker.AuthenticationError) as info:
         tinker.ServiceClient(base_url=server.url, api_key="tml-wrong-key").create_lora_training_client(
-            base_model="x", rank=0).result()
+            base_model="x", rank=0
+        ).result()
     assert "API key" in str(info.value)
 
 
@@ -476,8 +527,9 @@ def test_load_state_of_a_missing_checkpoint_is_a_clear_error(service, model_dir)
         service.create_training_client_from_state("tinker://nope:train:0/weights/missing").result()
 
 
-def test_a_killed_server_restarted_resumes_from_the_last_saved_state_bit_identically(tmp_path, model_dir,
-                                                                                     monkeypatch_module):
+def test_a_killed_server_restarted_resumes_from_the_last_saved_state_bit_identically(
+    tmp_path, model_dir, monkeypatch_module
+):
     state = tmp_path / "state"
     first = TrainingServer(state).start()
     try:

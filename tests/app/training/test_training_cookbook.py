@@ -39,10 +39,22 @@ def server(tmp_path_factory):
 
 
 def run_recipe(module: str, args: list[str], log_path: Path, server) -> list[dict]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_API_KEY": API_KEY, "TINKER_TELEMETRY": "0",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", module, *args, f"base_url={server.url}", f"log_path={log_path}",
-           "behavior_if_log_dir_exists=delete"]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TINKER_API_KEY": API_KEY,
+        "TINKER_TELEMETRY": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        *args,
+        f"base_url={server.url}",
+        f"log_path={log_path}",
+        "behavior_if_log_dir_exists=delete",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=log_path.parent, capture_output=True, text=True, timeout=800, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Training completed successfully" in proc.stdout + proc.stderr
@@ -53,9 +65,22 @@ def test_chat_sft_recipe_runs_unmodified_and_its_loss_falls(tmp_path, server, mo
     import tinker_cookbook
 
     dataset = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
-    metrics = run_recipe("tinker_cookbook.recipes.chat_sl.train", [
-        f"model_name={model_dir}", f"dataset={dataset}", "renderer_name=role_colon", "batch_size=8",
-        "max_steps=6", "save_every=0", "eval_every=0", "learning_rate=0.01", "lora_rank=0"], tmp_path / "sft", server)
+    metrics = run_recipe(
+        "tinker_cookbook.recipes.chat_sl.train",
+        [
+            f"model_name={model_dir}",
+            f"dataset={dataset}",
+            "renderer_name=role_colon",
+            "batch_size=8",
+            "max_steps=6",
+            "save_every=0",
+            "eval_every=0",
+            "learning_rate=0.01",
+            "lora_rank=0",
+        ],
+        tmp_path / "sft",
+        server,
+    )
     nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
     assert len(nll) == 6
     assert nll[-1] < nll[0] - 0.5, nll
@@ -69,8 +94,12 @@ def write_arithmetic_conversations(path: Path, *, count: int, seed: int) -> Path
     with open(path, "w") as f:
         for _ in range(count):
             x, y = rng.randint(0, 100), rng.randint(0, 100)
-            messages = [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"},
-                        {"role": "user", "content": f"What is {x} + {y}?"}, {"role": "assistant", "content": str(x + y)}]
+            messages = [
+                {"role": "user", "content": "What is 4 + 5?"},
+                {"role": "assistant", "content": "9"},
+                {"role": "user", "content": f"What is {x} + {y}?"},
+                {"role": "assistant", "content": str(x + y)},
+            ]
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
@@ -86,22 +115,51 @@ def test_math_rl_recipe_from_an_sft_warm_start_raises_the_reward(tmp_path, serve
     2-layer model in a CI budget, so `correct` stays ~0 (the test does not rely on it).
     """
     dataset = write_arithmetic_conversations(tmp_path / "arithmetic.jsonl", count=128, seed=0)
-    sft = run_recipe("tinker_cookbook.recipes.chat_sl.train", [
-        f"model_name={model_dir}", f"dataset={dataset}", "renderer_name=role_colon", "batch_size=16",
-        "num_epochs=20", "max_steps=14", "save_every=7", "eval_every=0", "learning_rate=0.003",
-        "lr_schedule=constant", "lora_rank=0"], tmp_path / "sft", server)
+    sft = run_recipe(
+        "tinker_cookbook.recipes.chat_sl.train",
+        [
+            f"model_name={model_dir}",
+            f"dataset={dataset}",
+            "renderer_name=role_colon",
+            "batch_size=16",
+            "num_epochs=20",
+            "max_steps=14",
+            "save_every=7",
+            "eval_every=0",
+            "learning_rate=0.003",
+            "lr_schedule=constant",
+            "lora_rank=0",
+        ],
+        tmp_path / "sft",
+        server,
+    )
     assert len([m for m in sft if "train_mean_nll" in m]) == 14
     checkpoints = [json.loads(line) for line in (tmp_path / "sft" / "checkpoints.jsonl").read_text().splitlines()]
     assert len(checkpoints) >= 2 and checkpoints[-1]["name"] == "final", checkpoints  # save_every's, then the last
-    assert all(c["state_path"].startswith("tinker://") and c["sampler_path"].startswith("tinker://")
-               for c in checkpoints)
+    assert all(
+        c["state_path"].startswith("tinker://") and c["sampler_path"].startswith("tinker://") for c in checkpoints
+    )
 
     steps_run = 16
-    metrics = run_recipe("tinker_cookbook.recipes.math_rl.train", [
-        "env=arithmetic", f"model_name={model_dir}", "renderer_name=role_colon",
-        f"load_checkpoint_path={checkpoints[-1]['state_path']}", "groups_per_batch=16", "group_size=8",
-        "max_tokens=12", f"max_steps={steps_run}", "learning_rate=0.001", "eval_every=0", "save_every=0",
-        "lora_rank=0"], tmp_path / "rl", server)
+    metrics = run_recipe(
+        "tinker_cookbook.recipes.math_rl.train",
+        [
+            "env=arithmetic",
+            f"model_name={model_dir}",
+            "renderer_name=role_colon",
+            f"load_checkpoint_path={checkpoints[-1]['state_path']}",
+            "groups_per_batch=16",
+            "group_size=8",
+            "max_tokens=12",
+            f"max_steps={steps_run}",
+            "learning_rate=0.001",
+            "eval_every=0",
+            "save_every=0",
+            "lora_rank=0",
+        ],
+        tmp_path / "rl",
+        server,
+    )
     steps = [m for m in metrics if "env/all/reward/total" in m]
     reward = [m["env/all/reward/total"] for m in steps]
     for key in ("env/all/reward/total", "env/all/format", "env/all/correct", "optim/kl_sample_train_v1"):

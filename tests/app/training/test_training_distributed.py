@@ -24,13 +24,20 @@ ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight
 
 
 def batch(scale: float = 1.0):
-    return [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                        loss_fn_inputs={"target_tokens": s[1:], "weights": [scale] * (len(s) - 1)}) for s in SEQS]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(s[:-1]),
+            loss_fn_inputs={"target_tokens": s[1:], "weights": [scale] * (len(s) - 1)},
+        )
+        for s in SEQS
+    ]
 
 
 def run_api(state_dir, model_dir, ranks, *, steps, weight_scale=1.0, extra_args=()):
-    with (TrainingServer(state_dir, ranks=ranks, extra_args=tuple(extra_args)) as server,
-          tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service):
+    with (
+        TrainingServer(state_dir, ranks=ranks, extra_args=tuple(extra_args)) as server,
+        tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service,
+    ):
         client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
         losses = []
         for _ in range(steps):
@@ -58,8 +65,9 @@ def test_two_ranks_match_one_rank(tmp_path, model_dir):
 
 def test_cpu_offload_and_activation_checkpointing_stay_available_and_change_no_result(tmp_path, model_dir):
     plain_losses, plain_logprobs = run_api(tmp_path / "plain", model_dir, 2, steps=2)
-    losses, logprobs = run_api(tmp_path / "offload", model_dir, 2, steps=2,
-                               extra_args=("--cpu-offload", "--activation-checkpointing"))
+    losses, logprobs = run_api(
+        tmp_path / "offload", model_dir, 2, steps=2, extra_args=("--cpu-offload", "--activation-checkpointing")
+    )
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for a, b in zip(plain_logprobs, logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -78,13 +86,24 @@ def test_the_api_matches_the_toml_trainer_on_the_same_batch(tmp_path, model_dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    job = parse_job_config({
-        "parallel": {"device": "cpu"},
-        "train": {"steps": 1, "model": {"init_dir": model_dir},
-                  "optimizer": {"lr": ADAM["learning_rate"], "betas": [ADAM["beta1"], ADAM["beta2"]],
-                                "eps": ADAM["eps"], "weight_decay": 0.0, "max_grad_norm": 0.0},
-                  "schedule": {"warmup_steps": 0, "decay": "constant"},
-                  "data": {"global_batch_size": 3, "micro_batch_size": 3, "max_seq_len": 64}}})
+    job = parse_job_config(
+        {
+            "parallel": {"device": "cpu"},
+            "train": {
+                "steps": 1,
+                "model": {"init_dir": model_dir},
+                "optimizer": {
+                    "lr": ADAM["learning_rate"],
+                    "betas": [ADAM["beta1"], ADAM["beta2"]],
+                    "eps": ADAM["eps"],
+                    "weight_decay": 0.0,
+                    "max_grad_norm": 0.0,
+                },
+                "schedule": {"warmup_steps": 0, "decay": "constant"},
+                "data": {"global_batch_size": 3, "micro_batch_size": 3, "max_seq_len": 64},
+            },
+        }
+    )
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():

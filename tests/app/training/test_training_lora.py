@@ -48,8 +48,10 @@ def service(server):
 
 
 def step(client, lr=1e-3):
-    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
-                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
+    )
     out = client.forward_backward([datum], "cross_entropy")
     client.optim_step(types.AdamParams(learning_rate=lr)).result()
     return out.result().metrics["loss:sum"]
@@ -96,8 +98,15 @@ def test_lora_trains_only_the_adapters_and_merged_weights_are_bit_exact(server, 
         assert torch.equal(served[name], want.to(torch.bfloat16)), name
     # And sampling runs on those merged weights (the agent serves them).
     sampler = service.create_sampling_client(model_path=f"tinker://{client.model_id}/sampler_weights/merged").result()
-    assert len(sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 1,
-                              types.SamplingParams(max_tokens=2)).result().sequences[0].tokens) >= 1
+    assert (
+        len(
+            sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=2))
+            .result()
+            .sequences[0]
+            .tokens
+        )
+        >= 1
+    )
 
 
 def test_adapter_only_versions_are_at_least_50x_smaller_than_merged_deltas(server, service, model_dir):
@@ -111,8 +120,9 @@ def test_adapter_only_versions_are_at_least_50x_smaller_than_merged_deltas(serve
     merged = read_manifest(store, store_model, 2)
     adapter = read_manifest(store, store_model + "-adapter", 2)
     assert merged.kind == "delta"
-    assert {t.name for t in adapter.tensors} == {n for n in _names(adapter) if n.endswith((".lora_A.weight",
-                                                                                           ".lora_B.weight"))}
+    assert {t.name for t in adapter.tensors} == {
+        n for n in _names(adapter) if n.endswith((".lora_A.weight", ".lora_B.weight"))
+    }
     ratio = stored_bytes(merged) / max(1, stored_bytes(adapter))
     assert ratio >= 50, (stored_bytes(merged), stored_bytes(adapter))
     # The manifests say which kind each version is.
@@ -136,8 +146,12 @@ def test_an_agent_refuses_versions_of_the_wrong_kind(server, service, model_dir,
     store_uri = f"file://{Path(server.state_dir).resolve() / 'store'}"
     adapter_model = "tinker-" + client.model_id.replace(":", "-") + "-adapter"
     engine = ReferenceEngine(ReferenceEngineConfig(model=load_config(model_dir), compute_dtype="float32"))
-    agent = AgentServer(AgentConfig(model=adapter_model, cache_dir=str(tmp_path / "cache"), store=store_uri,
-                                    poll_interval_s=0.2, workers=1), engine=engine).start()
+    agent = AgentServer(
+        AgentConfig(
+            model=adapter_model, cache_dir=str(tmp_path / "cache"), store=store_uri, poll_interval_s=0.2, workers=1
+        ),
+        engine=engine,
+    ).start()
     try:
         deadline = time.monotonic() + 120
         while "holds 'adapter' weights" not in (agent.agent.status()["last_error"] or ""):

@@ -40,15 +40,34 @@ def test_the_shipped_profiles_load_and_resolve():
 def test_to_argv_round_trips_the_server_options():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = ["--state-dir", "/tmp/x", "--port", "0", "--profile", "demo-lm", "--cpu-offload", "--model", "a",
-            "--model", "b", "--sampler-engine", "vllm", "--vllm-url", "http://127.0.0.1:8001"]
+    argv = [
+        "--state-dir",
+        "/tmp/x",
+        "--port",
+        "0",
+        "--profile",
+        "demo-lm",
+        "--cpu-offload",
+        "--model",
+        "a",
+        "--model",
+        "b",
+        "--sampler-engine",
+        "vllm",
+        "--vllm-url",
+        "http://127.0.0.1:8001",
+    ]
     args = parser.parse_args(argv)
     assert vars(parser.parse_args(to_argv(args))) == vars(args)
 
 
 def test_a_profile_may_put_the_sampler_on_vllm_and_vllm_needs_a_url(tmp_path):
-    doc = {"name": "on-vllm", "version": 1, "model": {"model_dir": "/models/m"},
-           "sampler": {"engine": "vllm", "url": "http://127.0.0.1:8001"}}
+    doc = {
+        "name": "on-vllm",
+        "version": 1,
+        "model": {"model_dir": "/models/m"},
+        "sampler": {"engine": "vllm", "url": "http://127.0.0.1:8001"},
+    }
     profile = parse_profile(doc, where="test")
     assert profile.sampler_engine == "vllm" and profile.sampler_url == "http://127.0.0.1:8001"
     assert parse_profile({**doc, "sampler": {}}, where="test").sampler_engine == "reference"
@@ -71,9 +90,26 @@ def test_a_server_from_the_demo_profile_trains_the_profile_model_on_two_ranks(tm
 
     env = {**os.environ, "TINKER_TELEMETRY": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "server.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "weightsync.app.cli", "serve-training", "--state-dir",
-                                 str(tmp_path / "state"), "--port", "0", "--api-key", "tml-profile", "--profile",
-                                 "demo-lm"], stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "weightsync.app.cli",
+                "serve-training",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--port",
+                "0",
+                "--api-key",
+                "tml-profile",
+                "--profile",
+                "demo-lm",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
     try:
         ready: list[dict] = []
         seen = threading.Event()
@@ -91,8 +127,10 @@ def test_a_server_from_the_demo_profile_trains_the_profile_model_on_two_ranks(tm
         with tinker.ServiceClient(base_url=ready[0]["url"], api_key="tml-profile") as service:
             client = service.create_lora_training_client(base_model="demo-lm", rank=0).result()
             tokens = [256, 49, 43, 50, 61, 51, 257]
-            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 6})
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 6},
+            )
             losses = []
             for _ in range(3):
                 out = client.forward_backward([datum, datum, datum], "cross_entropy")

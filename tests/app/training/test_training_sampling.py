@@ -51,8 +51,10 @@ def service(server):
 
 def train_step(client, lr=1e-2):
     tokens = [3, 17, 42, 99, 7, 8, 250, 11]
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 7})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 7},
+    )
     client.forward_backward([datum], "cross_entropy")
     client.optim_step(types.AdamParams(learning_rate=lr)).result()
 
@@ -95,9 +97,12 @@ def test_sampler_weights_publish_a_base_then_deltas_bit_exact_to_the_trainer(ser
 
     # Sampling from the second version runs on exactly those weights (prompt logprobs).
     sampler = service.create_sampling_client(model_path=second).result()
-    result = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=3,
-                            sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=1),
-                            include_prompt_logprobs=True).result()
+    result = sampler.sample(
+        types.ModelInput.from_ints(PROMPT),
+        num_samples=3,
+        sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=1),
+        include_prompt_logprobs=True,
+    ).result()
     assert len(result.sequences) == 3 and all(1 <= len(s.tokens) <= 4 for s in result.sequences)
     assert all(len(s.logprobs) == len(s.tokens) for s in result.sequences)
     config, _ = load_pretrained(model_dir)
@@ -117,15 +122,27 @@ def test_save_weights_and_get_sampling_client_stop_tokens_stop_strings_and_versi
     # Stop on the third greedy token: the sequence ends with it.
     stop_token = full.tokens[2]
     first_at = full.tokens.index(stop_token)
-    stopped = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(
-        max_tokens=6, temperature=0.0, stop=[stop_token])).result().sequences[0]
-    assert stopped.stop_reason == "stop" and stopped.tokens == full.tokens[:first_at + 1]
+    stopped = (
+        sampler.sample(
+            types.ModelInput.from_ints(PROMPT),
+            1,
+            types.SamplingParams(max_tokens=6, temperature=0.0, stop=[stop_token]),
+        )
+        .result()
+        .sequences[0]
+    )
+    assert stopped.stop_reason == "stop" and stopped.tokens == full.tokens[: first_at + 1]
     # A stop string: the decoded text of that token.
     tokenizer = client.get_tokenizer()
-    text = tokenizer.decode(full.tokens[first_at:first_at + 1])
+    text = tokenizer.decode(full.tokens[first_at : first_at + 1])
     if text.strip():
-        by_string = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(
-            max_tokens=6, temperature=0.0, stop=[text])).result().sequences[0]
+        by_string = (
+            sampler.sample(
+                types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[text])
+            )
+            .result()
+            .sequences[0]
+        )
         assert by_string.stop_reason == "stop" and len(by_string.tokens) <= first_at + 1
 
 
@@ -136,17 +153,24 @@ def test_each_sampling_response_names_the_weight_version_that_produced_it(server
     train_step(client)
     path = client.save_weights_for_sampler("y").result().path
     session = service.create_sampling_client(model_path=path).result()._sampling_session_id
-    body = {"sampling_session_id": session, "seq_id": 0, "num_samples": 2,
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
-            "sampling_params": {"max_tokens": 3, "temperature": 1.0}}
+    body = {
+        "sampling_session_id": session,
+        "seq_id": 0,
+        "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 3, "temperature": 1.0},
+    }
     request_id = _post(server, "/api/v1/asample", body)[1]["request_id"]
     while True:
         headers, _ = _post(server, "/api/v1/retrieve_future", {"request_id": request_id}, raw=True)
         if headers.get("Content-Type") == "application/x-protobuf":
             break
     assert headers["X-Weight-Version"] == "2"
-    info = json.loads(urllib.request.urlopen(urllib.request.Request(
-        f"{server.url}/api/v1/samplers/{session}", headers={"X-API-Key": API_KEY})).read())
+    info = json.loads(
+        urllib.request.urlopen(
+            urllib.request.Request(f"{server.url}/api/v1/samplers/{session}", headers={"X-API-Key": API_KEY})
+        ).read()
+    )
     assert info["weight_version"] == 2 and info["model_path"] == path
 
 
@@ -159,23 +183,32 @@ def test_a_sampling_client_keeps_sampling_its_own_version_after_newer_saves(serv
     store_model = "tinker-" + client.model_id.replace(":", "-")
     old = Reader(store_of(server), model=store_model).read(1).state_dict()
     sampler = service.create_sampling_client(model_path=old_path).result()
-    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),
-                            include_prompt_logprobs=True).result()
+    result = sampler.sample(
+        types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True
+    ).result()
     config, _ = load_pretrained(model_dir)
-    torch.testing.assert_close(torch.tensor(result.prompt_logprobs[1:]), fp32_logprobs(old, config, PROMPT),
-                               rtol=0, atol=1e-5)
-    info = json.loads(urllib.request.urlopen(urllib.request.Request(
-        f"{server.url}/api/v1/samplers/{sampler._sampling_session_id}", headers={"X-API-Key": API_KEY})).read())
+    torch.testing.assert_close(
+        torch.tensor(result.prompt_logprobs[1:]), fp32_logprobs(old, config, PROMPT), rtol=0, atol=1e-5
+    )
+    info = json.loads(
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{server.url}/api/v1/samplers/{sampler._sampling_session_id}", headers={"X-API-Key": API_KEY}
+            )
+        ).read()
+    )
     assert info["weight_version"] == 1
 
 
 def test_sampling_the_base_model_uses_its_own_weights(service, model_dir):
     sampler = service.create_sampling_client(base_model=model_dir).result()
-    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),
-                            include_prompt_logprobs=True).result()
+    result = sampler.sample(
+        types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True
+    ).result()
     config, weights = load_pretrained(model_dir)
-    torch.testing.assert_close(torch.tensor(result.prompt_logprobs[1:]), fp32_logprobs(weights, config, PROMPT),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(result.prompt_logprobs[1:]), fp32_logprobs(weights, config, PROMPT), rtol=0, atol=1e-5
+    )
 
 
 def test_concurrent_first_samples_on_a_fresh_server_all_succeed(model_dir, tmp_path):
@@ -183,11 +216,15 @@ def test_concurrent_first_samples_on_a_fresh_server_all_succeed(model_dir, tmp_p
     requests. The sampler's generator (and its tokenizer: a first `import transformers`) is built
     once, not raced by every request: a race made the first requests fail with ImportError (the
     SDK retried them, so only the server's log showed it)."""
-    with (TrainingServer(tmp_path / "state", extra_args=("--long-poll-s", "1")) as srv,
-          tinker.ServiceClient(base_url=srv.url, api_key=API_KEY) as service):
+    with (
+        TrainingServer(tmp_path / "state", extra_args=("--long-poll-s", "1")) as srv,
+        tinker.ServiceClient(base_url=srv.url, api_key=API_KEY) as service,
+    ):
         sampler = service.create_sampling_client(base_model=model_dir).result()
-        futures = [sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=3, seed=i))
-                   for i in range(16)]
+        futures = [
+            sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=3, seed=i))
+            for i in range(16)
+        ]
         results = [future.result() for future in futures]
     assert all(len(result.sequences) == 2 for result in results)
     log = srv.log_path.read_text(errors="replace")
@@ -203,8 +240,12 @@ def test_bad_sampling_requests_are_user_errors(service, model_dir):
 
 
 def _post(server, route, body, raw=False):
-    request = urllib.request.Request(server.url + route, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "X-API-Key": API_KEY})
+    request = urllib.request.Request(
+        server.url + route,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "X-API-Key": API_KEY},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         payload = response.read()
         if raw:

@@ -21,13 +21,25 @@ class Letters:
 
 
 def params(stop_tokens=(), stop_strings=()):
-    return SamplingParams(max_tokens=8, temperature=1.0, top_k=-1, top_p=1.0, seed=None, stop_tokens=stop_tokens,
-                          stop_strings=stop_strings)
+    return SamplingParams(
+        max_tokens=8,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        seed=None,
+        stop_tokens=stop_tokens,
+        stop_strings=stop_strings,
+    )
 
 
 def choice(tokens, versions, finish_reason="length"):
-    return {"index": 0, "token_ids": tokens, "finish_reason": finish_reason, "weight_versions": versions,
-            "logprobs": {"content": [{"token_id": t, "logprob": -0.5 - t} for t in tokens]}}
+    return {
+        "index": 0,
+        "token_ids": tokens,
+        "finish_reason": finish_reason,
+        "weight_versions": versions,
+        "logprobs": {"content": [{"token_id": t, "logprob": -0.5 - t} for t in tokens]},
+    }
 
 
 def test_a_response_names_its_one_version_or_is_refused():
@@ -60,8 +72,13 @@ def test_stop_tokens_and_stop_strings_end_sequences_as_on_the_reference_engine()
 
 
 def test_prompt_logprobs_are_those_of_the_prompt_tokens():
-    reply = {"prompt_logprobs": [None, {"5": {"logprob": -1.0, "rank": 3}, "9": {"logprob": -0.1, "rank": 1}},
-                                 {"6": {"logprob": -2.0, "rank": 8}}]}
+    reply = {
+        "prompt_logprobs": [
+            None,
+            {"5": {"logprob": -1.0, "rank": 3}, "9": {"logprob": -0.1, "rank": 1}},
+            {"6": {"logprob": -2.0, "rank": 8}},
+        ]
+    }
     got = _prompt_logprobs(reply, [4, 5, 6])
     assert np.isnan(got[0]) and got[1:].tolist() == [-1.0, -2.0]
     with pytest.raises(VllmSamplingError, match="for a 2-token prompt"):

@@ -40,29 +40,83 @@ HYPO = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 # Bit patterns worth carrying through every codec (unsigned, little-endian as stored).
 SPECIALS: dict[str, list[int]] = {
     "bfloat16": [
-        0x7FC0, 0x7FC1, 0xFFFF, 0xFFC0, 0x7F81, 0xFF81, 0x7FBF,  # quiet/signalling NaNs, several payloads
-        0x0000, 0x8000, 0x7F80, 0xFF80,  # +-0, +-inf
-        0x0001, 0x8001, 0x007F, 0x807F, 0x0080,  # subnormals (min, max), smallest normal
-        0x7F7F, 0xFF7F,  # max / min finite
+        0x7FC0,
+        0x7FC1,
+        0xFFFF,
+        0xFFC0,
+        0x7F81,
+        0xFF81,
+        0x7FBF,  # quiet/signalling NaNs, several payloads
+        0x0000,
+        0x8000,
+        0x7F80,
+        0xFF80,  # +-0, +-inf
+        0x0001,
+        0x8001,
+        0x007F,
+        0x807F,
+        0x0080,  # subnormals (min, max), smallest normal
+        0x7F7F,
+        0xFF7F,  # max / min finite
     ],
     "float16": [
-        0x7E00, 0x7E01, 0xFFFF, 0xFE00, 0x7C01, 0xFC01, 0x7DFF,
-        0x0000, 0x8000, 0x7C00, 0xFC00,
-        0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400,
-        0x7BFF, 0xFBFF,
+        0x7E00,
+        0x7E01,
+        0xFFFF,
+        0xFE00,
+        0x7C01,
+        0xFC01,
+        0x7DFF,
+        0x0000,
+        0x8000,
+        0x7C00,
+        0xFC00,
+        0x0001,
+        0x8001,
+        0x03FF,
+        0x83FF,
+        0x0400,
+        0x7BFF,
+        0xFBFF,
     ],
     "float32": [
-        0x7FC00000, 0x7FC00001, 0xFFFFFFFF, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA00000, 0x7FBFFFFF,
-        0x00000000, 0x80000000, 0x7F800000, 0xFF800000,
-        0x00000001, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x00800000,
-        0x7F7FFFFF, 0xFF7FFFFF,
+        0x7FC00000,
+        0x7FC00001,
+        0xFFFFFFFF,
+        0xFFC00000,
+        0x7F800001,
+        0xFF800001,
+        0x7FA00000,
+        0x7FBFFFFF,
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x00000001,
+        0x80000001,
+        0x007FFFFF,
+        0x807FFFFF,
+        0x00800000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
     ],
     "float64": [
-        0x7FF8000000000000, 0x7FF8000000000001, 0xFFFFFFFFFFFFFFFF, 0x7FF0000000000001, 0xFFF0000000000001,
+        0x7FF8000000000000,
+        0x7FF8000000000001,
+        0xFFFFFFFFFFFFFFFF,
+        0x7FF0000000000001,
+        0xFFF0000000000001,
         0x7FF7FFFFFFFFFFFF,
-        0x0000000000000000, 0x8000000000000000, 0x7FF0000000000000, 0xFFF0000000000000,
-        0x0000000000000001, 0x8000000000000001, 0x000FFFFFFFFFFFFF, 0x0010000000000000,
-        0x7FEFFFFFFFFFFFFF, 0xFFEFFFFFFFFFFFFF,
+        0x0000000000000000,
+        0x8000000000000000,
+        0x7FF0000000000000,
+        0xFFF0000000000000,
+        0x0000000000000001,
+        0x8000000000000001,
+        0x000FFFFFFFFFFFFF,
+        0x0010000000000000,
+        0x7FEFFFFFFFFFFFFF,
+        0xFFEFFFFFFFFFFFFF,
     ],
     "float8_e4m3fn": [0x7F, 0xFF, 0x00, 0x80, 0x01, 0x81, 0x07, 0x08, 0x7E, 0xFE],  # NaN (only S.1111.111), ...
     "float8_e5m2": [0x7D, 0x7E, 0x7F, 0xFF, 0x00, 0x80, 0x7C, 0xFC, 0x01, 0x83, 0x04, 0x7B, 0xFB],
@@ -141,8 +195,9 @@ def _full_round_trip(new: torch.Tensor, level: int = 1) -> None:
     codec_id, raw_hex, obj, changed = encode_chunk(raw, None, dtype, level)
     assert codec_id == codecs.CODEC_FULL and changed == new.numel() and raw_hex == xxh3_digest(raw).hex()
     _check_header(obj, codec_id, dtype, new.numel(), level, raw_hex)
-    out = _tensor(np.full(new.numel(), 0xA5, dtype=np.uint64).astype(UINT[dtype.itemsize]), dtype.name,
-                  tuple(new.shape))  # garbage: `full` must not depend on what the range held
+    out = _tensor(
+        np.full(new.numel(), 0xA5, dtype=np.uint64).astype(UINT[dtype.itemsize]), dtype.name, tuple(new.shape)
+    )  # garbage: `full` must not depend on what the range held
     apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
     _assert_same(out, new)
 
@@ -202,7 +257,9 @@ def _tensor_pairs(draw):
         pattern = draw(st.sampled_from(["density", "first", "last", "ends", "words", "tail", "gaps"]))
         per_word = 8 // itemsize
         if pattern == "density":
-            density = draw(st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.6, 0.9, 1.0]))
+            density = draw(
+                st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.6, 0.9, 1.0])
+            )
             mask = rng.random(count) < density if density < 1.0 else np.ones(count, dtype=bool)
         elif pattern == "first":
             mask[0] = True
@@ -526,7 +583,9 @@ def test_dtype_of_a_real_tensor_matches_its_wire_dtype():
 # ------------------------------------------------------------------------- through the publisher
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(
     sizes=st.lists(st.sampled_from([0, 1, 2047, 2048, 2049, 4095, 4096, 4097, 6143]), min_size=1, max_size=4),
     dtype_name=st.sampled_from(["bfloat16", "float16", "float32", "int8", "int64"]),

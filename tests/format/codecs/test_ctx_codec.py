@@ -19,8 +19,14 @@ from weightsync.format.dtypes import BY_NAME, dtype_by_name
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-FLOATS = {"bfloat16": (7, 8), "float16": (10, 5), "float32": (23, 8), "float64": (52, 11),
-          "float8_e4m3fn": (3, 4), "float8_e5m2": (2, 5)}  # (M, E), the table in the document
+FLOATS = {
+    "bfloat16": (7, 8),
+    "float16": (10, 5),
+    "float32": (23, 8),
+    "float64": (52, 11),
+    "float8_e4m3fn": (3, 4),
+    "float8_e5m2": (2, 5),
+}  # (M, E), the table in the document
 HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -298,15 +304,20 @@ def _scan_reference(name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> di
     positions = np.flatnonzero(old_bits != new_bits)
     ranks = np.empty(len(old_bits), np.int64)
     counts = np.zeros(2 * ctx_codec.NUM_CLASSES, np.int64)
-    counts[ctx_codec.NUM_CLASSES:] = -1
+    counts[ctx_codec.NUM_CLASSES :] = -1
     for c in range(ctx_codec.NUM_CLASSES):
         members = np.flatnonzero(classes == c)
         ranks[members] = np.arange(len(members))
         counts[c] = len(members)
         if len(members):
             counts[ctx_codec.NUM_CLASSES + c] = members[0]
-    return {"class_base": class_base, "positions": positions, "classes": classes[positions],
-            "ranks": ranks[positions], "class_counts": counts}
+    return {
+        "class_base": class_base,
+        "positions": positions,
+        "classes": classes[positions],
+        "ranks": ranks[positions],
+        "class_counts": counts,
+    }
 
 
 @pytest.mark.parametrize("name", DTYPES)
@@ -330,8 +341,10 @@ def test_the_scan_finds_every_change_with_its_class_and_rank(name, count, densit
     assert np.array_equal(got.old_bits, old_bits[idx].astype(np.uint64))
     assert np.array_equal(got.new_bits, new_bits[idx].astype(np.uint64))
     if len(idx):  # one change more than allowed: the scan gives up
-        assert ctx_codec.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize,
-                                      len(idx) - 1) is None
+        assert (
+            ctx_codec.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, len(idx) - 1)
+            is None
+        )
 
 
 def test_threads_code_chunks_at_once_with_their_own_scratch():

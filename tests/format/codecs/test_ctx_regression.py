@@ -57,8 +57,9 @@ def _case(index: int) -> tuple[str, np.ndarray, np.ndarray]:
         deltas = rng.integers(-(2**62), 2**62, len(changed))
     new = old.copy()
     modulus = 1 << (8 * itemsize)
-    new[changed] = np.array([(int(old[i]) + int(d)) % modulus for i, d in zip(changed, deltas, strict=True)],
-                            dtype=np.uint64).astype(utype)
+    new[changed] = np.array(
+        [(int(old[i]) + int(d)) % modulus for i, d in zip(changed, deltas, strict=True)], dtype=np.uint64
+    ).astype(utype)
     if name == "bool":
         new &= 1
     return name, old, new
@@ -103,7 +104,10 @@ def _record(index: int) -> dict:
     name, old, new = _case(index)
     payload = _encode(name, old, new)
     return {
-        "dtype": name, "count": len(old), "payload": xxh3_hex(payload), "bytes": len(payload),
+        "dtype": name,
+        "count": len(old),
+        "payload": xxh3_hex(payload),
+        "bytes": len(payload),
         "corrupted": [_outcome(p, name, old) for p in _corruptions(payload, index)],
     }
 

@@ -19,8 +19,9 @@ from weightsync.format.tensors import raw_bytes
 
 DTYPES = [name for name in BY_NAME if hasattr(torch, name)]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                     reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 
 
 def _pair(name: str, count: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +35,11 @@ def _pair(name: str, count: int, density: float, seed: int) -> tuple[torch.Tenso
     if BY_NAME[name].floating:
         old = (torch.randn(count, generator=torch.Generator().manual_seed(seed)) * 0.015).to(getattr(torch, name))
     else:
-        old = torch.from_numpy(rng.integers(0, 256, count * itemsize, dtype=np.uint8)).view(getattr(torch, name)) \
-            if name != "bool" else torch.from_numpy(rng.integers(0, 2, count).astype(bool))
+        old = (
+            torch.from_numpy(rng.integers(0, 256, count * itemsize, dtype=np.uint8)).view(getattr(torch, name))
+            if name != "bool"
+            else torch.from_numpy(rng.integers(0, 2, count).astype(bool))
+        )
     bits = raw_bytes(old).view(UINT[itemsize]).copy()
     changed = rng.random(count) < density
     steps = rng.choice(np.array([1, 1, 1, 1, 2, 5, -1, -1, -1, -3], dtype=np.int64), count)
@@ -96,8 +100,9 @@ def test_device_diff_on_a_real_checkpoint_step():
     changes = diff_chunk(new, old, dtype_by_name("bfloat16"))
     assert torch.equal(old, before)
     assert 0 < len(changes.positions) < 0.2 * 300_000
-    codec_id, raw_hex, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), dtype_by_name("bfloat16"), 1,
-                                             changes=changes)
+    codec_id, raw_hex, obj, _ = encode_chunk(
+        raw_bytes(new), raw_bytes(old), dtype_by_name("bfloat16"), 1, changes=changes
+    )
     assert codec_id == (codecs.CODEC_RANS if len(changes.positions) >= codecs.RANS_MIN_CHANGES else codecs.CODEC_CTX)
     out = old.clone()
     apply_chunk(obj, raw_bytes(out), dtype_by_name("bfloat16"), raw_hex, codec_id)
@@ -106,7 +111,9 @@ def test_device_diff_on_a_real_checkpoint_step():
 
 def test_tensors_must_be_alike():
     with pytest.raises(ValueError, match="alike"):
-        diff_chunk(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), dtype_by_name("bfloat16"))
+        diff_chunk(
+            torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16), dtype_by_name("bfloat16")
+        )
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -49,8 +49,9 @@ def _publish(store, sds, **config) -> None:
 
 
 @pytest.mark.parametrize("pack_bytes", [0, 64 * 1024], ids=["objects", "packs"])
-def test_several_deltas_are_folded_bit_exactly(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal,
-                                               pack_bytes):
+def test_several_deltas_are_folded_bit_exactly(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, pack_bytes
+):
     sds = _series(make_state_dict, perturb, 5)
     _publish(tmp_store, sds, pack_bytes=pack_bytes)
     reader = Reader(tmp_store, model=MODEL)
@@ -103,8 +104,9 @@ def test_a_path_through_a_base_and_folding_off_take_the_chain(tmp_store, make_st
     assert plan_route([v2, v3], fold=False).reason == "folding is off"
 
 
-def test_chunk_boundaries_that_differ_take_the_chain(tmp_store, make_state_dict, perturb, published_view,
-                                                     assert_bit_equal):
+def test_chunk_boundaries_that_differ_take_the_chain(
+    tmp_store, make_state_dict, perturb, published_view, assert_bit_equal
+):
     sds = _series(make_state_dict, perturb, 4)
     _publish(tmp_store, sds[:3])
     _publish(tmp_store, sds[3:], chunk_bytes=32 * 1024)  # a restarted publisher with other chunks
@@ -131,9 +133,17 @@ def test_a_corrupt_object_fails_the_folded_apply_and_invalidates_the_state(tmp_s
 
 def test_a_lagging_agent_records_the_folded_route_in_its_ledger(tmp_path):
     store = LocalStore(tmp_path / "store")
-    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), name="a", region="r", store=store.uri,
-                         engine={"type": "reference", "model": dataclasses.asdict(TINY), "port": 0},
-                         poll_interval_s=3600.0, push_wait_s=0.2, workers=2)
+    config = AgentConfig(
+        model=MODEL,
+        cache_dir=str(tmp_path / "agent"),
+        name="a",
+        region="r",
+        store=store.uri,
+        engine={"type": "reference", "model": dataclasses.asdict(TINY), "port": 0},
+        poll_interval_s=3600.0,
+        push_wait_s=0.2,
+        workers=2,
+    )
     agent = AgentServer(config).start()
     pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL))
     trainer = FakeTrainer(7)

@@ -244,7 +244,10 @@ def test_the_encoder_gives_up_past_its_limit():
 def test_publishers_choose_rans_on_big_chunks_only(monkeypatch):
     g = torch.Generator().manual_seed(3)
     old = (torch.randn(200_000, generator=g) * 0.02).to(torch.bfloat16)
-    for changed, expect in ((codecs.RANS_MIN_CHANGES - 1, codecs.CODEC_CTX), (codecs.RANS_MIN_CHANGES, codecs.CODEC_RANS)):
+    for changed, expect in (
+        (codecs.RANS_MIN_CHANGES - 1, codecs.CODEC_CTX),
+        (codecs.RANS_MIN_CHANGES, codecs.CODEC_RANS),
+    ):
         new = old.clone()
         new.view(torch.int16)[torch.randperm(200_000, generator=g)[:changed]] += 1
         raw_old, raw_new = old.view(torch.uint8).numpy(), new.view(torch.uint8).numpy()

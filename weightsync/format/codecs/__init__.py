@@ -121,9 +121,7 @@ def uint_view(raw: np.ndarray, itemsize: int) -> np.ndarray:
 
 def _pack_streams(streams: list[np.ndarray | bytes], compressor: zstandard.ZstdCompressor) -> bytes:
     frames = [compressor.compress(s) if len(s) else b"" for s in streams]
-    table = b"".join(
-        _STREAM_ENTRY.pack(memoryview(s).nbytes, len(f)) for s, f in zip(streams, frames, strict=True)
-    )
+    table = b"".join(_STREAM_ENTRY.pack(memoryview(s).nbytes, len(f)) for s, f in zip(streams, frames, strict=True))
     return b"".join([bytes([len(streams)]), table, *frames])
 
 
@@ -228,8 +226,13 @@ def encode_full(raw: np.ndarray, itemsize: int, level: int = DEFAULT_ZSTD_LEVEL)
 
 
 def encode_delta(
-    new: np.ndarray, old: np.ndarray, itemsize: int, level: int = DEFAULT_ZSTD_LEVEL, *,
-    dtype_name: str | None = None, changes: ctx_codec.Changes | None = None,
+    new: np.ndarray,
+    old: np.ndarray,
+    itemsize: int,
+    level: int = DEFAULT_ZSTD_LEVEL,
+    *,
+    dtype_name: str | None = None,
+    changes: ctx_codec.Changes | None = None,
 ) -> tuple[int, bytes, int] | None:
     """Encodes `new` against `old` (raw bytes of the same range); None if they are equal.
 
@@ -398,9 +401,7 @@ def _changed_positions(x: np.ndarray, itemsize: int) -> np.ndarray:
     return positions
 
 
-def _encode_sparse(
-    x: np.ndarray, positions: np.ndarray, itemsize: int, compressor: zstandard.ZstdCompressor
-) -> bytes:
+def _encode_sparse(x: np.ndarray, positions: np.ndarray, itemsize: int, compressor: zstandard.ZstdCompressor) -> bytes:
     gaps = np.diff(positions, prepend=-1)
     gaps -= 1
     gap_bytes = np.minimum(gaps, _GAP_ESCAPE).astype(np.uint8)

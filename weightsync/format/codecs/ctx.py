@@ -183,6 +183,7 @@ def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
 
 # --- range encoder. State: low (< 2^33), rng (32 bits), cache byte, cache_size, op.
 
+
 @_inline
 def shift_low(low, cache, cache_size, out, op):
     if low < 0xFF000000 or low >= 0x100000000:
@@ -200,6 +201,7 @@ def shift_low(low, cache, cache_size, out, op):
     low = (low & 0x00FFFFFF) << 8
     return low, cache, cache_size, op
 
+
 @_inline
 def adapt(probs, cell, bit):
     """The cell's probability before coding `bit`, updated for it (docs/format.md: the warm-up
@@ -213,6 +215,7 @@ def adapt(probs, cell, bit):
     probs[cell] = p + (((PROB_ONE - p) >> move) & ~mask) - ((p >> move) & mask)
     return p
 
+
 @_inline
 def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
     p = adapt(probs, cell, bit)
@@ -225,6 +228,7 @@ def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
         low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return low, rng, cache, cache_size, op
 
+
 @_inline
 def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
     for i in range(nbits - 1, -1, -1):
@@ -235,6 +239,7 @@ def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
             low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return low, rng, cache, cache_size, op
 
+
 @_inline
 def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
     m = 1
@@ -243,6 +248,7 @@ def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
         low, rng, cache, cache_size, op = enc_bit(probs, base + m, b, low, rng, cache, cache_size, out, op)
         m = (m << 1) | b
     return low, rng, cache, cache_size, op
+
 
 @_inline
 def bit_length(v):
@@ -255,6 +261,7 @@ def bit_length(v):
         v = (v >> half) if up else v
     return n + (1 if v else 0)
 
+
 @_inline
 def order_masks(width):
     """(sign_shift, mask, top, low_mask) of w-bit elements, as `key`, `unkey` and the steps use them."""
@@ -262,6 +269,7 @@ def order_masks(width):
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
     top = np.uint64(1) << sign_shift
     return sign_shift, mask, top, mask ^ top
+
 
 @_inline
 def key(x, is_float, sign_shift, top, low_mask):
@@ -272,6 +280,7 @@ def key(x, is_float, sign_shift, top, low_mask):
     negative = np.uint64(0) - (x >> sign_shift)  # all ones for a negative x
     return x ^ top ^ (low_mask & negative)
 
+
 @_inline
 def unkey(y, is_float, sign_shift, top, low_mask):
     """The inverse of `key`."""
@@ -279,6 +288,7 @@ def unkey(y, is_float, sign_shift, top, low_mask):
         return y
     positive = np.uint64(0) - (np.uint64(1) ^ (y >> sign_shift))
     return y ^ top ^ (low_mask & positive)
+
 
 @_inline
 def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
@@ -299,15 +309,16 @@ def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
         )
     return low, rng, cache, cache_size, op
 
+
 @_inline
 def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op):
     """mag: |step| as uint64, >= 1."""
     base = c * CELLS_PER_CLASS
-    low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_SIGN + old_sign, sign, low, rng, cache,
-                                              cache_size, out, op)
+    low, rng, cache, cache_size, op = enc_bit(
+        probs, base + STEP_SIGN + old_sign, sign, low, rng, cache, cache_size, out, op
+    )
     big = 1 if mag != 1 else 0
-    low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_ONE + sign, big, low, rng, cache,
-                                              cache_size, out, op)
+    low, rng, cache, cache_size, op = enc_bit(probs, base + STEP_ONE + sign, big, low, rng, cache, cache_size, out, op)
     if big:
         v = mag - np.uint64(1)  # >= 1
         s = 0
@@ -315,8 +326,7 @@ def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op
         while t > np.uint64(1):
             t >>= np.uint64(1)
             s += 1
-        low, rng, cache, cache_size, op = enc_tree(probs, base + STEP_SLOT, 6, s, low, rng, cache,
-                                                   cache_size, out, op)
+        low, rng, cache, cache_size, op = enc_tree(probs, base + STEP_SLOT, 6, s, low, rng, cache, cache_size, out, op)
         for i in range(s - 1, -1, -1):  # the bits below the leading one, direct
             rng >>= 1
             low += rng & -np.int64((v >> np.uint64(i)) & np.uint64(1))
@@ -324,6 +334,7 @@ def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op
                 rng <<= 8
                 low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return low, rng, cache, cache_size, op
+
 
 SCAN_BLOCK = 64  # elements per block of the scan: one bit each in a 64-bit change mask
 
@@ -430,6 +441,7 @@ def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old
         i += 1
     return m
 
+
 @_jit
 def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, probs, work, out):
     """Range-codes the changes that `scan` (or the device diff) found; returns the bytes
@@ -497,14 +509,17 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
         sign = np.int64((d >> sign_shift) & np.uint64(1))
         negative = np.uint64(0) - np.uint64(sign)
         mag = ((d ^ negative) - negative) & mask  # |d| as a signed w-bit integer
-        low, rng, cache, cache_size, op = enc_step(probs, c, np.int64(o >> sign_shift), sign, mag, low, rng,
-                                                   cache, cache_size, out, op)
+        low, rng, cache, cache_size, op = enc_step(
+            probs, c, np.int64(o >> sign_shift), sign, mag, low, rng, cache, cache_size, out, op
+        )
         low, rng, cache, cache_size, op = enc_gap(probs, c, gaps[j], low, rng, cache, cache_size, out, op)
     for _ in range(5):
         low, cache, cache_size, op = shift_low(low, cache, cache_size, out, op)
     return op
 
+
 # --- range decoder. State: rng, code (32 bits each), ip; errors set `bad`.
+
 
 @_inline
 def dec_normalize(rng, code, buf, ip):
@@ -518,6 +533,7 @@ def dec_normalize(rng, code, buf, ip):
         ip += 1
     return rng, code, ip
 
+
 @_inline
 def dec_bit_with(probs, cell, p, rng, code, buf, ip):
     """A bit of `cell`, whose probability p the caller loaded already."""
@@ -530,9 +546,11 @@ def dec_bit_with(probs, cell, p, rng, code, buf, ip):
     rng, code, ip = dec_normalize(rng, code, buf, ip)
     return bit, rng, code, ip
 
+
 @_inline
 def dec_bit(probs, cell, rng, code, buf, ip):
     return dec_bit_with(probs, cell, np.int64(probs[cell]), rng, code, buf, ip)
+
 
 @_inline
 def dec_direct(nbits, rng, code, buf, ip):
@@ -549,6 +567,7 @@ def dec_direct(nbits, rng, code, buf, ip):
             ip += 1
     return v, rng, code, ip
 
+
 @_inline
 def dec_tree(probs, base, nbits, rng, code, buf, ip):
     m = 1
@@ -563,6 +582,7 @@ def dec_tree(probs, base, nbits, rng, code, buf, ip):
         m = (m << 1) | b
         p = p1 if b else p0
     return m - (1 << nbits), rng, code, ip
+
 
 @_inline
 def dec_gap(probs, c, rng, code, buf, ip):
@@ -579,6 +599,7 @@ def dec_gap(probs, c, rng, code, buf, ip):
         low_bits, rng, code, ip = dec_direct(s - top, rng, code, buf, ip)
         v = (v << (s - top)) | np.int64(low_bits)
     return v - 1, rng, code, ip
+
 
 @_jit
 def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals, probs, rem):
@@ -654,7 +675,6 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
     return 0, m
 
 
-
 def _get_kernels():
     """(scan, emit, decode); numba compiles each per element width on first use (or loads it from
     its cache: ~20-25 s the very first time on a machine, well under a second after)."""
@@ -708,13 +728,20 @@ def find_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: in
     new_bits = _scratch("new_bits", at_most, np.uint64)
     counts = np.empty(2 * NUM_CLASSES, dtype=np.int64)
     scratch = _scratch("scan", (NUM_CLASSES + 1) * SCAN_BLOCK + 8 * NUM_CLASSES, np.uint8)
-    found = scan_kernel(o, x, shift, (1 << exponent_bits) - 1, class_base, pos, cls, rank, old_bits, new_bits,
-                        counts, scratch)
+    found = scan_kernel(
+        o, x, shift, (1 << exponent_bits) - 1, class_base, pos, cls, rank, old_bits, new_bits, counts, scratch
+    )
     if found < 0:
         return None
     return Changes(
-        count=len(o), class_base=class_base, positions=pos[:found], classes=cls[:found], ranks=rank[:found],
-        old_bits=old_bits[:found], new_bits=new_bits[:found], class_counts=counts,
+        count=len(o),
+        class_base=class_base,
+        positions=pos[:found],
+        classes=cls[:found],
+        ranks=rank[:found],
+        old_bits=old_bits[:found],
+        new_bits=new_bits[:found],
+        class_counts=counts,
     )
 
 
@@ -723,8 +750,10 @@ def scan_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: in
     changes = find_changes(new, old, dtype_name, itemsize, changed)
     found = -1 if changes is None else len(changes.positions)
     if found != changed:
-        raise ValueError(f"ctx scan: the chunk has {'more than ' if found < 0 else ''}{max(found, changed)} changed "
-                         f"elements, the caller counted {changed}")
+        raise ValueError(
+            f"ctx scan: the chunk has {'more than ' if found < 0 else ''}{max(found, changed)} changed "
+            f"elements, the caller counted {changed}"
+        )
     return changes
 
 
@@ -735,15 +764,27 @@ def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes 
     probs = _scratch("probs", 2 * TOTAL_CELLS, np.uint16)
     work = _scratch("work", 3 * NUM_CLASSES + m, np.int64)
     out = _scratch("out", limit + 4096, np.uint8)
-    nbytes = emit_kernel(changes.positions, changes.classes, changes.ranks, changes.old_bits, changes.new_bits,
-                         changes.class_counts, dtype_name in _FLOAT_LAYOUT, 8 * itemsize, probs, work, out)
+    nbytes = emit_kernel(
+        changes.positions,
+        changes.classes,
+        changes.ranks,
+        changes.old_bits,
+        changes.new_bits,
+        changes.class_counts,
+        dtype_name in _FLOAT_LAYOUT,
+        8 * itemsize,
+        probs,
+        work,
+        out,
+    )
     if nbytes < 0 or HEADER.size + nbytes > limit:
         return None
     return HEADER.pack(m, changes.class_base) + out[:nbytes].tobytes()
 
 
-def encode(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, changed: int,
-           limit: int | None = None) -> bytes | None:
+def encode(
+    new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, changed: int, limit: int | None = None
+) -> bytes | None:
     """Payload of codec ctx for raw bytes `new` against `old`, which differ in `changed` elements.
 
     None when the payload would exceed `limit` bytes (default: the raw size of the chunk), where
@@ -777,8 +818,9 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
     vals = _scratch("dvals", changed, utype)
     probs = _scratch("dprobs", 2 * TOTAL_CELLS, np.uint16)
     rem = _scratch("rem", NUM_CLASSES, np.int64)
-    status, m = decode_kernel(stream, target, table, shift, layout is not None, 8 * itemsize, changed, pos, vals,
-                              probs, rem)
+    status, m = decode_kernel(
+        stream, target, table, shift, layout is not None, 8 * itemsize, changed, pos, vals, probs, rem
+    )
     if status:
         raise FormatError(f"ctx payload is corrupt: {_ERRORS.get(status, status)} (after {m} changed elements)")
     target[pos[:m]] = vals[:m]

@@ -48,14 +48,22 @@ def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.
         counts = np.full(2 * _NC, -1, dtype=np.int64)
         counts[:_NC] = 0
         empty = np.empty(0, dtype=np.int64)
-        return ctx_codec.Changes(count=0, class_base=0, positions=empty, classes=empty, ranks=empty,
-                                 old_bits=empty.view(np.uint64), new_bits=empty.view(np.uint64),
-                                 class_counts=counts)
+        return ctx_codec.Changes(
+            count=0,
+            class_base=0,
+            positions=empty,
+            classes=empty,
+            ranks=empty,
+            old_bits=empty.view(np.uint64),
+            new_bits=empty.view(np.uint64),
+            class_counts=counts,
+        )
     return diff_ranges(new, old, [(0, count)], dtype)[0]
 
 
-def diff_ranges(new: torch.Tensor, old: torch.Tensor, ranges: list[tuple[int, int]], dtype: DType
-                ) -> dict[int, ctx_codec.Changes]:
+def diff_ranges(
+    new: torch.Tensor, old: torch.Tensor, ranges: list[tuple[int, int]], dtype: DType
+) -> dict[int, ctx_codec.Changes]:
     """{start: changes} of each chunk [start, stop) of flat tensors `new` against `old`.
 
     `ranges` are the tensor's chunks in order: contiguous, non-empty, covering it exactly (as
@@ -66,8 +74,13 @@ def diff_ranges(new: torch.Tensor, old: torch.Tensor, ranges: list[tuple[int, in
     count = new.numel()
     starts = np.array([s for s, _ in ranges], dtype=np.int64)
     stops = np.array([e for _, e in ranges], dtype=np.int64)
-    if len(ranges) == 0 or starts[0] != 0 or stops[-1] != count or np.any(stops <= starts) \
-            or np.any(starts[1:] != stops[:-1]):
+    if (
+        len(ranges) == 0
+        or starts[0] != 0
+        or stops[-1] != count
+        or np.any(stops <= starts)
+        or np.any(starts[1:] != stops[:-1])
+    ):
         raise ValueError(f"diff_ranges needs contiguous, non-empty ranges covering all {count} elements")
     nb = new.reshape(-1).view(_BITS[dtype.itemsize])
     ob = old.reshape(-1).view(_BITS[dtype.itemsize])
@@ -99,8 +112,9 @@ def slab_elements(device: torch.device) -> int:
     return SLAB_ELEMENTS.get(device.type, SLAB_ELEMENTS_DEFAULT)
 
 
-def _diff_slab(nb: torch.Tensor, ob: torch.Tensor, starts: np.ndarray, stops: np.ndarray, dtype: DType
-               ) -> list[ctx_codec.Changes]:
+def _diff_slab(
+    nb: torch.Tensor, ob: torch.Tensor, starts: np.ndarray, stops: np.ndarray, dtype: DType
+) -> list[ctx_codec.Changes]:
     """The changes of chunks [starts[i], stops[i]) of the bit patterns `nb` against `ob`, which
     they cover exactly: the device kernels for all of them, then one copy to the host."""
     device, count, chunks = nb.device, nb.numel(), len(starts)
@@ -135,19 +149,26 @@ def _diff_slab(nb: torch.Tensor, ob: torch.Tensor, starts: np.ndarray, stops: np
     # the host takes views of one pinned buffer. Widening on the host instead (numpy, one thread,
     # fresh pages) took a third of the diff's time at 1.3 % changed and two thirds at 10 % (1 GiB
     # on an H100: 9.5 -> 14 GB/s and 1.4 -> 4.2 GB/s); the 3x wider copy costs a few ms.
-    fields = _to_host({
-        "class_base": class_base.to(torch.int64), "counts": counts.to(torch.int64),
-        "first_change": torch.searchsorted(positions, starts_d),  # of each chunk, in `positions`
-        "positions": local.to(torch.int64), "ranks": ranks.to(torch.int64), "classes": classes.to(torch.int64),
-        "old_bits": _unsigned_wide(ob[positions]), "new_bits": _unsigned_wide(nb[positions]),
-    })
+    fields = _to_host(
+        {
+            "class_base": class_base.to(torch.int64),
+            "counts": counts.to(torch.int64),
+            "first_change": torch.searchsorted(positions, starts_d),  # of each chunk, in `positions`
+            "positions": local.to(torch.int64),
+            "ranks": ranks.to(torch.int64),
+            "classes": classes.to(torch.int64),
+            "old_bits": _unsigned_wide(ob[positions]),
+            "new_bits": _unsigned_wide(nb[positions]),
+        }
+    )
     wide = {name: fields[name] for name in ("positions", "classes", "ranks")}
     wide.update((name, fields[name].view(np.uint64)) for name in ("old_bits", "new_bits"))
     bounds = np.append(fields["first_change"], len(positions))
     counts_of = fields["counts"].reshape(chunks, 2 * _NC)
     return [
         ctx_codec.Changes(
-            count=int(stops[i] - starts[i]), class_base=int(fields["class_base"][i]),
+            count=int(stops[i] - starts[i]),
+            class_base=int(fields["class_base"][i]),
             **{name: array[bounds[i] : bounds[i + 1]] for name, array in wide.items()},
             class_counts=counts_of[i].copy(),
         )
@@ -165,14 +186,18 @@ def _unsigned_wide(bits: torch.Tensor) -> torch.Tensor:
 
 def _check_alike(new: torch.Tensor, old: torch.Tensor) -> None:
     if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
-        raise ValueError(f"diff needs tensors alike: {new.shape}/{new.dtype}/{new.device} against "
-                         f"{old.shape}/{old.dtype}/{old.device}")
+        raise ValueError(
+            f"diff needs tensors alike: {new.shape}/{new.dtype}/{new.device} against "
+            f"{old.shape}/{old.dtype}/{old.device}"
+        )
 
 
 def _class_bases(exponents: torch.Tensor, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
     """`ctx_codec.choose_class_base` of every chunk on the device: the same sample of each (every
     `sample_step`-th element from its start), its smallest nonzero exponent, 0 if none."""
-    picks = [np.arange(s, e, ctx_codec.sample_step(int(e - s)), dtype=np.int64) for s, e in zip(starts, stops, strict=True)]
+    picks = [
+        np.arange(s, e, ctx_codec.sample_step(int(e - s)), dtype=np.int64) for s, e in zip(starts, stops, strict=True)
+    ]
     owner = np.repeat(np.arange(len(picks), dtype=np.int64), [len(p) for p in picks])
     device = exponents.device
     sample = exponents[torch.from_numpy(np.concatenate(picks)).to(device)].long()
@@ -183,8 +208,14 @@ def _class_bases(exponents: torch.Tensor, starts: np.ndarray, stops: np.ndarray)
     return torch.where(bases == none, torch.zeros_like(bases), bases)
 
 
-def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tensor, home: torch.Tensor,
-                 starts: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _class_stats(
+    cls: torch.Tensor,
+    positions: torch.Tensor,
+    classes: torch.Tensor,
+    home: torch.Tensor,
+    starts: torch.Tensor,
+    end: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(each changed element's index among its chunk's elements of its class; per chunk, its
     elements per class, then each class's first position in the chunk or -1), in a few wide
     kernels, no sort: per-class counts of blocks of _RANK_BLOCK elements, summed over the blocks
@@ -203,8 +234,9 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
     # thread block: gigabytes to zero and sum for this many cells.)
     # Summed as bytes into int16 (a block holds at most 2^15 - 1 elements): a bool sum widens every
     # element to int64 first, 8x the CPU time.
-    by_class = torch.stack([(rows == c).view(torch.uint8).sum(1, dtype=torch.int16)
-                            for c in range(_NC)])  # [class, block]
+    by_class = torch.stack(
+        [(rows == c).view(torch.uint8).sum(1, dtype=torch.int16) for c in range(_NC)]
+    )  # [class, block]
     # Running counts along each class's row, as one flat scan less the rows before: a scan along
     # the long axis of a [block, class] tensor runs one thread per class on CUDA (184 ms for a
     # 64 MiB tensor on an H200), a flat one is a single parallel scan.
@@ -240,8 +272,7 @@ def _class_stats(cls: torch.Tensor, positions: torch.Tensor, classes: torch.Tens
     nth = at_start - before_block[ids, found]  # 0-based, within its block
     hits = (rows[found] == ids.view(1, _NC, 1)).cumsum(-1)  # [chunk, class, block]
     first = found * block + (hits > nth.unsqueeze(-1)).to(torch.int8).argmax(-1)
-    first = torch.where(per_class > 0, first - starts.unsqueeze(1),
-                        torch.full_like(first, -1))
+    first = torch.where(per_class > 0, first - starts.unsqueeze(1), torch.full_like(first, -1))
     return ranks, torch.cat([per_class, first], dim=1)
 
 
@@ -263,8 +294,7 @@ def _to_host(fields: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype({torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
-                     torch.int64: np.int64}[dtype])
+    return np.dtype({torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}[dtype])
 
 
 class DeviceParent:

@@ -60,11 +60,16 @@ def plan_route(manifests: list[Manifest], *, fold: bool = True) -> Route:
         return Route(CHAIN, path, f"{what}: nothing to fold")
     first = path[0]
     for m in path[1:]:
-        if [[(c.start, c.stop) for c in t.chunks] for t in m.tensors] != \
-                [[(c.start, c.stop) for c in t.chunks] for t in first.tensors]:
+        if [[(c.start, c.stop) for c in t.chunks] for t in m.tensors] != [
+            [(c.start, c.stop) for c in t.chunks] for t in first.tensors
+        ]:
             return Route(CHAIN, path, f"chunk boundaries differ between v{first.version} and v{m.version}")
-    return Route(FOLDED, path, f"{len(path)} deltas v{first.parent}->v{path[-1].version} applied as one: "
-                               f"range by range, one hash pass per chunk instead of {len(path)}")
+    return Route(
+        FOLDED,
+        path,
+        f"{len(path)} deltas v{first.parent}->v{path[-1].version} applied as one: "
+        f"range by range, one hash pass per chunk instead of {len(path)}",
+    )
 
 
 def folded_refs(route: Route, tensor_index: int, chunk_index: int) -> tuple[ChunkRef, list[ChunkRef]]:
@@ -85,11 +90,14 @@ def apply_folded(objects: list[bytes], refs: list[ChunkRef], out: np.ndarray, dt
     for obj, ref in zip(objects, refs, strict=True):
         header, payload = unpack_chunk(obj)
         if codecs.CODEC_NAMES.get(header.codec_id) != ref.codec:
-            raise FormatError(f"chunk codec {codecs.CODEC_NAMES.get(header.codec_id)} differs from the manifest's "
-                              f"{ref.codec}")
+            raise FormatError(
+                f"chunk codec {codecs.CODEC_NAMES.get(header.codec_id)} differs from the manifest's {ref.codec}"
+            )
         if header.dtype != dtype or header.count * dtype.itemsize != out.nbytes:
-            raise FormatError(f"chunk holds {header.count} {header.dtype.name} elements, its range "
-                              f"{out.nbytes // dtype.itemsize} {dtype.name}")
+            raise FormatError(
+                f"chunk holds {header.count} {header.dtype.name} elements, its range "
+                f"{out.nbytes // dtype.itemsize} {dtype.name}"
+            )
         if header.raw_xxh3.hex() != ref.raw:
             raise IntegrityError("chunk header's raw hash differs from the manifest's")
         codecs.decode_into(header.codec_id, payload, out, dtype.itemsize, dtype_name=dtype.name)

@@ -64,8 +64,9 @@ GAP_SYMBOLS = 63  # 0: gap 0; 2t - 1 + b for gap + 1 = (2 + b) * 2^(t-1) + raw, 
 MAX_FREQ_BYTES = 2  # LEB128 varint of a frequency <= PROB_SCALE
 # 2^32 * 2^(-j/8), rounded: a class's gap parameter g means a change probability of
 # HALF_STEPS[g % 8] >> (g // 8), in units of 2^-32 (docs/format.md lists the same integers).
-HALF_STEPS = np.array([4294967296, 3938502376, 3611622603, 3311872529, 3037000500, 2784941738, 2553802834,
-                       2341847524], dtype=np.uint64)
+HALF_STEPS = np.array(
+    [4294967296, 3938502376, 3611622603, 3311872529, 3037000500, 2784941738, 2553802834, 2341847524], dtype=np.uint64
+)
 
 
 _ERRORS = {
@@ -249,8 +250,10 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
         gsym[j] = gs
         ghist[c * 130 + gs] += 1
         o = np.uint64(old_bits[j])
-        d = (key(np.uint64(new_bits[j]), is_float, sign_shift, top, low_mask)
-             - key(o, is_float, sign_shift, top, low_mask)) & mask
+        d = (
+            key(np.uint64(new_bits[j]), is_float, sign_shift, top, low_mask)
+            - key(o, is_float, sign_shift, top, low_mask)
+        ) & mask
         sign = np.int64((d >> sign_shift) & np.uint64(1))
         negative = np.uint64(0) - np.uint64(sign)
         mag = ((d ^ negative) - negative) & mask
@@ -323,8 +326,10 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
         ss = ssym[j]
         if ss >= 4:  # |step| >= 3: slot u >= 1, u raw bits (|step| = 2 is slot 0: none)
             n = (ss - 2) >> 1
-            d = (key(np.uint64(new_bits[j]), is_float, sign_shift, top, low_mask)
-                 - key(np.uint64(old_bits[j]), is_float, sign_shift, top, low_mask)) & mask
+            d = (
+                key(np.uint64(new_bits[j]), is_float, sign_shift, top, low_mask)
+                - key(np.uint64(old_bits[j]), is_float, sign_shift, top, low_mask)
+            ) & mask
             negative = np.uint64(0) - np.uint64(ss & 1)
             bp = _put_bits(raw, bp, (((d ^ negative) - negative) & mask) - np.uint64(1), n)
         k = nxt[j]
@@ -518,7 +523,9 @@ def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, word
             idx = min(bp >> 6, nraw)
             off = np.uint64(bp & 63)
             rb = (raw[idx] >> off) | ((raw[idx + 1] << np.uint64(1)) << (np.uint64(63) - off))
-            mag = ((np.uint64(1) << np.uint64(u)) | (rb & ((np.uint64(1) << np.uint64(u)) - np.uint64(1)))) + np.uint64(1)
+            mag = ((np.uint64(1) << np.uint64(u)) | (rb & ((np.uint64(1) << np.uint64(u)) - np.uint64(1)))) + np.uint64(
+                1
+            )
             bp += u
             if mag > top or (sign == 0 and mag == top):
                 return 8, m
@@ -577,8 +584,18 @@ def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes 
     words = _scratch("rans_words", 2 * m + 8, np.uint16)
     out = _scratch("rans_out", max(limit - HEADER.size, 0), np.uint8)
     table_bytes, nwords, raw_words = _emit_kernel(
-        changes.positions, changes.classes, changes.ranks, changes.old_bits, changes.new_bits,
-        changes.class_counts[:NUM_CLASSES], dtype_name in ctx_codec._FLOAT_LAYOUT, width, work, raw, words, out,
+        changes.positions,
+        changes.classes,
+        changes.ranks,
+        changes.old_bits,
+        changes.new_bits,
+        changes.class_counts[:NUM_CLASSES],
+        dtype_name in ctx_codec._FLOAT_LAYOUT,
+        width,
+        work,
+        raw,
+        words,
+        out,
     )
     if table_bytes == -2:
         raise ValueError("rans: the changes' ranks do not increase within their classes (not one chunk's changes)")
@@ -630,15 +647,17 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
     words[:nwords] = np.frombuffer(view, dtype="<u2", count=nwords, offset=HEADER.size + table_bytes)
     words[nwords] = 0
     raw = _scratch("rans_draw", raw_bytes // 8 + 2, np.uint64)
-    raw[: raw_bytes // 8] = np.frombuffer(view, dtype="<u8", count=raw_bytes // 8,
-                                          offset=HEADER.size + table_bytes + 2 * nwords)
+    raw[: raw_bytes // 8] = np.frombuffer(
+        view, dtype="<u8", count=raw_bytes // 8, offset=HEADER.size + table_bytes + 2 * nwords
+    )
     raw[raw_bytes // 8 :] = 0
     table, shift = ctx_codec._table(dtype_name, itemsize, class_base)
     pos = _scratch("rans_dpos", changed, np.int64)
     vals = _scratch("rans_dvals", changed, utype)
     state = _scratch("rans_state", 2 * NUM_CLASSES, np.int64)
-    status, m = _decode_kernel(target, table, shift, layout is not None, 8 * itemsize, changed, mc, slots, words,
-                               raw, state, pos, vals)
+    status, m = _decode_kernel(
+        target, table, shift, layout is not None, 8 * itemsize, changed, mc, slots, words, raw, state, pos, vals
+    )
     if status:
         raise FormatError(f"rans payload is corrupt: {_ERRORS.get(status, status)} (after {m} changed elements)")
 
