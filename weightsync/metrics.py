@@ -7,7 +7,7 @@ component takes a `Metrics` and defaults to `NULL_METRICS`, which drops everythi
 branches on whether metrics are enabled. Each Prometheus sink has its own registry (several
 agents in one test process must not collide) and can serve `/metrics` over HTTP.
 
-Not here: what is measured (each component documents its own names in docs/operations.md).
+Not here: what is measured (each component documents its own names: the agent's in docs/agents.md).
 """
 
 from __future__ import annotations

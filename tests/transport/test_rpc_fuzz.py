@@ -52,7 +52,7 @@ from weightsync.transport.v1 import sync_pb2
 
 EXAMPLES = int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "300"))
 # Hypothesis's own default: a fresh random search on a developer's machine, a fixed one where CI is
-# set (so a submission never fails on a bug it did not bring). Long searches: docs/testing.md.
+# set (so a submission never fails on a bug it did not bring). Long searches: docs/security.md.
 FUZZ = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
