@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from weightsync.stores import store_uri_forms  # no torch, no boto3: --help stays instant
+
 log = logging.getLogger("weightsync.app.cli")
 
 
@@ -427,7 +429,7 @@ class _Failed(Exception):
 
 def _common(parser: argparse.ArgumentParser, *, store: bool = True, model: bool = True) -> None:
     if store:
-        parser.add_argument("--store", required=True, help="store URI: file://DIR, a directory, or s3://BUCKET/PREFIX")
+        parser.add_argument("--store", required=True, help=f"store URI: {store_uri_forms()}")
         parser.add_argument(
             "--endpoint-url",
             help="S3 endpoint (MinIO, R2, Ceph...); default: boto3's own settings ($AWS_ENDPOINT_URL, profile)",
@@ -520,7 +522,7 @@ def _add_demo(sub) -> None:
         "summary.png. Stops everything it started, also on Ctrl-C.",
     )
     _common(p, store=False, model=False)
-    p.add_argument("--store", help="store URI (default: file://OUT_DIR/store); s3://BUCKET/PREFIX works too")
+    p.add_argument("--store", help=f"store URI (default: file://OUT_DIR/store); any of {store_uri_forms()}")
     p.add_argument("--out-dir", help="working directory, recreated on each run (default weightsync-demo)")
     p.add_argument("--warmup-steps", type=int, help="SFT warm-start steps (default 40)")
     p.add_argument("--rl-steps", type=int, help="GRPO steps (default 80)")
@@ -567,7 +569,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--config", help="agent TOML file (see agents/config.py)")
     p.add_argument("--model", help="model name this agent serves")
     p.add_argument("--cache-dir", help="local cache directory (crash-safe; a restart serves from it)")
-    p.add_argument("--store", help="store URI to fetch from and poll: file://DIR or s3://BUCKET/PREFIX")
+    p.add_argument("--store", help=f"store URI to fetch from and poll: {store_uri_forms()}")
     p.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:0)")
     p.add_argument("--health-listen", help="plaintext host:port serving only gRPC health (Kubernetes grpc probes)")
     p.add_argument("--name", help="agent name (default: hostname)")

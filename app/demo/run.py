@@ -47,7 +47,7 @@ class DemoConfig:
     out_dir: str = "weightsync-demo"
     """Everything the demo writes: store (by default), agent caches, rollouts, logs, summary."""
     store: str | None = None
-    """Store URI; default file://<out_dir>/store. s3://BUCKET/PREFIX works (AWS_ENDPOINT_URL etc.)."""
+    """Store URI (any form `weightsync.stores.open_store` takes); default file://<out_dir>/store."""
     model: str = "demo-lm"
     regions: int = 2
     agents_per_region: int = 2
