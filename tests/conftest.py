@@ -1,8 +1,10 @@
 """Shared fixtures: stores, small model-like state dicts, realistic sparse perturbations.
 
 `store` is the fixture the store contract suite runs against; it is parametrized over every
-backend in STORE_KINDS (adding a backend means adding its name there and a branch in
-`_open_store_kind`). `tmp_store` is always a LocalStore, for tests that need a real directory.
+scheme in the store registry (`weightsync.stores.STORE_SCHEMES`), so a new backend is covered
+without a test edit: `file` gets a fresh directory, `s3` a fresh bucket on the moto server, any
+other scheme `open_store("<scheme>://contract-<random>")`. `tmp_store` is always a LocalStore,
+for tests that need a real directory.
 Helpers that tests call (`make_state_dict`, `perturb`, `published_view`, `assert_bit_equal`)
 are fixtures returning plain functions, so test modules never import conftest.
 """
@@ -17,9 +19,10 @@ import torch
 
 from harness.bits import assert_bit_equal as _assert_bit_equal
 from harness.moto import MotoServer
-from weightsync.stores import LocalStore
+from weightsync.stores import STORE_SCHEMES, LocalStore, open_store
 
-STORE_KINDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
+SCHEME_MARKS = {"s3": pytest.mark.s3}  # schemes whose tests need a marked resource
+STORE_KINDS = [pytest.param(scheme, marks=SCHEME_MARKS.get(scheme, ())) for scheme in STORE_SCHEMES]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,10 +61,12 @@ def s3_store(s3_endpoint):
 
 @pytest.fixture(params=STORE_KINDS)
 def store(request, tmp_path):
-    """An empty store of every kind the contract suite covers."""
-    if request.param == "local":
+    """An empty store of every scheme in the registry."""
+    if request.param == "file":
         return LocalStore(tmp_path / "store")
-    return request.getfixturevalue("s3_store")
+    if request.param == "s3":
+        return request.getfixturevalue("s3_store")
+    return open_store(f"{request.param}://contract-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture
