@@ -19,6 +19,9 @@ import torch
 
 from harness.bits import assert_bit_equal as _assert_bit_equal
 from harness.moto import MotoServer
+
+# Hooks: what a test's body starts and leaves running is stopped when it ends, timeouts included.
+from harness.pytest_reaper import pytest_runtest_call, pytest_unconfigure  # noqa: F401
 from weightsync.stores import STORE_SCHEMES, LocalStore, open_store
 
 SCHEME_MARKS = {"s3": pytest.mark.s3}  # schemes whose tests need a marked resource

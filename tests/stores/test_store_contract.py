@@ -8,6 +8,8 @@ written outside the root) and `open_store`.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -416,3 +418,36 @@ def test_open_store_unsupported_uri(uri):
     assert "file://" in str(info.value)
     if uri != "file://":
         assert "supported" in str(info.value)
+
+
+def test_an_s3_store_without_boto3_names_the_extra_to_install(tmp_path):
+    """boto3 is the `s3` extra: without it, opening an s3:// store says what to install."""
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('boto3', 'botocore'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from weightsync.errors import StoreError\n"
+        "from weightsync.stores import open_store\n"
+        "try:\n"
+        "    open_store('s3://bucket/prefix')\n"
+        "except StoreError as e:\n"
+        "    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "pip install 'weightsync[s3]'" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("uri", ["s3:/bucket/x", "s3:bucket", "file:/tmp/x", "gs:/bucket/x"])
+def test_a_scheme_with_its_slashes_missing_is_refused_not_made_a_directory(uri, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError, match="neither a directory nor a URI"):
+        open_store(uri)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_scheme_lists_the_known_ones():
+    with pytest.raises(StoreError, match=r"unsupported store URI 'gs://b/x'; supported: file://DIR .*s3://BUCKET"):
+        open_store("gs://b/x")

@@ -193,10 +193,13 @@ class S3Store:
     def __init__(
         self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, config: S3StoreConfig | None = None
     ) -> None:
-        import boto3
-        import botocore.config
-        import botocore.exceptions
-        import urllib3.exceptions
+        try:
+            import boto3
+            import botocore.config
+            import botocore.exceptions
+            import urllib3.exceptions
+        except ModuleNotFoundError as e:  # boto3 is the `s3` extra, not a core dependency
+            raise StoreError(f"s3:// stores need boto3 ({e}): pip install 'weightsync[s3]'") from None
 
         if not bucket:
             raise StoreError("s3:// URI needs a bucket, e.g. s3://my-bucket/weights")
