@@ -28,13 +28,14 @@ import numpy as np
 import zstandard
 
 from weightsync.format.chunk import HEADER, encode_chunk
-from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
+from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_IDS, CODEC_NAMES, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
 from weightsync.format.codecs import rans as rans_codec
 from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_digest
 from weightsync.format.layout import chunk_key, pack_key
 from weightsync.format.manifest import (
+    CODEC_SAME,
     MAX_FREEFORM_BYTES,
     MAX_NDIM,
     ChunkRef,
@@ -280,7 +281,7 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         "manifest_unknown_codec.json",
         chunk0(codec="lz4"),
         "UnsupportedFormatError",
-        "unknown codec 'lz4'; supported: ['ctx', 'full', 'rans', 'same', 'sparse', 'xor']",
+        f"unknown codec 'lz4'; supported: {sorted([*CODEC_IDS, CODEC_SAME])}",  # the registry's names
     )
     add("manifest_codec_not_string.json", chunk0(codec=3), "FormatError", "codec must be a string")
     add(
@@ -599,7 +600,7 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
         "chunk_unknown_codec.bin",
         header(codec=9),
         "UnsupportedFormatError",
-        "unknown codec id 9; supported: [1, 2, 3, 4, 5]",
+        f"unknown codec id 9; supported: {sorted(CODEC_NAMES)}",  # the registry's ids
         stage="unpack",
     )
     add(
