@@ -92,6 +92,16 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
         config_kwargs["cast_floats_to"] = None
     if args.workers:
         config_kwargs["workers"] = args.workers
+    if args.manifest_format is not None or args.highest_codec is not None:  # for older readers
+        from weightsync.format.codecs import CODEC_IDS
+        from weightsync.format.write_format import WriteFormat
+
+        limits: dict[str, int] = {}
+        if args.manifest_format is not None:
+            limits["manifest_format"] = args.manifest_format
+        if args.highest_codec is not None:
+            limits["highest_codec"] = CODEC_IDS[args.highest_codec]
+        config_kwargs["write_format"] = WriteFormat(**limits)
     progress = _Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
         result = publish_once(
@@ -454,6 +464,18 @@ def _add_publish(sub) -> None:
     p.add_argument("--zstd-level", type=int, default=1, help="zstd level 1-22 (default 1: fast and small)")
     p.add_argument("--keep-dtypes", action="store_true", help="keep float dtypes instead of casting to bf16")
     p.add_argument("--workers", type=int, help="encode threads (default: CPU count)")
+    from weightsync.format.codecs import CODEC_NAMES, CODEC_SPARSE  # the registry only: no numpy
+
+    p.add_argument(
+        "--highest-codec",
+        choices=[name for codec_id, name in sorted(CODEC_NAMES.items()) if codec_id >= CODEC_SPARSE],
+        help="newest codec to write, for older readers: sparse is what every reader decodes (default: all)",
+    )
+    p.add_argument(
+        "--manifest-format",
+        type=int,
+        help="newest manifest format to write: 1 (no packs, for format-1 readers) or 2 (default)",
+    )
     p.set_defaults(handler=_cmd_publish)
 
 

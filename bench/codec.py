@@ -47,9 +47,11 @@ from weightsync import __version__
 from weightsync.format import codecs
 from weightsync.format.chunk import apply_chunk, encode_chunk, object_hash
 from weightsync.format.codecs import DEFAULT_ZSTD_LEVEL
+from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.codecs.diff import diff_ranges
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.tensors import Snapshot, take_snapshot, to_tensor
+from weightsync.format.write_format import WriteFormat
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
 from weightsync.stores import LocalStore
@@ -83,15 +85,18 @@ def _chunks(snapshot: Snapshot) -> list[tuple[str, int, int]]:
     return out
 
 
-def _encode_all(new: Snapshot, old: Snapshot | None, threads: int, level: int) -> list[tuple]:
-    """Every chunk of `new` encoded against `old` (full chunks when old is None)."""
+def _encode_all(
+    new: Snapshot, old: Snapshot | None, threads: int, level: int, choice: CodecChoice | None = None
+) -> list[tuple]:
+    """Every chunk of `new` encoded against `old` (full chunks when old is None), delta codecs
+    chosen under `choice` (default: any)."""
 
     def one(item):
         name, start, stop = item
         t = new[name]
         size = t.dtype.itemsize
         parent = None if old is None else old[name].data[start * size : stop * size]
-        codec_id, raw, obj, _ = encode_chunk(t.data[start * size : stop * size], parent, t.dtype, level)
+        codec_id, raw, obj, _ = encode_chunk(t.data[start * size : stop * size], parent, t.dtype, level, choice=choice)
         return name, start, stop, codec_id, raw, obj, None if obj is None else object_hash(obj)
 
     with cf.ThreadPoolExecutor(threads) as pool:
@@ -129,16 +134,12 @@ def _median_time(fn, repeats: int, setup=None) -> float:
 def measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig, *, ctx: bool = True, rans: bool = True) -> dict:
     """Ratio and throughput of the codecs as the publisher chooses them, for comparison in the same
     run: `ctx=False`, the codecs before codec ctx (sparse/xor); `rans=False`, before codec rans."""
-    saved = codecs.CTX_DENSITY, codecs.RANS_MIN_CHANGES
-    codecs.CTX_DENSITY = saved[0] if ctx else 0.0
-    codecs.RANS_MIN_CHANGES = saved[1] if rans else 0
-    try:
-        return _measure_ours(old_sd, new_sd, config)
-    finally:
-        codecs.CTX_DENSITY, codecs.RANS_MIN_CHANGES = saved
+    highest = codecs.CODEC_SPARSE if not ctx else codecs.CODEC_CTX if not rans else codecs.CODEC_RANS
+    return _measure_ours(old_sd, new_sd, config, WriteFormat(highest_codec=highest))
 
 
-def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
+def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig, write_format: WriteFormat) -> dict:
+    choice = CodecChoice(highest_codec=write_format.highest_codec)
     old, new = take_snapshot(old_sd), take_snapshot(new_sd)
     raw_bytes = sum(t.nbytes for t in new.values())
     result: dict = {"raw_bytes": raw_bytes}
@@ -146,7 +147,7 @@ def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
     # Ratio: what the store really holds for the delta version (objects + manifest).
     with tempfile.TemporaryDirectory(dir=_fast_tmp()) as tmp:
         store = LocalStore(tmp, fsync=False)
-        pconf = PublisherConfig(zstd_level=config.zstd_level, parent_from_store=False)
+        pconf = PublisherConfig(zstd_level=config.zstd_level, parent_from_store=False, write_format=write_format)
         with Publisher(store, model="bench", config=pconf) as publisher:
             full = publisher.publish(old_sd).result()
             delta = publisher.publish(new_sd).result()
@@ -163,7 +164,7 @@ def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
             full_ratio=full.ratio,
         )
 
-    encoded = _encode_all(new, old, 1, config.zstd_level)
+    encoded = _encode_all(new, old, 1, config.zstd_level, choice)
     buffers = {name: np.empty_like(t.data) for name, t in old.items()}
 
     def reset():
@@ -171,14 +172,14 @@ def _measure_ours(old_sd: dict, new_sd: dict, config: BenchConfig) -> dict:
             np.copyto(buffers[name], t.data)
 
     for threads in config.threads:
-        enc_s = _median_time(lambda t=threads: _encode_all(new, old, t, config.zstd_level), config.repeats)
+        enc_s = _median_time(lambda t=threads: _encode_all(new, old, t, config.zstd_level, choice), config.repeats)
         dec_s = _median_time(lambda t=threads: _decode_all(encoded, buffers, new, t), config.repeats, setup=reset)
         for name, t in new.items():  # the decode really rebuilt the new checkpoint
             if not np.array_equal(buffers[name], t.data):
                 raise AssertionError(f"decode of {name} is not bit-exact")
         result[f"encode_GBps_{threads}t"] = raw_bytes / enc_s / 1e9
         result[f"decode_apply_GBps_{threads}t"] = raw_bytes / dec_s / 1e9
-        result.update(_measure_end_to_end(old_sd, new_sd, threads, config, raw_bytes))
+        result.update(_measure_end_to_end(old_sd, new_sd, threads, config, raw_bytes, write_format))
         # Full versions (the first one, and every rebase): no parent.
         full_s = _median_time(lambda t=threads: _encode_all(new, None, t, config.zstd_level), config.repeats)
         full = _encode_all(new, None, threads, config.zstd_level)
@@ -230,13 +231,17 @@ def measure_device_diff(old: Snapshot, new: Snapshot, repeats: int) -> dict:
     return {"device_diff_cpu_GBps_1t": raw_bytes / seconds / 1e9}
 
 
-def _measure_end_to_end(old_sd: dict, new_sd: dict, threads: int, config: BenchConfig, raw_bytes: int) -> dict:
+def _measure_end_to_end(
+    old_sd: dict, new_sd: dict, threads: int, config: BenchConfig, raw_bytes: int, write_format: WriteFormat
+) -> dict:
     """Publisher (snapshot + encode + write) and Reader.advance on a store in memory."""
     publish_s, encode_s, advance_s = [], [], []
     for _ in range(config.repeats):
         with tempfile.TemporaryDirectory(dir=_fast_tmp()) as tmp:
             store = LocalStore(tmp, fsync=False)
-            pconf = PublisherConfig(workers=threads, zstd_level=config.zstd_level, parent_from_store=False)
+            pconf = PublisherConfig(
+                workers=threads, zstd_level=config.zstd_level, parent_from_store=False, write_format=write_format
+            )
             with Publisher(store, model="bench", config=pconf) as publisher:
                 publisher.publish(old_sd).result()
                 r = publisher.publish(new_sd).result()

@@ -13,7 +13,7 @@ peak device memory above the two models it reads):
   publisher did before).
 
 Then checks, on a few chunks, that the device's fields equal the host scan's
-(`ctx_codec.scan_changes`), and reports what crossed to the host against what the host scan would
+(`changes.scan_changes`), and reports what crossed to the host against what the host scan would
 have had to copy (the whole model twice: new and parent).
 
 With `--publish N`, then publishes the model and N next steps (each moving another `--changed`
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.codecs import changes as change_model
 from weightsync.format.codecs import diff
 from weightsync.format.codecs.diff import diff_chunk, diff_ranges
 from weightsync.format.dtypes import dtype_by_name
@@ -129,7 +129,7 @@ def main() -> None:
     for ti, s, e in (flat[0], flat[len(flat) // 2], flat[-1]):
         dev = found[[a for a, _ in tensors].index(ti)][s]
         n_np, o_np = (t[ti + s : ti + e].view(torch.int16).cpu().numpy().view(np.uint16) for t in (new, old))
-        host = ctx_codec.scan_changes(n_np, o_np, "bfloat16", 2, int((n_np != o_np).sum()))
+        host = change_model.scan_changes(n_np, o_np, "bfloat16", 2, int((n_np != o_np).sum()))
         agree &= all(np.array_equal(getattr(dev, f), getattr(host, f)) for f in FIELDS)
         agree &= dev.class_base == host.class_base
     model_bytes = count * 2

@@ -735,8 +735,8 @@ def test_the_first_publish_warms_up_the_delta_kernels_for_its_dtypes(tmp_path):
         [sys.executable, "-c", code], check=True, timeout=1500, env={**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}
     )
     cached = {p.name for p in numba_cache.rglob("*.nbi")}
-    for kernel in ("ctx._scan_kernel", "ctx._emit_kernel", "rans."):
+    for kernel in ("changes._scan_kernel", "ctx._emit_kernel", "rans."):
         assert any(name.startswith(kernel) for name in cached), (kernel, sorted(cached))
     # one compiled variant per element width (bf16: 2 bytes, fp32: 4) in the scan's index
-    scan_index = next(p for p in numba_cache.rglob("ctx._scan_kernel*.nbi"))
+    scan_index = next(p for p in numba_cache.rglob("changes._scan_kernel*.nbi"))
     assert len(list(scan_index.parent.glob(scan_index.stem + ".*.nbc"))) >= 2

@@ -12,6 +12,7 @@ _LAZY = {
     "Publisher": "weightsync.publisher",
     "PublisherConfig": "weightsync.publisher",
     "PublishResult": "weightsync.publisher",
+    "WriteFormat": "weightsync.format.write_format",
     "Reader": "weightsync.reader",
     "WeightsState": "weightsync.reader",
     "Store": "weightsync.stores",

@@ -27,6 +27,10 @@ local shards, each with a `Placement` (global shape, flat element offset), and t
 commits once every rank's part is durable. It never reads a parent from the store: a new job
 session starts with a full version.
 
+What the versions may use (manifest format, highest codec id) is `PublisherConfig.write_format`,
+for the oldest reader they must serve (docs/format.md, "Versions of the format"); every encode
+gets it as an argument, so publishers in one process may write for different readers.
+
 The first publish() also starts compiling the delta codecs' kernels (numba) in a low-priority
 thread, so that on a machine whose numba cache is empty the first delta does not compile them.
 
@@ -51,11 +55,13 @@ from typing import Protocol
 from weightsync import __version__
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
-from weightsync.format import codecs, layout
+from weightsync.format import layout
 from weightsync.format.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
-from weightsync.format.codecs import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
-from weightsync.format.codecs.ctx import Changes
+from weightsync.format.codecs import CODEC_IDS, CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
+from weightsync.format.codecs.changes import Changes
+from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.codecs.diff import DeviceParent
+from weightsync.format.codecs.warmup import BackgroundWarmUp
 from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.format.manifest import (
     CODEC_SAME,
@@ -72,6 +78,7 @@ from weightsync.format.manifest import (
 )
 from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
+from weightsync.format.write_format import WriteFormat
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.shards import (
     PartHeader,
@@ -117,11 +124,16 @@ class PublisherConfig:
     parent_from_store: bool = True
     """On the first publish, read the store's latest version as the delta parent (a restarted
     trainer or a CLI publish then writes a delta instead of a full version)."""
-    pack_bytes: int = DEFAULT_PACK_BYTES
+    write_format: WriteFormat = WriteFormat()
+    """What the versions may use, for the oldest reader they must serve: the manifest format
+    (1: no packs) and the highest codec id (3: what readers before codec 4 decode). Default:
+    everything this build writes. docs/format.md, "Versions of the format"."""
+    pack_bytes: int | None = None
     """A delta's chunk objects are written into packs of up to this many bytes (docs/format.md,
-    "Packs"): a few store writes per version instead of one per changed chunk. 0 writes every
-    chunk as its own object. Full versions always do: their big objects gain nothing from
-    packing, and content addressing shares them between versions."""
+    "Packs"): a few store writes per version instead of one per changed chunk. None: 8 MiB
+    (`DEFAULT_PACK_BYTES`) where `write_format` allows packs, none where it does not; 0 writes
+    every chunk as its own object whatever the format allows. Full versions always do: their big
+    objects gain nothing from packing, and content addressing shares them between versions."""
     weights_kind: str = "model"
     """What the versions hold, written to the manifest's producer.weights_kind: "model" (a whole
     model's weights, LoRA merged in or not) or "adapter" (LoRA adapter tensors only, for engines
@@ -143,12 +155,25 @@ class PublisherConfig:
             raise ValueError(f"zstd_level must be in [1, {MAX_ZSTD_LEVEL}], got {self.zstd_level}")
         if self.workers < 1 or self.max_in_flight < 1:
             raise ValueError("workers and max_in_flight must be at least 1")
-        if self.pack_bytes < 0:
-            raise ValueError(f"pack_bytes must be >= 0 (0 = no packs), got {self.pack_bytes}")
+        if self.pack_bytes is not None and self.pack_bytes < 0:
+            raise ValueError(f"pack_bytes must be >= 0 (0 = no packs) or None (the default), got {self.pack_bytes}")
+        if self.pack_bytes and not self.write_format.packs:
+            raise ValueError(
+                f"pack_bytes={self.pack_bytes} asks for packs, which manifest format "
+                f"{self.write_format.manifest_format} cannot hold: leave pack_bytes unset (no packs then) "
+                "or write manifest format 2"
+            )
         if self.rebase_every < 0 or self.rebase_chain_ratio < 0:
             raise ValueError("rebase_every and rebase_chain_ratio must be >= 0 (0 = every version full)")
         if self.weights_kind not in WEIGHTS_KINDS:
             raise ValueError(f"weights_kind must be one of {WEIGHTS_KINDS}, got {self.weights_kind!r}")
+
+    @property
+    def effective_pack_bytes(self) -> int:
+        """The pack size the publisher writes deltas in; 0: no packs (see `pack_bytes`)."""
+        if self.pack_bytes is not None:
+            return self.pack_bytes
+        return DEFAULT_PACK_BYTES if self.write_format.packs else 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -303,7 +328,10 @@ class Publisher:
         self._spare: Snapshot | None = None  # a snapshot no version reads any more, for reuse
         self._failed: set[int] = set()  # versions that will never commit
         self._device_parent = DeviceParent() if self.config.device_diff else None
-        self.warm_up: codecs.BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
+        # Every encode gets the choice as an argument: publishers in one process that write for
+        # different readers share no setting.
+        self._codec_choice = CodecChoice(highest_codec=self.config.write_format.highest_codec)
+        self.warm_up: BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -339,8 +367,10 @@ class Publisher:
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
             if self.warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
-                self.warm_up = codecs.BackgroundWarmUp(
-                    {dtype.name for dtype, _ in planned.values()}, thread_name="ws-publisher-warm-up"
+                self.warm_up = BackgroundWarmUp(
+                    {dtype.name for dtype, _ in planned.values()},
+                    thread_name="ws-publisher-warm-up",
+                    codec_ids=[i for i in CODEC_NAMES if i <= self.config.write_format.highest_codec],
                 )
             with self._lock:
                 spare, self._spare = self._spare, None
@@ -549,8 +579,8 @@ class Publisher:
         placements = job.placements
         t_encode = time.perf_counter()
         packer = None
-        if parent_snapshot is not None and self.config.pack_bytes:
-            packer = PackWriter(self.config.pack_bytes, self._upload_pack, layout.pack_key)
+        if parent_snapshot is not None and self.config.effective_pack_bytes:
+            packer = PackWriter(self.config.effective_pack_bytes, self._upload_pack, layout.pack_key)
         futures: dict[str, list[cf.Future]] = {}
         tensors, changed, total = [], 0, 0
         if job.parent_copied is not None:
@@ -681,10 +711,22 @@ class Publisher:
         )
         data = manifest.to_bytes()
         parse_manifest(data)  # never commit a manifest a reader would refuse
+        self._check_write_format(manifest)  # nor one the readers we write for would
         signature = self.signer.sign(data) if self.signer is not None else None
         commit_manifest(self.store, manifest, signature)
         self._notify("on_commit", manifest, data, signature)
         return manifest
+
+    def _check_write_format(self, manifest: Manifest) -> None:
+        allowed = self.config.write_format
+        highest = max(
+            (CODEC_IDS[c.codec] for t in manifest.tensors for c in t.chunks if c.codec != CODEC_SAME), default=0
+        )
+        if manifest.format > allowed.manifest_format or highest > allowed.highest_codec:
+            raise PublishError(
+                f"{self.model} v{manifest.version} would be manifest format {manifest.format} with codec {highest}; "
+                f"the publisher writes at most {allowed}"
+            )
 
     def _commit_sharded(self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]) -> Manifest:
         """Rank 0: our part, everyone's parts, one manifest — or an abort marker that every rank sees."""
@@ -761,7 +803,12 @@ class Publisher:
         new = tensor.data[start * size : stop * size]
         old = None if parent is None else parent[name].data[start * size : stop * size]
         codec_id, raw_hex, obj, changed = encode_chunk(
-            new, old, tensor.dtype, self.config.zstd_level, changes=None if old is None else changes
+            new,
+            old,
+            tensor.dtype,
+            self.config.zstd_level,
+            changes=None if old is None else changes,
+            choice=self._codec_choice,
         )
         start, stop = start + offset, stop + offset
         if obj is None:

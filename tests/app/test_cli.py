@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from harness.bits import assert_bit_equal
 from weightsync.app.cli import main
 from weightsync.checkpoint_io import INDEX_NAME, open_checkpoint, write_safetensors
+from weightsync.format.layout import manifest_key
 
 
 def _checkpoints(tmp_path: Path) -> tuple[dict, dict, Path, Path]:
@@ -192,6 +193,21 @@ def test_real_subprocess_and_help_does_not_import_torch(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert_bit_equal(load_file(tmp_path / "out" / "model.safetensors"), _bf16(second))
+
+
+def test_publish_for_older_readers(tmp_path, capsys):
+    """--manifest-format 1 --highest-codec sparse: a delta every reader reads (no packs, no ctx)."""
+    _, second, c1, c2 = _checkpoints(tmp_path)
+    store = f"file://{tmp_path}/store"
+    old = ("--manifest-format", "1", "--highest-codec", "sparse")
+    for checkpoint in (c1, c2):
+        code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", *old, str(checkpoint), "--json")
+        assert code == 0, err
+    manifest = json.loads((tmp_path / "store" / manifest_key("m", 2)).read_bytes())
+    assert manifest["kind"] == "delta" and manifest["format"] == 1
+    assert {c["codec"] for t in manifest["tensors"] for c in t["chunks"]} <= {"xor", "sparse", "same"}
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--manifest-format", "3", str(c2))
+    assert code == 1 and "manifest_format must be one of [1, 2]" in err
 
 
 def test_usage_errors_exit_2(capsys):

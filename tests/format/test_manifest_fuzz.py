@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from weightsync.errors import FormatError, WeightsyncError
-from weightsync.format import codecs
 from weightsync.format.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, unpack_chunk
-from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_SPARSE, CODEC_XOR
+from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
+from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.dtypes import BY_CODE, dtype_by_name
 from weightsync.format.hashing import xxh3_digest
 from weightsync.format.layout import chunk_key
@@ -397,11 +397,8 @@ def _valid_objects() -> list[tuple[np.ndarray, int, str, bytes, str]]:
             words = new.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
             words[rng.random(count) < density] ^= 5
             words[-1] ^= 3  # at least one change
-            saved, codecs.CTX_DENSITY = codecs.CTX_DENSITY, codecs.CTX_DENSITY if ctx else 0.0
-            try:
-                codec_id, raw_hex, obj, _ = encode_chunk(new, parent, dtype, 1)
-            finally:
-                codecs.CTX_DENSITY = saved
+            choice = CodecChoice(highest_codec=CODEC_RANS if ctx else CODEC_SPARSE)
+            codec_id, raw_hex, obj, _ = encode_chunk(new, parent, dtype, 1, choice=choice)
             out.append((old, codec_id, raw_hex, obj, name))
     assert {o[1] for o in out} == {CODEC_FULL, CODEC_XOR, CODEC_SPARSE, CODEC_CTX}
     return out

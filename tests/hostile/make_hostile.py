@@ -27,14 +27,15 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from weightsync.format import codecs
 from weightsync.format.chunk import HEADER, encode_chunk
-from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
+from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_IDS, CODEC_NAMES, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
 from weightsync.format.codecs import rans as rans_codec
+from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_digest
 from weightsync.format.layout import chunk_key, pack_key
 from weightsync.format.manifest import (
+    CODEC_SAME,
     MAX_FREEFORM_BYTES,
     MAX_NDIM,
     ChunkRef,
@@ -280,7 +281,7 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         "manifest_unknown_codec.json",
         chunk0(codec="lz4"),
         "UnsupportedFormatError",
-        "unknown codec 'lz4'; supported: ['ctx', 'full', 'rans', 'same', 'sparse', 'xor']",
+        f"unknown codec 'lz4'; supported: {sorted([*CODEC_IDS, CODEC_SAME])}",  # the registry's names
     )
     add("manifest_codec_not_string.json", chunk0(codec=3), "FormatError", "codec must be a string")
     add(
@@ -534,19 +535,11 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
     old = parent(0)
     new = old.copy()
     new.view(np.uint16)[::50] ^= 1  # 82 changed elements: a sparse delta (with ctx off), a ctx delta
-    ctx_density, codecs.CTX_DENSITY = codecs.CTX_DENSITY, 0.0
-    try:
-        codec_id, raw_hex, good, changed = encode_chunk(new, old, BF16, 1)
-    finally:
-        codecs.CTX_DENSITY = ctx_density
+    codec_id, raw_hex, good, changed = encode_chunk(new, old, BF16, 1, choice=CodecChoice(highest_codec=CODEC_SPARSE))
     assert (codec_id, changed) == (CODEC_SPARSE, 82)
     ctx_id, _, good_ctx, _ = encode_chunk(new, old, BF16, 1)
     assert ctx_id == CODEC_CTX
-    rans_min, codecs.RANS_MIN_CHANGES = codecs.RANS_MIN_CHANGES, 1
-    try:
-        rans_id, _, good_rans, _ = encode_chunk(new, old, BF16, 1)
-    finally:
-        codecs.RANS_MIN_CHANGES = rans_min
+    rans_id, _, good_rans, _ = encode_chunk(new, old, BF16, 1, choice=CodecChoice(rans_from_changes=1))
     assert rans_id == CODEC_RANS
     full_id, _, full, _ = encode_chunk(new, None, BF16, 1)
     assert full_id == CODEC_FULL
@@ -607,7 +600,7 @@ def chunks() -> dict[str, tuple[bytes, dict]]:
         "chunk_unknown_codec.bin",
         header(codec=9),
         "UnsupportedFormatError",
-        "unknown codec id 9; supported: [1, 2, 3, 4, 5]",
+        f"unknown codec id 9; supported: {sorted(CODEC_NAMES)}",  # the registry's ids
         stage="unpack",
     )
     add(

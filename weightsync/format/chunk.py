@@ -5,24 +5,29 @@ A chunk is a contiguous flat element range [start, stop) of one tensor. Its obje
 of all its bytes, so a store or a peer can hold it without knowing which version uses it.
 Byte layout and rules: docs/format.md, "Chunk objects".
 
-Not here: the codecs themselves (`codecs.py`), where an object is stored (`layout.py`).
+Not here: the codecs themselves and the choice between them (`weightsync.format.codecs`), where an
+object is stored (`layout.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
 from weightsync.format import codecs
-from weightsync.format.codecs import ctx as ctx_codec
 from weightsync.format.dtypes import DType, dtype_by_code
 from weightsync.format.hashing import xxh3_digest, xxh3_hex
 
+if TYPE_CHECKING:
+    from weightsync.format.codecs.changes import Changes
+    from weightsync.format.codecs.choice import CodecChoice
+
 CHUNK_MAGIC = b"WSCK"
-CHUNK_FORMAT_VERSION = 1  # 1: first release (full, xor, sparse codecs); codec ctx (4) added later
+CHUNK_FORMAT_VERSION = 1  # 1: the only one; codecs are their own axis (ids 1-5, docs/format.md)
 SUPPORTED_CHUNK_FORMATS = (1,)
 HEADER = struct.Struct("<4sHBBBBHIQQ16s16s")
 HEADER_SIZE = HEADER.size  # 64
@@ -101,13 +106,20 @@ def unpack_chunk(obj: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
 
 
 def encode_chunk(
-    new: np.ndarray, old: np.ndarray | None, dtype: DType, zstd_level: int, *, changes: ctx_codec.Changes | None = None
+    new: np.ndarray,
+    old: np.ndarray | None,
+    dtype: DType,
+    zstd_level: int,
+    *,
+    changes: Changes | None = None,
+    choice: CodecChoice | None = None,
 ) -> tuple[int, str, bytes | None, int]:
     """Encodes the raw bytes of one chunk, as a delta against `old` when given.
 
     Returns (codec id, raw hash hex, object bytes or None when unchanged, changed elements).
     An unchanged chunk has no object at all (docs/format.md: codec "same"). `changes`: the
     chunk's changes found on the tensors' device (`weightsync.format.codecs.diff`), optional.
+    `choice`: how a delta's codec is chosen, and the highest it may be (default: any).
     """
     raw_digest = xxh3_digest(new)
     count = new.nbytes // dtype.itemsize
@@ -115,7 +127,9 @@ def encode_chunk(
         payload = codecs.encode_full(new, dtype.itemsize, zstd_level)
         codec_id, changed = codecs.CODEC_FULL, count
     else:
-        result = codecs.encode_delta(new, old, dtype.itemsize, zstd_level, dtype_name=dtype.name, changes=changes)
+        result = codecs.encode_delta(
+            new, old, dtype.itemsize, zstd_level, dtype_name=dtype.name, changes=changes, choice=choice
+        )
         if result is None:
             return 0, raw_digest.hex(), None, 0
         codec_id, payload, changed = result

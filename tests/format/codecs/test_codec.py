@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from weightsync.format import codecs
-from weightsync.format.chunk import HEADER_SIZE, apply_chunk, encode_chunk, unpack_chunk
+from weightsync.format.chunk import HEADER_SIZE, apply_chunk, encode_chunk, pack_chunk, unpack_chunk
+from weightsync.format.codecs.choice import DEFAULT_CHOICE, CodecChoice
 from weightsync.format.dtypes import BY_NAME, DType, dtype_by_name
 from weightsync.format.hashing import xxh3_digest
 from weightsync.format.tensors import raw_bytes, to_tensor, torch_dtype
@@ -36,6 +37,8 @@ BY_ITEMSIZE = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}
 ODD_SIZES = [1, 2, 3, 7, 8, 9, 63, 64, 65, 255, 256, 257, 1000, 4095, 4096, 4097]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 HYPO = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+NO_CTX = CodecChoice(highest_codec=codecs.CODEC_SPARSE)  # what readers before codec 4 decode
+SPARSE_ONLY = CodecChoice(highest_codec=codecs.CODEC_SPARSE, sparse_only_below=1.0, xor_only_above=1.0)
 
 # Bit patterns worth carrying through every codec (unsigned, little-endian as stored).
 SPECIALS: dict[str, list[int]] = {
@@ -171,13 +174,13 @@ def _changed_elements(new: torch.Tensor, old: torch.Tensor) -> int:
     return int(np.count_nonzero(a != b))
 
 
-def _expected_codecs(changed: int, count: int) -> set[int]:
+def _expected_codecs(changed: int, count: int, choice: CodecChoice) -> set[int]:
     density = changed / count
-    if density <= codecs.CTX_DENSITY:  # ctx, unless sparse would be smaller (random bits)
+    if density <= choice.modelled_up_to_density:  # ctx, unless sparse would be smaller (random bits)
         return {codecs.CODEC_CTX, codecs.CODEC_SPARSE}
-    if density <= codecs.SPARSE_DENSITY:
+    if density <= choice.sparse_only_below:
         return {codecs.CODEC_SPARSE}
-    if density > codecs.DENSE_DENSITY:
+    if density > choice.xor_only_above:
         return {codecs.CODEC_XOR}
     return {codecs.CODEC_SPARSE, codecs.CODEC_XOR}
 
@@ -202,21 +205,23 @@ def _full_round_trip(new: torch.Tensor, level: int = 1) -> None:
     _assert_same(out, new)
 
 
-def _delta_round_trip(new: torch.Tensor, old: torch.Tensor, level: int = 1) -> int:
+def _delta_round_trip(
+    new: torch.Tensor, old: torch.Tensor, level: int = 1, choice: CodecChoice = DEFAULT_CHOICE
+) -> int:
     """Encodes new against old, checks everything that can be checked, returns the codec id (0: same)."""
     dtype = _dtype(str(new.dtype).removeprefix("torch."))
     count = new.numel()
     new_raw, old_raw = raw_bytes(new), raw_bytes(old)
     old_before = old.clone()
-    codec_id, raw_hex, obj, changed = encode_chunk(new_raw, old_raw, dtype, level)
+    codec_id, raw_hex, obj, changed = encode_chunk(new_raw, old_raw, dtype, level, choice=choice)
     assert torch.equal(_bits(old), _bits(old_before)) and raw_hex == xxh3_digest(new_raw).hex()
     expected_changed = _changed_elements(new, old)
     assert changed == expected_changed
-    direct = codecs.encode_delta(new_raw, old_raw, dtype.itemsize, level, dtype_name=dtype.name)
+    direct = codecs.encode_delta(new_raw, old_raw, dtype.itemsize, level, dtype_name=dtype.name, choice=choice)
     if expected_changed == 0:
         assert (codec_id, obj, changed) == (0, None, 0) and direct is None
         return 0
-    assert codec_id in _expected_codecs(changed, count)
+    assert codec_id in _expected_codecs(changed, count, choice)
     _check_header(obj, codec_id, dtype, count, level, raw_hex)
     assert direct == (codec_id, obj[HEADER_SIZE:], changed)  # the chunk API wraps the codec API, nothing else
 
@@ -420,7 +425,7 @@ def test_odd_sizes_and_change_positions(itemsize, count, pattern):
     codec_id = _delta_round_trip(new, old)
     if pattern == "every":
         assert codec_id == codecs.CODEC_XOR  # density 1.0
-    if len(positions) / count <= codecs.CTX_DENSITY:
+    if len(positions) / count <= DEFAULT_CHOICE.ctx_up_to_density:
         assert codec_id == codecs.CODEC_CTX
     _full_round_trip(new)
 
@@ -455,17 +460,15 @@ def test_codec_choice_follows_density(name, changed):
 
 
 @pytest.mark.parametrize("changed", [2001, 2500, 3000, 3500, 4000])
-def test_ambiguous_band_keeps_the_smaller_payload(monkeypatch, changed):
+def test_ambiguous_band_keeps_the_smaller_payload(changed):
     name = "bfloat16"
     old, new = _with_changes(name, 10_000, changed, seed=7)
     new_raw, old_raw = raw_bytes(new), raw_bytes(old)
     chosen = codecs.encode_delta(new_raw, old_raw, 2)
     sizes = {}
     for only, (sparse_below, dense_above) in {codecs.CODEC_SPARSE: (1.0, 1.0), codecs.CODEC_XOR: (0.0, 0.0)}.items():
-        with monkeypatch.context() as m:  # thresholds that leave a single candidate
-            m.setattr(codecs, "SPARSE_DENSITY", sparse_below)
-            m.setattr(codecs, "DENSE_DENSITY", dense_above)
-            codec_id, payload, _ = codecs.encode_delta(new_raw, old_raw, 2)
+        single = CodecChoice(sparse_only_below=sparse_below, xor_only_above=dense_above)  # one candidate left
+        codec_id, payload, _ = codecs.encode_delta(new_raw, old_raw, 2, choice=single)
         assert codec_id == only
         sizes[codec_id] = len(payload)
         out = old.clone()
@@ -476,20 +479,18 @@ def test_ambiguous_band_keeps_the_smaller_payload(monkeypatch, changed):
 
 @pytest.mark.parametrize("density", [0.0005, 0.05, 0.5, 1.0])
 @pytest.mark.parametrize("forced", [codecs.CODEC_SPARSE, codecs.CODEC_XOR, codecs.CODEC_CTX, codecs.CODEC_RANS])
-def test_every_delta_codec_decodes_at_any_density(monkeypatch, density, forced):
-    """Whatever a (future, or foreign) publisher chose, every delta codec must decode exactly."""
+def test_every_delta_codec_decodes_at_any_density(density, forced):
+    """Whatever a (future, or foreign) publisher chose, every delta codec must decode exactly,
+    through the chunk API (the codec's own encoder, from the registry)."""
     count = 5000
     old, new = _with_changes("float32", count, max(1, int(count * density)), seed=3)
-    threshold = 1.0 if forced == codecs.CODEC_SPARSE else 0.0
-    monkeypatch.setattr(codecs, "CTX_DENSITY", 1.0 if forced in (codecs.CODEC_CTX, codecs.CODEC_RANS) else 0.0)
-    monkeypatch.setattr(codecs, "RANS_MIN_CHANGES", 1 if forced == codecs.CODEC_RANS else 0)
-    monkeypatch.setattr(codecs, "SPARSE_DENSITY", threshold)
-    monkeypatch.setattr(codecs, "DENSE_DENSITY", threshold)
     dtype = _dtype("float32")
-    codec_id, raw_hex, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), dtype, 1)
-    assert codec_id == forced == unpack_chunk(obj)[0].codec_id
+    new_raw = raw_bytes(new)
+    payload = codecs.codec(forced).encode(new_raw, raw_bytes(old), 4, dtype_name="float32", level=1)
+    obj = pack_chunk(forced, 1, dtype, count, xxh3_digest(new_raw), payload)
+    assert unpack_chunk(obj)[0].codec_id == forced
     out = old.clone()
-    apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
+    apply_chunk(obj, raw_bytes(out), dtype, xxh3_digest(new_raw).hex(), forced)
     _assert_same(out, new)
 
 
@@ -522,10 +523,8 @@ def _sparse_streams(payload: bytes, itemsize: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("gap", [0, 1, 253, 254, 255, 256, 257, 509, 510, 511, 65_535 + 255, 70_000])
-def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
-    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)  # sparse is what this test is about
-    monkeypatch.setattr(codecs, "SPARSE_DENSITY", 1.0)  # sparse even where changes are dense (gap 0, 1)
-    monkeypatch.setattr(codecs, "DENSE_DENSITY", 1.0)
+def test_sparse_gaps_around_the_escape_byte(gap):
+    # sparse is what this test is about: chosen even where changes are dense (gap 0, 1)
     changes = 5
     count = (gap + 1) * changes + 3
     rng = np.random.default_rng(gap)
@@ -534,9 +533,9 @@ def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
     positions = [gap + k * (gap + 1) for k in range(changes)]  # the first after `gap` equal elements too
     new_bits[positions] ^= np.uint16(0x8001)
     old, new = _tensor(old_bits, "bfloat16", (count,)), _tensor(new_bits, "bfloat16", (count,))
-    assert _delta_round_trip(new, old) == codecs.CODEC_SPARSE
+    assert _delta_round_trip(new, old, choice=SPARSE_ONLY) == codecs.CODEC_SPARSE
 
-    _, _, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), _dtype("bfloat16"), 1)
+    _, _, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), _dtype("bfloat16"), 1, choice=SPARSE_ONLY)
     gaps, overflow, low, high = _sparse_streams(obj[HEADER_SIZE:], 2)
     assert list(gaps) == [min(gap, 255)] * changes  # one byte per gap, 255 escapes
     escaped = changes if gap >= 255 else 0
@@ -548,16 +547,15 @@ def test_sparse_gaps_around_the_escape_byte(monkeypatch, gap):
     assert list(low) == [0x01] * changes and list(high) == [0x80] * changes  # planes of the XOR values
 
 
-def test_sparse_gap_needing_every_overflow_byte(monkeypatch):
+def test_sparse_gap_needing_every_overflow_byte():
     """A gap >= 2**24 + 255 uses the top byte plane of the overflow stream (1-byte elements, 16 MiB)."""
-    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)
     gap = 2**24 + 300
     count = gap + 10
     old = torch.zeros(count, dtype=torch.uint8)
     new = old.clone()
     new[[gap, gap + 5]] = 7
-    assert _delta_round_trip(new, old) == codecs.CODEC_SPARSE
-    _, _, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), _dtype("uint8"), 1)
+    assert _delta_round_trip(new, old, choice=NO_CTX) == codecs.CODEC_SPARSE
+    _, _, obj, _ = encode_chunk(raw_bytes(new), raw_bytes(old), _dtype("uint8"), 1, choice=NO_CTX)
     gaps, overflow, _ = _sparse_streams(obj[HEADER_SIZE:], 1)
     assert list(gaps) == [255, 4] and list(overflow) == list((gap - 255).to_bytes(4, "little"))
 
@@ -621,18 +619,20 @@ def test_publish_and_read_tensors_with_partial_last_chunks(tmp_path_factory, siz
 
 
 def test_ctx_is_tried_up_to_exactly_its_density():
-    """The ctx scan counts the changes itself and gives up past CTX_DENSITY: the chunk at the
-    boundary still gets ctx, one change more does not (the same decision as changed / count)."""
-    from weightsync.format.codecs import CODEC_CTX, CTX_DENSITY, _ctx_capacity, encode_delta
+    """The ctx scan counts the changes itself and gives up past the choice's density: the chunk at
+    the boundary still gets ctx, one change more does not (the same decision as changed / count)."""
+    from weightsync.format.codecs import CODEC_CTX, encode_delta
+    from weightsync.format.codecs.choice import ctx_capacity
 
+    density = DEFAULT_CHOICE.ctx_up_to_density
     for count in [1, 2, 3, 4, 5, 7, 10, 99, 1000, 1001, 12_345]:
-        capacity = _ctx_capacity(count)
-        assert capacity / count <= CTX_DENSITY and (capacity == count or (capacity + 1) / count > CTX_DENSITY)
+        capacity = ctx_capacity(count, density)
+        assert capacity / count <= density and (capacity == count or (capacity + 1) / count > density)
     count = 1000
     rng = np.random.default_rng(5)
     old = (rng.standard_normal(count).astype(np.float32) * 0.015).view(np.uint32)
     old = (old >> 16).astype(np.uint16)  # bf16 bit patterns
-    for changed, expect_ctx in [(_ctx_capacity(count), True), (_ctx_capacity(count) + 1, False)]:
+    for changed, expect_ctx in [(ctx_capacity(count, density), True), (ctx_capacity(count, density) + 1, False)]:
         new = old.copy()
         new[rng.choice(count, changed, replace=False)] += np.uint16(1)
         codec_id, payload, n = encode_delta(new.view(np.uint8), old.view(np.uint8), 2, dtype_name="bfloat16")

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync.errors import FormatError, UnsupportedFormatError
+from weightsync.format.codecs import changes as change_model
 from weightsync.format.codecs import ctx as ctx_codec
 from weightsync.format.dtypes import BY_NAME, dtype_by_name
 
@@ -298,19 +299,19 @@ def test_class_base_is_checked_per_dtype():
 def _scan_reference(name: str, old_bits: np.ndarray, new_bits: np.ndarray) -> dict:
     """What `find_changes` must give, in plain numpy from its definition (per changed element its
     position, class and rank among its class's elements; per class its count and first position)."""
-    class_base = ctx_codec.choose_class_base(old_bits, name)
-    table, shift = ctx_codec.class_table(name, old_bits.itemsize, class_base)
+    class_base = change_model.choose_class_base(old_bits, name)
+    table, shift = change_model.class_table(name, old_bits.itemsize, class_base)
     classes = table[(old_bits >> shift).astype(np.int64)].astype(np.int64)
     positions = np.flatnonzero(old_bits != new_bits)
     ranks = np.empty(len(old_bits), np.int64)
-    counts = np.zeros(2 * ctx_codec.NUM_CLASSES, np.int64)
-    counts[ctx_codec.NUM_CLASSES :] = -1
-    for c in range(ctx_codec.NUM_CLASSES):
+    counts = np.zeros(2 * change_model.NUM_CLASSES, np.int64)
+    counts[change_model.NUM_CLASSES :] = -1
+    for c in range(change_model.NUM_CLASSES):
         members = np.flatnonzero(classes == c)
         ranks[members] = np.arange(len(members))
         counts[c] = len(members)
         if len(members):
-            counts[ctx_codec.NUM_CLASSES + c] = members[0]
+            counts[change_model.NUM_CLASSES + c] = members[0]
     return {
         "class_base": class_base,
         "positions": positions,
@@ -334,7 +335,7 @@ def test_the_scan_finds_every_change_with_its_class_and_rank(name, count, densit
     idx = np.flatnonzero(rng.random(count) < density)
     new_bits[idx] ^= UINT[itemsize](1)
     want = _scan_reference(name, old_bits, new_bits)
-    got = ctx_codec.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, count)
+    got = change_model.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, count)
     assert got.count == count and got.class_base == want["class_base"]
     for field in ("positions", "classes", "ranks", "class_counts"):
         assert np.array_equal(getattr(got, field), want[field]), field
@@ -342,7 +343,7 @@ def test_the_scan_finds_every_change_with_its_class_and_rank(name, count, densit
     assert np.array_equal(got.new_bits, new_bits[idx].astype(np.uint64))
     if len(idx):  # one change more than allowed: the scan gives up
         assert (
-            ctx_codec.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, len(idx) - 1)
+            change_model.find_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, len(idx) - 1)
             is None
         )
 

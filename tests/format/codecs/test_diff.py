@@ -11,8 +11,10 @@ import torch
 
 from weightsync.format import codecs
 from weightsync.format.chunk import apply_chunk, encode_chunk
+from weightsync.format.codecs import changes as change_model
 from weightsync.format.codecs import ctx as ctx_codec
 from weightsync.format.codecs import rans as rans_codec
+from weightsync.format.codecs.choice import DEFAULT_CHOICE
 from weightsync.format.codecs.diff import diff_chunk, diff_ranges
 from weightsync.format.dtypes import BY_NAME, dtype_by_name
 from weightsync.format.tensors import raw_bytes
@@ -64,7 +66,7 @@ def test_device_diff_round_trips_bit_exactly(name, count, density):
     changed = int(np.count_nonzero(new_raw.view(UINT[dtype.itemsize]) != old_raw.view(UINT[dtype.itemsize])))
     assert len(changes.positions) == changed
     if changed:  # the same fields as the host scan: the device path changes nothing in the payload
-        host = ctx_codec.scan_changes(new_raw, old_raw, name, dtype.itemsize, changed)
+        host = change_model.scan_changes(new_raw, old_raw, name, dtype.itemsize, changed)
         for field in ("count", "class_base"):
             assert getattr(changes, field) == getattr(host, field), field
         for field in ("positions", "classes", "ranks", "old_bits", "new_bits", "class_counts"):
@@ -81,7 +83,7 @@ def test_device_diff_round_trips_bit_exactly(name, count, density):
     if obj is None:
         assert changed == 0
         return
-    if changed / max(count, 1) <= codecs.CTX_DENSITY:
+    if changed / max(count, 1) <= DEFAULT_CHOICE.ctx_up_to_density:
         assert codec_id == codecs.CODEC_CTX
     out = old.clone()
     apply_chunk(obj, raw_bytes(out), dtype, raw_hex, codec_id)
@@ -103,7 +105,8 @@ def test_device_diff_on_a_real_checkpoint_step():
     codec_id, raw_hex, obj, _ = encode_chunk(
         raw_bytes(new), raw_bytes(old), dtype_by_name("bfloat16"), 1, changes=changes
     )
-    assert codec_id == (codecs.CODEC_RANS if len(changes.positions) >= codecs.RANS_MIN_CHANGES else codecs.CODEC_CTX)
+    big = len(changes.positions) >= DEFAULT_CHOICE.rans_from_changes
+    assert codec_id == (codecs.CODEC_RANS if big else codecs.CODEC_CTX)
     out = old.clone()
     apply_chunk(obj, raw_bytes(out), dtype_by_name("bfloat16"), raw_hex, codec_id)
     assert torch.equal(out, new)
@@ -193,7 +196,7 @@ def test_a_whole_tensor_diffs_as_each_chunk_alone(monkeypatch, name, count, per_
         for field in SCAN_FIELDS:
             assert np.array_equal(getattr(changes, field), getattr(alone, field)), (start, field)
         if changed:
-            host = ctx_codec.scan_changes(n, o, name, dtype.itemsize, changed)
+            host = change_model.scan_changes(n, o, name, dtype.itemsize, changed)
             assert changes.class_base == host.class_base
             for field in SCAN_FIELDS:
                 assert np.array_equal(getattr(changes, field), getattr(host, field)), (start, field)
@@ -223,6 +226,6 @@ def test_ranks_are_the_host_scans_for_any_block_length(monkeypatch, block):
     got = diff_ranges(new, old, ranges, dtype_by_name("bfloat16"))
     for start, stop in ranges:
         n, o = (t[start:stop].view(torch.int16).numpy().view(np.uint16) for t in (new, old))
-        want = ctx_codec.scan_changes(n, o, "bfloat16", 2, int((n != o).sum()))
+        want = change_model.scan_changes(n, o, "bfloat16", 2, int((n != o).sum()))
         for field in SCAN_FIELDS:
             assert np.array_equal(getattr(got[start], field), getattr(want, field)), field

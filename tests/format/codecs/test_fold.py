@@ -13,9 +13,10 @@ from harness.fake_trainer import TINY, FakeTrainer
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.errors import IntegrityError
-from weightsync.format import codecs
+from weightsync.format.codecs import CODEC_SPARSE
 from weightsync.format.codecs.fold import CHAIN, FOLDED, plan_route
 from weightsync.format.layout import model_prefix
+from weightsync.format.write_format import WriteFormat
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.reader import Reader
 from weightsync.stores import LocalStore
@@ -24,14 +25,9 @@ from weightsync.versions import read_manifest, read_manifest_bytes
 
 MODEL = "fold/model"
 WAIT_S = 60
-CTX_DENSITY = codecs.CTX_DENSITY  # the default, before the fixture below turns ctx off
-
-
-@pytest.fixture(autouse=True)
-def xor_codecs(monkeypatch):
-    """These deltas are written in the XOR codecs (`xor`, `sparse`); `ctx`, the default at these
-    change rates, has its own test (test_ctx_deltas_fold_too)."""
-    monkeypatch.setattr(codecs, "CTX_DENSITY", 0.0)
+XOR_CODECS = WriteFormat(highest_codec=CODEC_SPARSE)
+"""These deltas are written in the XOR codecs (`xor`, `sparse`); `ctx`, the default at these
+change rates, has its own test (test_ctx_deltas_fold_too)."""
 
 
 def _series(make_state_dict, perturb, n: int) -> list[dict]:
@@ -42,7 +38,14 @@ def _series(make_state_dict, perturb, n: int) -> list[dict]:
 
 
 def _publish(store, sds, **config) -> None:
-    settings = {"chunk_bytes": 16 * 1024, "workers": 2, "rebase_every": 16, "rebase_chain_ratio": 1e9, **config}
+    settings = {
+        "chunk_bytes": 16 * 1024,
+        "workers": 2,
+        "rebase_every": 16,
+        "rebase_chain_ratio": 1e9,
+        "write_format": XOR_CODECS,
+        **config,
+    }
     with Publisher(store, model=MODEL, config=PublisherConfig(**settings)) as publisher:
         for sd in sds:
             publisher.publish(sd).result(timeout=WAIT_S)
@@ -66,11 +69,10 @@ def test_several_deltas_are_folded_bit_exactly(
     assert_bit_equal(chained.state_dict(), state.state_dict())
 
 
-def test_ctx_deltas_fold_too(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal, monkeypatch):
+def test_ctx_deltas_fold_too(tmp_store, make_state_dict, perturb, published_view, assert_bit_equal):
     """ctx decodes against its parent's bits: folded range by range, each delta finds them there."""
-    monkeypatch.setattr(codecs, "CTX_DENSITY", CTX_DENSITY)
     sds = _series(make_state_dict, perturb, 4)
-    _publish(tmp_store, sds)
+    _publish(tmp_store, sds, write_format=WriteFormat())
     used = {c.codec for v in (2, 3, 4) for t in read_manifest(tmp_store, MODEL, v).tensors for c in t.chunks}
     assert "ctx" in used
     reader = Reader(tmp_store, model=MODEL)
@@ -147,7 +149,9 @@ def test_a_lagging_agent_records_the_folded_route_in_its_ledger(tmp_path):
     agent = AgentServer(config).start()
     pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL))
     trainer = FakeTrainer(7)
-    settings = PublisherConfig(chunk_bytes=16 * 1024, workers=2, rebase_every=16, rebase_chain_ratio=1e9)
+    settings = PublisherConfig(
+        chunk_bytes=16 * 1024, workers=2, rebase_every=16, rebase_chain_ratio=1e9, write_format=XOR_CODECS
+    )
     try:
         with Publisher(store, model=MODEL, config=settings, listeners=[pusher]) as publisher:
             for step in range(2):

@@ -16,8 +16,10 @@ from test_ctx_codec import DTYPES, FLOATS, HYPO, _pairs, extreme_pairs
 from weightsync.errors import FormatError, UnsupportedFormatError
 from weightsync.format import codecs
 from weightsync.format.chunk import apply_chunk, encode_chunk
+from weightsync.format.codecs import changes as change_model
 from weightsync.format.codecs import ctx as ctx_codec
 from weightsync.format.codecs import rans as rans_codec
+from weightsync.format.codecs.choice import DEFAULT_CHOICE, CodecChoice
 from weightsync.format.dtypes import BY_NAME, dtype_by_name
 
 # ------------------------------------------------------------------ the document's decoder
@@ -186,7 +188,7 @@ def doc_decode(payload: bytes, parent: list[int], dtype_name: str, itemsize: int
 def _emit(name: str, old_bits: np.ndarray, new_bits: np.ndarray, limit: int = 1 << 30) -> bytes | None:
     itemsize = old_bits.itemsize
     changed = int(np.count_nonzero(old_bits != new_bits))
-    changes = ctx_codec.scan_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, changed)
+    changes = change_model.scan_changes(new_bits.view(np.uint8), old_bits.view(np.uint8), name, itemsize, changed)
     return rans_codec.emit(changes, name, itemsize, limit)
 
 
@@ -228,7 +230,7 @@ def test_a_big_bf16_step_round_trips_and_is_about_ctx_size(changed):
     assert np.array_equal(out, new_bits)
     if changed == 5000:  # the documented decoder on a chunk with every class and a real gap table
         assert doc_decode(payload, old_bits.tolist(), "bfloat16", 2) == new_bits.tolist()
-    if changed >= codecs.RANS_MIN_CHANGES:  # where publishers choose it: within a few % of ctx
+    if changed >= DEFAULT_CHOICE.rans_from_changes:  # where publishers choose it: within a few % of ctx
         ctx = ctx_codec.encode(new_bits.view(np.uint8), old_bits.view(np.uint8), "bfloat16", 2, changed)
         assert len(payload) < 1.03 * len(ctx)
 
@@ -241,12 +243,12 @@ def test_the_encoder_gives_up_past_its_limit():
     _round_trip("bfloat16", old, new)
 
 
-def test_publishers_choose_rans_on_big_chunks_only(monkeypatch):
+def test_publishers_choose_rans_on_big_chunks_only():
     g = torch.Generator().manual_seed(3)
     old = (torch.randn(200_000, generator=g) * 0.02).to(torch.bfloat16)
     for changed, expect in (
-        (codecs.RANS_MIN_CHANGES - 1, codecs.CODEC_CTX),
-        (codecs.RANS_MIN_CHANGES, codecs.CODEC_RANS),
+        (DEFAULT_CHOICE.rans_from_changes - 1, codecs.CODEC_CTX),
+        (DEFAULT_CHOICE.rans_from_changes, codecs.CODEC_RANS),
     ):
         new = old.clone()
         new.view(torch.int16)[torch.randperm(200_000, generator=g)[:changed]] += 1
@@ -256,8 +258,8 @@ def test_publishers_choose_rans_on_big_chunks_only(monkeypatch):
         out = raw_old.copy()
         apply_chunk(obj, out, dtype_by_name("bfloat16"), raw_hex, codec_id)
         assert np.array_equal(out, raw_new)
-    monkeypatch.setattr(codecs, "RANS_MIN_CHANGES", 0)  # for readers that predate codec 5
-    assert encode_chunk(raw_new, raw_old, dtype_by_name("bfloat16"), 1)[0] == codecs.CODEC_CTX
+    for_older_readers = CodecChoice(highest_codec=codecs.CODEC_CTX)  # readers that predate codec 5
+    assert encode_chunk(raw_new, raw_old, dtype_by_name("bfloat16"), 1, choice=for_older_readers)[0] == codecs.CODEC_CTX
 
 
 def test_a_refused_payload_leaves_the_range_untouched():

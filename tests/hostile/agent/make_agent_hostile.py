@@ -40,6 +40,7 @@ tests/agents/test_agent_hostile.py checks the corpus is self-consistent, not byt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import shutil
@@ -50,9 +51,9 @@ import torch
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from weightsync.format import codecs
 from weightsync.format.chunk import encode_chunk, object_hash, pack_chunk
-from weightsync.format.codecs import CODEC_FULL, CODEC_NAMES
+from weightsync.format.codecs import CODEC_FULL, CODEC_NAMES, CODEC_SPARSE
+from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_digest, xxh3_hex
 from weightsync.format.layout import chunk_key, manifest_key, model_prefix, signature_key
@@ -82,6 +83,9 @@ EMBED_CHUNK_ELEMENTS = 4096  # one chunk: a parser-corpus chunk can stand in for
 PARSER_CORPUS_COUNT = 4096
 CREATED_UNIX_MS = 1764000000000
 ZSTD_LEVEL = 3
+PREDATES_CTX = CodecChoice(highest_codec=CODEC_SPARSE)
+"""The corpus predates codec ctx: its deltas stay sparse/xor (objects that must stay readable),
+and regenerating it reproduces the committed files. Agents meet ctx objects in test_agents."""
 TOKEN = "hostile-token"
 PENDING_QUOTA_BYTES = 64 * 1024
 TRUSTED = Signer(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"weightsync hostile trusted test key").digest()))
@@ -142,10 +146,11 @@ def encode_version(
     step: int | None = None,
     model: str = MODEL,
     created_unix_ms: int = CREATED_UNIX_MS,
+    choice: CodecChoice | None = None,
 ) -> tuple[Manifest, dict[str, bytes]]:
-    """A manifest and its objects, encoded the way the publisher does (full, or XOR/sparse deltas
-    against `parent`, chunks of `chunk_elements(name)` elements). Nothing checks that parent and
-    `parent_version` agree: that is what some cases get wrong on purpose."""
+    """A manifest and its objects, encoded the way the publisher does (full, or deltas against
+    `parent` in the codecs `choice` allows, chunks of `chunk_elements(name)` elements). Nothing
+    checks that parent and `parent_version` agree: that is what some cases get wrong on purpose."""
     entries, objects = [], {}
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
@@ -161,6 +166,7 @@ def encode_version(
                 None if old is None else old[start * size : stop * size],
                 dtype,
                 ZSTD_LEVEL,
+                choice=choice,
             )
             if obj is None:
                 refs.append(ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw))
@@ -273,22 +279,13 @@ def frames_of(version: int, names: list[str]) -> list[dict]:
 
 
 def build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
-    # The corpus predates codec ctx: its deltas stay sparse/xor (objects that must stay readable),
-    # and regenerating it reproduces the committed files. Agents meet ctx objects in test_agents.
-    saved, codecs.CTX_DENSITY = codecs.CTX_DENSITY, 0.0
-    try:
-        return _build()
-    finally:
-        codecs.CTX_DENSITY = saved
-
-
-def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
+    encode = functools.partial(encode_version, choice=PREDATES_CTX)
     c = Corpus()
     w1, w2, w3, w4, w6 = (weights(s) for s in (1, 2, 3, 4, 6))
-    v1, o1 = encode_version(w1, None, version=1, step=1)
-    v2, o2 = encode_version(w2, w1, version=2, parent_version=1, base=1, step=2)
-    v3, o3 = encode_version(w3, w2, version=3, parent_version=2, base=1, step=3)
-    v6, o6 = encode_version(w6, None, version=6, step=6)
+    v1, o1 = encode(w1, None, version=1, step=1)
+    v2, o2 = encode(w2, w1, version=2, parent_version=1, base=1, step=2)
+    v3, o3 = encode(w3, w2, version=3, parent_version=2, base=1, step=3)
+    v6, o6 = encode(w6, None, version=6, step=6)
     trees = {
         "store": {**_store_files(v1, o1, TRUSTED), **_store_files(v2, o2, TRUSTED)},
         "next": {**_store_files(v3, o3, TRUSTED), **_store_files(v6, o6, TRUSTED)},
@@ -379,7 +376,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
             ),
         )
     name = "offer_v2_replay_with_other_weights"
-    other_v2, _ = encode_version(w4, w1, version=2, parent_version=1, base=1, step=2)
+    other_v2, _ = encode(w4, w1, version=2, parent_version=1, base=1, step=2)
     c.case(
         name,
         "guarded",
@@ -430,7 +427,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
         ),
     )
     name = "offer_manifest_of_another_model"
-    other_model, _ = encode_version(w3, w2, version=3, parent_version=2, base=1, step=3, model=OTHER_MODEL)
+    other_model, _ = encode(w3, w2, version=3, parent_version=2, base=1, step=3, model=OTHER_MODEL)
     c.case(
         name,
         "guarded",
@@ -625,7 +622,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
             frames_of(99, c.objects(blobs)), "RESOURCE_EXHAUSTED", "await a version; limit", error="ResourceExhausted"
         ),
     )
-    wrong_parent, o_wp = encode_version(w3, w4, version=3, parent_version=2, base=1, step=3)
+    wrong_parent, o_wp = encode(w3, w4, version=3, parent_version=2, base=1, step=3)
     name = "signed_delta_on_the_wrong_parent"
     c.case(
         name,
@@ -715,7 +712,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
         "IntegrityError",
         "differs from the published",
     )
-    orphan, o_orphan = encode_version(w4, w3, version=5, parent_version=4, base=1, step=5)
+    orphan, o_orphan = encode(w4, w3, version=5, parent_version=4, base=1, step=5)
     accepted_then_failed(
         "open_delta_on_a_version_that_does_not_exist",
         "a delta whose parent was never committed",
@@ -735,7 +732,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
     )
     retyped_w3 = {n: (t.view(torch.float16) if n == "model.norm.weight" else t) for n, t in w3.items()}
     retyped_w2 = {n: (t.view(torch.float16) if n == "model.norm.weight" else t) for n, t in w2.items()}
-    retyped, o_retyped = encode_version(retyped_w3, retyped_w2, version=3, parent_version=2, base=1, step=3)
+    retyped, o_retyped = encode(retyped_w3, retyped_w2, version=3, parent_version=2, base=1, step=3)
     accepted_then_failed(
         "open_delta_that_changes_a_dtype",
         "a delta that changes a tensor's dtype without a rebase",
@@ -759,7 +756,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
             "1 unexpected",
         ),
     ]:
-        manifest, objects = encode_version(tensors, None, version=3, step=3)
+        manifest, objects = encode(tensors, None, version=3, step=3)
         accepted_then_failed(
             name,
             "a complete, consistent version that does not fit the served architecture",
@@ -769,7 +766,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
             match,
         )
     bomb, bomb_raw = _zstd_bomb_object()
-    full3, o_full3 = encode_version(w3, None, version=3, step=3)
+    full3, o_full3 = encode(w3, None, version=3, step=3)
     target = full3.tensors[0]
     bomb_ref = ChunkRef(
         start=0,
@@ -821,7 +818,7 @@ def _build() -> tuple[Corpus, dict[str, dict[str, bytes]]]:
         "IntegrityError",
         "raw hash differs from the manifest's",
     )
-    missing, _ = encode_version(w3, None, version=3, step=3, created_unix_ms=1)
+    missing, _ = encode(w3, None, version=3, step=3, created_unix_ms=1)
     accepted_then_failed(
         "open_full_whose_objects_exist_nowhere",
         "a version whose objects nobody has",

@@ -1,69 +1,58 @@
-"""ctx_codec: codec 4 (`ctx`), a delta coded as integer steps under contexts from the parent's bits.
+"""ctx: codec 4 (`ctx`), the change model's steps and gaps range-coded under adaptive contexts.
 
-Between two RL checkpoints one step apart, ~1-5 % of bf16 elements change, ~90 % of those by
-exactly one ULP, and whether an element changes depends mostly on its exponent (an update of a
-given size crosses a rounding boundary far more often where the ULP is small). The receiver holds
-the parent, so both facts can be used losslessly:
+The change model (`changes.py`) gives every changed element a class (its parent exponent) and a
+step (old to new in the dtype's monotone order, +-1 for a one-ULP move). `ctx` codes:
 
-- every element gets a *class*: its parent exponent, clamped into a window of 16 exponents
-  whose lowest (`class_base`) the encoder picks per chunk (integers and bool: one class);
-- the change mask is coded per class as *gaps*: how many elements of that class to skip before
-  its next changed one. The gaps of a class with change probability p are geometric, and coding
-  them with an adaptive model costs what coding each element's bit under its class would, but
-  the coder only runs once per changed element;
-- a changed element's value is coded as its *step*: the signed distance between the old and the
-  new bit pattern in the monotone order of the dtype (floats: sign-magnitude turned into an
-  unsigned order; integers: plain modular difference). A one-ULP move is a step of +-1.
+- the change mask per class as *gaps*: how many elements of that class to skip before its next
+  changed one. The gaps of a class with change probability p are geometric, and coding them with
+  an adaptive model costs what coding each element's bit under its class would, but the coder
+  only runs once per changed element;
+- each change's step, by its sign (in the context of the parent's sign), "one ULP or more", and
+  for bigger steps a slot and direct bits.
 
 Symbols go through an adaptive binary range coder (LZMA's, with 15-bit probabilities whose
 adaptation rate warms up from 1/2 to 1/128), with separate probabilities per class. The exact
 layout is in docs/format.md, "Payload: codec ctx"; this module is its reference implementation
-(tests/format/codecs/test_ctx_codec.py checks it against a plain-Python decoder written from that section).
+(tests/format/codecs/test_ctx_codec.py checks it against a plain-Python decoder written from
+that section).
 
-The kernels are numba (`nogil`, so chunk-parallel threads run them in parallel; `cache=True`, so
-only the first run on a machine compiles, ~20-25 s per element width, then ~1 s to load). Every read of the payload
-and every position is bounds-checked inside the kernels: a corrupt payload returns an error code,
-never reads or writes outside its arrays. Decoding collects (position, new bits) first and
-applies them only when the whole payload checked out, so a refused payload leaves `out` untouched.
+The kernels are numba (`changes.jit`: only the first run on a machine compiles, ~20-25 s per
+element width, then ~1 s to load). Every read of the payload and every position is bounds-checked
+inside the kernels: a corrupt payload returns an error code, never reads or writes outside its
+arrays. Decoding collects (position, new bits) first and applies them only when the whole payload
+checked out, so a refused payload leaves `out` untouched.
 
-Not here: choosing between codecs (`codec.py`), chunk headers (`chunk.py`), the on-device diff
-(`diff.py`).
+Not here: the classes and the scan (`changes.py`), choosing between codecs (`choice.py`), chunk
+headers (`weightsync.format.chunk`), the on-device diff (`diff.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-import threading
 from collections.abc import Iterable
 
 import numpy as np
 
 from weightsync.errors import FormatError
+from weightsync.format.codecs import DEFAULT_ZSTD_LEVEL, Codec
+from weightsync.format.codecs.changes import (
+    FLOAT_LAYOUT,
+    NUM_CLASSES,
+    Changes,
+    bit_length,
+    cached_class_table,
+    encode_forced,
+    inline,
+    jit,
+    key,
+    order_masks,
+    require_numba,
+    scan_changes,
+    unkey,
+)
+from weightsync.format.codecs.elements import UINT, scratch
 from weightsync.format.dtypes import dtype_by_name
 
-try:
-    import numba
-except ImportError as e:  # a dependency of weightsync; this only happens in a broken install
-    numba = None
-    _NUMBA_ERROR: ImportError | None = e
-
-    def _jit(fn):  # the kernels stay plain functions, never called: _get_kernels refuses first
-        return fn
-
-    _inline = _jit
-else:
-    from numba.cpython.unsafe.numbers import trailing_zeros
-
-    _NUMBA_ERROR = None
-    _jit = numba.njit(nogil=True, cache=True, _nrt=False)
-    # The coder's helpers are inlined into the kernels (numba's own inliner): as separate
-    # functions each call passed every array as a 7-field struct and returned a tuple through
-    # memory, ~15 calls per changed element; inlined, the kernels run 12-17 % faster at lr 3e-6
-    # (bench.codec_cpu), for a longer first compile (~20-25 s per element width instead of ~12).
-    _inline = numba.njit(nogil=True, cache=True, _nrt=False, inline="always")
-
-NUM_CLASSES = 16
 HEADER = struct.Struct("<QH")  # changed elements, class_base
 # Per-class probability cells (docs/format.md, "Codec ctx"). Bit trees use cells 1 .. 2^bits - 1.
 GAP_TOP_BITS = 1  # bits of a gap below its leading one that are modelled (the rest: direct)
@@ -83,18 +72,6 @@ MOVE_BITS = 7
 SEEN_MAX = (1 << MOVE_BITS) - 1
 _SHIFT_AFTER = np.array([min((n + 1).bit_length(), MOVE_BITS) for n in range(SEEN_MAX + 1)], dtype=np.int64)
 
-# Float dtypes by itemsize and exponent layout: (mantissa bits, exponent bits). Keyed by dtype
-# name in `float_layout`; integers and bool have no exponent.
-_FLOAT_LAYOUT = {
-    "bfloat16": (7, 8),
-    "float16": (10, 5),
-    "float32": (23, 8),
-    "float64": (52, 11),
-    "float8_e4m3fn": (3, 4),
-    "float8_e5m2": (2, 5),
-}
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 # Kernel status codes (0 = ok).
 _ERRORS = {
     1: "range coder stream does not start with a zero byte",
@@ -108,83 +85,13 @@ _ERRORS = {
     9: "range coder state is invalid",
 }
 
-_local = threading.local()
-
-
-def require_numba() -> None:
-    if numba is None:
-        raise ImportError(f"codec ctx needs numba (pip install 'numba>=0.60'): {_NUMBA_ERROR}")
-
-
-# -------------------------------------------------------------------------------- contexts
-
-
-def class_table(dtype_name: str, itemsize: int, class_base: int) -> tuple[np.ndarray, int]:
-    """(table, shift): an element `x`'s class is `table[x >> shift]`.
-
-    Floats: `x >> mantissa_bits` is sign and exponent; the class is the exponent minus
-    `class_base`, clamped to 0 .. NUM_CLASSES - 1. Everything else has one class.
-    """
-    layout = _FLOAT_LAYOUT.get(dtype_name)
-    if layout is None:
-        return np.zeros(2, dtype=np.uint8), 8 * itemsize - 1
-    mant, exp_bits = layout
-    exponents = np.arange(1 << (exp_bits + 1), dtype=np.int64) & ((1 << exp_bits) - 1)
-    table = np.clip(exponents - class_base, 0, NUM_CLASSES - 1).astype(np.uint8)
-    return table, mant
-
-
-def _table(dtype_name: str, itemsize: int, class_base: int) -> tuple[np.ndarray, int]:
-    cache = _local.__dict__.setdefault("tables", {})
-    key = (dtype_name, itemsize, class_base)
-    if key not in cache:
-        cache[key] = class_table(dtype_name, itemsize, class_base)
-    return cache[key]
-
-
-def float_layout(dtype_name: str) -> tuple[int, int] | None:
-    """(mantissa bits, exponent bits) of a float dtype; None for integers and bool."""
-    return _FLOAT_LAYOUT.get(dtype_name)
-
-
-def sample_step(count: int) -> int:
-    """Every sample_step-th element of the parent is sampled to choose the class base."""
-    return max(1, count // 4096)
-
-
-def choose_class_base(old: np.ndarray, dtype_name: str) -> int:
-    """The lowest exponent of the class window, from a sample of the parent.
-
-    Small weights change most often and their change rate doubles with every exponent step
-    down, so the window starts at the smallest nonzero exponent of a sample of ~4096 elements
-    (measured best among quantiles and sample sizes: lumping small exponents together costs
-    most); larger ones share the top classes, where changes are rare anyway. Any base decodes;
-    this is only the encoder's choice (weightsync.format.codecs.diff makes the same one on the device).
-    """
-    layout = _FLOAT_LAYOUT.get(dtype_name)
-    if layout is None or len(old) == 0:
-        return 0
-    mant, exp_bits = layout
-    sample = old[:: sample_step(len(old))]
-    exponents = (sample >> mant).astype(np.int64) & ((1 << exp_bits) - 1)
-    exponents = exponents[exponents > 0]  # zeros and subnormals sit in class 0 whatever the base
-    if len(exponents) == 0:
-        return 0
-    return int(exponents.min())
-
 
 # ----------------------------------------------------------------------------- numba kernels
-
-
-# No NRT: with it, every array handed to a helper is reference-counted (an atomic increment and
-# decrement per call), which made the coder ~5x slower. The kernels allocate nothing; the caller
-# passes every work array. Module-level functions, so that numba's on-disk cache finds them again
-# (kernels made inside a function are new closures every run and recompile every time).
 
 # --- range encoder. State: low (< 2^33), rng (32 bits), cache byte, cache_size, op.
 
 
-@_inline
+@inline
 def shift_low(low, cache, cache_size, out, op):
     if low < 0xFF000000 or low >= 0x100000000:
         carry = low >> 32
@@ -202,7 +109,7 @@ def shift_low(low, cache, cache_size, out, op):
     return low, cache, cache_size, op
 
 
-@_inline
+@inline
 def adapt(probs, cell, bit):
     """The cell's probability before coding `bit`, updated for it (docs/format.md: the warm-up
     shift, then P moves towards the bit). Selects, not a branch on the bit: the bits of a change
@@ -216,7 +123,7 @@ def adapt(probs, cell, bit):
     return p
 
 
-@_inline
+@inline
 def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
     p = adapt(probs, cell, bit)
     bound = (rng >> PROB_BITS) * p
@@ -229,7 +136,7 @@ def enc_bit(probs, cell, bit, low, rng, cache, cache_size, out, op):
     return low, rng, cache, cache_size, op
 
 
-@_inline
+@inline
 def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
     for i in range(nbits - 1, -1, -1):
         rng >>= 1
@@ -240,7 +147,7 @@ def enc_direct(value, nbits, low, rng, cache, cache_size, out, op):
     return low, rng, cache, cache_size, op
 
 
-@_inline
+@inline
 def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
     m = 1
     for i in range(nbits - 1, -1, -1):
@@ -250,47 +157,7 @@ def enc_tree(probs, base, nbits, value, low, rng, cache, cache_size, out, op):
     return low, rng, cache, cache_size, op
 
 
-@_inline
-def bit_length(v):
-    """Of 0 <= v < 2^63, by halving the search range: no loop whose length depends on v (its
-    exit was a mispredicted branch per gap)."""
-    n = 0
-    for half in (32, 16, 8, 4, 2, 1):
-        up = (v >> half) != 0
-        n += half if up else 0
-        v = (v >> half) if up else v
-    return n + (1 if v else 0)
-
-
-@_inline
-def order_masks(width):
-    """(sign_shift, mask, top, low_mask) of w-bit elements, as `key`, `unkey` and the steps use them."""
-    sign_shift = np.uint64(width - 1)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) if width == 64 else (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-    top = np.uint64(1) << sign_shift
-    return sign_shift, mask, top, mask ^ top
-
-
-@_inline
-def key(x, is_float, sign_shift, top, low_mask):
-    """The dtype's monotone order of bit pattern x (docs/format.md, "Element order"), branch-free:
-    the sign of a weight is a coin flip, a branch on it mispredicts half the time."""
-    if not is_float:
-        return x
-    negative = np.uint64(0) - (x >> sign_shift)  # all ones for a negative x
-    return x ^ top ^ (low_mask & negative)
-
-
-@_inline
-def unkey(y, is_float, sign_shift, top, low_mask):
-    """The inverse of `key`."""
-    if not is_float:
-        return y
-    positive = np.uint64(0) - (np.uint64(1) ^ (y >> sign_shift))
-    return y ^ top ^ (low_mask & positive)
-
-
-@_inline
+@inline
 def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
     base = c * CELLS_PER_CLASS
     v = gap + 1
@@ -310,7 +177,7 @@ def enc_gap(probs, c, gap, low, rng, cache, cache_size, out, op):
     return low, rng, cache, cache_size, op
 
 
-@_inline
+@inline
 def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op):
     """mag: |step| as uint64, >= 1."""
     base = c * CELLS_PER_CLASS
@@ -336,113 +203,7 @@ def enc_step(probs, c, old_sign, sign, mag, low, rng, cache, cache_size, out, op
     return low, rng, cache, cache_size, op
 
 
-SCAN_BLOCK = 64  # elements per block of the scan: one bit each in a 64-bit change mask
-
-
-@_inline
-def class_of(x, shift, exponent_mask, class_base):
-    """An element's class, as `class_table` has it, computed (a select, so block loops vectorize)."""
-    return min(max(np.int64((x >> shift) & exponent_mask) - class_base, 0), NUM_CLASSES - 1)
-
-
-@_jit
-def _scan_kernel(old, new, shift, exponent_mask, class_base, pos, cls, rank, old_bits, new_bits, counts, scratch):
-    """The per-element pass: for each changed element its position, class, rank in its class and
-    old and new bits (as uint64); per class its element count (counts[:nc]) and first position
-    (counts[nc:], -1: none). Returns the number of changed elements, or -1 if there are more than
-    pos can hold. A class is clip(((x >> shift) & exponent_mask) - class_base, 0, nc - 1), as
-    `class_table` makes it (integers: exponent_mask 0, one class).
-
-    Blocks of 64 elements, in loops of fixed length, which LLVM can turn into vector code: the block's
-    classes (into `blk`), its change mask, and per class a count in each of 64 byte lanes (`lanes`,
-    added up into `total` every 255 blocks, before a byte could overflow). A changed element's
-    rank is then its class's total, its lanes' sum, and its class's elements before it in the
-    block. An element at a time, with counters per class in memory (four banks of them), the
-    counts were a chain of load-add-store: 0.51 CPU-s per GiB of the benchmark's bf16 at 1.65 %
-    changed, with a gather of the bits afterwards from a chunk out of cache by then; this takes
-    0.37 (reading both inputs alone ~0.14), and less than the old way at every density up to ctx's.
-
-    scratch: uint8, at least (nc + 1) * 64 + 8 * nc bytes, the last 8 * nc of them 8-byte aligned."""
-    nc = NUM_CLASSES
-    b = SCAN_BLOCK
-    n = old.shape[0]
-    lanes = scratch[: nc * b]
-    blk = scratch[nc * b : (nc + 1) * b]
-    total = scratch[(nc + 1) * b : (nc + 1) * b + 8 * nc].view(np.int64)
-    for k in range(nc * b):
-        lanes[k] = 0
-    for c in range(nc):
-        total[c] = 0
-    m = 0
-    blocks = n // b
-    since_flush = 0
-    for q in range(blocks):
-        s = q * b
-        mask = np.uint64(0)
-        for k in range(b):
-            blk[k] = class_of(old[s + k], shift, exponent_mask, class_base)
-            mask |= np.uint64(old[s + k] != new[s + k]) << np.uint64(k)
-        while mask:  # the block's changes, in order (counted before the block's own counts go in)
-            k = np.int64(trailing_zeros(mask))
-            mask &= mask - np.uint64(1)
-            if m == pos.shape[0]:
-                return -1
-            c = np.int64(blk[k])
-            r = total[c]
-            for j in range(b):
-                r += lanes[c * b + j]
-            for j in range(b):
-                r += (blk[j] == c) & (j < k)
-            pos[m] = s + k
-            cls[m] = c
-            rank[m] = r
-            old_bits[m] = old[s + k]
-            new_bits[m] = new[s + k]
-            m += 1
-        for c in range(nc):
-            for k in range(b):
-                lanes[c * b + k] += blk[k] == c
-        since_flush += 1
-        if since_flush == 255:
-            for c in range(nc):
-                for k in range(b):
-                    total[c] += lanes[c * b + k]
-                    lanes[c * b + k] = 0
-            since_flush = 0
-    for c in range(nc):
-        for k in range(b):
-            total[c] += lanes[c * b + k]
-    for i in range(blocks * b, n):  # the last 0-63 elements, one at a time
-        c = class_of(old[i], shift, exponent_mask, class_base)
-        if old[i] != new[i]:
-            if m == pos.shape[0]:
-                return -1
-            pos[m] = i
-            cls[m] = c
-            rank[m] = total[c]
-            old_bits[m] = old[i]
-            new_bits[m] = new[i]
-            m += 1
-        total[c] += 1
-    # First positions: a walk from the start that stops once every class with elements was seen
-    # (within a few elements for the common ones; one rare class can make it read the chunk again).
-    left = 0
-    for c in range(nc):
-        counts[c] = total[c]
-        counts[nc + c] = -1
-        if total[c]:
-            left += 1
-    i = 0
-    while left:
-        c = class_of(old[i], shift, exponent_mask, class_base)
-        if counts[nc + c] < 0:
-            counts[nc + c] = i
-            left -= 1
-        i += 1
-    return m
-
-
-@_jit
+@jit
 def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, probs, work, out):
     """Range-codes the changes that `scan` (or the device diff) found; returns the bytes
     written into out, or -1 when they would not fit (another codec is smaller then).
@@ -521,7 +282,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, counts, is_float, width, pr
 # --- range decoder. State: rng, code (32 bits each), ip; errors set `bad`.
 
 
-@_inline
+@inline
 def dec_normalize(rng, code, buf, ip):
     """`while range < 2^24: shift in a byte`. Reads past the end give zeros and still count in
     ip (the kernel refuses ip > len at the end). A branch-free version (0, 1 or 2 bytes by
@@ -534,7 +295,7 @@ def dec_normalize(rng, code, buf, ip):
     return rng, code, ip
 
 
-@_inline
+@inline
 def dec_bit_with(probs, cell, p, rng, code, buf, ip):
     """A bit of `cell`, whose probability p the caller loaded already."""
     bound = (rng >> PROB_BITS) * p
@@ -547,12 +308,12 @@ def dec_bit_with(probs, cell, p, rng, code, buf, ip):
     return bit, rng, code, ip
 
 
-@_inline
+@inline
 def dec_bit(probs, cell, rng, code, buf, ip):
     return dec_bit_with(probs, cell, np.int64(probs[cell]), rng, code, buf, ip)
 
 
-@_inline
+@inline
 def dec_direct(nbits, rng, code, buf, ip):
     v = np.uint64(0)
     for _ in range(nbits):
@@ -568,7 +329,7 @@ def dec_direct(nbits, rng, code, buf, ip):
     return v, rng, code, ip
 
 
-@_inline
+@inline
 def dec_tree(probs, base, nbits, rng, code, buf, ip):
     m = 1
     p = np.int64(probs[base + 1])
@@ -584,7 +345,7 @@ def dec_tree(probs, base, nbits, rng, code, buf, ip):
     return m - (1 << nbits), rng, code, ip
 
 
-@_inline
+@inline
 def dec_gap(probs, c, rng, code, buf, ip):
     base = c * CELLS_PER_CLASS
     s, rng, code, ip = dec_tree(probs, base + GAP_SLOT, 5, rng, code, buf, ip)
@@ -601,7 +362,7 @@ def dec_gap(probs, c, rng, code, buf, ip):
     return v - 1, rng, code, ip
 
 
-@_jit
+@jit
 def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals, probs, rem):
     """Decodes into (pos, vals); returns (status, changed). Writes nothing else."""
     n = old.shape[0]
@@ -675,103 +436,24 @@ def _decode_kernel(buf, old, table, shift, is_float, width, expected, pos, vals,
     return 0, m
 
 
-def _get_kernels():
-    """(scan, emit, decode); numba compiles each per element width on first use (or loads it from
-    its cache: ~20-25 s the very first time on a machine, well under a second after)."""
-    require_numba()
-    return _scan_kernel, _emit_kernel, _decode_kernel
-
-
-def _scratch(name: str, count: int, dtype) -> np.ndarray:
-    buf = _local.__dict__.get(name)
-    if buf is None or buf.nbytes < count * np.dtype(dtype).itemsize:
-        buf = np.empty(max(count * np.dtype(dtype).itemsize, 1 << 16), dtype=np.uint8)
-        _local.__dict__[name] = buf
-    return buf[: count * np.dtype(dtype).itemsize].view(dtype)
-
-
 # ----------------------------------------------------------------------------------- API
-
-
-@dataclasses.dataclass(frozen=True)
-class Changes:
-    """The changed elements of a chunk, everything `emit` needs and nothing per unchanged element.
-
-    Made by `scan_changes` on the host or by `weightsync.format.codecs.diff` on the tensors' device. Arrays
-    have one entry per changed element, in position order.
-    """
-
-    count: int  # elements in the chunk
-    class_base: int
-    positions: np.ndarray  # int64
-    classes: np.ndarray  # int64, the class of each changed element
-    ranks: np.ndarray  # int64, its index among the chunk's elements of its class
-    old_bits: np.ndarray  # uint64, its parent bit pattern
-    new_bits: np.ndarray  # uint64, its new bit pattern
-    class_counts: np.ndarray  # int64, 2 * NUM_CLASSES: elements per class, then first position (-1: none)
-
-
-def find_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, at_most: int) -> Changes | None:
-    """The host path: the changes of raw bytes `new` against `old`, or None if more than
-    `at_most` elements changed (the caller then needs no ctx, and this pass doubles as its count).
-
-    The arrays of the result are per-thread scratch, valid until this thread's next call."""
-    scan_kernel, _, _ = _get_kernels()
-    utype = _UINT[itemsize]
-    o, x = old.view(utype), new.view(utype)
-    class_base = choose_class_base(o, dtype_name)
-    shift, exponent_bits = _FLOAT_LAYOUT.get(dtype_name, (0, 0))
-    pos = _scratch("pos", at_most, np.int64)
-    cls = _scratch("cls", at_most, np.int64)
-    rank = _scratch("rank", at_most, np.int64)
-    old_bits = _scratch("old_bits", at_most, np.uint64)
-    new_bits = _scratch("new_bits", at_most, np.uint64)
-    counts = np.empty(2 * NUM_CLASSES, dtype=np.int64)
-    scratch = _scratch("scan", (NUM_CLASSES + 1) * SCAN_BLOCK + 8 * NUM_CLASSES, np.uint8)
-    found = scan_kernel(
-        o, x, shift, (1 << exponent_bits) - 1, class_base, pos, cls, rank, old_bits, new_bits, counts, scratch
-    )
-    if found < 0:
-        return None
-    return Changes(
-        count=len(o),
-        class_base=class_base,
-        positions=pos[:found],
-        classes=cls[:found],
-        ranks=rank[:found],
-        old_bits=old_bits[:found],
-        new_bits=new_bits[:found],
-        class_counts=counts,
-    )
-
-
-def scan_changes(new: np.ndarray, old: np.ndarray, dtype_name: str, itemsize: int, changed: int) -> Changes:
-    """`find_changes` for a caller that counted the changes already (`changed` of them)."""
-    changes = find_changes(new, old, dtype_name, itemsize, changed)
-    found = -1 if changes is None else len(changes.positions)
-    if found != changed:
-        raise ValueError(
-            f"ctx scan: the chunk has {'more than ' if found < 0 else ''}{max(found, changed)} changed "
-            f"elements, the caller counted {changed}"
-        )
-    return changes
 
 
 def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes | None:
     """The payload for `changes`, or None if it would exceed `limit` bytes."""
-    _, emit_kernel, _ = _get_kernels()
+    require_numba()
     m = len(changes.positions)
-    probs = _scratch("probs", 2 * TOTAL_CELLS, np.uint16)
-    work = _scratch("work", 3 * NUM_CLASSES + m, np.int64)
-    out = _scratch("out", limit + 4096, np.uint8)
-    nbytes = emit_kernel(
+    probs = scratch("ctx_probs", 2 * TOTAL_CELLS, np.uint16)
+    work = scratch("ctx_work", 3 * NUM_CLASSES + m, np.int64)
+    out = scratch("ctx_out", limit + 4096, np.uint8)
+    nbytes = _emit_kernel(
         changes.positions,
         changes.classes,
         changes.ranks,
         changes.old_bits,
         changes.new_bits,
         changes.class_counts,
-        dtype_name in _FLOAT_LAYOUT,
+        dtype_name in FLOAT_LAYOUT,
         8 * itemsize,
         probs,
         work,
@@ -799,26 +481,26 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
 
     Raises FormatError on any malformed payload; `out` is untouched then.
     """
-    _, _, decode_kernel = _get_kernels()
+    require_numba()
     view = memoryview(payload)
     if len(view) < HEADER.size:
         raise FormatError(f"ctx payload of {len(view)} bytes is shorter than its {HEADER.size}-byte header")
     changed, class_base = HEADER.unpack_from(view, 0)
-    utype = _UINT[itemsize]
+    utype = UINT[itemsize]
     target = out.view(utype)
     count = len(target)
     if changed > count:
         raise FormatError(f"ctx payload claims {changed} changed elements in a chunk of {count}")
-    layout = _FLOAT_LAYOUT.get(dtype_name)
+    layout = FLOAT_LAYOUT.get(dtype_name)
     if class_base >= (1 << layout[1] if layout else 1):
         raise FormatError(f"ctx class base {class_base} is out of range for {dtype_name}")
-    table, shift = _table(dtype_name, itemsize, class_base)
+    table, shift = cached_class_table(dtype_name, itemsize, class_base)
     stream = np.frombuffer(view, dtype=np.uint8, offset=HEADER.size)
-    pos = _scratch("dpos", changed, np.int64)
-    vals = _scratch("dvals", changed, utype)
-    probs = _scratch("dprobs", 2 * TOTAL_CELLS, np.uint16)
-    rem = _scratch("rem", NUM_CLASSES, np.int64)
-    status, m = decode_kernel(
+    pos = scratch("ctx_dpos", changed, np.int64)
+    vals = scratch("ctx_dvals", changed, utype)
+    probs = scratch("ctx_dprobs", 2 * TOTAL_CELLS, np.uint16)
+    rem = scratch("ctx_rem", NUM_CLASSES, np.int64)
+    status, m = _decode_kernel(
         stream, target, table, shift, layout is not None, 8 * itemsize, changed, pos, vals, probs, rem
     )
     if status:
@@ -828,11 +510,12 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
 
 def warm_up(dtype_names: Iterable[str]) -> None:
     """Compiles (or loads from numba's cache) every kernel for the element widths of `dtype_names`,
-    by a round trip of a small delta: a process that must not pay the first compile (~20-25 s per
-    width on a fresh machine) inside a latency it measures calls this first. Other dtypes are skipped."""
+    the scan's included, by a round trip of a small delta: a process that must not pay the first
+    compile (~20-25 s per width on a fresh machine) inside a latency it measures calls this first.
+    Other dtypes are skipped."""
     for name in dtype_names:
         dtype = dtype_by_name(name)
-        if dtype.itemsize not in _UINT:
+        if dtype.itemsize not in UINT:
             continue
         old = np.zeros(4096 * dtype.itemsize, dtype=np.uint8)
         new = old.copy()
@@ -841,3 +524,19 @@ def warm_up(dtype_names: Iterable[str]) -> None:
         decode_into(payload, old, dtype.name, dtype.itemsize)
         if not np.array_equal(old, new):
             raise AssertionError(f"ctx warm-up round trip for {name} is not exact")
+
+
+class CtxCodec(Codec):
+    """Codec 4: the change model, range-coded under adaptive per-class contexts."""
+
+    id = 4
+    name = "ctx"
+
+    def encode(self, new, old, itemsize, *, dtype_name, level=DEFAULT_ZSTD_LEVEL):
+        return encode_forced(emit, self.name, new, old, itemsize, dtype_name)
+
+    def decode_into(self, payload, out, itemsize, *, dtype_name):
+        decode_into(payload, out, dtype_name, itemsize)
+
+    def warm_up(self, dtype_names):
+        warm_up(dtype_names)  # the module's, looked up at call time

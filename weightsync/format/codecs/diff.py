@@ -1,10 +1,10 @@
-"""diff: the changes of a tensor's chunks for codec `ctx`, found where the tensors live (GPU or CPU).
+"""diff: the changes of a tensor's chunks (the change model), found where the tensors live (GPU or CPU).
 
 When the new weights and their parent are both on an accelerator, scanning them there is far
 cheaper than copying both to the host and scanning there: the device compares every element,
 computes each changed element's class and its rank within the class (everything the per-element
-pass of `ctx_codec.scan_changes` computes), and only the changed elements cross to the host, with
-a few integers per chunk. The host then only range-codes them (`ctx_codec.emit`).
+pass of `changes.find_changes` computes), and only the changed elements cross to the host, with
+a few integers per chunk. The host then only codes them (`ctx.emit` or `rans.emit`).
 
 A whole tensor is diffed at once, every chunk of it in the same kernels, and its results cross
 to the host in one copy: the time on a GPU goes into memory traffic, not into kernel launches
@@ -14,7 +14,7 @@ an H100).
 Written with device-agnostic torch, so the very same code runs (and is tested) on CPU tensors;
 its result is identical, field for field, to the host scan's of each chunk.
 
-Not here: the coding itself (`ctx_codec.py`), which chunks a tensor has (`publisher.py`).
+Not here: the coding itself (`ctx.py`, `rans.py`), which chunks a tensor has (`publisher.py`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weightsync.format.codecs import ctx as ctx_codec
+from weightsync.format.codecs import changes as change_model
 from weightsync.format.dtypes import DType
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width views torch can shift
-_NC = ctx_codec.NUM_CLASSES
+_NC = change_model.NUM_CLASSES
 
 # Block length of the per-class counts (`_class_stats`): a changed element's rank adds the counts
 # of the blocks before its own to those of its class earlier in its block, read for it alone.
@@ -37,10 +37,10 @@ element): in batches, so a slab where many elements changed (lr 1e-5: 10 % or mo
 need gigabytes at once on the trainer's GPU."""
 
 
-def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.Changes:
+def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> change_model.Changes:
     """The changes of flat tensor `new` against `old` (same dtype, shape and device), as one chunk.
 
-    Returns host-side `Changes` for `ctx_codec.emit` (via `encode_chunk(..., changes=...)`).
+    Returns host-side `Changes` for `ctx.emit` / `rans.emit` (via `encode_chunk(..., changes=...)`).
     """
     _check_alike(new, old)
     count = new.numel()
@@ -48,7 +48,7 @@ def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.
         counts = np.full(2 * _NC, -1, dtype=np.int64)
         counts[:_NC] = 0
         empty = np.empty(0, dtype=np.int64)
-        return ctx_codec.Changes(
+        return change_model.Changes(
             count=0,
             class_base=0,
             positions=empty,
@@ -63,7 +63,7 @@ def diff_chunk(new: torch.Tensor, old: torch.Tensor, dtype: DType) -> ctx_codec.
 
 def diff_ranges(
     new: torch.Tensor, old: torch.Tensor, ranges: list[tuple[int, int]], dtype: DType
-) -> dict[int, ctx_codec.Changes]:
+) -> dict[int, change_model.Changes]:
     """{start: changes} of each chunk [start, stop) of flat tensors `new` against `old`.
 
     `ranges` are the tensor's chunks in order: contiguous, non-empty, covering it exactly (as
@@ -84,7 +84,7 @@ def diff_ranges(
         raise ValueError(f"diff_ranges needs contiguous, non-empty ranges covering all {count} elements")
     nb = new.reshape(-1).view(_BITS[dtype.itemsize])
     ob = old.reshape(-1).view(_BITS[dtype.itemsize])
-    result: dict[int, ctx_codec.Changes] = {}
+    result: dict[int, change_model.Changes] = {}
     limit = slab_elements(new.device)
     first = 0
     while first < len(ranges):
@@ -114,7 +114,7 @@ def slab_elements(device: torch.device) -> int:
 
 def _diff_slab(
     nb: torch.Tensor, ob: torch.Tensor, starts: np.ndarray, stops: np.ndarray, dtype: DType
-) -> list[ctx_codec.Changes]:
+) -> list[change_model.Changes]:
     """The changes of chunks [starts[i], stops[i]) of the bit patterns `nb` against `ob`, which
     they cover exactly: the device kernels for all of them, then one copy to the host."""
     device, count, chunks = nb.device, nb.numel(), len(starts)
@@ -122,7 +122,7 @@ def _diff_slab(
     starts_d = torch.from_numpy(starts).to(device)
     home = torch.searchsorted(starts_d, positions, right=True) - 1  # each change's chunk
     local = positions - starts_d[home]
-    layout = ctx_codec.float_layout(dtype.name)
+    layout = change_model.float_layout(dtype.name)
     if layout is None:  # one class: an element's rank is its position in the chunk
         class_base = torch.zeros(chunks, dtype=torch.int64, device=device)
         classes, ranks = torch.zeros_like(local), local
@@ -145,7 +145,7 @@ def _diff_slab(
         del exponents, base_of, steps
         classes = cls[positions].long()
         ranks, counts = _class_stats(cls, positions, classes, home, starts_d, int(stops[-1]))
-    # Widened on the device to what `ctx_codec.emit` reads (int64, and uint64 bit patterns), so
+    # Widened on the device to what `ctx.emit` and `rans.emit` read (int64, and uint64 bit patterns), so
     # the host takes views of one pinned buffer. Widening on the host instead (numpy, one thread,
     # fresh pages) took a third of the diff's time at 1.3 % changed and two thirds at 10 % (1 GiB
     # on an H100: 9.5 -> 14 GB/s and 1.4 -> 4.2 GB/s); the 3x wider copy costs a few ms.
@@ -166,7 +166,7 @@ def _diff_slab(
     bounds = np.append(fields["first_change"], len(positions))
     counts_of = fields["counts"].reshape(chunks, 2 * _NC)
     return [
-        ctx_codec.Changes(
+        change_model.Changes(
             count=int(stops[i] - starts[i]),
             class_base=int(fields["class_base"][i]),
             **{name: array[bounds[i] : bounds[i + 1]] for name, array in wide.items()},
@@ -193,10 +193,11 @@ def _check_alike(new: torch.Tensor, old: torch.Tensor) -> None:
 
 
 def _class_bases(exponents: torch.Tensor, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
-    """`ctx_codec.choose_class_base` of every chunk on the device: the same sample of each (every
+    """`changes.choose_class_base` of every chunk on the device: the same sample of each (every
     `sample_step`-th element from its start), its smallest nonzero exponent, 0 if none."""
     picks = [
-        np.arange(s, e, ctx_codec.sample_step(int(e - s)), dtype=np.int64) for s, e in zip(starts, stops, strict=True)
+        np.arange(s, e, change_model.sample_step(int(e - s)), dtype=np.int64)
+        for s, e in zip(starts, stops, strict=True)
     ]
     owner = np.repeat(np.arange(len(picks), dtype=np.int64), [len(p) for p in picks])
     device = exponents.device
@@ -314,14 +315,14 @@ class DeviceParent:
 
     def diff(
         self, state_dict, planned, version: int, parent: int | None, ranges_of
-    ) -> dict[str, dict[int, ctx_codec.Changes]]:
+    ) -> dict[str, dict[int, change_model.Changes]]:
         """{tensor name: {chunk start: changes}}. `planned`: name -> (dtype, shape) the snapshot
         will hold (`tensors.snapshot_layout`); `ranges_of(dtype, shape)` gives the (start, stop)
         element ranges the publisher encodes."""
         from weightsync.format.tensors import dtype_of  # tensors imports nothing from here; kept local for clarity
 
         usable = parent is not None and parent == self._version
-        found: dict[str, dict[int, ctx_codec.Changes]] = {}
+        found: dict[str, dict[int, change_model.Changes]] = {}
         for name, tensor in state_dict.items():
             dtype, shape = planned[name]
             if dtype_of(tensor) != dtype:  # cast by the snapshot: the device bits are not the published ones

@@ -17,7 +17,7 @@ and its raw hashes (covered by its digest) check every byte of the result.
 - at least two deltas (one delta *is* its own fold),
 - the same chunk boundaries in every version of the path (they MAY differ between versions).
 
-Not here: fetching objects (`reader.py`), the codecs themselves (`codecs.py`).
+Not here: fetching objects (`reader.py`), the codecs themselves (this package's registry, `__init__.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""rans_codec: codec 5 (`rans`), ctx's model coded with static per-chunk tables and rANS.
+"""rans: codec 5 (`rans`), the change model coded with static per-chunk tables and rANS.
 
-`ctx` (ctx_codec.py) adapts its probabilities bit by bit, so its decoder makes ~12 dependent
+`ctx` (ctx.py) adapts its probabilities bit by bit, so its decoder makes ~12 dependent
 binary decisions per changed element (a gap's slot tree, its direct bits, the step's sign and
 size), ~4 ns each: at lr 3e-6 (3.4 % of bf16 elements changed) that caps decode+apply near
 0.8 GB/s per core. `rans` keeps everything ctx knows (the parent's exponent class, gaps per
@@ -18,17 +18,17 @@ changes), the coded symbols and raw bits are 1-2 % smaller than ctx's whole payl
 cost), and the tables take that back: a class's gaps are close to geometric, so their table is
 one parameter byte, but its step frequencies cost ~10 bytes. In all, within 0.1-0.2 % of ctx, and
 decoded ~1.5x faster. A chunk of a few thousand changes pays more for its tables than ctx does
-for learning: the codec choice (`codec.py`) keeps ctx there.
+for learning: the codec choice (`choice.py`) keeps ctx there.
 
 A class's changes are counted in the table section, so classes without changes cost nothing and
 a class's last change needs no closing gap. The exact layout is in docs/format.md, "Payload: codec
-rans"; this module is its reference implementation (tests/format/codecs/test_rans_codec.py checks it against a
-plain-Python decoder written from that section). Kernels are numba, like ctx's: every read is
+rans"; this module is its reference implementation (tests/format/codecs/test_rans_codec.py checks it
+against a plain-Python decoder written from that section). Kernels are numba, like ctx's: every read is
 bounds-checked, a corrupt payload returns an error code, and nothing is applied to `out` until
 the whole payload checked out.
 
-Not here: the classes and the scan that finds the changes (`ctx_codec.py`), choosing a codec
-(`codec.py`).
+Not here: the classes and the scan that finds the changes (`changes.py`), choosing a codec
+(`choice.py`).
 """
 
 from __future__ import annotations
@@ -39,22 +39,24 @@ from collections.abc import Iterable
 import numpy as np
 
 from weightsync.errors import FormatError
-from weightsync.format.codecs import ctx as ctx_codec
-from weightsync.format.codecs.ctx import NUM_CLASSES, Changes, _scratch, bit_length, key, order_masks, unkey
+from weightsync.format.codecs import DEFAULT_ZSTD_LEVEL, Codec
+from weightsync.format.codecs.changes import (
+    FLOAT_LAYOUT,
+    NUM_CLASSES,
+    Changes,
+    bit_length,
+    cached_class_table,
+    encode_forced,
+    inline,
+    jit,
+    key,
+    order_masks,
+    require_numba,
+    scan_changes,
+    unkey,
+)
+from weightsync.format.codecs.elements import UINT, scratch
 from weightsync.format.dtypes import dtype_by_name
-
-try:
-    import numba
-except ImportError:  # ctx_codec.require_numba says why
-    numba = None
-
-    def _jit(fn):
-        return fn
-
-    _inline = _jit
-else:
-    _jit = numba.njit(nogil=True, cache=True, _nrt=False)
-    _inline = numba.njit(nogil=True, cache=True, _nrt=False, inline="always")  # as in ctx_codec
 
 HEADER = struct.Struct("<QHHI")  # changed elements, class_base, classes with changes (bit c), rANS words
 PROB_BITS = 11
@@ -87,7 +89,7 @@ _ERRORS = {
 # ----------------------------------------------------------------------------- numba kernels
 
 
-@_jit
+@jit
 def _normalize(hist, base, k, freq, cum, every):
     """Scales weights hist[base:base+k] to frequencies summing to PROB_SCALE: floors, at least 1
     for every symbol of nonzero weight (every symbol if `every`), then the difference from
@@ -122,7 +124,7 @@ def _normalize(hist, base, k, freq, cum, every):
         c += freq[base + s]
 
 
-@_jit
+@jit
 def _gap_table(g, k, weights, freq, cum, base):
     """The gap table of a class with parameter g and k symbols, into freq/cum[base:base+k]:
     geometric gaps of change probability p = HALF_STEPS[g % 8] >> (g // 8) (units of 2^-32),
@@ -156,7 +158,7 @@ def _gap_table(g, k, weights, freq, cum, base):
     _normalize(weights, base, k, freq, cum, True)
 
 
-@_inline
+@inline
 def _rans_put(x, f, c, words, wp):
     """Codes a symbol of frequency f and cumulative c into state x: (new x, new wp). A word that
     must leave first goes to words[wp - 1] (the stream fills backwards). One unsigned division:
@@ -171,7 +173,7 @@ def _rans_put(x, f, c, words, wp):
     return np.int64((quotient << np.uint64(PROB_BITS)) + (ux - quotient * uf) + np.uint64(c)), wp
 
 
-@_inline
+@inline
 def _put_bits(raw, bp, v, n):
     """Appends the n (< 64) low bits of v to the raw bit stream at bit bp; returns the new bp."""
     if n:
@@ -182,7 +184,7 @@ def _put_bits(raw, bp, v, n):
     return bp + n
 
 
-@_jit
+@jit
 def _put_varint(out, op, v):
     while v >= 0x80:
         out[op] = (v & 0x7F) | 0x80
@@ -192,9 +194,9 @@ def _put_varint(out, op, v):
     return op + 1
 
 
-@_jit
+@jit
 def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, width, work, raw, words, out):
-    """Codes the changes (in position order, as ctx_codec.Changes holds them) after the fixed
+    """Codes the changes (in position order, as `Changes` holds them) after the fixed
     header. Returns (table bytes, rANS words, raw words) with all three sections written one after
     the other into out, (-1, 0, 0) if out cannot hold them (the caller gave its size limit), or
     (-2, 0, 0) for changes whose ranks go back within a class.
@@ -371,7 +373,7 @@ def _emit_kernel(pos, cls, rank, old_bits, new_bits, class_sizes, is_float, widt
     return table_bytes, nwords, raw_words
 
 
-@_jit
+@jit
 def _get_varint(buf, ip, end):
     """(value, next ip) of a LEB128 varint of at most 9 bytes (a class's change count), or (-1, ip)
     for one that runs past `end` or is longer."""
@@ -389,7 +391,7 @@ def _get_varint(buf, ip, end):
     return -1, ip
 
 
-@_jit
+@jit
 def _read_tables(buf, class_mask, width, mc, slots, tables):
     """Parses the class table section at the start of buf into per-class change counts and
     decoding slots (entry: symbol | freq << 8 | (slot - cum) << 20; table 2c gaps, 2c + 1 steps).
@@ -451,7 +453,7 @@ def _read_tables(buf, class_mask, width, mc, slots, tables):
     return 0, ip
 
 
-@_jit
+@jit
 def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, words, raw, state, pos, vals):
     """Decodes into (pos, vals), then, if the whole payload checked out, writes them into `old`;
     returns (status, changed). On an error it writes nothing but pos and vals.
@@ -499,7 +501,7 @@ def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, word
         rem[c] = g
         left[c] -= 1
     m = 0
-    # The element walk is ctx's (ctx_codec._decode_kernel), written out in both: it is the hot
+    # The element walk is ctx's (ctx._decode_kernel), written out in both: it is the hot
     # loop, ~0.7 ns per element, and only what happens at a change differs.
     for i in range(n):
         o = old[i]
@@ -574,15 +576,16 @@ def _decode_kernel(old, table, shift, is_float, width, expected, mc, slots, word
 
 
 def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes | None:
-    """The payload for `changes` (as ctx_codec finds them), or None if it would exceed `limit` bytes."""
-    ctx_codec.require_numba()
+    """The payload for `changes` (as `changes.find_changes` finds them), or None if it would exceed
+    `limit` bytes."""
+    require_numba()
     m = len(changes.positions)
     width = 8 * itemsize
-    work = _scratch("rans_work", 4 * m + 7 * NUM_CLASSES * 130 + 3 * NUM_CLASSES, np.int64)
-    raw = _scratch("rans_raw", (m * (31 + width)) // 64 + 2, np.uint64)
+    work = scratch("rans_work", 4 * m + 7 * NUM_CLASSES * 130 + 3 * NUM_CLASSES, np.int64)
+    raw = scratch("rans_raw", (m * (31 + width)) // 64 + 2, np.uint64)
     raw[:] = 0
-    words = _scratch("rans_words", 2 * m + 8, np.uint16)
-    out = _scratch("rans_out", max(limit - HEADER.size, 0), np.uint8)
+    words = scratch("rans_words", 2 * m + 8, np.uint16)
+    out = scratch("rans_out", max(limit - HEADER.size, 0), np.uint8)
     table_bytes, nwords, raw_words = _emit_kernel(
         changes.positions,
         changes.classes,
@@ -590,7 +593,7 @@ def emit(changes: Changes, dtype_name: str, itemsize: int, limit: int) -> bytes 
         changes.old_bits,
         changes.new_bits,
         changes.class_counts[:NUM_CLASSES],
-        dtype_name in ctx_codec._FLOAT_LAYOUT,
+        dtype_name in FLOAT_LAYOUT,
         width,
         work,
         raw,
@@ -613,25 +616,25 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
 
     Raises FormatError on any malformed payload; `out` is untouched then.
     """
-    ctx_codec.require_numba()
+    require_numba()
     view = memoryview(payload)
     if len(view) < HEADER.size:
         raise FormatError(f"rans payload of {len(view)} bytes is shorter than its {HEADER.size}-byte header")
     changed, class_base, class_mask, nwords = HEADER.unpack_from(view, 0)
-    utype = ctx_codec._UINT[itemsize]
+    utype = UINT[itemsize]
     target = out.view(utype)
     count = len(target)
     if changed > count:
         raise FormatError(f"rans payload claims {changed} changed elements in a chunk of {count}")
-    layout = ctx_codec.float_layout(dtype_name)
+    layout = FLOAT_LAYOUT.get(dtype_name)
     if class_base >= (1 << layout[1] if layout else 1):
         raise FormatError(f"rans class base {class_base} is out of range for {dtype_name}")
     if layout is None and class_mask > 1:
         raise FormatError(f"rans payload has changes in classes {class_mask:#x}; {dtype_name} has one class")
     body = np.frombuffer(view, dtype=np.uint8, offset=HEADER.size)
-    mc = _scratch("rans_mc", NUM_CLASSES, np.int64)
-    slots = _scratch("rans_slots", 2 * NUM_CLASSES * PROB_SCALE, np.uint32)
-    tables = _scratch("rans_tables", 3 * 130, np.int64)
+    mc = scratch("rans_mc", NUM_CLASSES, np.int64)
+    slots = scratch("rans_slots", 2 * NUM_CLASSES * PROB_SCALE, np.uint32)
+    tables = scratch("rans_tables", 3 * 130, np.int64)
     status, table_bytes = _read_tables(body, class_mask, 8 * itemsize, mc, slots, tables)
     if status:
         raise FormatError(f"rans payload is corrupt: {_ERRORS[status]}")
@@ -643,18 +646,18 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
     raw_bytes = rest - 2 * nwords
     if raw_bytes % 8:
         raise FormatError(f"rans raw bit stream of {raw_bytes} bytes is not whole 64-bit words")
-    words = _scratch("rans_dwords", nwords + 1, np.uint16)
+    words = scratch("rans_dwords", nwords + 1, np.uint16)
     words[:nwords] = np.frombuffer(view, dtype="<u2", count=nwords, offset=HEADER.size + table_bytes)
     words[nwords] = 0
-    raw = _scratch("rans_draw", raw_bytes // 8 + 2, np.uint64)
+    raw = scratch("rans_draw", raw_bytes // 8 + 2, np.uint64)
     raw[: raw_bytes // 8] = np.frombuffer(
         view, dtype="<u8", count=raw_bytes // 8, offset=HEADER.size + table_bytes + 2 * nwords
     )
     raw[raw_bytes // 8 :] = 0
-    table, shift = ctx_codec._table(dtype_name, itemsize, class_base)
-    pos = _scratch("rans_dpos", changed, np.int64)
-    vals = _scratch("rans_dvals", changed, utype)
-    state = _scratch("rans_state", 2 * NUM_CLASSES, np.int64)
+    table, shift = cached_class_table(dtype_name, itemsize, class_base)
+    pos = scratch("rans_dpos", changed, np.int64)
+    vals = scratch("rans_dvals", changed, utype)
+    state = scratch("rans_state", 2 * NUM_CLASSES, np.int64)
     status, m = _decode_kernel(
         target, table, shift, layout is not None, 8 * itemsize, changed, mc, slots, words, raw, state, pos, vals
     )
@@ -663,16 +666,32 @@ def decode_into(payload: bytes | memoryview, out: np.ndarray, dtype_name: str, i
 
 
 def warm_up(dtype_names: Iterable[str]) -> None:
-    """ctx_codec.warm_up for this codec's kernels: a round trip of a small delta per element width."""
+    """`ctx.warm_up` for this codec's kernels: a round trip of a small delta per element width."""
     for name in dtype_names:
         dtype = dtype_by_name(name)
-        if dtype.itemsize not in ctx_codec._UINT:
+        if dtype.itemsize not in UINT:
             continue
         old = np.zeros(4096 * dtype.itemsize, dtype=np.uint8)
         new = old.copy()
         new[:: 64 * dtype.itemsize] = 1
-        changes = ctx_codec.scan_changes(new, old, dtype.name, dtype.itemsize, 4096 // 64)
+        changes = scan_changes(new, old, dtype.name, dtype.itemsize, 4096 // 64)
         payload = emit(changes, dtype.name, dtype.itemsize, 1 << 20)
         decode_into(payload, old, dtype.name, dtype.itemsize)
         if not np.array_equal(old, new):
             raise AssertionError(f"rans warm-up round trip for {name} is not exact")
+
+
+class RansCodec(Codec):
+    """Codec 5: the change model under static per-chunk tables, rANS-coded."""
+
+    id = 5
+    name = "rans"
+
+    def encode(self, new, old, itemsize, *, dtype_name, level=DEFAULT_ZSTD_LEVEL):
+        return encode_forced(emit, self.name, new, old, itemsize, dtype_name)
+
+    def decode_into(self, payload, out, itemsize, *, dtype_name):
+        decode_into(payload, out, dtype_name, itemsize)
+
+    def warm_up(self, dtype_names):
+        warm_up(dtype_names)  # the module's, looked up at call time
