@@ -15,10 +15,10 @@ from tinker import types
 
 from harness.tiny_model import write_tiny_model
 from harness.training_server import API_KEY, TrainingServer
-from weightsync.app.training.lora import LORA_ALPHA
 from weightsync.models import load_pretrained
 from weightsync.reader import Reader
 from weightsync.stores import open_store
+from weightsync.trainer.lora import LORA_ALPHA
 from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
