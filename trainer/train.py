@@ -137,8 +137,8 @@ class Trainer:
         local_weight = torch.stack([mb.loss_weights.sum() for mb in micro_batches]).sum().to(self.device)
         global_weight = local_weight.clone()
         dist.all_reduce(global_weight)
-        # The loss of the whole global batch, divided by its weight: each micro-batch's sum
-        # over the same divisor, gradients reduced after the last.
+        # Each micro-batch's loss sum over the weight of the whole global batch: the accumulated
+        # gradient is that of the global token mean, reduced across ranks after the last one.
         divisor = global_weight.clamp_min(torch.finfo(torch.float32).tiny)
         sums: dict[str, torch.Tensor] = {}
         last = len(micro_batches) - 1
