@@ -32,13 +32,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from weightsync.trainer.config import ParallelConfig
+from weightsync.publisher import PublisherConfig
+from weightsync.trainer.config import ParallelConfig, PublishConfig
 from weightsync.trainer.data import Datum, collate_datums
 from weightsync.trainer.engine import TrainingEngine, WeightsKind, read_weights
 from weightsync.trainer.lora import LoraSettings
 from weightsync.trainer.losses import sum_datum_losses
 from weightsync.trainer.optim import AdamWParams
 from weightsync.trainer.parallel import Runtime, broadcast_object
+from weightsync.trainer.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ class Stop:
 @dataclasses.dataclass
 class LoadedModel:
     engine: TrainingEngine
-    publishers: dict[str, Any] = dataclasses.field(default_factory=dict)  # store model -> WeightPublisher
+    publishers: dict[str, WeightPublisher] = dataclasses.field(default_factory=dict)  # by store model
 
 
 class Worker:
@@ -213,10 +215,6 @@ class Worker:
         self.models[command.model_id].engine.load(command.directory, with_optimizer=command.with_optimizer)
 
     def _PublishWeights(self, command: PublishWeights) -> dict[str, Any]:
-        from weightsync.publisher import PublisherConfig
-        from weightsync.trainer.config import PublishConfig
-        from weightsync.trainer.publish import WeightPublisher
-
         loaded = self.models[command.model_id]
         publisher = loaded.publishers.get(command.store_model)
         if publisher is None:

@@ -14,8 +14,8 @@ Building one (`TrainingEngine.build`), on every rank, in this order:
     materialise  the local shards only, on the device (on the host with CPU offload)
     load         the initial weights, broadcast from rank 0 (and the adapters' initial values)
 
-A new model type is a new `define`; a new per-parameter choice (frozen, or frozen and packed in
-4/8 bits) is a new `adapt`: both in `_build_model`, once for every front end.
+A new model type is a new `define` (in `_build_model`); a new per-parameter choice (frozen, or
+frozen and packed in 4/8 bits) is a new case of `_adapt`: once, for every front end.
 
 What it does once built:
 
@@ -238,7 +238,7 @@ def _build_model(
     materialise, load (the module docstring). No rank materialises the whole model."""
     with torch.device("meta"):
         model = CausalLM(architecture)
-    targets = adapters.attach(model, lora) if lora is not None else []
+    targets = _adapt(model, lora=lora, trainable=trainable)
     if parallel.activation_checkpointing and trainable:
         apply_activation_checkpointing(model)
     apply_fsdp(model, mesh, parallel, device=device)
@@ -250,6 +250,15 @@ def _build_model(
         state.update(adapters.initial_adapters(shapes, targets, lora))
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if not trainable:
-        model.requires_grad_(False)
         model.eval()
     return model, targets
+
+
+def _adapt(model: CausalLM, *, lora: adapters.LoraSettings | None, trainable: bool) -> list[str]:
+    """Decides, per parameter and before sharding, what trains: every parameter (full
+    fine-tuning), the LoRA adapters only (attached here; the base weights frozen), or nothing (a
+    frozen model). Returns the LoRA target layers."""
+    if not trainable:
+        model.requires_grad_(False)
+        return []
+    return adapters.attach(model, lora) if lora is not None else []
