@@ -7,7 +7,7 @@ serves it on top of the base model it was started with, as the adapter requests 
 
 The engine hands it over as a PEFT directory (what vLLM's adapter loader reads): the tensors under
 `base_model.model.{name}` in `adapter_model.safetensors`, and `adapter_config.json` with the rank
-and alpha (scale = alpha / rank, as the trainer's `app/training/lora.py`). vLLM keeps lora_A as
+and alpha (scale = alpha / rank, as the trainer's `trainer/lora.py`). vLLM keeps lora_A as
 loaded and folds the scale into lora_B (`lora_b *= alpha / rank`, in its dtype); the digest each
 worker reports is of those tensors, so the expected one here is computed the same way.
 

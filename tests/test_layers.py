@@ -1,10 +1,17 @@
 """The layers of the code base, as a test: each folder imports only what sits below it.
 
-    app/       (weightsync.app)      may import everything
+    app/       (weightsync.app)      may import everything but torch.distributed: it composes,
+                                     never trains (the Training API's HTTP front end included)
     agents/    (weightsync.agents)   library + models, never the trainer or the app
-    trainer/   (weightsync.trainer)  library + models, never the agents or the app
+    trainer/   (weightsync.trainer)  library + models, never the agents or the app; the one
+                                     training engine (engine.py) and the commands that drive it
+                                     on every rank (commands.py)
     models/    (weightsync.models)   library only
-    weightsync/ (the library)        itself only
+    weightsync/ (the library)        itself only, and never torch.distributed
+
+"Where do I change training?" has one answer: forward/backward, clipping and the optimizer step
+are called in trainer/engine.py only (AdamW is made in trainer/optim.py), DCP only in trainer/,
+and app/training/ holds only the HTTP front end (a fixed list of modules).
 
 Beside them, tests/ and bench/ share only harness/ (never each other, never through sys.path).
 
@@ -62,6 +69,118 @@ def test_the_check_sees_a_crossing(tmp_path):
     source.write_text("def f():\n    from weightsync.agents.sync import SyncAgent\n    import weightsync.app.cli\n")
     modules = {module for _, module in imported_modules(source)}
     assert "weightsync.agents.sync" in modules and "weightsync.app.cli" in modules
+
+
+# ------------------------------------------------------------------------------ one training engine
+
+# Collectives and DCP are the trainer's: the app composes and the library moves bytes.
+NO_DISTRIBUTED = ("app", "weightsync")
+SOURCE_FOLDERS = ("weightsync", "models", "agents", "trainer", "app")
+APP_TRAINING_FRONT_END = {
+    "__init__",
+    "errors",
+    "futures",
+    "http",
+    "ordering",
+    "profiles",
+    "sampling",
+    "serve",
+    "service",
+    "vllm_sampling",
+    "wire",
+}
+ENGINE_DEFINITIONS = {
+    "TrainingEngine": "trainer/engine.py",
+    "save_checkpoint": "trainer/checkpoint.py",
+    "load_checkpoint": "trainer/checkpoint.py",
+    "Worker": "trainer/commands.py",
+    "Commander": "trainer/commands.py",
+    "follow": "trainer/commands.py",
+}
+
+
+def distributed_imports(path: Path) -> list[str]:
+    return [
+        f"{line}: {module}"
+        for line, module in imported_modules(path)
+        if module == "torch.distributed" or module.startswith("torch.distributed.")
+    ]
+
+
+@pytest.mark.parametrize("folder", NO_DISTRIBUTED)
+def test_folder_never_imports_torch_distributed(folder):
+    files = sorted((REPO / folder).rglob("*.py"))
+    assert files, f"{folder}/ has no Python files: the layout changed, update this test"
+    found = [f"{path.relative_to(REPO)}:{hit}" for path in files for hit in distributed_imports(path)]
+    assert not found, f"{folder}/ must leave collectives and DCP to trainer/:\n" + "\n".join(found)
+
+
+def test_the_distributed_check_sees_every_spelling(tmp_path):
+    """Lazy, aliased and from-imports of torch.distributed and DCP are all found: the rule cannot
+    pass vacuously."""
+    source = tmp_path / "sneaky.py"
+    source.write_text(
+        "import torch\n\ndef f():\n    import torch.distributed as dist\n"
+        "    from torch import distributed\n    import torch.distributed.checkpoint as dcp\n"
+        "    from torch.distributed.checkpoint.state_dict import get_state_dict\n"
+    )
+    assert [hit.split(":")[0] for hit in distributed_imports(source)] == ["4", "5", "6", "7", "7"]
+    assert distributed_imports(REPO / "trainer" / "checkpoint.py"), "the trainer's DCP imports are not seen"
+
+
+def training_calls(path: Path) -> list[tuple[int, str]]:
+    """Calls that train: backward, gradient clipping or zeroing, an optimizer's step, making a
+    torch.optim optimizer."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner, name = ast.unparse(node.func.value), node.func.attr
+        if (
+            name in ("backward", "zero_grad", "clip_grad_norm_")
+            or (name == "step" and "optim" in owner)
+            or owner in ("torch.optim", "optim")
+        ):
+            found.append((node.lineno, f"{owner}.{name}"))
+    return found
+
+
+def test_training_happens_in_the_engine_only():
+    """One answer to "where do I change training?": the engine calls backward, clipping and the
+    optimizer step; the optimizer is made in optim.py; nothing else in the product trains."""
+    calls: dict[str, set[str]] = {}
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            names = {what for _, what in training_calls(path)}
+            if names:
+                calls[str(path.relative_to(REPO))] = names
+    assert set(calls) == {"trainer/engine.py", "trainer/optim.py"}, calls
+    assert {"backward", "clip_grad_norm_", "zero_grad", "step"} <= {
+        n.rsplit(".", 1)[1] for n in calls["trainer/engine.py"]
+    }
+    assert calls["trainer/optim.py"] == {"torch.optim.AdamW"}
+
+
+def test_the_training_check_sees_training(tmp_path):
+    source = tmp_path / "loop.py"
+    source.write_text(
+        "def step(model, opt, loss):\n    loss.backward()\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "    self.optimizer.step()\n    opt.zero_grad()\n    return torch.optim.SGD(model.parameters())\n"
+    )
+    assert [line for line, _ in training_calls(source)] == [2, 3, 4, 5, 6]
+
+
+def test_the_engine_and_its_commands_live_in_the_trainer():
+    """Each is defined once, in trainer/; app/training/ keeps only the HTTP front end."""
+    where: dict[str, list[str]] = {name: [] for name in ENGINE_DEFINITIONS}
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.parse(path.read_text(), filename=str(path)).body:
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in where:
+                    where[node.name].append(str(path.relative_to(REPO)))
+    assert where == {name: [path] for name, path in ENGINE_DEFINITIONS.items()}
+    modules = {p.stem for p in (REPO / "app" / "training").glob("*.py")}
+    assert modules == APP_TRAINING_FRONT_END, f"app/training/ is the HTTP front end only; found {sorted(modules)}"
 
 
 # ------------------------------------------------------------------------------ tests, bench, harness

@@ -1,21 +1,24 @@
-"""checkpoint: DCP save / resume of the sharded model and optimizer, plus per-rank extras.
+"""checkpoint: DCP save / load of a sharded model and its optimizer, plus per-rank extras.
 
-A checkpoint is a directory `step-NNNNNNNN/` holding the torch.distributed.checkpoint files of
-{"model", "optim"} (every rank writes its own shards; nobody gathers) and one
-`extra-rank{r}.pt` per rank (step, RNG states, data position, guard state: small plain values).
+A checkpoint is a directory holding the torch.distributed.checkpoint files of {"model",
+"optim"} (every rank writes its own shards; nobody gathers) and one `extra-rank{r}.pt` per rank
+(small plain values: the optimizer step count; the TOML loop adds its step, RNG states, data
+position and guard state). Both front ends write this one format: the TOML loop as
+`step-NNNNNNNN/` under its checkpoint directory (`CheckpointManager`), the Training API as
+`runs/<model_id>/weights/<name>/`.
 
-Atomicity: everything is written into `.tmp-step-NNNNNNNN/`; after every rank's files are
-durable (DCP syncs its files, extras are fsynced, then a barrier) rank 0 renames the directory
-into place and fsyncs the parent. A crash at any point leaves either no `step-*` directory for
-that step or a complete one, and `latest()` only ever sees complete ones. Leftover `.tmp-*`
-directories are removed at the next save of that step and by `remove_incomplete()` at start.
-Only the newest `keep_last` checkpoints are kept; an old one is deleted only after a newer one
-is complete.
+Atomicity: everything is written into `.tmp-<name>/` beside the final directory; after every
+rank's files are durable (DCP syncs its files, extras are fsynced, then a barrier) rank 0
+renames it into place and fsyncs the parent. A crash at any point leaves either no directory of
+that name or a complete one, and `list_checkpoints()` only ever sees complete ones. Leftover
+`.tmp-*` directories are removed at the next save of that name and by `remove_incomplete()` at
+start. Only the newest `keep_last` step checkpoints are kept; an old one is deleted only after
+a newer one is complete.
 
 The directory must be reachable by every rank at the same path (a shared filesystem on
 several nodes), as DCP's FileSystemWriter requires.
 
-Not here: what goes into the extras (the trainer decides), publishing.
+Not here: what goes into the extras (the engine and the loop decide), publishing.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from weightsync.trainer.config import CheckpointConfig
 
@@ -58,9 +66,73 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def save_checkpoint(
+    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+) -> Path:
+    """Writes model, optimizer and this rank's extras to `directory` and commits it (collective)."""
+    rank = dist.get_rank()
+    final = Path(directory)
+    tmp = final.with_name(f"{_TMP_PREFIX}{final.name}")
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this name
+        tmp.mkdir()
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    _write_durably(tmp / f"extra-rank{rank}.pt", extra)
+    dist.barrier()  # every rank's part is durable
+    if rank == 0:
+        if final.exists():  # an earlier save of this name (one a run did not resume from, say)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    dist.barrier()  # everyone sees the committed checkpoint before going on (a rollback reads it)
+    log.info("checkpoint saved to %s", final)
+    return final
+
+
+def load_checkpoint(
+    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Restores the model (and the optimizer, unless None) in place from `directory` (collective).
+
+    Returns this rank's extras, with own_rank = False where they are rank 0's (a checkpoint saved
+    by fewer ranks: DCP reshards model and optimizer, and values that are the same on every rank
+    serve), and {} when the optimizer is not restored.
+    """
+    path = Path(directory)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        return {}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _read_extra(path, dist.get_rank())
+
+
+def _read_extra(path: Path, rank: int) -> dict[str, Any]:
+    own = path / f"extra-rank{rank}.pt"
+    if own.is_file():
+        return {**torch.load(own, weights_only=True), "own_rank": True}
+    if (path / "extra-rank0.pt").is_file():
+        log.warning(
+            "%s has no %s (saved by fewer ranks); using rank 0's extras, RNG states are not restored", path, own.name
+        )
+        return {**torch.load(path / "extra-rank0.pt", weights_only=True), "own_rank": False}
+    # A Training API state saved before the extras had files of their own keeps its optimizer
+    # step count inside the DCP checkpoint, under "extra".
+    state: dict[str, Any] = {"extra": {"optim_steps": 0}}
+    dcp.load(state, checkpoint_id=path)
+    return {**state["extra"], "own_rank": False}
+
+
 class CheckpointManager:
-    """Saves and restores checkpoints of one run under `config.dir` (collective calls: every
-    rank calls save/load together)."""
+    """The TOML loop's checkpoints under `config.dir`: one `step-NNNNNNNN/` per saved step, the
+    newest `keep_last` kept. Writing and reading one is `save_checkpoint` / `load_checkpoint`."""
 
     def __init__(self, config: CheckpointConfig, *, rank: int) -> None:
         if config.dir is None:
@@ -68,6 +140,9 @@ class CheckpointManager:
         self.config = config
         self.root = Path(config.dir)
         self.rank = rank
+
+    def path(self, step: int) -> Path:
+        return self.root / checkpoint_name(step)
 
     def latest(self) -> tuple[int, Path] | None:
         checkpoints = list_checkpoints(self.root)
@@ -82,53 +157,11 @@ class CheckpointManager:
                     shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Path:
-        """Writes the checkpoint of `step` and commits it; returns its directory."""
-        final = self.root / checkpoint_name(step)
-        tmp = self.root / f"{_TMP_PREFIX}{final.name}"
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-            tmp.mkdir()
-        dist.barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        _write_durably(tmp / f"extra-rank{self.rank}.pt", extra)
-        dist.barrier()  # every rank's part is durable
-        if self.rank == 0:
-            if final.exists():  # left by an earlier run that this one did not resume from
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
-        dist.barrier()  # everyone sees the committed checkpoint before going on (rollback reads it)
-        log.info("checkpoint of step %d saved to %s", step, final)
-        return final
-
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restores model and optimizer in place from `path`; returns this rank's extras (rank
-        0's, with own_rank = False, when the checkpoint came from a job with fewer ranks)."""
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra_path = path / f"extra-rank{self.rank}.pt"
-        own = extra_path.is_file()
-        if not own:
-            # Written by a job with fewer ranks: DCP reshards model and optimizer; the step and the
-            # (globally numbered) data position are the same on every rank, so rank 0's serve.
-            log.warning(
-                "%s has no %s (saved by fewer ranks); using rank 0's extras, RNG states are not restored",
-                path,
-                extra_path.name,
-            )
-            extra_path = path / "extra-rank0.pt"
-        extra = torch.load(extra_path, weights_only=True)
-        extra["own_rank"] = own
-        log.info("resumed from %s (step %d)", path, extra["step"])
-        return extra
-
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Rank 0 deletes all but the newest keep_last (called after a save has committed; the
+        next collective orders it before any rank reads the directory again)."""
+        if self.rank != 0:
+            return
         checkpoints = list_checkpoints(self.root)
         for step, path in checkpoints[: max(0, len(checkpoints) - self.config.keep_last)]:
             log.info("deleting checkpoint of step %d (keep_last = %d)", step, self.config.keep_last)

@@ -1,5 +1,9 @@
 """data: training examples, the sources that yield them, and their collation into tensors.
 
+Two kinds of example, one per front end: the TOML loop's `Example` (below) and the Training
+API's `Datum` (model input tokens and its loss's named per-token inputs, as the Tinker SDK sends
+them; `collate_datums` pads a rank's datums into one batch).
+
 An `Example` is token ids with a loss weight per token (0 = prompt, 1 = response; any weight
 >= 0 is allowed), plus, for policy-gradient losses, the sequence's advantage, the sampler's
 log-prob of each token and the trainer step of the weights that sampled it. `collate` turns a micro-batch of
@@ -12,7 +16,8 @@ sources number examples globally and hand data-parallel rank r the r-th slice of
 so a global batch holds the same examples whatever the number of ranks or micro-batches.
 The RL loop plugs in its own rollout source.
 
-Not here: the model, losses, anything distributed (sources get their rank and rank count).
+Not here: the model, losses, anything distributed (sources get their rank and rank count),
+decoding or checking the Training API's requests (`weightsync.app.training.wire`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from weightsync.models import ByteTokenizer
@@ -135,6 +141,42 @@ def collate(examples: Sequence[Example], *, max_seq_len: int, pad_multiple: int 
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32) if all(policy) else None
     sampler_steps = torch.tensor([-1 if e.sampler_step is None else e.sampler_step for e in examples])
     return MicroBatch(input_ids, targets, weights, advantages, logprobs, sampler_steps)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Datum:
+    """One Training API example: the model input tokens and the loss inputs (name -> array of
+    the same length: `target_tokens`, `weights`, `logprobs`, `advantages`)."""
+
+    tokens: np.ndarray  # (T,) int64
+    inputs: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DatumBatch:
+    """Datums as right-padded rows on a device: row i predicts targets[i, j] from input_ids[i, :j+1]."""
+
+    input_ids: torch.Tensor  # (rows, tokens) int64
+    targets: torch.Tensor  # (rows, tokens) int64
+    lengths: tuple[int, ...]  # each datum's token count (no entry for a padding-only row)
+    inputs: tuple[dict[str, torch.Tensor], ...]  # each datum's float inputs, target_tokens aside
+
+
+def collate_datums(data: Sequence[Datum], device: torch.device) -> DatumBatch:
+    """One padded batch of `data`. Without data it is one row of one padding token: a rank that
+    got no datum still runs forward and backward, which FSDP's collectives need of every rank."""
+    width = max([len(d.tokens) for d in data], default=1)
+    input_ids = torch.full((max(len(data), 1), width), PAD_ID, dtype=torch.int64)
+    targets = torch.zeros_like(input_ids)
+    for row, datum in enumerate(data):
+        n = len(datum.tokens)
+        input_ids[row, :n] = torch.from_numpy(datum.tokens)
+        targets[row, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+    inputs = tuple(
+        {k: torch.from_numpy(v.astype(np.float32)).to(device) for k, v in d.inputs.items() if k != "target_tokens"}
+        for d in data
+    )
+    return DatumBatch(input_ids.to(device), targets.to(device), tuple(len(d.tokens) for d in data), inputs)
 
 
 @runtime_checkable

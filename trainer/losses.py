@@ -1,31 +1,45 @@
-"""losses: SFT cross-entropy and a GRPO-style clipped policy gradient, over weighted tokens.
+"""losses: every loss the training engine minimises, from per-token log-probs.
 
-Every loss here returns *sums over weighted tokens* (sum_i w_i * l_i), never means: the trainer
-divides by the weight of the whole global batch (all ranks, all micro-batches), so a token
-counts the same whatever the number of ranks or micro-batches. `mean_over_weights` gives the
-token mean of one batch (what the unit tests and single-batch callers want).
+Two front ends, one set of per-token terms (ratio r_t = exp(logp_t - sampler_logp_t), the PPO
+clip, the k3 KL estimator). Every loss is a *sum* over tokens, never a mean: the caller decides
+the normalisation (the TOML loop divides by the weight of its whole global batch; the Training
+API's callers put it in their weights or advantages).
 
-GRPO-style loss, per token t of a sequence with advantage A (Shao et al. 2024; PPO clipping
-with separate low/high bounds as in DAPO; dual clipping as in Ye et al. 2020):
+The TOML loop's losses (`LossConfig.kind`; `compute_loss`), over weighted tokens
+(Shao et al. 2024; PPO clipping with separate low/high bounds as in DAPO; dual clipping as in
+Ye et al. 2020), per token t of a sequence with advantage A:
 
-    r_t   = exp(logp_t - logp_sampler_t)          importance ratio: corrects for the sampler's
-                                                  weights being older than the trainer's
-    pg_t  = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
-    pg_t  = min(pg_t, c * |A|)   if A < 0 and c (dual clip) > 0
-    kl_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    (k3 estimator, >= 0, 0 iff equal)
-    l_t   = pg_t + beta * kl_t
+    sft   l_t = -logp_t
+    grpo  pg_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
+          pg_t = min(pg_t, c * |A|)   if A < 0 and c (dual clip) > 0
+          kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    (k3, >= 0, 0 iff equal)
+          l_t  = pg_t + beta * kl_t
+    loss = sum_t w_t * l_t     (`mean_over_weights` gives one batch's token mean)
 
-Not here: the forward pass, batching, reduction across ranks.
+The Training API's losses, by the names the Tinker SDK uses (`LOSSES`; `sum_datum_losses`),
+per token of one datum, with the datum's named inputs:
+
+    cross_entropy        -w_t * logp_t                                  inputs: target_tokens, weights
+    importance_sampling  -r_t * A_t                                     inputs: target_tokens, logprobs, advantages
+    ppo                  -min(r_t * A_t, clip(r_t, lo, hi) * A_t)       (+ config clip_low_threshold,
+    cispo                -sg(clip(r_t, lo, hi)) * logp_t * A_t           clip_high_threshold: 0.8 / 1.2)
+
+A custom loss (the SDK's `forward_backward_custom`) needs nothing here: the SDK runs the user's
+loss on the client and sends its gradient back as cross_entropy weights.
+
+Not here: the forward pass and backward (engine.py), checking a request's loss inputs (the
+Training API's front end, `weightsync.app.training.wire`), reduction across ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 
 import torch
 
 from weightsync.trainer.config import LossConfig
-from weightsync.trainer.data import MicroBatch
+from weightsync.trainer.data import DatumBatch, MicroBatch
 
 _MAX_LOG_RATIO = 20.0
 """Log-ratios are clamped here before exp: beyond it the token is clipped anyway, and an
@@ -34,11 +48,31 @@ unclamped exp of a corrupt sampler log-prob would turn the loss into inf/NaN."""
 
 @dataclasses.dataclass(frozen=True)
 class LossSums:
-    """A micro-batch's weighted sums: `loss` carries the graph; `metrics` are detached sums
-    of w_i * value_i, to be divided by the same weight total as the loss."""
+    """A batch's loss: `loss` (a sum, carrying the graph) and `metrics` (detached sums of
+    w_i * value_i, to be divided by the same weight total as the loss). `per_token` holds each
+    datum's per-token losses (detached) where the caller hands them back (the Training API)."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    per_token: tuple[torch.Tensor, ...] = ()
+
+
+# ------------------------------------------------------------------------ per-token terms
+
+
+def importance_ratio(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
+    """r = exp(logp - sampler_logp): corrects for the sampler's weights being older than the trainer's."""
+    return torch.exp((logprobs - sampler_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+def clipped_policy_loss(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """-min(r * A, clip(r, low, high) * A): PPO's pessimistic bound, per token."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(low, high) * advantages
+    return -torch.minimum(unclipped, clipped)
+
+
+# ------------------------------------------------------------------ the TOML loop's losses
 
 
 def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor) -> LossSums:
@@ -66,12 +100,9 @@ def grpo_loss(
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs from the frozen reference model")
     active = weights > 0
-    log_ratio = (logprobs - sampler_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
+    ratio = importance_ratio(logprobs, sampler_logprobs)
     adv = advantages.to(logprobs.dtype)[:, None].expand_as(logprobs)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    pg = -torch.minimum(unclipped, clipped)
+    pg = clipped_policy_loss(ratio, adv, 1.0 - clip_low, 1.0 + clip_high)
     if dual_clip:
         pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)
     per_token = pg
@@ -133,3 +164,58 @@ def mean_over_weights(sums: LossSums, weights: torch.Tensor) -> tuple[torch.Tens
     """Token means of one batch: (loss, {metric: value})."""
     total = weights.sum().clamp_min(torch.finfo(weights.dtype).tiny)
     return sums.loss / total, {k: float(v / total) for k, v in sums.metrics.items()}
+
+
+# -------------------------------------------------------------- the Training API's losses
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    required: tuple[str, ...]
+    """The datum inputs the loss reads (`target_tokens` is the forward pass's)."""
+    config_defaults: Mapping[str, float]
+    """The loss_fn_config keys it takes, with their defaults."""
+    fn: Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
+    """(logprobs (T,), inputs, config) -> per-token loss (T,); the datum's loss is its sum."""
+
+
+def _cross_entropy(logprobs, inputs, config):
+    return -logprobs * inputs["weights"]
+
+
+def _importance_sampling(logprobs, inputs, config):
+    return -importance_ratio(logprobs, inputs["logprobs"]) * inputs["advantages"]
+
+
+def _ppo(logprobs, inputs, config):
+    ratio = importance_ratio(logprobs, inputs["logprobs"])
+    return clipped_policy_loss(ratio, inputs["advantages"], config["clip_low_threshold"], config["clip_high_threshold"])
+
+
+def _cispo(logprobs, inputs, config):
+    ratio = importance_ratio(logprobs, inputs["logprobs"])
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    return -clipped.detach() * logprobs * inputs["advantages"]
+
+
+_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(("target_tokens", "weights"), {}, _cross_entropy),
+    "importance_sampling": LossSpec(("target_tokens", "logprobs", "advantages"), {}, _importance_sampling),
+    "ppo": LossSpec(("target_tokens", "logprobs", "advantages"), _CLIP, _ppo),
+    "cispo": LossSpec(("target_tokens", "logprobs", "advantages"), _CLIP, _cispo),
+}
+
+
+def sum_datum_losses(name: str, config: Mapping[str, float], logprobs: torch.Tensor, batch: DatumBatch) -> LossSums:
+    """The loss `name` of a batch of datums: the sum of every datum's per-token losses (row i of
+    `logprobs` is datum i's, padded). A batch without datums (a rank that got none) has the
+    loss 0 times its padding row, so backward still reaches every parameter."""
+    spec = LOSSES[name]
+    total = logprobs.sum() * 0.0
+    per_token = []
+    for row, (length, inputs) in enumerate(zip(batch.lengths, batch.inputs, strict=True)):
+        losses = spec.fn(logprobs[row, :length], inputs, config)
+        total = total + losses.sum()
+        per_token.append(losses.detach())
+    return LossSums(total, {}, tuple(per_token))

@@ -1,13 +1,18 @@
-"""optim: the AdamW optimizer over the sharded parameters and the learning-rate schedule.
+"""optim: the AdamW optimizer over the sharded parameters, its hyper-parameters, and the
+learning-rate schedule.
 
-The schedule is a pure function of the step (`lr_at`), so it carries no state of its own: a
-resumed or rolled-back run gets the right learning rate from its step alone.
+Hyper-parameters are set on every step (`AdamWParams`): the TOML loop's come from its config
+and schedule, the Training API's from each optim_step request, so the optimizer carries none
+that matter between steps. The schedule is a pure function of the step (`lr_at`), so it
+carries no state of its own: a resumed or rolled-back run gets the right learning rate from its
+step alone.
 
-Not here: gradient clipping and the skip decision (the trainer and guard.py).
+Not here: gradient clipping and the step itself (engine.py), the skip decision (guard.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,12 +21,30 @@ from torch import nn
 from weightsync.trainer.config import OptimizerConfig, ScheduleConfig
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW on the fp32 master shards (DTensors); foreach keeps it a few kernels per step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, foreach=True
-    )
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamWParams:
+    """The hyper-parameters of one AdamW step (decoupled weight decay)."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    @classmethod
+    def from_config(cls, config: OptimizerConfig, *, lr: float) -> AdamWParams:
+        """The TOML loop's: its optimizer config, at the schedule's learning rate."""
+        return cls(lr=lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+
+
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW on the trainable fp32 master shards (DTensors); foreach keeps it a few kernels per
+    step. Its hyper-parameters are placeholders until a step sets them (`set_hyperparameters`)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0, foreach=True)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, params: AdamWParams) -> None:
+    for group in optimizer.param_groups:
+        group.update(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay)
 
 
 def lr_at(step: int, *, peak_lr: float, schedule: ScheduleConfig, total_steps: int) -> float:
@@ -42,8 +65,3 @@ def lr_at(step: int, *, peak_lr: float, schedule: ScheduleConfig, total_steps: i
     else:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
     return peak_lr * (floor + (1.0 - floor) * factor)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr

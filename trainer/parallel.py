@@ -1,12 +1,13 @@
-"""parallel: process group, DeviceMesh and FSDP2 sharding of the decoder.
+"""parallel: process group, DeviceMesh and the FSDP2 wrapping of the decoder.
 
 `init_runtime` joins the process group torchrun describes (or reuses one that is already up),
 picks the device from LOCAL_RANK and the backend from it; `build_mesh` turns ParallelConfig's
-degrees into a DeviceMesh once; `build_sharded_model` makes the model on the meta device,
-applies activation checkpointing and `fully_shard` (each decoder layer, then the root),
-materialises only the local shards and loads the initial weights from rank 0.
+degrees into a DeviceMesh once; `apply_activation_checkpointing` and `apply_fsdp` (each decoder
+layer, then the root) are the steps the engine's build runs on a model still on the meta
+device; `broadcast_object` hands rank 0's Python object to every rank.
 
-Not here: what the model computes (`weightsync.models`), the optimizer, checkpoints.
+Not here: what the model computes (`weightsync.models`), building the sharded model and its
+optimizer (engine.py), checkpoints.
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ import datetime
 import logging
 import os
 import sys
-from collections.abc import Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from weightsync.models import CausalLM, ModelConfig, rope_inv_freq
+from weightsync.models import CausalLM, rope_inv_freq
 from weightsync.trainer.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -164,35 +163,6 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, config: ParallelConfig, *, dev
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
 
 
-def build_sharded_model(
-    architecture: ModelConfig,
-    full_state_dict: Mapping[str, torch.Tensor] | None,
-    *,
-    mesh: DeviceMesh,
-    config: ParallelConfig,
-    device: torch.device,
-    trainable: bool = True,
-) -> CausalLM:
-    """The FSDP2-sharded model holding `full_state_dict` (given on rank 0, None elsewhere).
-
-    No rank materialises the whole model on the device: parameters are created on the meta
-    device, sharded, allocated shard by shard, and filled by a broadcast from rank 0.
-    """
-    with torch.device("meta"):
-        model = CausalLM(architecture)
-    if config.activation_checkpointing and trainable:
-        apply_activation_checkpointing(model)
-    apply_fsdp(model, mesh, config, device=device)
-    model.to_empty(device="cpu" if config.cpu_offload else device)
-    reset_rope_buffer(model)
-    state = dict(full_state_dict) if full_state_dict is not None else {}  # the call overwrites its argument
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    if not trainable:
-        model.requires_grad_(False)
-        model.eval()
-    return model
-
-
 def reset_rope_buffer(model: CausalLM) -> None:
     """Recomputes the RoPE inverse frequencies, which `to_empty` left uninitialised (the
     buffer is not persistent, so no state dict carries it). Same formula as CausalLM.__init__."""
@@ -203,3 +173,10 @@ def reset_rope_buffer(model: CausalLM) -> None:
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Reduce-scatter gradients after this backward (the last micro-batch) or keep accumulating."""
     model.set_requires_gradient_sync(enabled)
+
+
+def broadcast_object(obj: Any = None, *, src: int = 0) -> Any:
+    """Rank `src`'s `obj` (any picklable value), returned on every rank; the others pass nothing."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

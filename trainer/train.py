@@ -1,10 +1,14 @@
-"""train: the FSDP2 training loop, with checkpoints, the spike guard and publishing in it.
+"""train: the TOML training loop on the training engine, with checkpoints, the spike guard and
+publishing in it.
 
     torchrun --standalone --nproc-per-node 2 -m weightsync.trainer.train --config FILE [--set k=v ...]
 
-`Trainer` is built once (process group, mesh, sharded model, optimizer, data, guard,
-checkpoints, publisher; resuming from the newest checkpoint if there is one), then `train()`
-runs the loop, one line per concern, and `close()` waits for versions still in flight.
+`Trainer` is built once (process group, mesh, the training engine and, for a KL term, a frozen
+reference engine, data, guard, checkpoints, publisher; resuming from the newest checkpoint if
+there is one), then `train()` runs the loop, one line per concern, and `close()` waits for
+versions still in flight. What the loop adds to the engine: micro-batches and the loss scale,
+the LR schedule, the guard's verdict with rollback, RNG and data position in checkpoints, when
+to publish and save, metrics.
 
 A step: the global batch (global_batch_size examples over all data-parallel ranks) is cut
 into micro-batches per rank; gradients accumulate over them and are reduce-scattered only
@@ -14,8 +18,8 @@ micro-batches, compute the same objective. Then: one all-reduce of the metric su
 clipping (global norm), the guard's verdict, the optimizer step (or not), publish, checkpoint,
 and one JSON metrics line on rank 0.
 
-Not here: how the model is sharded (parallel.py), what is saved (checkpoint.py), how shards
-are published (publish.py).
+Not here: the model, forward/backward, the optimizer step and DCP save/load (engine.py), how
+shards are published (publish.py).
 """
 
 from __future__ import annotations
@@ -34,24 +38,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from weightsync.models import ModelConfig, build_model, load_config, load_pretrained, token_logprobs
+from weightsync.models import CausalLM, ModelConfig, build_model
 from weightsync.trainer.checkpoint import CheckpointManager
 from weightsync.trainer.config import JobConfig, ModelSpec, load_job_config
 from weightsync.trainer.data import ExampleSource, MicroBatch, build_source, collate
+from weightsync.trainer.engine import TrainingEngine, read_weights
 from weightsync.trainer.guard import SpikeGuard, Verdict
 from weightsync.trainer.losses import compute_loss
-from weightsync.trainer.optim import build_optimizer, lr_at, set_lr
-from weightsync.trainer.parallel import (
-    build_mesh,
-    build_sharded_model,
-    close_runtime,
-    dp_rank_and_size,
-    exit_worker,
-    init_runtime,
-    set_gradient_sync,
-)
+from weightsync.trainer.optim import AdamWParams, lr_at
+from weightsync.trainer.parallel import build_mesh, close_runtime, dp_rank_and_size, exit_worker, init_runtime
 from weightsync.trainer.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -60,9 +56,7 @@ log = logging.getLogger(__name__)
 def load_initial_weights(spec: ModelSpec, *, rank: int) -> tuple[ModelConfig, dict[str, torch.Tensor] | None]:
     """The architecture (every rank) and the fp32 initial weights (rank 0 only; None elsewhere)."""
     if spec.init_dir is not None:
-        if rank != 0:
-            return load_config(spec.init_dir), None
-        return load_pretrained(spec.init_dir, dtype=torch.float32)
+        return read_weights(spec.init_dir, rank=rank)
     if rank != 0:
         return spec.architecture, None
     return spec.architecture, build_model(spec.architecture, seed=spec.init_seed).state_dict()
@@ -79,14 +73,13 @@ class Trainer:
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         self.grad_accum_steps = self.config.data.grad_accum_steps(self.dp_size)
         architecture, initial = load_initial_weights(self.config.model, rank=self.rank)
-        build = {"mesh": self.mesh, "config": job.parallel, "device": self.device}
-        self.model = build_sharded_model(architecture, initial, **build)
+        build = {"mesh": self.mesh, "parallel": job.parallel, "device": self.device}
+        self.engine = TrainingEngine.build(architecture, initial, **build)
         # The KL reference is the initial policy, frozen (rebuilt identically on resume).
         self.reference = (
-            build_sharded_model(architecture, initial, trainable=False, **build) if self.config.loss.kl_coef else None
+            TrainingEngine.build(architecture, initial, trainable=False, **build) if self.config.loss.kl_coef else None
         )
         del initial
-        self.optimizer = build_optimizer(self.model, self.config.optimizer)
         self.source = source or build_source(self.config.data, dp_rank=self.dp_rank, dp_size=self.dp_size)
         self.guard = SpikeGuard(self.config.guard)
         self.step = 0
@@ -111,6 +104,11 @@ class Trainer:
             self.step,
             self.config.steps,
         )
+
+    @property
+    def model(self) -> CausalLM:
+        """The sharded model being trained (the engine's)."""
+        return self.engine.model
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -139,26 +137,26 @@ class Trainer:
         local_weight = torch.stack([mb.loss_weights.sum() for mb in micro_batches]).sum().to(self.device)
         global_weight = local_weight.clone()
         dist.all_reduce(global_weight)
-        # FSDP averages gradients over the dp ranks; multiplying by dp_size turns that average
-        # into the sum over the global batch, divided by its weight.
-        scale = self.dp_size / global_weight.clamp_min(torch.finfo(torch.float32).tiny)
+        # Each micro-batch's loss sum over the weight of the whole global batch: the accumulated
+        # gradient is that of the global token mean, reduced across ranks after the last one.
+        divisor = global_weight.clamp_min(torch.finfo(torch.float32).tiny)
         sums: dict[str, torch.Tensor] = {}
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             mb = mb.to(self.device)
-            set_gradient_sync(self.model, i == last)
-            logprobs = token_logprobs(self.model(mb.input_ids), mb.targets)
-            result = compute_loss(self.config.loss, logprobs, mb, self.reference_logprobs(mb))
-            (result.loss * scale).backward()
+            _, result = self.engine.forward_backward(
+                mb.input_ids,
+                mb.targets,
+                lambda logprobs, mb=mb: compute_loss(self.config.loss, logprobs, mb, self.reference_logprobs(mb)),
+                divisor=divisor,
+                sync_gradients=i == last,
+            )
             for name, value in {"loss": result.loss.detach(), **result.metrics}.items():
                 sums[name] = sums.get(name, 0.0) + value
         return self.reduce_metrics(sums, global_weight, micro_batches)
 
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
-        if self.reference is None:
-            return None
-        with torch.no_grad():
-            return token_logprobs(self.reference(mb.input_ids), mb.targets)
+        return None if self.reference is None else self.reference.logprobs(mb.input_ids, mb.targets)
 
     def reduce_metrics(
         self, sums: dict[str, torch.Tensor], global_weight: torch.Tensor, micro_batches: list[MicroBatch]
@@ -181,12 +179,7 @@ class Trainer:
         return metrics
 
     def clip_gradients(self) -> dict[str, float]:
-        max_norm = self.config.optimizer.max_grad_norm or float("inf")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return {"grad_norm": float(norm)}
+        return {"grad_norm": self.engine.clip_gradients(self.config.optimizer.max_grad_norm)}
 
     def apply_verdict(self, metrics: dict[str, Any]) -> Verdict:
         """The optimizer step the guard allows: step, skip (drop the gradients) or roll back."""
@@ -199,12 +192,11 @@ class Trainer:
                 schedule=self.config.schedule,
                 total_steps=self.config.steps,
             )
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
+            self.engine.optimizer_step(AdamWParams.from_config(self.config.optimizer, lr=lr))
             metrics["lr"] = lr
         else:
             log.warning("step %d: %s -> %s", self.step, decision.reason, decision.verdict.value)
-        self.optimizer.zero_grad(set_to_none=True)
+            self.engine.discard_gradients()
         if decision.verdict is Verdict.ROLLBACK:
             self.rollback()
         return decision.verdict
@@ -214,7 +206,7 @@ class Trainer:
             return {}
         metrics: dict[str, float] = {}
         if self.publisher.due(self.step, self.config.steps):
-            metrics["publish/wait_s"] = self.publisher.publish(self.model.state_dict(), self.step)
+            metrics["publish/wait_s"] = self.publisher.publish(self.engine.weights(), self.step)
         metrics.update(self.publisher.collect())
         return metrics
 
@@ -253,14 +245,16 @@ class Trainer:
             "data": self.source.state_dict(),
             "guard": self.guard.state_dict(),
         }
-        self.checkpoints.save(self.step, self.model, self.optimizer, extra)
+        self.engine.save(self.checkpoints.path(self.step), extra)
+        self.checkpoints.prune()
 
     def _resume(self) -> None:
         latest = self.checkpoints.latest()
         if latest is None:
             return
-        extra = self.checkpoints.load(latest[1], self.model, self.optimizer)
+        extra = self.engine.load(latest[1])
         self.step = int(extra["step"])
+        log.info("resumed from %s (step %d)", latest[1], self.step)
         if extra["own_rank"]:  # another rank's RNG streams would duplicate that rank's
             torch.set_rng_state(extra["rng_cpu"])
             if extra["rng_cuda"] is not None and self.device.type == "cuda":
@@ -278,7 +272,7 @@ class Trainer:
             self.guard.reset_streak()
             return
         bad_step = self.step
-        extra = self.checkpoints.load(latest[1], self.model, self.optimizer)
+        extra = self.engine.load(latest[1])
         self.step = int(extra["step"])
         self.guard.load_state_dict(extra["guard"])
         self.guard.reset_streak()
@@ -299,8 +293,7 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The gathered fp32 state dict on rank 0 ({} elsewhere). For tests and exports: the
         loop itself never gathers."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        return self.engine.full_state_dict()
 
     def close(self) -> None:
         """Waits for versions in flight, then leaves the process group if it created it."""

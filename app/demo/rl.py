@@ -33,13 +33,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from weightsync.app.demo.rollout_queue import Rollout, RolloutQueue
 from weightsync.app.demo.task import AdditionTask
-from weightsync.models import ByteTokenizer, load_config, save_pretrained
+from weightsync.models import ByteTokenizer
 from weightsync.trainer.config import LossConfig, ModelSpec, load_job_config
 from weightsync.trainer.data import Example, _IndexedSource
+from weightsync.trainer.parallel import broadcast_object, close_runtime, init_runtime
 from weightsync.trainer.train import Trainer, configure_logging
 
 log = logging.getLogger(__name__)
@@ -91,11 +91,9 @@ class RolloutSource:
         self.waited_s = 0.0
 
     def take(self, count: int) -> list[Example]:
-        payload = self._claim(count * self.dp_size) if self.dp_rank == 0 else None
-        box = [payload]
-        dist.broadcast_object_list(box, src=0)
-        mine = box[0][self.dp_rank * count : (self.dp_rank + 1) * count]
-        self.taken += len(box[0])
+        claimed = broadcast_object(self._claim(count * self.dp_size) if self.dp_rank == 0 else None)
+        mine = claimed[self.dp_rank * count : (self.dp_rank + 1) * count]
+        self.taken += len(claimed)
         return [
             Example(
                 tokens=r["tokens"],
@@ -175,13 +173,9 @@ def run_warm_start(job, task: AdditionTask, *, steps: int, export_dir: str) -> N
     trainer = holder["trainer"] = Trainer(sft, source=source)
     try:
         trainer.train()
-        state = trainer.full_state_dict()
+        trainer.engine.export_pretrained(export_dir, dtype=torch.float32)
         if trainer.rank == 0:
-            spec = job.train.model
-            architecture = spec.architecture if spec.architecture is not None else load_config(spec.init_dir)
-            save_pretrained(export_dir, architecture, state, dtype=torch.float32)
             log.info("warm start done after %d steps; weights in %s", steps, export_dir)
-        dist.barrier()
     finally:
         trainer.close()
 
@@ -278,7 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     job = load_job_config(args.config, args.overrides)
-    dist.init_process_group(backend="gloo" if not torch.cuda.is_available() else "cuda:nccl,cpu:gloo")
+    # One process group for both phases (each Trainer reuses it); the collective timeout is
+    # torch's default, beyond the rollout wait, which may keep the other ranks in a broadcast.
+    runtime = init_runtime(job.parallel, timeout_s=1800.0)
     try:
         task = AdditionTask(max_operand=args.max_operand)
         if args.warmup_steps:
@@ -293,8 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lr=args.rl_lr,
         )
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_runtime(runtime)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"event": "done"}), flush=True)
     return 0

@@ -11,7 +11,7 @@ and a client may then pass the profile's name as `base_model`.
 A change to a profile's meaning is a new version, never an edit of the old one: a run started
 on `demo-lm@1` keeps meaning the same thing.
 
-Not here: applying the layout (serve.py, worker.py).
+Not here: applying the layout (serve.py, `weightsync.trainer.engine`).
 """
 
 from __future__ import annotations

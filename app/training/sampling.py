@@ -1,7 +1,7 @@
 """sampling: Tinker sampling clients, served by engines that weightsync agents keep in sync.
 
 Each trained model publishes its sampler weights to the store as versions of its own store
-model (worker.py, PublishWeights). For every store model that someone samples from, a
+model (`weightsync.trainer.commands.PublishWeights`). For every store model that someone samples from, a
 `SyncedSampler` runs a weightsync agent (`weightsync.agents.AgentServer`, gRPC on 127.0.0.1)
 with a reference engine: the publisher pushes each version to it, it verifies every byte and
 swaps; the store is its safety net. A sampling client samples exactly the version it was made
@@ -23,7 +23,7 @@ top_p, seed, stop as token ids or strings (default: the tokenizer's EOS), num_sa
 prompt logprobs. The logprobs reported for sampled tokens are those of the distribution they
 were drawn from (after temperature, before top-k/top-p truncation).
 
-Not here: publishing (worker.py), the agent's verify/swap (weightsync.agents).
+Not here: publishing (`weightsync.trainer.commands`), the agent's verify/swap (weightsync.agents).
 """
 
 from __future__ import annotations

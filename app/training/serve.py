@@ -3,15 +3,17 @@
     torchrun --nproc-per-node 2 -m weightsync.app.training.serve --state-dir DIR --port 8000
     weightsync serve-training --state-dir DIR --port 8000          (one rank, no torchrun)
 
-Every rank builds the process group, the mesh and a Worker; rank 0 also serves HTTP and sends
-each request to all ranks as a command; the others follow until rank 0 stops. When ready, rank
+Every rank builds the process group, the mesh and a Worker (the training engines of this rank,
+`weightsync.trainer.commands`); rank 0 also serves HTTP and sends each request to all ranks as a
+command; the others follow until rank 0 stops. When ready, rank
 0 prints one JSON line `{"event": "ready", "url": ...}` on stdout (with `--port 0` it names the
 port the OS chose). SIGTERM / SIGINT stop it cleanly.
 
 The API key comes from `--api-key` or WEIGHTSYNC_TRAINING_API_KEY; the SDK only sends keys
 that start with `tml-`.
 
-Not here: the routes (http.py, service.py), the model commands (worker.py).
+Not here: the routes (http.py, service.py), the commands and the engine they run on
+(`weightsync.trainer.commands`, `weightsync.trainer.engine`).
 """
 
 from __future__ import annotations
@@ -110,9 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from weightsync.app.training.worker import Worker, follow
+    from weightsync.trainer.commands import Worker, follow
     from weightsync.trainer.config import ParallelConfig
     from weightsync.trainer.parallel import build_mesh, close_runtime, init_runtime
 
@@ -159,14 +159,13 @@ def run(args: argparse.Namespace) -> int:
             return 0
         return _serve(args, api_key, worker, profile)
     finally:
-        if dist.is_initialized():
-            close_runtime(runtime)
+        close_runtime(runtime)
 
 
 def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
     from weightsync.app.training.http import TrainingHTTPServer
     from weightsync.app.training.service import ServiceConfig, TrainingService
-    from weightsync.app.training.worker import Commander
+    from weightsync.trainer.commands import Commander
 
     aliases: tuple[tuple[str, str], ...] = ()
     if profile is not None:

@@ -4,7 +4,7 @@ Routes that start work (create_model, forward_backward, optim_step, save_weights
 load_weights, save_weights_for_sampler, asample) answer at once with a request id and run
 later; the result is fetched through `retrieve_future` (futures.py). Training requests of one
 model run in seq_id order (ordering.py) on one executor thread, which sends each as a command to
-every rank (worker.py). A request is validated before it is queued: a bad one fails its future
+every rank (`weightsync.trainer.commands`). A request is validated before it is queued: a bad one fails its future
 as a *user* error, consumes its seq_id, and never reaches the model.
 
 Checkpoints are named `tinker://<model_id>/weights/<name>` (save_state: a DCP checkpoint of
@@ -13,7 +13,8 @@ model and optimizer) and live under `<state_dir>/runs/<model_id>/weights/<name>/
 restarted server can recreate a model from any saved state (`load_weights` with a session id:
 the SDK's `create_training_client_from_state[_with_optimizer]`).
 
-Not here: HTTP and status codes (http.py), the bodies' encoding (wire.py), the model (worker.py).
+Not here: HTTP and status codes (http.py), the bodies' encoding and checks (wire.py), the model
+and its training (`weightsync.trainer`: commands.py runs each request on the training engine).
 """
 
 from __future__ import annotations
@@ -34,20 +35,24 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from weightsync.app.training import worker as commands
 from weightsync.app.training.errors import NotFound, NotSupported, SessionFinished, UserInputError
 from weightsync.app.training.futures import FutureTable, Outcome
-from weightsync.app.training.lora import LoraSettings
-from weightsync.app.training.losses import check_inputs, loss_spec, resolve_config
 from weightsync.app.training.ordering import SeqIdOrder
 from weightsync.app.training.sampling import SamplerHub, SamplingSession, parse_sampling_params
 from weightsync.app.training.wire import (
     ForwardBackwardBatch,
+    check_inputs,
+    decode_lora_config,
     decode_model_input_json,
     encode_forward_backward_output,
     encode_sample_response,
+    loss_spec,
+    resolve_config,
 )
 from weightsync.models import load_config
+from weightsync.trainer import commands
+from weightsync.trainer.lora import LoraSettings
+from weightsync.trainer.optim import AdamWParams
 
 log = logging.getLogger(__name__)
 
@@ -249,12 +254,12 @@ class TrainingService:
         self._check_open(session_id)
         model_seq_id = _field(body, "model_seq_id", int)
         base_model = _field(body, "base_model", str)
-        lora = LoraSettings.from_request(body.get("lora_config"))
+        base_dir = self._resolve_base_model(base_model)
+        lora = decode_lora_config(body.get("lora_config"), load_config(base_dir))
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise NotSupported(f"optimizer {optimizer!r} is not supported; this server trains with AdamW ('adamw')")
         model_id = f"{session_id}:train:{model_seq_id}"
-        base_dir = self._resolve_base_model(base_model)
         request_id = self.futures.create("create_model")
         self._enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora), session_id)
         return {"request_id": request_id, "model_id": model_id}
@@ -364,15 +369,16 @@ class TrainingService:
                     else None
                 )
                 raise UserInputError(f"optim_step needs adam_params (this server trains with AdamW); got {kind!r}")
-            command = commands.OptimStep(
-                record.model_id,
-                learning_rate=_number(params, "learning_rate", 1e-4, low=0.0),
-                beta1=_number(params, "beta1", 0.9, low=0.0, below=1.0),
-                beta2=_number(params, "beta2", 0.95, low=0.0, below=1.0),
+            adamw = AdamWParams(
+                lr=_number(params, "learning_rate", 1e-4, low=0.0),
+                betas=(
+                    _number(params, "beta1", 0.9, low=0.0, below=1.0),
+                    _number(params, "beta2", 0.95, low=0.0, below=1.0),
+                ),
                 eps=_number(params, "eps", 1e-12, low=0.0),
                 weight_decay=_number(params, "weight_decay", 0.0, low=0.0),
-                grad_clip_norm=_number(params, "grad_clip_norm", 0.0, low=0.0),
             )
+            command = commands.OptimStep(record.model_id, adamw, _number(params, "grad_clip_norm", 0.0, low=0.0))
         except UserInputError as e:
             error = e
             request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))

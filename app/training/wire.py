@@ -1,12 +1,14 @@
-"""wire: the Tinker protocol's bodies <-> plain numpy data; the only module that knows the schema.
+"""wire: the Tinker protocol's bodies <-> plain data; the only module that knows the schema.
 
 forward_backward requests and the results of forward_backward and sampling travel as protobuf,
 with the schema the SDK wheel ships (`tinker.proto.tinker_public_pb2`, imported from the
 pinned `tinker` package so that server and client can never disagree on it); everything else
-is JSON. A request that is not what the schema allows is a `UserInputError` naming the field.
+is JSON. A request that is not what the schema allows is a `UserInputError` naming the field,
+and so is one that does not fit what it names: a loss's inputs and config (against the
+training engine's table of losses), a `lora_config` (against the base model).
 
-Not here: what the tensors mean to a loss (losses.py), validation against the model
-(service.py).
+Not here: what the tensors mean to a loss (`weightsync.trainer.losses`), the other checks
+against the model (service.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from typing import Any
 import numpy as np
 
 from weightsync.app.training.errors import NotSupported, UserInputError
+from weightsync.errors import ConfigError
+from weightsync.models import ModelConfig
+from weightsync.trainer.data import Datum
+from weightsync.trainer.lora import LoraSettings, check_fits
+from weightsync.trainer.losses import LOSSES, LossSpec
 
 _NUMPY_OF_PROTO_DTYPE = {1: np.float32, 2: np.int64, 3: np.int32}  # DTYPE_FLOAT32, INT64, INT32
 
@@ -27,14 +34,6 @@ def _pb():
     from tinker.proto import tinker_public_pb2
 
     return tinker_public_pb2
-
-
-@dataclasses.dataclass(frozen=True)
-class Datum:
-    """One training example: the model input tokens and the loss inputs (name -> array)."""
-
-    tokens: np.ndarray  # (T,) int64
-    inputs: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +142,93 @@ def decode_model_input_json(doc: Any, where: str) -> np.ndarray:
             raise UserInputError(f"{where}.chunks[{i}].tokens must be a list of integers")
         parts.append(np.asarray(tokens, dtype=np.int64))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------ checks
+
+_NAMED_BY_SDK_ONLY = ("dro", "gspo", "stable_reinforce", "custom")
+
+
+def loss_spec(name: str) -> LossSpec:
+    """The loss called `name`; NotSupported for SDK names without a public definition here,
+    UserInputError for names the SDK does not know either."""
+    if name in LOSSES:
+        return LOSSES[name]
+    if name in _NAMED_BY_SDK_ONLY:
+        raise NotSupported(f"loss function {name!r} is not supported by this server; supported: {sorted(LOSSES)}")
+    raise UserInputError(f"unknown loss function {name!r}; supported: {sorted(LOSSES)}")
+
+
+def resolve_config(spec: LossSpec, name: str, config: Mapping[str, float | str]) -> dict[str, float]:
+    """loss_fn_config with the loss's defaults filled in (every key it takes, as floats)."""
+    unknown = sorted(set(config) - set(spec.config_defaults))
+    if unknown:
+        raise UserInputError(
+            f"loss_fn_config keys {unknown} are not understood by {name!r}; "
+            f"it takes {sorted(spec.config_defaults) or 'none'}"
+        )
+    resolved = dict(spec.config_defaults)
+    for key, value in config.items():
+        if isinstance(value, str):
+            raise UserInputError(f"loss_fn_config[{key!r}] must be a number, got the string {value!r}")
+        resolved[key] = float(value)
+    if "clip_low_threshold" in resolved and not 0 <= resolved["clip_low_threshold"] <= resolved["clip_high_threshold"]:
+        raise UserInputError(f"{name}: need 0 <= clip_low_threshold <= clip_high_threshold, got {resolved}")
+    return resolved
+
+
+def check_inputs(
+    spec: LossSpec, name: str, index: int, tokens: np.ndarray, inputs: Mapping[str, np.ndarray], vocab_size: int
+) -> None:
+    """Raises UserInputError unless the datum carries exactly the inputs `name` needs, each of
+    shape (len(model_input),), with target tokens inside the vocabulary."""
+    where = f"data[{index}]"
+    missing = [k for k in spec.required if k not in inputs]
+    allowed = set(spec.required) | {"weights"}
+    unknown = sorted(set(inputs) - allowed)
+    if missing or unknown:
+        raise UserInputError(
+            f"{where}.loss_fn_inputs: {name!r} needs {list(spec.required)}"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; unknown {unknown}" if unknown else "")
+        )
+    length = tokens.shape[0]
+    if length == 0:
+        raise UserInputError(f"{where}.model_input is empty")
+    for key, value in inputs.items():
+        if value.shape != (length,):
+            raise UserInputError(
+                f"{where}.loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
+                f"[{length}], one value per model_input token"
+            )
+        if key != "target_tokens" and not np.all(np.isfinite(value)):
+            raise UserInputError(f"{where}.loss_fn_inputs[{key!r}] holds NaN or infinity")
+    for what, ids in (("model_input", tokens), ("loss_fn_inputs['target_tokens']", inputs["target_tokens"])):
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise UserInputError(f"{where}.{what} has token ids outside [0, {vocab_size}) (the model's vocabulary)")
+
+
+def decode_lora_config(doc: Mapping[str, Any] | None, model: ModelConfig) -> LoraSettings | None:
+    """create_model's lora_config for a base model of `model`'s architecture: None for full
+    fine-tuning (no config, or rank 0)."""
+    doc = dict(doc or {})
+    rank = doc.get("rank", 0) or 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise UserInputError(f"lora_config.rank must be an integer >= 0 (0 = full fine-tuning), got {rank!r}")
+    if rank == 0:
+        return None
+    try:
+        settings = LoraSettings(
+            rank=rank,
+            train_attn=bool(doc.get("train_attn", True)),
+            train_mlp=bool(doc.get("train_mlp", True)),
+            train_unembed=bool(doc.get("train_unembed", True)),
+            seed=doc.get("seed"),
+        )
+        check_fits(model, settings)
+    except ConfigError as e:  # the settings the request asked for: the caller's to fix
+        raise UserInputError(f"lora_config: {e}") from e
+    return settings
 
 
 # ------------------------------------------------------------------------------ results

@@ -1,6 +1,7 @@
 """The FSDP2 trainer on 2 gloo ranks (CPU): equivalence with 1 rank, bit-identical resume,
 gradient accumulation and activation checkpointing, GRPO, mixed precision + offload, the
-guard, sharded publishing (pulled back bit for bit), and a rank killed mid-publish.
+guard, sharded publishing (pulled back bit for bit), a rank killed mid-publish, and the
+training engine on its own (one step against plain torch; an old Training API state loads).
 
 Each torchrun launch costs seconds, so one launch runs a whole suite of small jobs
 (`tests/trainer/trainer_scenarios.py`) and module-scoped fixtures hand its results to several tests.
@@ -254,3 +255,28 @@ def test_train_entry_point_runs_the_example_config_on_two_ranks(tmp_path):
     assert [json.loads(line)["step"] for line in proc.stdout.splitlines() if line.startswith("{")] == [1, 2, 3]
     assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2, 3]
     assert list_versions(LocalStore(tmp_path / "store"), "sft-tiny") == [1, 2, 3]
+
+
+def test_the_engine_steps_like_plain_torch_and_loads_old_api_states(tmp_path):
+    """2 ranks, each with half the batch: the engine's gradient is that of the whole batch's
+    loss / divisor, so one AdamW step lands where plain torch on one process lands. A state saved
+    in the Training API's earlier format (step count inside DCP) resumes exactly."""
+    from weightsync.models import CausalLM, token_logprobs
+
+    launch("engine", tmp_path, nproc=2)
+    results = torch.load(tmp_path / "engine.pt", weights_only=False)
+    model = CausalLM(results["architecture"])
+    model.load_state_dict(results["initial"])
+    tokens, adamw = results["tokens"], results["adamw"]
+    loss = -token_logprobs(model(tokens[:, :-1]), tokens[:, 1:]).sum() / tokens[:, 1:].numel()
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=adamw.lr, betas=adamw.betas, eps=adamw.eps, weight_decay=adamw.weight_decay
+    )
+    optimizer.step()
+    assert results["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(results["after_one"][name], tensor, rtol=0, atol=1e-5, msg=name)
+    assert results["legacy_optim_steps"] == 1
+    assert_bit_equal(results["legacy_after_two"], results["after_two"])

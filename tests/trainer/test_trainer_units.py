@@ -1,6 +1,7 @@
-"""Single-process tests of the trainer's pieces: config validation, data and collation,
-losses against hand computations, the guard's decisions, the LR schedule, shard placement
-math, and checkpoint discovery. No process group, no torchrun."""
+"""Single-process tests of the trainer's pieces: config validation, data and collation (the
+loop's examples and the Training API's datums), both front ends' losses against hand
+computations, the guard's decisions, the LR schedule, shard placement math, and checkpoint
+discovery. No process group, no torchrun."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,9 +27,17 @@ from weightsync.trainer.config import (
     load_job_config,
     parse_job_config,
 )
-from weightsync.trainer.data import ArithmeticSource, Example, JsonlSource, ReverseSource, collate
+from weightsync.trainer.data import (
+    ArithmeticSource,
+    Datum,
+    Example,
+    JsonlSource,
+    ReverseSource,
+    collate,
+    collate_datums,
+)
 from weightsync.trainer.guard import SpikeGuard, Verdict
-from weightsync.trainer.losses import compute_loss, grpo_loss, mean_over_weights, sft_loss
+from weightsync.trainer.losses import LOSSES, compute_loss, grpo_loss, mean_over_weights, sft_loss, sum_datum_losses
 from weightsync.trainer.optim import lr_at
 from weightsync.trainer.publish import flat_start
 
@@ -256,6 +266,72 @@ def test_compute_loss_dispatches_on_kind():
         compute_loss(
             LossConfig(kind="grpo"), logprobs, collate([Example(tokens=[1, 2], loss_weights=[0, 1])], max_seq_len=8)
         )
+
+
+def api_loss(name, policy_logprobs, config=None, **inputs):
+    """LOSSES[name] on one datum: (per-token losses, d loss / d policy log-probs)."""
+    policy = torch.tensor(policy_logprobs, requires_grad=True)
+    config = {**LOSSES[name].config_defaults, **(config or {})}
+    per_token = LOSSES[name].fn(policy, {k: torch.tensor(v) for k, v in inputs.items()}, config)
+    per_token.sum().backward()
+    return per_token.tolist(), policy.grad.tolist()
+
+
+def test_training_api_losses_follow_their_public_definitions():
+    r = math.exp(0.5)  # ratio of the first token: logp -1 against the sampler's -1.5
+    losses, grad = api_loss("cross_entropy", [-1.0, -2.0], weights=[0.5, 2.0])
+    assert losses == pytest.approx([0.5, 4.0]) and grad == pytest.approx([-0.5, -2.0])
+    sampled = {"logprobs": [-1.5, -2.0], "advantages": [1.0, -2.0]}
+    losses, grad = api_loss("importance_sampling", [-1.0, -2.0], **sampled)
+    assert losses == pytest.approx([-r, 2.0]) and grad == pytest.approx([-r, 2.0])
+    # ppo: ratio r = 1.65 > 1.2 with A = +1 is clipped (no gradient); ratio 1 with A = -2 is not.
+    losses, grad = api_loss("ppo", [-1.0, -2.0], **sampled)
+    assert losses == pytest.approx([-1.2, 2.0]) and grad == pytest.approx([0.0, 2.0])
+    # cispo: the clipped ratio is a constant weight on logp * A, so every token has a gradient.
+    losses, grad = api_loss("cispo", [-1.0, -2.0], {"clip_high_threshold": 1.5}, **sampled)
+    assert losses == pytest.approx([1.5 * 1.0, -1.0 * 2.0 * 2.0]) and grad == pytest.approx([-1.5, 2.0])
+
+
+def test_ppo_and_grpo_are_the_same_clipped_objective():
+    """The Training API's ppo with thresholds (1 - eps_low, 1 + eps_high) is the loop's GRPO
+    policy term (no KL, no dual clip) on a sequence with one advantage: one formula, two names."""
+    logprobs, sampler = [-1.0, -0.2, -3.0, -0.7], [-1.4, -0.9, -2.5, -0.7]
+    for advantage in (1.5, -0.5):
+        ppo, ppo_grad = api_loss(
+            "ppo",
+            logprobs,
+            {"clip_low_threshold": 1 - 0.2, "clip_high_threshold": 1 + 0.28},
+            logprobs=sampler,
+            advantages=[advantage] * 4,
+        )
+        weights = torch.ones(1, 4)
+        lp = torch.tensor([logprobs], requires_grad=True)
+        grpo_sums = grpo_loss(
+            lp, torch.tensor([sampler]), torch.tensor([advantage]), weights, clip_low=0.2, clip_high=0.28
+        )
+        grpo_sums.loss.backward()
+        assert grpo_sums.loss.item() == pytest.approx(sum(ppo)) and lp.grad[0].tolist() == pytest.approx(ppo_grad)
+
+
+def test_datums_collate_into_one_padded_batch_and_sum_their_losses():
+    data = [
+        Datum(np.array([5, 6, 7]), {"target_tokens": np.array([6, 7, 8]), "weights": np.array([0.0, 1.0, 2.0])}),
+        Datum(np.array([9]), {"target_tokens": np.array([3]), "weights": np.array([1.0])}),
+    ]
+    batch = collate_datums(data, torch.device("cpu"))
+    assert batch.input_ids.tolist() == [[5, 6, 7], [9, 0, 0]] and batch.targets.tolist() == [[6, 7, 8], [3, 0, 0]]
+    assert batch.lengths == (3, 1) and batch.inputs[1]["weights"].dtype == torch.float32
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -50.0, -60.0]], requires_grad=True)
+    sums = sum_datum_losses("cross_entropy", {}, logprobs, batch)
+    assert sums.loss.item() == pytest.approx(2.0 + 6.0 + 4.0)  # the padded positions never count
+    assert [t.tolist() for t in sums.per_token] == [[0.0, 2.0, 6.0], [4.0]]
+    # A rank without a datum runs one padding token whose loss is 0 but still reaches the model.
+    empty = collate_datums([], torch.device("cpu"))
+    assert empty.input_ids.shape == (1, 1) and empty.lengths == ()
+    padding = torch.tensor([[-1.0]], requires_grad=True)
+    nothing = sum_datum_losses("ppo", LOSSES["ppo"].config_defaults, padding, empty)
+    nothing.loss.backward()
+    assert nothing.loss.item() == 0.0 and padding.grad is not None and nothing.per_token == ()
 
 
 # ----------------------------------------------------------------------------------- guard

@@ -16,6 +16,9 @@ on in OUT_DIR as torch.save files written by rank 0 (and a few per rank). Suites
 - gpu: CUDA/NCCL, bf16 mixed precision with publishing, without and with CPU offload.
 - kill / restart: publishing every step; in `kill` rank 1 SIGKILLs itself in the middle of
   publishing step KILL_STEP; `restart` is the same job relaunched, resuming from its checkpoint.
+- engine: the TrainingEngine itself, without a loop: one forward_backward + AdamW step (to
+  compare with plain torch), and a Training API state in the format saved before extras had
+  files of their own, loaded by a fresh engine that then steps exactly as the original.
 """
 
 from __future__ import annotations
@@ -287,6 +290,55 @@ def suite_gpu(out: Path) -> dict:
     return results
 
 
+def suite_engine(out: Path) -> dict:
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from weightsync.trainer.config import ParallelConfig
+    from weightsync.trainer.engine import TrainingEngine
+    from weightsync.trainer.losses import LossSums
+    from weightsync.trainer.optim import AdamWParams
+    from weightsync.trainer.parallel import build_mesh, init_runtime
+
+    runtime = init_runtime(ParallelConfig(device="cpu"))
+    parallel = ParallelConfig(device="cpu")
+    mesh = build_mesh(parallel, runtime)
+    architecture = job().train.model.architecture
+    initial = build_model(architecture, seed=3).state_dict() if runtime.rank == 0 else None
+
+    def build():
+        return TrainingEngine.build(architecture, initial, mesh=mesh, parallel=parallel, device=runtime.device)
+
+    tokens = torch.randint(0, architecture.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
+    mine = tokens[runtime.rank :: runtime.world_size]
+    adamw = AdamWParams(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+    def step(engine):
+        _, result = engine.forward_backward(
+            mine[:, :-1], mine[:, 1:], lambda lp: LossSums(-lp.sum(), {}), divisor=float(tokens[:, 1:].numel())
+        )
+        norm = engine.clip_gradients(0.0)
+        engine.optimizer_step(adamw)
+        return norm
+
+    engine = build()
+    results = {"architecture": architecture, "tokens": tokens, "adamw": adamw, "initial": initial}
+    results["grad_norm"] = step(engine)
+    results["after_one"] = engine.full_state_dict()
+    # What app/training/worker.py's SaveState wrote before this format: the step count in DCP.
+    legacy = out / "legacy-state"
+    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    dcp_save({"model": model_state, "optim": optim_state, "extra": {"optim_steps": 1}}, checkpoint_id=legacy)
+    step(engine)
+    results["after_two"] = engine.full_state_dict()
+    fresh = build()
+    fresh.load(legacy)
+    results["legacy_optim_steps"] = fresh.optim_steps
+    step(fresh)
+    results["legacy_after_two"] = fresh.full_state_dict()
+    return results
+
+
 def main() -> None:
     from weightsync.trainer.config import ParallelConfig
     from weightsync.trainer.parallel import close_runtime, exit_worker, init_runtime
@@ -301,6 +353,7 @@ def main() -> None:
         "kill": suite_kill,
         "restart": suite_restart,
         "gpu": suite_gpu,
+        "engine": suite_engine,
     }[suite](out, *more)
     if runtime.rank == 0:
         torch.save(results, out / f"{suite}.pt")

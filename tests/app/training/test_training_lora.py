@@ -15,10 +15,10 @@ from tinker import types
 
 from harness.tiny_model import write_tiny_model
 from harness.training_server import API_KEY, TrainingServer
-from weightsync.app.training.lora import LORA_ALPHA
-from weightsync.models import load_pretrained
+from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 from weightsync.reader import Reader
 from weightsync.stores import open_store
+from weightsync.trainer.lora import LORA_ALPHA
 from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -178,6 +178,15 @@ def test_lora_state_resumes_bit_identically(service, model_dir):
     assert [step(resumed) for _ in range(2)] == want
 
 
-def test_bad_lora_configs_are_refused(service, model_dir):
+def test_bad_lora_configs_are_refused(service, model_dir, tmp_path):
     with pytest.raises(Exception, match="rank must be an integer >= 0"):
         service.create_lora_training_client(base_model=model_dir, rank=-1).result()
+    # A model whose output projection is its embedding has no lm_head to adapt: refused on arrival.
+    tied = ModelConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, tie_word_embeddings=True
+    )
+    save_pretrained(tmp_path / "tied", tied, build_model(tied).state_dict())
+    with pytest.raises(Exception, match="ties its embeddings; set train_unembed=False"):
+        service.create_lora_training_client(base_model=str(tmp_path / "tied"), rank=1, train_unembed=True).result()
+    client = service.create_lora_training_client(base_model=str(tmp_path / "tied"), rank=1, train_unembed=False)
+    assert client.result().get_info().lora_rank == 1

@@ -15,7 +15,8 @@ train_unembed -> lm_head (a model with tied embeddings has no lm_head module: re
 Merging for engines that serve plain weights: W' = W + scale * B A. On FSDP2 dim-0 shards the
 rows of W and B are cut alike, so each rank merges its own rows with the whole (small) A.
 
-Not here: publishing (worker.py), the optimizer (worker.py).
+Not here: building and sharding the model (engine.py), publishing (publish.py), checking a
+request's lora_config (the Training API's front end).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import dataclasses
 import math
 import types
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from weightsync.app.training.errors import UserInputError
+from weightsync.errors import ConfigError
+from weightsync.models import ModelConfig
 
 LORA_ALPHA = 32.0
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -40,39 +42,37 @@ SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraSettings:
+    """Which layers get adapters, and of what rank (the Tinker SDK's LoraConfig)."""
+
     rank: int
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
     seed: int | None = None
+    """Seed of the adapters' initial A (None: 0)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ConfigError("LoRA needs at least one of train_attn, train_mlp, train_unembed")
 
     @property
     def scale(self) -> float:
         return LORA_ALPHA / self.rank
 
-    @classmethod
-    def from_request(cls, doc: Mapping[str, Any] | None) -> LoraSettings | None:
-        """None for full fine-tuning (no config, or rank 0)."""
-        doc = dict(doc or {})
-        rank = doc.get("rank", 0) or 0
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise UserInputError(f"lora_config.rank must be an integer >= 0 (0 = full fine-tuning), got {rank!r}")
-        if rank == 0:
-            return None
-        settings = cls(
-            rank=rank,
-            train_attn=bool(doc.get("train_attn", True)),
-            train_mlp=bool(doc.get("train_mlp", True)),
-            train_unembed=bool(doc.get("train_unembed", True)),
-            seed=doc.get("seed"),
+
+def check_fits(config: ModelConfig, settings: LoraSettings) -> None:
+    """Raises ConfigError if these adapters cannot be attached to a model of `config`."""
+    if settings.train_unembed and config.tie_word_embeddings:
+        raise ConfigError(
+            "train_unembed needs a separate lm_head, but this model ties its embeddings; set train_unembed=False"
         )
-        if not (settings.train_attn or settings.train_mlp or settings.train_unembed):
-            raise UserInputError("lora_config needs at least one of train_attn, train_mlp, train_unembed")
-        return settings
 
 
 def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
     """Module names (as in named_modules) of the linear layers that get adapters."""
+    check_fits(model.config, settings)
     wanted = (ATTN if settings.train_attn else ()) + (MLP if settings.train_mlp else ())
     names = [
         name
@@ -80,10 +80,6 @@ def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
     ]
     if settings.train_unembed:
-        if getattr(model.config, "tie_word_embeddings", False):
-            raise UserInputError(
-                "train_unembed needs a separate lm_head, but this model ties its embeddings; set train_unembed=False"
-            )
         names.append("lm_head")
     return names
 
@@ -138,8 +134,6 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], names: list[str], scale
 
     Works on FSDP2 DTensors (each rank merges its own rows; A is gathered) and on plain tensors.
     """
-    from torch.distributed.tensor import DTensor
-
     merged = {k: v for k, v in state.items() if not k.endswith(SUFFIXES)}
     for name in names:
         weight, a, b = state[f"{name}.weight"], state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"]

@@ -1,0 +1,264 @@
+"""engine: the one training engine — a model sharded over the ranks, with its optimizer.
+
+Every front end trains through a `TrainingEngine`: the TOML loop (`train.py`, `weightsync
+train`) and the Training API (`commands.py`, which `weightsync serve-training` runs on every
+rank). Its methods are collective: every rank calls them together, in the same order.
+
+Building one (`TrainingEngine.build`), on every rank, in this order:
+
+    define       the model on the meta device (`weightsync.models`, by the architecture's type)
+    adapt        which parameters train: all (full fine-tuning), the LoRA adapters only (lora.py),
+                 or none (a frozen model: the KL reference)
+    recompute    activation checkpointing of each decoder layer (trainable models, if configured)
+    shard        `fully_shard` each decoder layer, then the root (parallel.py)
+    materialise  the local shards only, on the device (on the host with CPU offload)
+    load         the initial weights, broadcast from rank 0 (and the adapters' initial values)
+
+A new model type is a new `define` (in `_build_model`); a new per-parameter choice (frozen, or
+frozen and packed in 4/8 bits) is a new case of `_adapt`: once, for every front end.
+
+What it does once built:
+
+    forward_backward  a batch through the model, loss_fn(per-token log-probs), backward of the loss
+    clip_gradients    the global gradient norm, clipped
+    optimizer_step    AdamW with the given hyper-parameters, then the gradients are cleared
+    save / load       DCP checkpoint of model, optimizer and the step count (checkpoint.py)
+    weights(kind)     this rank's shards to publish: as trained, LoRA merged, or adapters only
+
+Gradient scale: FSDP averages gradients over the data-parallel ranks, so `forward_backward`
+multiplies the loss by their number (and divides it by `divisor`): the reduced gradient is that
+of the sum over all ranks of loss / divisor, as on one rank. Gradients accumulate across calls
+(reduced only on a call with `sync_gradients`) until `optimizer_step` or `discard_gradients`.
+
+Not here: the loop (train.py), the Training API's commands (commands.py), the loss formulas
+(losses.py), the adapters (lora.py), process group, mesh and FSDP wrapping (parallel.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
+from weightsync.trainer import lora as adapters
+from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
+from weightsync.trainer.config import ParallelConfig
+from weightsync.trainer.losses import LossSums
+from weightsync.trainer.optim import AdamWParams, build_optimizer, set_hyperparameters
+from weightsync.trainer.parallel import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    dp_rank_and_size,
+    reset_rope_buffer,
+    set_gradient_sync,
+)
+
+WeightsKind = Literal["full", "merged", "adapter"]
+L = TypeVar("L", bound=LossSums)
+
+
+def read_weights(directory: str | os.PathLike, *, rank: int) -> tuple[ModelConfig, dict[str, torch.Tensor] | None]:
+    """An HF-style directory's architecture (every rank) and its fp32 weights (rank 0 only, None
+    elsewhere: the build broadcasts them)."""
+    if rank != 0:
+        return load_config(directory), None
+    return load_pretrained(directory, dtype=torch.float32)
+
+
+class TrainingEngine:
+    """One model on this rank's shards, its AdamW state and its optimizer step count."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        mesh: DeviceMesh,
+        device: torch.device,
+        lora: adapters.LoraSettings | None = None,
+        lora_targets: list[str] | None = None,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.config: ModelConfig = model.config
+        self.device = device
+        self.lora, self.lora_targets = lora, list(lora_targets or [])
+        self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
+        self.optim_steps = 0
+        """Optimizer steps taken (saved and restored with the optimizer)."""
+
+    @classmethod
+    def build(
+        cls,
+        architecture: ModelConfig,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        mesh: DeviceMesh,
+        parallel: ParallelConfig,
+        device: torch.device,
+        lora: adapters.LoraSettings | None = None,
+        trainable: bool = True,
+    ) -> TrainingEngine:
+        """The engine of `architecture` holding `weights` (given on rank 0, None elsewhere); a
+        frozen one (`trainable=False`) has no optimizer and only computes log-probs."""
+        model, targets = _build_model(
+            architecture, weights, mesh=mesh, parallel=parallel, device=device, lora=lora, trainable=trainable
+        )
+        optimizer = build_optimizer(model) if trainable else None
+        return cls(model, optimizer, mesh=mesh, device=device, lora=lora, lora_targets=targets)
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    # ------------------------------------------------------------------------- a step
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor], L],
+        *,
+        divisor: torch.Tensor | float | None = None,
+        sync_gradients: bool = True,
+        backward: bool = True,
+    ) -> tuple[torch.Tensor, L]:
+        """Forward of a batch, `loss_fn(per-token log-probs)`, and (unless `backward` is False)
+        backward of its loss * dp_size / divisor, accumulating into the gradients. Returns the
+        log-probs (detached) and what loss_fn returned. `sync_gradients=False` keeps this
+        call's gradients local (a micro-batch before the last)."""
+        if backward:
+            set_gradient_sync(self.model, sync_gradients)
+        with torch.set_grad_enabled(backward):
+            logprobs = token_logprobs(self.model(input_ids), targets)
+            result = loss_fn(logprobs)
+            if backward:
+                scale = self.dp_size if divisor is None else self.dp_size / divisor
+                (result.loss * scale).backward()
+        return logprobs.detach(), result
+
+    def logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs, without gradients (what the frozen reference model is for)."""
+        with torch.no_grad():
+            return token_logprobs(self.model(input_ids), targets)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clips the gradients to a global norm of `max_norm` (0: no clipping); returns the norm
+        before clipping, over every rank's shards (0 without gradients)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def optimizer_step(self, params: AdamWParams) -> None:
+        """One AdamW step on the accumulated gradients, with these hyper-parameters; the gradients are then cleared."""
+        set_hyperparameters(self.optimizer, params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optim_steps += 1
+
+    def discard_gradients(self) -> None:
+        """Drops the accumulated gradients without a step (a step the guard refused)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ state, weights
+
+    def save(self, directory: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> Path:
+        """A DCP checkpoint of model and optimizer in `directory`, with this rank's `extra` values
+        and the optimizer step count; committed once every rank's part is durable."""
+        return save_checkpoint(
+            directory, self.model, self.optimizer, {**(extra or {}), "optim_steps": self.optim_steps}
+        )
+
+    def load(self, directory: str | os.PathLike, *, with_optimizer: bool = True) -> dict[str, Any]:
+        """Restores a checkpoint `save` wrote (or one of another rank count: DCP reshards it);
+        returns this rank's extras. Without the optimizer only the weights are restored and the
+        optimizer starts afresh (no moments, step count 0). Pending gradients are dropped."""
+        extra = load_checkpoint(directory, self.model, self.optimizer if with_optimizer else None)
+        if with_optimizer:
+            self.optim_steps = int(extra.get("optim_steps", 0))
+        else:
+            self.optimizer, self.optim_steps = build_optimizer(self.model), 0
+        self.optimizer.zero_grad(set_to_none=True)
+        return extra
+
+    def weights(self, kind: WeightsKind = "full") -> dict[str, torch.Tensor]:
+        """This rank's shards (DTensors, by HF name) to publish: "full" (the model as trained),
+        "merged" (LoRA folded into the base weights, the plain model's names) or "adapter" (the
+        LoRA tensors only)."""
+        state = self.model.state_dict()
+        if kind == "full":
+            return state
+        if self.lora is None:
+            raise ValueError(f"{kind!r} weights need a LoRA model; this one is fully fine-tuned")
+        if kind == "merged":
+            return adapters.merged_state_dict(state, self.lora_targets, self.lora.scale)
+        if kind == "adapter":
+            return adapters.adapter_state_dict(state)
+        raise ValueError(f"weights kind must be 'full', 'merged' or 'adapter', got {kind!r}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The gathered fp32 state dict on rank 0 ({} elsewhere). For tests and exports: training
+        and publishing never gather."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export_pretrained(self, directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
+        """Rank 0 writes the model as an HF-style directory (gathered there); every rank returns
+        once it is written."""
+        state = self.full_state_dict()
+        if dist.get_rank() == 0:
+            save_pretrained(directory, self.config, state, dtype=dtype)
+        dist.barrier()
+
+
+def _build_model(
+    architecture: ModelConfig,
+    weights: Mapping[str, torch.Tensor] | None,
+    *,
+    mesh: DeviceMesh,
+    parallel: ParallelConfig,
+    device: torch.device,
+    lora: adapters.LoraSettings | None,
+    trainable: bool,
+) -> tuple[CausalLM, list[str]]:
+    """The sharded model and its LoRA target layers: define, adapt, recompute, shard,
+    materialise, load (the module docstring). No rank materialises the whole model."""
+    with torch.device("meta"):
+        model = CausalLM(architecture)
+    targets = _adapt(model, lora=lora, trainable=trainable)
+    if parallel.activation_checkpointing and trainable:
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, mesh, parallel, device=device)
+    model.to_empty(device="cpu" if parallel.cpu_offload else device)
+    reset_rope_buffer(model)
+    state = dict(weights) if weights is not None else {}  # the call below overwrites its argument
+    if weights is not None and targets:
+        shapes = {name: tuple(t.shape) for name, t in weights.items()}
+        state.update(adapters.initial_adapters(shapes, targets, lora))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not trainable:
+        model.eval()
+    return model, targets
+
+
+def _adapt(model: CausalLM, *, lora: adapters.LoraSettings | None, trainable: bool) -> list[str]:
+    """Decides, per parameter and before sharding, what trains: every parameter (full
+    fine-tuning), the LoRA adapters only (attached here; the base weights frozen), or nothing (a
+    frozen model). Returns the LoRA target layers."""
+    if not trainable:
+        model.requires_grad_(False)
+        return []
+    return adapters.attach(model, lora) if lora is not None else []
