@@ -48,6 +48,17 @@ class _Progress:
             self._bar.close()
 
 
+def _model(args: argparse.Namespace) -> str:
+    """--model, checked before anything is read or written: a bad name is a usage error (exit 2)."""
+    from weightsync.errors import ConfigError, FormatError
+    from weightsync.format.layout import check_model_name
+
+    try:
+        return check_model_name(args.model)
+    except FormatError as e:
+        raise ConfigError(f"--model: {e}") from None
+
+
 def _store(args: argparse.Namespace):
     from weightsync.stores import open_store
 
@@ -57,7 +68,10 @@ def _store(args: argparse.Namespace):
 
 
 def _manifest_row(manifest) -> dict[str, Any]:
-    raw, stored = manifest.raw_bytes, manifest.stored_bytes
+    """One version as `ls`, `publish` and `--json` show it. `ratio` is the one compression ratio
+    weightsync reports: the model's bytes over what the version adds to the store (its chunk
+    objects and its manifest)."""
+    raw, stored, manifest_bytes = manifest.raw_bytes, manifest.stored_bytes, len(manifest.to_bytes())
     return {
         "version": manifest.version,
         "kind": manifest.kind,
@@ -69,57 +83,112 @@ def _manifest_row(manifest) -> dict[str, Any]:
         ),
         "raw_bytes": raw,
         "stored_bytes": stored,
-        "ratio": raw / stored if stored else None,
+        "manifest_bytes": manifest_bytes,
+        "ratio": raw / (stored + manifest_bytes),
         "tensors": len(manifest.tensors),
         "digest": manifest.digest,
     }
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:,.1f} MB"
+def _size(n: int | None) -> str:
+    """Bytes in the unit that shows them: 512 B, 28.6 kB, 1.2 MB, 3.4 GB (powers of 1000)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------- subcommands
 
 
 def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.checkpoint_io import open_checkpoint
+    from weightsync.checkpoint_io import checkpoint_dtypes, open_checkpoint
     from weightsync.publisher import PublisherConfig, publish_once
+    from weightsync.transport.signing import Signer
 
+    _model(args)
+    store = _store(args)
     checkpoint = open_checkpoint(args.checkpoint)
-    config_kwargs: dict[str, Any] = {"chunk_bytes": int(args.chunk_mib * 2**20), "zstd_level": args.zstd_level}
+    signer = Signer.from_pem(args.signing_key) if args.signing_key else None
+    config_kwargs: dict[str, Any] = {
+        "chunk_bytes": int(args.chunk_mib * 2**20),
+        "zstd_level": args.zstd_level,
+        # A one-shot command never waits to compile kernels it may not need (a delta compiles
+        # what it needs, and says so).
+        "warm_up_kernels": False,
+    }
     if args.keep_dtypes:
         config_kwargs["cast_floats_to"] = None
     if args.workers:
         config_kwargs["workers"] = args.workers
+    config = PublisherConfig(**config_kwargs)
+    _note_dtype_cast(checkpoint_dtypes(checkpoint), config.cast_floats_to)
+    _warn_if_step_does_not_advance(store, args.model, args.step)
     progress = _Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
         result = publish_once(
-            _store(args),
-            checkpoint,
-            model=args.model,
-            step=args.step,
-            config=PublisherConfig(**config_kwargs),
-            progress=progress,
+            store, checkpoint, model=args.model, step=args.step, config=config, signer=signer, progress=progress
         )
     finally:
         progress.close()
     row = _manifest_row(result.manifest)
     row.update(
         model=args.model,
-        manifest_bytes=result.manifest_bytes,
-        ratio=result.ratio,
         changed_elements=result.changed_elements,
         total_elements=result.total_elements,
         seconds=result.total_s,
+        full_reason=result.full_reason,
+        signed_by=None if signer is None else signer.key_id,
     )
     if not args.json:
-        on_parent = "" if row["parent"] is None else f" on v{row['parent']}"
+        what = f"delta on v{row['parent']}" if row["parent"] is not None else f"full: {result.full_reason}"
         print(
-            f"published {args.model} v{row['version']} ({row['kind']}{on_parent}): {_mb(row['raw_bytes'])} -> "
-            f"{_mb(row['stored_bytes'] + row['manifest_bytes'])} ({row['ratio']:.1f}x) in {row['seconds']:.2f} s"
+            f"published {args.model} v{row['version']} ({what}): {_size(row['raw_bytes'])} -> "
+            f"{_size(row['stored_bytes'] + row['manifest_bytes'])} ({row['ratio']:.1f}x) in {row['seconds']:.2f} s"
+            + ("" if signer is None else f", signed by key {signer.key_id}")
         )
     return row
+
+
+def _note_dtype_cast(dtypes: dict[str, Any], cast_floats_to: str | None) -> None:
+    """Says which tensors the publisher casts (fp32 weights are served as bf16 unless kept)."""
+    if cast_floats_to is None:
+        return
+    import torch
+
+    target = getattr(torch, cast_floats_to)
+    cast: dict[str, int] = {}
+    for dtype in dtypes.values():
+        if dtype is not None and dtype.is_floating_point and dtype != target:
+            name = str(dtype).removeprefix("torch.")
+            cast[name] = cast.get(name, 0) + 1
+    if cast:
+        which = ", ".join(f"{n} {dtype} tensor{'s' if n > 1 else ''}" for dtype, n in sorted(cast.items()))
+        print(
+            f"weightsync: casting {which} to {cast_floats_to}, what inference serves "
+            "(--keep-dtypes publishes them as they are)",
+            file=sys.stderr,
+        )
+
+
+def _warn_if_step_does_not_advance(store, model: str, step: int | None) -> None:
+    """A --step at or before the latest version's step is almost always a mistake (a resumed
+    trainer's old step, a typo): versions are still numbered in publish order, so say so."""
+    from weightsync.versions import latest_version, read_manifest
+
+    latest = latest_version(store, model)
+    if step is None or latest is None:
+        return
+    last_step = read_manifest(store, model, latest).step
+    if last_step is not None and step <= last_step:
+        word = "repeats" if step == last_step else "goes back from"
+        print(
+            f"weightsync: warning: --step {step} {word} the last published step {last_step} (v{latest}); "
+            f"publishing anyway as v{latest + 1}",
+            file=sys.stderr,
+        )
 
 
 def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,7 +222,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     }
     if not args.json:
         print(
-            f"pulled {args.model} v{version} ({_mb(manifest.raw_bytes)}, verified) into {args.out}: "
+            f"pulled {args.model} v{version} ({_size(manifest.raw_bytes)}, verified) into {args.out}: "
             f"{', '.join(f.name for f in files)}"
         )
     return row
@@ -190,8 +259,8 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
                 ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
                 print(
                     f"{r['version']:>7} {r['kind']:>5} {r['parent'] or '-':>6} {r['base']:>5} "
-                    f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_mb(r['raw_bytes']):>12} "
-                    f"{_mb(r['stored_bytes']):>12} {ratio:>7}  {r['digest'][:12]}"
+                    f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_size(r['raw_bytes']):>12} "
+                    f"{_size(r['stored_bytes'] + r['manifest_bytes']):>12} {ratio:>7}  {r['digest'][:12]}"
                 )
     return {"store": store.uri, "model": args.model, "versions": rows}
 
@@ -248,7 +317,7 @@ def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
         verb = "would delete" if args.dry_run else "deleted"
         print(
             f"{verb} versions {list(plan.delete_versions) or 'none'} and {len(plan.delete_objects)} objects "
-            f"({_mb(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
+            f"({_size(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
             f"{plan.young_unreferenced} unreferenced objects younger than the grace period kept"
         )
     return row
@@ -371,8 +440,8 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             total = e.timings_s.get("since_offer")
             pause = e.timings_s.get("swap_pause")
             print(
-                f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_mb(e.bytes_pushed):>10} "
-                f"{_mb(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
+                f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_size(e.bytes_pushed):>10} "
+                f"{_size(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
                 f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}"
             )
     if args.verify and reply.served_digest != reply.current_digest:
@@ -387,7 +456,7 @@ def _cmd_keygen(args: argparse.Namespace) -> dict[str, Any]:
 
     signer = Signer.generate()
     private, public = f"{args.out}.pem", f"{args.out}.pub"
-    signer.write(private, public)
+    signer.write(private, public)  # ConfigError (exit 2) for a missing directory or an existing key
     if not args.json:
         print(
             f"wrote {private} (private, mode 600: give it to the publisher) and {public} "
@@ -444,15 +513,18 @@ def _add_publish(sub) -> None:
     p = sub.add_parser(
         "publish",
         help="publish a checkpoint as the next version",
-        description="Publish safetensors files or an HF-style directory as the model's next "
-        "version (a delta on the latest version when shapes allow).",
+        description="Publish safetensors files, an HF-style directory or a torch DCP checkpoint directory (what "
+        "FSDP ranks save) as the model's next version (a delta on the latest version when the layout allows).",
     )
     _common(p)
-    p.add_argument("checkpoint", nargs="+", help=".safetensors files or HF-style directories")
+    p.add_argument(
+        "checkpoint", nargs="+", help=".safetensors files, HF-style directories, or one torch DCP checkpoint directory"
+    )
     p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="largest chunk in MiB (default 4)")
     p.add_argument("--zstd-level", type=int, default=1, help="zstd level 1-22 (default 1: fast and small)")
     p.add_argument("--keep-dtypes", action="store_true", help="keep float dtypes instead of casting to bf16")
+    p.add_argument("--signing-key", help="Ed25519 private key (PEM, from `weightsync keygen`) to sign the version with")
     p.add_argument("--workers", type=int, help="encode threads (default: CPU count)")
     p.set_defaults(handler=_cmd_publish)
 

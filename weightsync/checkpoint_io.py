@@ -57,6 +57,30 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         return sorted(set(self._files.values()))
 
 
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}  # fmt: skip
+
+
+def checkpoint_dtypes(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.dtype | None]:
+    """Each tensor's dtype as stored, read from the files' headers (no tensor is loaded); None for
+    a dtype this torch build does not have."""
+    if isinstance(checkpoint, SafetensorsCheckpoint):
+        out: dict[str, torch.dtype | None] = {}
+        for file in checkpoint.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in checkpoint:
+                        out[name] = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+        return out
+    if isinstance(checkpoint, DcpCheckpoint):
+        return checkpoint.dtypes()
+    return {name: tensor.dtype for name, tensor in checkpoint.items()}
+
+
 class DcpCheckpoint(Mapping[str, torch.Tensor]):
     """Tensor name -> tensor of a torch DCP directory, each loaded (whole) on access."""
 
@@ -77,6 +101,9 @@ class DcpCheckpoint(Mapping[str, torch.Tensor]):
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise FormatError(f"cannot read tensor {key!r} from the DCP checkpoint {self.path}: {e}") from None
         return tensor
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {name: dtype for name, (_, _, dtype) in self._entries.items()}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

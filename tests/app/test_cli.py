@@ -134,21 +134,22 @@ def test_gc_dry_run_then_real(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["pull", "--store", "nowhere", "--model", "m", "--out", "o"], "has no versions"),
-        (["pull", "--store", "STORE", "--model", "m", "--version", "9", "--out", "o"], "version 9 is not in"),
-        (["publish", "--store", "STORE", "--model", "../evil", "CKPT"], "invalid model name"),
-        (["publish", "--store", "STORE", "--model", "m", "missing.safetensors"], "does not exist"),
-        (["ls", "--store", "ftp://host/x"], "unsupported store URI"),
+    "argv, message, exit_code",
+    [  # 2: a setting to fix (usage, config); 1: the command ran and failed
+        (["pull", "--store", "nowhere", "--model", "m", "--out", "o"], "has no versions", 1),
+        (["pull", "--store", "STORE", "--model", "m", "--version", "9", "--out", "o"], "version 9 is not in", 1),
+        (["publish", "--store", "STORE", "--model", "../evil", "CKPT"], "--model: invalid model name", 2),
+        (["publish", "--store", "STORE", "--model", "m", "missing.safetensors"], "does not exist", 1),
+        (["ls", "--store", "ftp://host/x"], "unsupported store URI", 2),
+        (["ls", "--store", "s3:/bucket/x"], "did you mean s3://bucket/x?", 2),
     ],
 )
-def test_errors_are_one_clear_line(tmp_path, capsys, argv, message):
+def test_errors_are_one_clear_line(tmp_path, capsys, argv, message, exit_code):
     _, _, c1, _ = _checkpoints(tmp_path)
     assert _run(capsys, "publish", "--store", str(tmp_path / "store"), "--model", "m", str(c1))[0] == 0
     argv = [str(tmp_path / "store") if a == "STORE" else str(c1) if a == "CKPT" else a for a in argv]
     code, _, err = _run(capsys, *argv)
-    assert code == 1
+    assert code == exit_code
     assert err.count("\n") == 1 and err.startswith("weightsync: error:") and message in err
     assert "Traceback" not in err
 
@@ -198,3 +199,90 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["publish", "--model", "m"])
     assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------ what publish says
+
+
+def test_publish_and_ls_report_one_ratio_in_sizes_that_show(tmp_path, capsys):
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    store = f"file://{tmp_path}/store"
+    assert _run(capsys, "publish", "--store", store, "--model", "m", str(c1))[0] == 0
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(c2), "--json")
+    published = json.loads(out)
+    code, out, _ = _run(capsys, "ls", "--store", store, "--model", "m", "--json")
+    listed = json.loads(out)["versions"][1]
+    assert published["ratio"] == listed["ratio"]  # was 72.9x from publish and 78.0x from ls on one version
+    assert listed["ratio"] == listed["raw_bytes"] / (listed["stored_bytes"] + listed["manifest_bytes"])
+    code, out, _ = _run(capsys, "ls", "--store", store, "--model", "m")
+    delta_line = out.splitlines()[2]
+    assert " kB" in delta_line and "0.0 MB" not in delta_line, out  # a delta of some kB, not "0.0 MB"
+    assert f"{listed['ratio']:.1f}x" in delta_line
+
+
+def test_publish_says_why_a_version_is_full_naming_what_changed(tmp_path, capsys):
+    first, _, c1, _ = _checkpoints(tmp_path)
+    store = f"file://{tmp_path}/store"
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(c1))
+    assert code == 0 and "(full: no parent)" in out
+    changed = dict(first)
+    changed["model.head.weight"] = torch.zeros(64, 301, dtype=torch.float16)
+    changed["model.extra.bias"] = torch.zeros(3)
+    del changed["model.norm.weight"]
+    save_file(changed, tmp_path / "c3.safetensors")
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(tmp_path / "c3.safetensors"), "--json")
+    reason = json.loads(out)["full_reason"]
+    assert code == 0 and json.loads(out)["kind"] == "full"
+    assert "new tensors model.extra.bias" in reason and "tensors gone model.norm.weight" in reason
+    assert "shape model.head.weight (64, 300) -> (64, 301)" in reason
+
+
+def test_publish_announces_the_dtype_cast_and_keep_dtypes_silences_it(tmp_path, capsys):
+    _, _, c1, _ = _checkpoints(tmp_path)  # float32 x2 and float16 x1 floating tensors
+    code, _, err = _run(capsys, "publish", "--store", str(tmp_path / "s1"), "--model", "m", str(c1))
+    assert code == 0
+    assert "casting 1 float16 tensor, 2 float32 tensors to bfloat16" in err and "--keep-dtypes" in err
+    code, _, err = _run(capsys, "publish", "--store", str(tmp_path / "s2"), "--model", "m", "--keep-dtypes", str(c1))
+    assert code == 0 and "casting" not in err
+
+
+def test_a_step_that_repeats_or_goes_back_is_warned_about_naming_the_last_step(tmp_path, capsys):
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    store = str(tmp_path / "store")
+    assert _run(capsys, "publish", "--store", store, "--model", "m", "--step", "5", str(c1))[0] == 0
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--step", "3", str(c2))
+    assert code == 0 and "warning: --step 3 goes back from the last published step 5 (v1)" in err
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--step", "3", str(c1))
+    assert code == 0 and "warning: --step 3 repeats the last published step 3 (v2)" in err
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--step", "4", str(c2))
+    assert code == 0 and "warning" not in err
+
+
+def test_publish_signing_key_makes_versions_that_require_signatures_accepts(tmp_path, capsys):
+    from weightsync.stores import open_store
+    from weightsync.transport.signing import Verifier
+    from weightsync.versions import read_manifest, read_signature
+
+    _, _, c1, _ = _checkpoints(tmp_path)
+    assert _run(capsys, "keygen", "--out", str(tmp_path / "key"))[0] == 0
+    store = str(tmp_path / "store")
+    code, out, _ = _run(
+        capsys, "publish", "--store", store, "--model", "m", "--signing-key", str(tmp_path / "key.pem"), str(c1)
+    )
+    assert code == 0 and "signed by key" in out
+    manifest_bytes = read_manifest(open_store(store), "m", 1).to_bytes()
+    signature = read_signature(open_store(store), "m", 1, manifest_bytes)
+    assert Verifier.from_pem([tmp_path / "key.pub"]).verify(manifest_bytes, signature)
+
+
+@pytest.mark.parametrize("case", ["missing directory", "existing key"])
+def test_keygen_refuses_a_missing_directory_or_an_existing_key_in_a_sentence(tmp_path, capsys, case):
+    out = tmp_path / "nowhere" / "key" if case == "missing directory" else tmp_path / "key"
+    if case == "existing key":
+        (tmp_path / "key.pem").write_text("precious")
+    code, _, err = _run(capsys, "keygen", "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and "Errno" not in err
+    want = "does not exist (create it first)" if case == "missing directory" else "already exists, and a key is never"
+    assert want in err
+    assert case == "missing directory" or (tmp_path / "key.pem").read_text() == "precious"
+    assert not (tmp_path / "key.pub").exists()
