@@ -133,9 +133,11 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
         )
     finally:
         progress.close()
+    model_files = _store_model_files(store, args.model, args.checkpoint)
     row = _manifest_row(result.manifest)
     row.update(
         model=args.model,
+        model_files=sorted(model_files),
         changed_elements=result.changed_elements,
         total_elements=result.total_elements,
         seconds=result.total_s,
@@ -150,6 +152,21 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
             + ("" if signer is None else f", signed by key {signer.key_id}")
         )
     return row
+
+
+def _store_model_files(store, model: str, checkpoint_paths: list[str]) -> list[str]:
+    """An HF-style directory's config and tokenizer files go to the store beside the weights, so
+    that `pull --out` writes a directory an engine loads."""
+    from pathlib import Path
+
+    from weightsync.model_files import put_model_files, read_model_files
+
+    files: dict[str, bytes] = {}
+    for path in checkpoint_paths:
+        if Path(path).is_dir():
+            files.update(read_model_files(path))
+    put_model_files(store, model, files)
+    return sorted(files)
 
 
 def _note_dtype_cast(dtypes: dict[str, Any], cast_floats_to: str | None) -> None:
@@ -193,12 +210,21 @@ def _warn_if_step_does_not_advance(store, model: str, step: int | None) -> None:
 
 def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.checkpoint_io import write_safetensors
+    from weightsync.model_files import get_model_files, read_model_files, refuse_clashes, write_model_files
     from weightsync.reader import Reader
     from weightsync.versions import read_manifest
 
+    _model(args)
     reader = Reader(_store(args), model=args.model, workers=args.workers)
     version = reader.resolve(args.version)
     manifest = read_manifest(reader.store, args.model, version)
+    # The engine's files (config, tokenizer): from --template, else as the store keeps them.
+    model_files = read_model_files(args.template) if args.template else get_model_files(reader.store, args.model)
+    if args.template and "config.json" not in model_files:
+        from weightsync.errors import ConfigError
+
+        raise ConfigError(f"--template {args.template} has no config.json: give a model directory (HF layout)")
+    refuse_clashes(args.out, model_files)  # before any byte is written
     progress = _Progress(args, manifest.raw_bytes, f"pull v{version}")
     try:
         state = reader.read(version, progress=progress)
@@ -213,6 +239,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
             "weightsync_digest": manifest.digest,
         },
     )
+    files += write_model_files(args.out, model_files)
     row = {
         "model": args.model,
         "version": version,
@@ -225,6 +252,12 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
             f"pulled {args.model} v{version} ({_size(manifest.raw_bytes)}, verified) into {args.out}: "
             f"{', '.join(f.name for f in files)}"
         )
+        if "config.json" not in model_files:
+            print(
+                "weightsync: note: no config.json was published with this model; an engine needs one beside the "
+                "weights: pull with --template MODEL_DIR, or publish the model's HF directory",
+                file=sys.stderr,
+            )
     return row
 
 
@@ -534,11 +567,17 @@ def _add_pull(sub) -> None:
         "pull",
         help="rebuild a version and write it as safetensors",
         description="Rebuild a version from its base and deltas, verify every hash, and "
-        "write it as safetensors (sharded with an index above 5 GiB).",
+        "write it as safetensors (sharded with an index above 5 GiB) with the files an engine needs to load it.",
     )
     _common(p)
     p.add_argument("--version", type=int, help="version to pull (default: latest)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory: the weights, plus the model's config and tokenizer files (from --template, "
+        "else as published from an HF directory); files weightsync did not write are never replaced",
+    )
+    p.add_argument("--template", help="model directory (HF layout) to copy config.json and the tokenizer from")
     p.add_argument("--workers", type=int, help="read threads (default: CPU count)")
     p.set_defaults(handler=_cmd_pull)
 

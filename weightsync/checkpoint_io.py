@@ -8,7 +8,8 @@ whole-tensor by whole-tensor, resharded from however many ranks wrote it; when i
 training state (`{"model": ..., "optim": ...}`, as FSDP trainers save), only the model's tensors
 are taken, under their own names.
 `write_safetensors` writes `model.safetensors`, or HF-style shards plus an index, atomically:
-files appear under their final names only when complete. Not here: stores or versions.
+files appear under their final names only when complete. It replaces the checkpoint files an
+earlier write left in the directory, and refuses to touch any it did not write. Not here: stores or versions.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from weightsync.errors import FormatError, LayoutError, StoreError
+from weightsync.errors import ConfigError, FormatError, LayoutError, StoreError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+WRITTEN_BY = {"written_by": "weightsync"}  # in every file's metadata: what a later write may replace
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
@@ -216,9 +218,11 @@ def write_safetensors(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign_checkpoint_files(out)
     shards = _plan_shards(state_dict, max_shard_bytes)
-    # "format": "pt" is what HF transformers checks before it loads a safetensors file as torch.
-    metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    # "format": "pt" is what HF transformers checks before it loads a safetensors file as torch;
+    # WRITTEN_BY marks the files a later write may replace.
+    metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}, **WRITTEN_BY}
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-weightsync-", dir=out))
     try:
         written = []
@@ -235,13 +239,40 @@ def write_safetensors(
             written.append(INDEX_NAME)
         for file in written:
             os.replace(tmp / file, out / file)
-        # A previous checkpoint in the same directory (other shard count) must not linger.
+        # A previous checkpoint written here (other shard count) must not linger; foreign files
+        # were refused above.
         for stale in [*out.glob("model-*-of-*.safetensors"), out / INDEX_NAME, out / SINGLE_NAME]:
             if stale.name not in written and stale.exists():
                 stale.unlink()
         return [out / file for file in written]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checkpoint_files_in(out: Path) -> list[Path]:
+    return [p for p in [out / SINGLE_NAME, *out.glob("model-*-of-*.safetensors"), out / INDEX_NAME] if p.is_file()]
+
+
+def _written_by_weightsync(path: Path) -> bool:
+    try:
+        if path.name == INDEX_NAME:
+            found = json.loads(path.read_text()).get("metadata", {})
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                found = f.metadata() or {}
+    except (ValueError, OSError, SafetensorError, AttributeError):
+        return False
+    return all(found.get(k) == v for k, v in WRITTEN_BY.items())
+
+
+def _refuse_foreign_checkpoint_files(out: Path) -> None:
+    """A write replaces the checkpoint files a previous write put in `out`, never anyone else's."""
+    foreign = [p.name for p in _checkpoint_files_in(out) if not _written_by_weightsync(p)]
+    if foreign:
+        raise ConfigError(
+            f"{out} holds {', '.join(sorted(foreign))}, which weightsync did not write and would replace; "
+            "write into an empty directory, or remove them"
+        )
 
 
 def _plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

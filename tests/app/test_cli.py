@@ -286,3 +286,54 @@ def test_keygen_refuses_a_missing_directory_or_an_existing_key_in_a_sentence(tmp
     assert want in err
     assert case == "missing directory" or (tmp_path / "key.pem").read_text() == "precious"
     assert not (tmp_path / "key.pub").exists()
+
+
+# ------------------------------------------------------------------------------ pull --out
+
+
+def test_pull_writes_a_directory_that_transformers_loads_as_it_is(tmp_path, capsys):
+    """The published HF directory's config and tokenizer come back with the weights; the pulled
+    directory loads in transformers with the published weights, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from harness.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    store = str(tmp_path / "store")
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(model_dir), "--json")
+    assert code == 0 and {"config.json", "tokenizer.json"} <= set(json.loads(out)["model_files"])
+    assert _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(tmp_path / "pulled"))[0] == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pulled", torch_dtype=torch.bfloat16)
+    want = open_checkpoint(model_dir)
+    got = loaded.state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name].to(torch.bfloat16)), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "pulled")
+    assert tokenizer("2 + 3")["input_ids"]
+
+
+def test_pull_template_supplies_the_config_and_a_foreign_file_is_never_replaced(tmp_path, capsys):
+    from harness.tiny_model import write_tiny_model
+
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    template = write_tiny_model(tmp_path / "template")
+    store = str(tmp_path / "store")
+    assert _run(capsys, "publish", "--store", store, "--model", "m", str(c1))[0] == 0
+    out = tmp_path / "out"
+    code, _, err = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(out))
+    assert code == 0 and "no config.json was published" in err  # a bare safetensors publish
+    code, _, _ = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(out), "--template", str(template))
+    assert code == 0 and (out / "config.json").read_bytes() == (template / "config.json").read_bytes()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    save_file({"precious": torch.ones(3)}, mine / "model.safetensors")
+    before = (mine / "model.safetensors").read_bytes()
+    code, _, err = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(mine))
+    assert code == 2 and "model.safetensors, which weightsync did not write" in err
+    assert (mine / "model.safetensors").read_bytes() == before
+    (out / "config.json").write_text("{}")  # the user's edit: not replaced by a pull with a template
+    code, _, err = _run(
+        capsys, "pull", "--store", store, "--model", "m", "--out", str(out), "--template", str(template)
+    )
+    assert code == 2 and "already holds config.json with other contents" in err
+    assert (out / "config.json").read_text() == "{}"
