@@ -416,6 +416,11 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         swap_policy=args.swap_policy,
     )
     from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
+    from weightsync.logs import configure_logging
+
+    configure_logging(
+        logging.INFO if args.verbose else logging.WARNING, args.log_format, agent=config.name, region=config.region
+    )
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
@@ -699,6 +704,7 @@ def _add_agent(sub) -> None:
         choices=("drain", "in_flight", "abort"),
         help="how requests running at a swap meet the new version (default drain; docs/agents.md)",
     )
+    _add_log_format(p)
     p.set_defaults(handler=_cmd_agent)
 
 
@@ -742,6 +748,7 @@ def _add_train(sub) -> None:
     )
     _common(p, store=False, model=False)
     add_train_arguments(p)
+    _add_log_format(p)
     p.set_defaults(handler=_cmd_train)
 
 
@@ -759,6 +766,7 @@ def _add_serve_training(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout when the server exits")
     p.add_argument("-v", "--verbose", action="store_true")
     add_arguments(p)
+    _add_log_format(p)
     p.set_defaults(handler=_cmd_serve_training)
 
 
@@ -791,13 +799,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    """For the long-running commands: their logs may go to a log shipper."""
+    from weightsync.logs import LOG_FORMATS
+
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help="stderr log lines as text (default) or one JSON object per line (also for the processes it starts)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from weightsync.logs import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging(logging.INFO if args.verbose else logging.WARNING, getattr(args, "log_format", None))
     from weightsync.errors import ConfigError, WeightsyncError
 
     try:

@@ -337,3 +337,29 @@ def test_pull_template_supplies_the_config_and_a_foreign_file_is_never_replaced(
     )
     assert code == 2 and "already holds config.json with other contents" in err
     assert (out / "config.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_log_format_json_makes_every_agent_log_line_a_json_object(tmp_path):
+    import signal
+
+    from harness.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.app.cli", "agent", "--model", "m", "--model-dir", str(model_dir),
+         "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"), "--name", "a1", "--region", "eu",
+         "--log-format", "json", "-v"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "ready"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines, "the agent logged nothing at -v"
+    for line in lines:
+        record = json.loads(line)  # every line, warnings from libraries included
+        assert {"ts", "level", "logger", "message"} <= set(record), record
+    assert any(json.loads(line).get("agent") == "a1" and json.loads(line).get("region") == "eu" for line in lines)
