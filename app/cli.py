@@ -629,6 +629,9 @@ def _add_gc(sub) -> None:
 
 
 def _add_demo(sub) -> None:
+    from weightsync.app.demo.run import DemoConfig  # no torch: --help stays instant
+
+    default = DemoConfig()  # the help states the code's defaults, not a copy of them
     p = sub.add_parser(
         "demo",
         help="run the end-to-end demo on embedded defaults",
@@ -639,11 +642,13 @@ def _add_demo(sub) -> None:
     )
     _common(p, store=False, model=False)
     p.add_argument("--store", help=f"store URI (default: file://OUT_DIR/store); any of {store_uri_forms()}")
-    p.add_argument("--out-dir", help="working directory, recreated on each run (default weightsync-demo)")
-    p.add_argument("--warmup-steps", type=int, help="SFT warm-start steps (default 40)")
-    p.add_argument("--rl-steps", type=int, help="GRPO steps (default 80)")
-    p.add_argument("--max-operand", type=int, help="the task's operands are drawn from [0, N] (default 9)")
-    p.add_argument("--seed", type=int, help="seed of the model, data and sampling (default 0)")
+    p.add_argument("--out-dir", help=f"working directory, recreated on each run (default {default.out_dir})")
+    p.add_argument("--warmup-steps", type=int, help=f"SFT warm-start steps (default {default.warmup_steps})")
+    p.add_argument("--rl-steps", type=int, help=f"GRPO steps (default {default.rl_steps})")
+    p.add_argument(
+        "--max-operand", type=int, help=f"the task's operands are drawn from [0, N] (default {default.max_operand})"
+    )
+    p.add_argument("--seed", type=int, help=f"seed of the model, data and sampling (default {default.seed})")
     p.add_argument(
         "--engine",
         choices=("reference", "vllm"),
@@ -655,18 +660,22 @@ def _add_demo(sub) -> None:
         help="--engine vllm: interpreter with vLLM and weightsync (default "
         "$WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python)",
     )
-    p.add_argument("--regions", type=int, help="regions (default 2)")
-    p.add_argument("--agents-per-region", type=int, help="agents per region (default 2; each runs its own engine)")
+    p.add_argument("--regions", type=int, help=f"regions (default {default.regions})")
+    p.add_argument(
+        "--agents-per-region",
+        type=int,
+        help=f"agents per region (default {default.agents_per_region}; each runs its own engine)",
+    )
     p.add_argument(
         "--swap-policy",
         choices=("drain", "in_flight", "abort"),
-        help="every agent's swap policy (default drain; docs/agents.md); summary.json reports the "
+        help=f"every agent's swap policy (default {default.swap_policy}; docs/agents.md); summary.json reports the "
         "staleness of what the trainer learned from",
     )
     p.add_argument(
         "--rollout-tokens",
         type=int,
-        help="tokens each completion generates (default 8); more: long rollouts that swaps meet",
+        help=f"tokens each completion generates (default {default.rollout_tokens}); more: long rollouts that swaps meet",
     )
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)

@@ -363,3 +363,53 @@ def test_log_format_json_makes_every_agent_log_line_a_json_object(tmp_path):
         record = json.loads(line)  # every line, warnings from libraries included
         assert {"ts", "level", "logger", "message"} <= set(record), record
     assert any(json.loads(line).get("agent") == "a1" and json.loads(line).get("region") == "eu" for line in lines)
+
+
+def test_demo_help_states_the_defaults_the_code_uses(capsys):
+    """`demo --help` said --warmup-steps defaults to 40 while the code used 60."""
+    import dataclasses
+    import re
+
+    from weightsync.app.demo import DemoConfig
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    defaults = {f.name: getattr(DemoConfig(), f.name) for f in dataclasses.fields(DemoConfig)}
+    stated = re.findall(r"--([a-z-]+) [A-Z_]+ (?:(?!--).)*?\(default ([^;)]+)", text)
+    checked = 0
+    for flag, value in stated:
+        name = flag.replace("-", "_")
+        if name in defaults and not value.startswith("$") and "://" not in value:
+            assert value.strip() == str(defaults[name]), (flag, value, defaults[name])
+            checked += 1
+    assert checked >= 8, stated
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_demo_progress_is_one_line_rewritten_on_a_terminal_and_changes_only_elsewhere():
+    from weightsync.app.demo.run import ProgressLine
+
+    for tty in (True, False):
+        stream = _Stream(tty)
+        progress = ProgressLine(stream)
+        for line in ("step 1", "step 1", "step 2", "step 2", "step 3"):
+            progress(line)
+        progress.done()
+        if tty:
+            assert stream.text == "\r\033[Kstep 1\r\033[Kstep 2\r\033[Kstep 3\n"
+        else:
+            assert stream.text == "step 1\nstep 2\nstep 3\n"
