@@ -48,6 +48,17 @@ class _Progress:
             self._bar.close()
 
 
+def _model(args: argparse.Namespace) -> str:
+    """--model, checked before anything is read or written: a bad name is a usage error (exit 2)."""
+    from weightsync.errors import ConfigError, FormatError
+    from weightsync.format.layout import check_model_name
+
+    try:
+        return check_model_name(args.model)
+    except FormatError as e:
+        raise ConfigError(f"--model: {e}") from None
+
+
 def _store(args: argparse.Namespace):
     from weightsync.stores import open_store
 
@@ -57,7 +68,10 @@ def _store(args: argparse.Namespace):
 
 
 def _manifest_row(manifest) -> dict[str, Any]:
-    raw, stored = manifest.raw_bytes, manifest.stored_bytes
+    """One version as `ls`, `publish` and `--json` show it. `ratio` is the one compression ratio
+    weightsync reports: the model's bytes over what the version adds to the store (its chunk
+    objects and its manifest)."""
+    raw, stored, manifest_bytes = manifest.raw_bytes, manifest.stored_bytes, len(manifest.to_bytes())
     return {
         "version": manifest.version,
         "kind": manifest.kind,
@@ -69,25 +83,42 @@ def _manifest_row(manifest) -> dict[str, Any]:
         ),
         "raw_bytes": raw,
         "stored_bytes": stored,
-        "ratio": raw / stored if stored else None,
+        "manifest_bytes": manifest_bytes,
+        "ratio": raw / (stored + manifest_bytes),
         "tensors": len(manifest.tensors),
         "digest": manifest.digest,
     }
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:,.1f} MB"
+def _size(n: int | None) -> str:
+    """Bytes in the unit that shows them: 512 B, 28.6 kB, 1.2 MB, 3.4 GB (powers of 1000)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------- subcommands
 
 
 def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.checkpoint_io import open_checkpoint
+    from weightsync.checkpoint_io import checkpoint_dtypes, open_checkpoint
     from weightsync.publisher import PublisherConfig, publish_once
+    from weightsync.transport.signing import Signer
 
+    _model(args)
+    store = _store(args)
     checkpoint = open_checkpoint(args.checkpoint)
-    config_kwargs: dict[str, Any] = {"chunk_bytes": int(args.chunk_mib * 2**20), "zstd_level": args.zstd_level}
+    signer = Signer.from_pem(args.signing_key) if args.signing_key else None
+    config_kwargs: dict[str, Any] = {
+        "chunk_bytes": int(args.chunk_mib * 2**20),
+        "zstd_level": args.zstd_level,
+        # A one-shot command never waits to compile kernels it may not need (a delta compiles
+        # what it needs, and says so).
+        "warm_up_kernels": False,
+    }
     if args.keep_dtypes:
         config_kwargs["cast_floats_to"] = None
     if args.workers:
@@ -102,44 +133,108 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
         if args.highest_codec is not None:
             limits["highest_codec"] = CODEC_IDS[args.highest_codec]
         config_kwargs["write_format"] = WriteFormat(**limits)
+    config = PublisherConfig(**config_kwargs)
+    _note_dtype_cast(checkpoint_dtypes(checkpoint), config.cast_floats_to)
+    _warn_if_step_does_not_advance(store, args.model, args.step)
     progress = _Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
         result = publish_once(
-            _store(args),
-            checkpoint,
-            model=args.model,
-            step=args.step,
-            config=PublisherConfig(**config_kwargs),
-            progress=progress,
+            store, checkpoint, model=args.model, step=args.step, config=config, signer=signer, progress=progress
         )
     finally:
         progress.close()
+    model_files = _store_model_files(store, args.model, args.checkpoint)
     row = _manifest_row(result.manifest)
     row.update(
         model=args.model,
-        manifest_bytes=result.manifest_bytes,
-        ratio=result.ratio,
+        model_files=sorted(model_files),
         changed_elements=result.changed_elements,
         total_elements=result.total_elements,
         seconds=result.total_s,
+        full_reason=result.full_reason,
+        signed_by=None if signer is None else signer.key_id,
     )
     if not args.json:
-        on_parent = "" if row["parent"] is None else f" on v{row['parent']}"
+        what = f"delta on v{row['parent']}" if row["parent"] is not None else f"full: {result.full_reason}"
         print(
-            f"published {args.model} v{row['version']} ({row['kind']}{on_parent}): {_mb(row['raw_bytes'])} -> "
-            f"{_mb(row['stored_bytes'] + row['manifest_bytes'])} ({row['ratio']:.1f}x) in {row['seconds']:.2f} s"
+            f"published {args.model} v{row['version']} ({what}): {_size(row['raw_bytes'])} -> "
+            f"{_size(row['stored_bytes'] + row['manifest_bytes'])} ({row['ratio']:.1f}x) in {row['seconds']:.2f} s"
+            + ("" if signer is None else f", signed by key {signer.key_id}")
         )
     return row
 
 
+def _store_model_files(store, model: str, checkpoint_paths: list[str]) -> list[str]:
+    """An HF-style directory's config and tokenizer files go to the store beside the weights, so
+    that `pull --out` writes a directory an engine loads."""
+    from pathlib import Path
+
+    from weightsync.model_files import put_model_files, read_model_files
+
+    files: dict[str, bytes] = {}
+    for path in checkpoint_paths:
+        if Path(path).is_dir():
+            files.update(read_model_files(path))
+    put_model_files(store, model, files)
+    return sorted(files)
+
+
+def _note_dtype_cast(dtypes: dict[str, Any], cast_floats_to: str | None) -> None:
+    """Says which tensors the publisher casts (fp32 weights are served as bf16 unless kept)."""
+    if cast_floats_to is None:
+        return
+    import torch
+
+    target = getattr(torch, cast_floats_to)
+    cast: dict[str, int] = {}
+    for dtype in dtypes.values():
+        if dtype is not None and dtype.is_floating_point and dtype != target:
+            name = str(dtype).removeprefix("torch.")
+            cast[name] = cast.get(name, 0) + 1
+    if cast:
+        which = ", ".join(f"{n} {dtype} tensor{'s' if n > 1 else ''}" for dtype, n in sorted(cast.items()))
+        print(
+            f"weightsync: casting {which} to {cast_floats_to}, what inference serves "
+            "(--keep-dtypes publishes them as they are)",
+            file=sys.stderr,
+        )
+
+
+def _warn_if_step_does_not_advance(store, model: str, step: int | None) -> None:
+    """A --step at or before the latest version's step is almost always a mistake (a resumed
+    trainer's old step, a typo): versions are still numbered in publish order, so say so."""
+    from weightsync.versions import latest_version, read_manifest
+
+    latest = latest_version(store, model)
+    if step is None or latest is None:
+        return
+    last_step = read_manifest(store, model, latest).step
+    if last_step is not None and step <= last_step:
+        word = "repeats" if step == last_step else "goes back from"
+        print(
+            f"weightsync: warning: --step {step} {word} the last published step {last_step} (v{latest}); "
+            f"publishing anyway as v{latest + 1}",
+            file=sys.stderr,
+        )
+
+
 def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.checkpoint_io import write_safetensors
+    from weightsync.model_files import get_model_files, read_model_files, refuse_clashes, write_model_files
     from weightsync.reader import Reader
     from weightsync.versions import read_manifest
 
+    _model(args)
     reader = Reader(_store(args), model=args.model, workers=args.workers)
     version = reader.resolve(args.version)
     manifest = read_manifest(reader.store, args.model, version)
+    # The engine's files (config, tokenizer): from --template, else as the store keeps them.
+    model_files = read_model_files(args.template) if args.template else get_model_files(reader.store, args.model)
+    if args.template and "config.json" not in model_files:
+        from weightsync.errors import ConfigError
+
+        raise ConfigError(f"--template {args.template} has no config.json: give a model directory (HF layout)")
+    refuse_clashes(args.out, model_files)  # before any byte is written
     progress = _Progress(args, manifest.raw_bytes, f"pull v{version}")
     try:
         state = reader.read(version, progress=progress)
@@ -154,6 +249,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
             "weightsync_digest": manifest.digest,
         },
     )
+    files += write_model_files(args.out, model_files)
     row = {
         "model": args.model,
         "version": version,
@@ -163,9 +259,15 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     }
     if not args.json:
         print(
-            f"pulled {args.model} v{version} ({_mb(manifest.raw_bytes)}, verified) into {args.out}: "
+            f"pulled {args.model} v{version} ({_size(manifest.raw_bytes)}, verified) into {args.out}: "
             f"{', '.join(f.name for f in files)}"
         )
+        if "config.json" not in model_files:
+            print(
+                "weightsync: note: no config.json was published with this model; an engine needs one beside the "
+                "weights: pull with --template MODEL_DIR, or publish the model's HF directory",
+                file=sys.stderr,
+            )
     return row
 
 
@@ -200,8 +302,8 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
                 ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
                 print(
                     f"{r['version']:>7} {r['kind']:>5} {r['parent'] or '-':>6} {r['base']:>5} "
-                    f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_mb(r['raw_bytes']):>12} "
-                    f"{_mb(r['stored_bytes']):>12} {ratio:>7}  {r['digest'][:12]}"
+                    f"{'-' if r['step'] is None else r['step']:>7} {r['created']:>25} {_size(r['raw_bytes']):>12} "
+                    f"{_size(r['stored_bytes'] + r['manifest_bytes']):>12} {ratio:>7}  {r['digest'][:12]}"
                 )
     return {"store": store.uri, "model": args.model, "versions": rows}
 
@@ -258,7 +360,7 @@ def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
         verb = "would delete" if args.dry_run else "deleted"
         print(
             f"{verb} versions {list(plan.delete_versions) or 'none'} and {len(plan.delete_objects)} objects "
-            f"({_mb(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
+            f"({_size(plan.delete_bytes)}); kept versions {list(plan.keep_versions)}; "
             f"{plan.young_unreferenced} unreferenced objects younger than the grace period kept"
         )
     return row
@@ -324,6 +426,11 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         swap_policy=args.swap_policy,
     )
     from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
+    from weightsync.logs import configure_logging
+
+    configure_logging(
+        logging.INFO if args.verbose else logging.WARNING, args.log_format, agent=config.name, region=config.region
+    )
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
@@ -381,8 +488,8 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             total = e.timings_s.get("since_offer")
             pause = e.timings_s.get("swap_pause")
             print(
-                f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_mb(e.bytes_pushed):>10} "
-                f"{_mb(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
+                f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {_size(e.bytes_pushed):>10} "
+                f"{_size(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
                 f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}"
             )
     if args.verify and reply.served_digest != reply.current_digest:
@@ -397,7 +504,7 @@ def _cmd_keygen(args: argparse.Namespace) -> dict[str, Any]:
 
     signer = Signer.generate()
     private, public = f"{args.out}.pem", f"{args.out}.pub"
-    signer.write(private, public)
+    signer.write(private, public)  # ConfigError (exit 2) for a missing directory or an existing key
     if not args.json:
         print(
             f"wrote {private} (private, mode 600: give it to the publisher) and {public} "
@@ -454,15 +561,18 @@ def _add_publish(sub) -> None:
     p = sub.add_parser(
         "publish",
         help="publish a checkpoint as the next version",
-        description="Publish safetensors files or an HF-style directory as the model's next "
-        "version (a delta on the latest version when shapes allow).",
+        description="Publish safetensors files, an HF-style directory or a torch DCP checkpoint directory (what "
+        "FSDP ranks save) as the model's next version (a delta on the latest version when the layout allows).",
     )
     _common(p)
-    p.add_argument("checkpoint", nargs="+", help=".safetensors files or HF-style directories")
+    p.add_argument(
+        "checkpoint", nargs="+", help=".safetensors files, HF-style directories, or one torch DCP checkpoint directory"
+    )
     p.add_argument("--step", type=int, help="trainer step recorded in the manifest")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="largest chunk in MiB (default 4)")
     p.add_argument("--zstd-level", type=int, default=1, help="zstd level 1-22 (default 1: fast and small)")
     p.add_argument("--keep-dtypes", action="store_true", help="keep float dtypes instead of casting to bf16")
+    p.add_argument("--signing-key", help="Ed25519 private key (PEM, from `weightsync keygen`) to sign the version with")
     p.add_argument("--workers", type=int, help="encode threads (default: CPU count)")
     from weightsync.format.codecs import CODEC_NAMES, CODEC_SPARSE  # the registry only: no numpy
 
@@ -484,11 +594,17 @@ def _add_pull(sub) -> None:
         "pull",
         help="rebuild a version and write it as safetensors",
         description="Rebuild a version from its base and deltas, verify every hash, and "
-        "write it as safetensors (sharded with an index above 5 GiB).",
+        "write it as safetensors (sharded with an index above 5 GiB) with the files an engine needs to load it.",
     )
     _common(p)
     p.add_argument("--version", type=int, help="version to pull (default: latest)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory: the weights, plus the model's config and tokenizer files (from --template, "
+        "else as published from an HF directory); files weightsync did not write are never replaced",
+    )
+    p.add_argument("--template", help="model directory (HF layout) to copy config.json and the tokenizer from")
     p.add_argument("--workers", type=int, help="read threads (default: CPU count)")
     p.set_defaults(handler=_cmd_pull)
 
@@ -535,6 +651,9 @@ def _add_gc(sub) -> None:
 
 
 def _add_demo(sub) -> None:
+    from weightsync.app.demo.run import DemoConfig  # no torch: --help stays instant
+
+    default = DemoConfig()  # the help states the code's defaults, not a copy of them
     p = sub.add_parser(
         "demo",
         help="run the end-to-end demo on embedded defaults",
@@ -545,11 +664,13 @@ def _add_demo(sub) -> None:
     )
     _common(p, store=False, model=False)
     p.add_argument("--store", help=f"store URI (default: file://OUT_DIR/store); any of {store_uri_forms()}")
-    p.add_argument("--out-dir", help="working directory, recreated on each run (default weightsync-demo)")
-    p.add_argument("--warmup-steps", type=int, help="SFT warm-start steps (default 40)")
-    p.add_argument("--rl-steps", type=int, help="GRPO steps (default 80)")
-    p.add_argument("--max-operand", type=int, help="the task's operands are drawn from [0, N] (default 9)")
-    p.add_argument("--seed", type=int, help="seed of the model, data and sampling (default 0)")
+    p.add_argument("--out-dir", help=f"working directory, recreated on each run (default {default.out_dir})")
+    p.add_argument("--warmup-steps", type=int, help=f"SFT warm-start steps (default {default.warmup_steps})")
+    p.add_argument("--rl-steps", type=int, help=f"GRPO steps (default {default.rl_steps})")
+    p.add_argument(
+        "--max-operand", type=int, help=f"the task's operands are drawn from [0, N] (default {default.max_operand})"
+    )
+    p.add_argument("--seed", type=int, help=f"seed of the model, data and sampling (default {default.seed})")
     p.add_argument(
         "--engine",
         choices=("reference", "vllm"),
@@ -561,18 +682,22 @@ def _add_demo(sub) -> None:
         help="--engine vllm: interpreter with vLLM and weightsync (default "
         "$WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python)",
     )
-    p.add_argument("--regions", type=int, help="regions (default 2)")
-    p.add_argument("--agents-per-region", type=int, help="agents per region (default 2; each runs its own engine)")
+    p.add_argument("--regions", type=int, help=f"regions (default {default.regions})")
+    p.add_argument(
+        "--agents-per-region",
+        type=int,
+        help=f"agents per region (default {default.agents_per_region}; each runs its own engine)",
+    )
     p.add_argument(
         "--swap-policy",
         choices=("drain", "in_flight", "abort"),
-        help="every agent's swap policy (default drain; docs/agents.md); summary.json reports the "
+        help=f"every agent's swap policy (default {default.swap_policy}; docs/agents.md); summary.json reports the "
         "staleness of what the trainer learned from",
     )
     p.add_argument(
         "--rollout-tokens",
         type=int,
-        help="tokens each completion generates (default 8); more: long rollouts that swaps meet",
+        help=f"tokens each completion generates (default {default.rollout_tokens}); more: long rollouts that swaps meet",
     )
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)
@@ -610,6 +735,7 @@ def _add_agent(sub) -> None:
         choices=("drain", "in_flight", "abort"),
         help="how requests running at a swap meet the new version (default drain; docs/agents.md)",
     )
+    _add_log_format(p)
     p.set_defaults(handler=_cmd_agent)
 
 
@@ -653,6 +779,7 @@ def _add_train(sub) -> None:
     )
     _common(p, store=False, model=False)
     add_train_arguments(p)
+    _add_log_format(p)
     p.set_defaults(handler=_cmd_train)
 
 
@@ -670,6 +797,7 @@ def _add_serve_training(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout when the server exits")
     p.add_argument("-v", "--verbose", action="store_true")
     add_arguments(p)
+    _add_log_format(p)
     p.set_defaults(handler=_cmd_serve_training)
 
 
@@ -702,13 +830,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    """For the long-running commands: their logs may go to a log shipper."""
+    from weightsync.logs import LOG_FORMATS
+
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help="stderr log lines as text (default) or one JSON object per line (also for the processes it starts)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from weightsync.logs import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging(logging.INFO if args.verbose else logging.WARNING, getattr(args, "log_format", None))
     from weightsync.errors import ConfigError, WeightsyncError
 
     try:

@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from weightsync.errors import (
     FormatError,
@@ -740,3 +741,20 @@ def test_the_first_publish_warms_up_the_delta_kernels_for_its_dtypes(tmp_path):
     # one compiled variant per element width (bf16: 2 bytes, fp32: 4) in the scan's index
     scan_index = next(p for p in numba_cache.rglob("changes._scan_kernel*.nbi"))
     assert len(list(scan_index.parent.glob(scan_index.stem + ".*.nbc"))) >= 2
+
+
+def test_a_one_shot_cli_publish_compiles_no_kernel_it_does_not_need(tmp_path):
+    """`weightsync publish` of a full version on a machine whose numba cache is empty used to take
+    over a minute to exit, waiting for the warm-up of kernels only deltas need: now nothing is
+    compiled (the cache stays empty) and the library's publisher starts no warm-up when told not to."""
+    numba_cache = tmp_path / "numba"
+    save_file({"w": torch.ones(64, 32)}, str(tmp_path / "ckpt.safetensors"))
+    subprocess.run(
+        [sys.executable, "-m", "weightsync.app.cli", "publish", "--store", str(tmp_path / "store"), "--model", "m",
+         str(tmp_path / "ckpt.safetensors")],
+        check=True, timeout=600, env={**os.environ, "NUMBA_CACHE_DIR": str(numba_cache)}, capture_output=True,
+    )  # fmt: skip
+    assert not list(numba_cache.rglob("*.nbi")), sorted(p.name for p in numba_cache.rglob("*"))
+    with Publisher(LocalStore(tmp_path / "s2"), model=MODEL, config=_config(warm_up_kernels=False)) as publisher:
+        publisher.publish({"w": torch.ones(64, dtype=torch.bfloat16)}).result(timeout=WAIT_S)
+        assert publisher.warm_up is None

@@ -1,9 +1,15 @@
-"""checkpoint_io: safetensors checkpoints in (files or an HF-style directory) and out.
+"""checkpoint_io: checkpoints in (safetensors files, an HF-style directory, or a torch DCP
+directory) and safetensors out.
 
 `open_checkpoint` returns a lazy read-only mapping, so publishing a checkpoint never holds it
-twice in memory: each tensor is read when the publisher's snapshot asks for it.
+twice in memory: each tensor is read when the publisher's snapshot asks for it. A DCP directory
+(`.metadata` + `*.distcp`, what `torch.distributed.checkpoint.save` writes from FSDP ranks) is read
+whole-tensor by whole-tensor, resharded from however many ranks wrote it; when it holds a
+training state (`{"model": ..., "optim": ...}`, as FSDP trainers save), only the model's tensors
+are taken, under their own names.
 `write_safetensors` writes `model.safetensors`, or HF-style shards plus an index, atomically:
-files appear under their final names only when complete. Not here: stores or versions.
+files appear under their final names only when complete. It replaces the checkpoint files an
+earlier write left in the directory, and refuses to touch any it did not write. Not here: stores or versions.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -19,11 +26,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from weightsync.errors import FormatError, LayoutError, StoreError
+from weightsync.errors import ConfigError, FormatError, LayoutError, StoreError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+WRITTEN_BY = {"written_by": "weightsync"}  # in every file's metadata: what a later write may replace
 
 
 class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
@@ -51,12 +59,107 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         return sorted(set(self._files.values()))
 
 
-def open_checkpoint(paths: list[str | os.PathLike] | str | os.PathLike) -> SafetensorsCheckpoint:
-    """Opens `.safetensors` files and/or HF-style directories as one checkpoint."""
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}  # fmt: skip
+
+
+def checkpoint_dtypes(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.dtype | None]:
+    """Each tensor's dtype as stored, read from the files' headers (no tensor is loaded); None for
+    a dtype this torch build does not have."""
+    if isinstance(checkpoint, SafetensorsCheckpoint):
+        out: dict[str, torch.dtype | None] = {}
+        for file in checkpoint.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in checkpoint:
+                        out[name] = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+        return out
+    if isinstance(checkpoint, DcpCheckpoint):
+        return checkpoint.dtypes()
+    return {name: tensor.dtype for name, tensor in checkpoint.items()}
+
+
+class DcpCheckpoint(Mapping[str, torch.Tensor]):
+    """Tensor name -> tensor of a torch DCP directory, each loaded (whole) on access."""
+
+    def __init__(self, path: Path, entries: dict[str, tuple[str, torch.Size, torch.dtype]]) -> None:
+        self.path = path
+        self._entries = entries  # name -> (key in the checkpoint, global shape, dtype)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        key, shape, dtype = self._entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise FormatError(f"cannot read tensor {key!r} from the DCP checkpoint {self.path}: {e}") from None
+        return tensor
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {name: dtype for name, (_, _, dtype) in self._entries.items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+DCP_METADATA = ".metadata"
+# Where FSDP trainers keep the model in a DCP training state, and what else such a state holds.
+_DCP_MODEL_KEYS = ("model",)
+_DCP_TRAINING_STATE_KEYS = ("optim", "optimizer", "optimizer_state", "extra", "lr_scheduler", "scheduler")
+
+
+def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / DCP_METADATA).is_file()
+
+
+def open_dcp_checkpoint(path: str | os.PathLike) -> DcpCheckpoint:
+    """A DCP directory's model tensors (see the module docstring for which ones)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or foreign .metadata: pickle, EOF or attribute errors
+        raise FormatError(f"{path / DCP_METADATA} is not a readable torch DCP metadata file: {e}") from None
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    tops = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    model_top = next((top for top in _DCP_MODEL_KEYS if top in tops), None)
+    if model_top is not None and tops & set(_DCP_TRAINING_STATE_KEYS):
+        # A training state: the model's tensors, named as the model names them.
+        entries = {k[len(model_top) + 1 :]: k for k in tensors if k.startswith(model_top + ".")}
+    else:
+        entries = {k: k for k in tensors}
+    if not entries:
+        raise LayoutError(f"the DCP checkpoint {path} holds no tensors")
+    return DcpCheckpoint(
+        path, {name: (key, tensors[key].size, tensors[key].properties.dtype) for name, key in sorted(entries.items())}
+    )
+
+
+def open_checkpoint(paths: list[str | os.PathLike] | str | os.PathLike) -> Mapping[str, torch.Tensor]:
+    """Opens `.safetensors` files and/or HF-style directories as one checkpoint, or one torch
+    DCP directory."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     if not paths:
-        raise LayoutError("no checkpoint given: pass .safetensors files or a directory")
+        raise LayoutError("no checkpoint given: pass .safetensors files, a directory, or a torch DCP directory")
+    if any(is_dcp_checkpoint(p) for p in paths):
+        if len(paths) != 1:
+            raise LayoutError("a torch DCP checkpoint is published on its own: give its directory alone")
+        return open_dcp_checkpoint(paths[0])
     files: dict[str, Path] = {}
     for path in map(Path, paths):
         for file in _checkpoint_files(path):
@@ -89,7 +192,7 @@ def _checkpoint_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise LayoutError(f"{path} holds no .safetensors files")
+        raise LayoutError(f"{path} holds no .safetensors files (nor a torch DCP checkpoint's {DCP_METADATA})")
     return files
 
 
@@ -115,9 +218,11 @@ def write_safetensors(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign_checkpoint_files(out)
     shards = _plan_shards(state_dict, max_shard_bytes)
-    # "format": "pt" is what HF transformers checks before it loads a safetensors file as torch.
-    metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    # "format": "pt" is what HF transformers checks before it loads a safetensors file as torch;
+    # WRITTEN_BY marks the files a later write may replace.
+    metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}, **WRITTEN_BY}
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-weightsync-", dir=out))
     try:
         written = []
@@ -134,13 +239,40 @@ def write_safetensors(
             written.append(INDEX_NAME)
         for file in written:
             os.replace(tmp / file, out / file)
-        # A previous checkpoint in the same directory (other shard count) must not linger.
+        # A previous checkpoint written here (other shard count) must not linger; foreign files
+        # were refused above.
         for stale in [*out.glob("model-*-of-*.safetensors"), out / INDEX_NAME, out / SINGLE_NAME]:
             if stale.name not in written and stale.exists():
                 stale.unlink()
         return [out / file for file in written]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checkpoint_files_in(out: Path) -> list[Path]:
+    return [p for p in [out / SINGLE_NAME, *out.glob("model-*-of-*.safetensors"), out / INDEX_NAME] if p.is_file()]
+
+
+def _written_by_weightsync(path: Path) -> bool:
+    try:
+        if path.name == INDEX_NAME:
+            found = json.loads(path.read_text()).get("metadata", {})
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                found = f.metadata() or {}
+    except (ValueError, OSError, SafetensorError, AttributeError):
+        return False
+    return all(found.get(k) == v for k, v in WRITTEN_BY.items())
+
+
+def _refuse_foreign_checkpoint_files(out: Path) -> None:
+    """A write replaces the checkpoint files a previous write put in `out`, never anyone else's."""
+    foreign = [p.name for p in _checkpoint_files_in(out) if not _written_by_weightsync(p)]
+    if foreign:
+        raise ConfigError(
+            f"{out} holds {', '.join(sorted(foreign))}, which weightsync did not write and would replace; "
+            "write into an empty directory, or remove them"
+        )
 
 
 def _plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

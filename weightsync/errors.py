@@ -36,6 +36,11 @@ class StoreError(WeightsyncError, OSError):
     """A store could not do what was asked (I/O failure, bad key, bad URI)."""
 
 
+class StoreUriError(StoreError, ConfigError):
+    """A store URI this build cannot open (unknown scheme, a scheme with its `//` missing): a
+    setting to fix, not a failure of the store."""
+
+
 class UnsafeCommitError(StoreError):
     """A store whose server ignores create-only writes (If-None-Match), so a commit could overwrite."""
 

@@ -146,6 +146,12 @@ class PublisherConfig:
     copy on the encode threads. With 16 host cores, 1 GiB bf16 committed in 0.27-0.34 s with it
     and 0.21-0.24 s without (H100, `python -m bench.device_diff --publish 4`)."""
 
+    warm_up_kernels: bool = True
+    """From the first publish(), compile the delta codecs' kernels (numba) in a low-priority
+    thread, so that on a machine whose numba cache is empty the first delta does not compile
+    them. A one-shot publish (the CLI) turns it off: it would wait at exit for kernels it may
+    never use, and a delta compiles what it needs anyway."""
+
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
@@ -176,6 +182,31 @@ class PublisherConfig:
         return DEFAULT_PACK_BYTES if self.write_format.packs else 0
 
 
+def describe_layout_change(
+    old: Mapping[str, tuple[str, tuple[int, ...]]], new: Mapping[str, tuple[str, tuple[int, ...]]], *, most: int = 3
+) -> str:
+    """What changed between two layouts (name -> (dtype, shape)), naming up to `most` tensors per
+    kind of change: why a version cannot be a delta of the one before."""
+
+    def names(found: list[str]) -> str:
+        return ", ".join(found[:most]) + (f" and {len(found) - most} more" if len(found) > most else "")
+
+    added = sorted(set(new) - set(old))
+    removed = sorted(set(old) - set(new))
+    retyped = [f"{n} {old[n][0]} -> {new[n][0]}" for n in sorted(set(old) & set(new)) if old[n][0] != new[n][0]]
+    reshaped = [
+        f"{n} {tuple(old[n][1])} -> {tuple(new[n][1])}"
+        for n in sorted(set(old) & set(new))
+        if tuple(old[n][1]) != tuple(new[n][1])
+    ]
+    parts = [
+        f"{label} {names(found)}"
+        for label, found in (("new tensors", added), ("tensors gone", removed), ("dtype", retyped), ("shape", reshaped))
+        if found
+    ]
+    return "layout changed: " + "; ".join(parts) if parts else "layout changed"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PublishResult:
     """What one publish committed, and what it cost."""
@@ -186,6 +217,9 @@ class PublishResult:
     encode_s: float  # encode + upload of all chunks
     commit_s: float  # wait for earlier versions + manifest write
     total_s: float  # publish() call to commit
+    full_reason: str | None = None
+    """Why the version is full rather than a delta (None for a delta), e.g. "no parent" or the
+    tensors whose name, dtype or shape changed."""
 
     @property
     def version(self) -> int:
@@ -267,6 +301,7 @@ class _Job:
     parent: int | None  # None: a full version
     base: int
     step: int | None
+    full_reason: str | None  # why the version is full (None: a delta)
     placements: dict[str, Placement]
     snapshot: Snapshot  # filled by the caller's thread while the encoders start on what is there
     parent_snapshot: Snapshot | None  # what the delta is taken against; None for a full version
@@ -366,7 +401,7 @@ class Publisher:
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = _placements(planned, placements or {})
-            if self.warm_up is None:  # the next version is likely a delta: its kernels, compiled meanwhile
+            if self.warm_up is None and self.config.warm_up_kernels:  # the next version is likely a delta
                 self.warm_up = BackgroundWarmUp(
                     {dtype.name for dtype, _ in planned.values()},
                     thread_name="ws-publisher-warm-up",
@@ -456,6 +491,7 @@ class Publisher:
             parent=parent,
             base=base,
             step=step,
+            full_reason=reason,
             placements=placements,
             snapshot=snapshot,
             parent_snapshot=parent_snapshot,
@@ -489,8 +525,10 @@ class Publisher:
         failed = [v for v in self._failed if (horizon is None or v <= horizon) and chain.base <= v <= chain.version]
         if failed:
             return f"v{min(failed)} of the chain failed"
-        if chain.layout != tensor_layout or chain.placements != placements:
-            return "tensor names, dtypes, shapes or placements changed"
+        if chain.layout != tensor_layout:
+            return describe_layout_change(chain.layout, tensor_layout)
+        if chain.placements != placements:
+            return "the shards' placements changed"
         if chain.length + 1 > self.config.rebase_every:
             return f"chain reached {self.config.rebase_every} deltas"
         base_bytes, delta_bytes = chain.totals.known(horizon)
@@ -673,6 +711,7 @@ class Publisher:
             encode_s=encode_s,
             commit_s=commit_s,
             total_s=time.perf_counter() - job.t0,
+            full_reason=job.full_reason,
         )
         self._record(result)
         log.info(
@@ -879,7 +918,8 @@ def publish_once(
     step: int | None = None,
     config: PublisherConfig | None = None,
     progress: Callable[[int], None] | None = None,
+    signer: Signer | None = None,
 ) -> PublishResult:
     """Publishes one version and waits for its commit (what the CLI does)."""
-    with Publisher(store, model=model, config=config) as publisher:
+    with Publisher(store, model=model, config=config, signer=signer) as publisher:
         return publisher.publish(state_dict, step=step, progress=progress).result()

@@ -247,7 +247,36 @@ def _tail_json(path: Path) -> list[dict]:
         return []
 
 
-def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+class ProgressLine:
+    """The demo's live status: on a terminal, one line rewritten in place; elsewhere (a log file,
+    CI) a line each time it changes."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty()
+        self.last = ""
+
+    def __call__(self, line: str) -> None:
+        if line == self.last:
+            return
+        self.last = line
+        if self.live:
+            self.stream.write("\r\033[K" + line)
+            self.stream.flush()
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def done(self) -> None:
+        if self.live and self.last:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_demo(
+    config: DemoConfig, *, echo: Callable[[str], None] = print, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Runs the demo (see the module docstring); `echo` gets the report's lines, `progress` the
+    live status line (default: a ProgressLine on stdout when `echo` is print, else `echo`)."""
     from weightsync.app.demo.report import build_report, write_plot
     from weightsync.app.demo.rollout_queue import RolloutQueue
     from weightsync.format import codecs
@@ -325,7 +354,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         queue = RolloutQueue(root / "rollouts")
         clients = {name: AgentClient(a["address"]) for name, a in agents.items()}
         workers_started = False
-        last_line = ""
+        status = progress or (ProgressLine() if echo is print else echo)
         while trainer.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the demo did not finish in {config.timeout_s:.0f} s; see {root / 'logs'}")
@@ -334,11 +363,10 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
             if not workers_started and step >= max(0, config.warmup_steps - config.max_staleness_steps):
                 _start_workers(config, root, agents, children)
                 workers_started = True
-            line = _progress_line(config, step, metrics, store, clients, queue, root)
-            if line != last_line:
-                echo(line)
-                last_line = line
+            status(_progress_line(config, step, metrics, store, clients, queue, root))
             time.sleep(1.0)
+        if isinstance(status, ProgressLine):
+            status.done()
         if trainer.returncode != 0:
             raise RuntimeError(
                 f"the trainer exited with code {trainer.returncode}; see {root / 'logs' / 'trainer.log'}"
@@ -377,7 +405,7 @@ def run_demo(config: DemoConfig, *, echo: Callable[[str], None] = print) -> dict
         echo(
             f"every agent serves v{latest} bit for bit: {'yes' if summary['all_bit_exact'] else 'NO'} "
             f"(each re-hashed the weights it serves). Summary: {root / 'summary.json'}"
-            + (f", plot: {plot}" if plot else "")
+            + (f", plot: {plot}" if plot else ", no plot: pip install 'weightsync[demo]' (matplotlib) for summary.png")
         )
         for client in clients.values():
             client.close()

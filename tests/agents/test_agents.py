@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -576,3 +577,40 @@ def test_an_agent_warms_up_the_codec_kernels_at_start_for_what_it_serves(tmp_pat
         assert set(restarted.agent.warm_up.dtype_names) == served | {"bfloat16"}
     finally:
         restarted.stop()
+
+
+def _wait_idle(pusher: Pusher, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pusher.idle():
+        assert time.monotonic() < deadline, pusher.stats()
+        time.sleep(0.05)
+
+
+def test_a_pusher_takes_its_token_from_weightsync_token(guarded, tmp_path, monkeypatch):
+    """As the README says: a publisher started with WEIGHTSYNC_TOKEN set pushes with it."""
+    agent, store, signer, trainer = guarded
+    monkeypatch.setenv("WEIGHTSYNC_TOKEN", "s3cret")
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL))
+    with Publisher(store, model=MODEL, config=PUBLISH, signer=signer, listeners=[pusher]) as publisher:
+        version = publisher.publish(trainer.state_dict(), step=3).result().version
+    _wait_idle(pusher)
+    pusher.close()
+    assert pusher.stats()[agent.address]["last_error"] is None
+    assert agent.agent.wait_for_version(version, WAIT_S)
+    entry = next(e for e in agent.agent.status()["ledger"] if e["version"] == version)
+    assert entry["bytes_pushed"] > 0, entry
+
+
+def test_a_refused_token_fails_the_push_at_once_and_loudly(guarded, tmp_path, monkeypatch, caplog):
+    """A wrong token is not retried for give_up_after_s (120 s by default): the version is given up
+    at the first refusal, logged at ERROR; the agent catches up from the store."""
+    agent, store, signer, trainer = guarded
+    monkeypatch.setenv("WEIGHTSYNC_TOKEN", "wrong")
+    pusher = Pusher(PushConfig(targets=(agent.address,), model=MODEL, give_up_after_s=3600.0))
+    with caplog.at_level(logging.ERROR, logger="weightsync.transport.push"):
+        with Publisher(store, model=MODEL, config=PUBLISH, signer=signer, listeners=[pusher]) as publisher:
+            publisher.publish(trainer.state_dict(), step=3).result()
+        _wait_idle(pusher)  # an hour of retries otherwise
+    pusher.close()
+    assert "bearer token" in pusher.stats()[agent.address]["last_error"]
+    assert any(r.levelno == logging.ERROR and "refused v3" in r.getMessage() for r in caplog.records), caplog.text

@@ -135,21 +135,22 @@ def test_gc_dry_run_then_real(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["pull", "--store", "nowhere", "--model", "m", "--out", "o"], "has no versions"),
-        (["pull", "--store", "STORE", "--model", "m", "--version", "9", "--out", "o"], "version 9 is not in"),
-        (["publish", "--store", "STORE", "--model", "../evil", "CKPT"], "invalid model name"),
-        (["publish", "--store", "STORE", "--model", "m", "missing.safetensors"], "does not exist"),
-        (["ls", "--store", "ftp://host/x"], "unsupported store URI"),
+    "argv, message, exit_code",
+    [  # 2: a setting to fix (usage, config); 1: the command ran and failed
+        (["pull", "--store", "nowhere", "--model", "m", "--out", "o"], "has no versions", 1),
+        (["pull", "--store", "STORE", "--model", "m", "--version", "9", "--out", "o"], "version 9 is not in", 1),
+        (["publish", "--store", "STORE", "--model", "../evil", "CKPT"], "--model: invalid model name", 2),
+        (["publish", "--store", "STORE", "--model", "m", "missing.safetensors"], "does not exist", 1),
+        (["ls", "--store", "ftp://host/x"], "unsupported store URI", 2),
+        (["ls", "--store", "s3:/bucket/x"], "did you mean s3://bucket/x?", 2),
     ],
 )
-def test_errors_are_one_clear_line(tmp_path, capsys, argv, message):
+def test_errors_are_one_clear_line(tmp_path, capsys, argv, message, exit_code):
     _, _, c1, _ = _checkpoints(tmp_path)
     assert _run(capsys, "publish", "--store", str(tmp_path / "store"), "--model", "m", str(c1))[0] == 0
     argv = [str(tmp_path / "store") if a == "STORE" else str(c1) if a == "CKPT" else a for a in argv]
     code, _, err = _run(capsys, *argv)
-    assert code == 1
+    assert code == exit_code
     assert err.count("\n") == 1 and err.startswith("weightsync: error:") and message in err
     assert "Traceback" not in err
 
@@ -214,3 +215,217 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["publish", "--model", "m"])
     assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------ what publish says
+
+
+def test_publish_and_ls_report_one_ratio_in_sizes_that_show(tmp_path, capsys):
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    store = f"file://{tmp_path}/store"
+    assert _run(capsys, "publish", "--store", store, "--model", "m", str(c1))[0] == 0
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(c2), "--json")
+    published = json.loads(out)
+    code, out, _ = _run(capsys, "ls", "--store", store, "--model", "m", "--json")
+    listed = json.loads(out)["versions"][1]
+    assert published["ratio"] == listed["ratio"]  # was 72.9x from publish and 78.0x from ls on one version
+    assert listed["ratio"] == listed["raw_bytes"] / (listed["stored_bytes"] + listed["manifest_bytes"])
+    code, out, _ = _run(capsys, "ls", "--store", store, "--model", "m")
+    delta_line = out.splitlines()[2]
+    assert " kB" in delta_line and "0.0 MB" not in delta_line, out  # a delta of some kB, not "0.0 MB"
+    assert f"{listed['ratio']:.1f}x" in delta_line
+
+
+def test_publish_says_why_a_version_is_full_naming_what_changed(tmp_path, capsys):
+    first, _, c1, _ = _checkpoints(tmp_path)
+    store = f"file://{tmp_path}/store"
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(c1))
+    assert code == 0 and "(full: no parent)" in out
+    changed = dict(first)
+    changed["model.head.weight"] = torch.zeros(64, 301, dtype=torch.float16)
+    changed["model.extra.bias"] = torch.zeros(3)
+    del changed["model.norm.weight"]
+    save_file(changed, tmp_path / "c3.safetensors")
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(tmp_path / "c3.safetensors"), "--json")
+    reason = json.loads(out)["full_reason"]
+    assert code == 0 and json.loads(out)["kind"] == "full"
+    assert "new tensors model.extra.bias" in reason and "tensors gone model.norm.weight" in reason
+    assert "shape model.head.weight (64, 300) -> (64, 301)" in reason
+
+
+def test_publish_announces_the_dtype_cast_and_keep_dtypes_silences_it(tmp_path, capsys):
+    _, _, c1, _ = _checkpoints(tmp_path)  # float32 x2 and float16 x1 floating tensors
+    code, _, err = _run(capsys, "publish", "--store", str(tmp_path / "s1"), "--model", "m", str(c1))
+    assert code == 0
+    assert "casting 1 float16 tensor, 2 float32 tensors to bfloat16" in err and "--keep-dtypes" in err
+    code, _, err = _run(capsys, "publish", "--store", str(tmp_path / "s2"), "--model", "m", "--keep-dtypes", str(c1))
+    assert code == 0 and "casting" not in err
+
+
+def test_a_step_that_repeats_or_goes_back_is_warned_about_naming_the_last_step(tmp_path, capsys):
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    store = str(tmp_path / "store")
+    assert _run(capsys, "publish", "--store", store, "--model", "m", "--step", "5", str(c1))[0] == 0
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--step", "3", str(c2))
+    assert code == 0 and "warning: --step 3 goes back from the last published step 5 (v1)" in err
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--step", "3", str(c1))
+    assert code == 0 and "warning: --step 3 repeats the last published step 3 (v2)" in err
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--step", "4", str(c2))
+    assert code == 0 and "warning" not in err
+
+
+def test_publish_signing_key_makes_versions_that_require_signatures_accepts(tmp_path, capsys):
+    from weightsync.stores import open_store
+    from weightsync.transport.signing import Verifier
+    from weightsync.versions import read_manifest, read_signature
+
+    _, _, c1, _ = _checkpoints(tmp_path)
+    assert _run(capsys, "keygen", "--out", str(tmp_path / "key"))[0] == 0
+    store = str(tmp_path / "store")
+    code, out, _ = _run(
+        capsys, "publish", "--store", store, "--model", "m", "--signing-key", str(tmp_path / "key.pem"), str(c1)
+    )
+    assert code == 0 and "signed by key" in out
+    manifest_bytes = read_manifest(open_store(store), "m", 1).to_bytes()
+    signature = read_signature(open_store(store), "m", 1, manifest_bytes)
+    assert Verifier.from_pem([tmp_path / "key.pub"]).verify(manifest_bytes, signature)
+
+
+@pytest.mark.parametrize("case", ["missing directory", "existing key"])
+def test_keygen_refuses_a_missing_directory_or_an_existing_key_in_a_sentence(tmp_path, capsys, case):
+    out = tmp_path / "nowhere" / "key" if case == "missing directory" else tmp_path / "key"
+    if case == "existing key":
+        (tmp_path / "key.pem").write_text("precious")
+    code, _, err = _run(capsys, "keygen", "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and "Errno" not in err
+    want = "does not exist (create it first)" if case == "missing directory" else "already exists, and a key is never"
+    assert want in err
+    assert case == "missing directory" or (tmp_path / "key.pem").read_text() == "precious"
+    assert not (tmp_path / "key.pub").exists()
+
+
+# ------------------------------------------------------------------------------ pull --out
+
+
+def test_pull_writes_a_directory_that_transformers_loads_as_it_is(tmp_path, capsys):
+    """The published HF directory's config and tokenizer come back with the weights; the pulled
+    directory loads in transformers with the published weights, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from harness.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    store = str(tmp_path / "store")
+    code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(model_dir), "--json")
+    assert code == 0 and {"config.json", "tokenizer.json"} <= set(json.loads(out)["model_files"])
+    assert _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(tmp_path / "pulled"))[0] == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pulled", torch_dtype=torch.bfloat16)
+    want = open_checkpoint(model_dir)
+    got = loaded.state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name].to(torch.bfloat16)), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "pulled")
+    assert tokenizer("2 + 3")["input_ids"]
+
+
+def test_pull_template_supplies_the_config_and_a_foreign_file_is_never_replaced(tmp_path, capsys):
+    from harness.tiny_model import write_tiny_model
+
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    template = write_tiny_model(tmp_path / "template")
+    store = str(tmp_path / "store")
+    assert _run(capsys, "publish", "--store", store, "--model", "m", str(c1))[0] == 0
+    out = tmp_path / "out"
+    code, _, err = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(out))
+    assert code == 0 and "no config.json was published" in err  # a bare safetensors publish
+    code, _, _ = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(out), "--template", str(template))
+    assert code == 0 and (out / "config.json").read_bytes() == (template / "config.json").read_bytes()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    save_file({"precious": torch.ones(3)}, mine / "model.safetensors")
+    before = (mine / "model.safetensors").read_bytes()
+    code, _, err = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(mine))
+    assert code == 2 and "model.safetensors, which weightsync did not write" in err
+    assert (mine / "model.safetensors").read_bytes() == before
+    (out / "config.json").write_text("{}")  # the user's edit: not replaced by a pull with a template
+    code, _, err = _run(
+        capsys, "pull", "--store", store, "--model", "m", "--out", str(out), "--template", str(template)
+    )
+    assert code == 2 and "already holds config.json with other contents" in err
+    assert (out / "config.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_log_format_json_makes_every_agent_log_line_a_json_object(tmp_path):
+    import signal
+
+    from harness.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.app.cli", "agent", "--model", "m", "--model-dir", str(model_dir),
+         "--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"), "--name", "a1", "--region", "eu",
+         "--log-format", "json", "-v"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "ready"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines, "the agent logged nothing at -v"
+    for line in lines:
+        record = json.loads(line)  # every line, warnings from libraries included
+        assert {"ts", "level", "logger", "message"} <= set(record), record
+    assert any(json.loads(line).get("agent") == "a1" and json.loads(line).get("region") == "eu" for line in lines)
+
+
+def test_demo_help_states_the_defaults_the_code_uses(capsys):
+    """`demo --help` said --warmup-steps defaults to 40 while the code used 60."""
+    import dataclasses
+    import re
+
+    from weightsync.app.demo import DemoConfig
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    defaults = {f.name: getattr(DemoConfig(), f.name) for f in dataclasses.fields(DemoConfig)}
+    stated = re.findall(r"--([a-z-]+) [A-Z_]+ (?:(?!--).)*?\(default ([^;)]+)", text)
+    checked = 0
+    for flag, value in stated:
+        name = flag.replace("-", "_")
+        if name in defaults and not value.startswith("$") and "://" not in value:
+            assert value.strip() == str(defaults[name]), (flag, value, defaults[name])
+            checked += 1
+    assert checked >= 8, stated
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_demo_progress_is_one_line_rewritten_on_a_terminal_and_changes_only_elsewhere():
+    from weightsync.app.demo.run import ProgressLine
+
+    for tty in (True, False):
+        stream = _Stream(tty)
+        progress = ProgressLine(stream)
+        for line in ("step 1", "step 1", "step 2", "step 2", "step 3"):
+            progress(line)
+        progress.done()
+        if tty:
+            assert stream.text == "\r\033[Kstep 1\r\033[Kstep 2\r\033[Kstep 3\n"
+        else:
+            assert stream.text == "step 1\nstep 2\nstep 3\n"

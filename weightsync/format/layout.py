@@ -6,6 +6,9 @@
     models/<model>/packs/<2 hex>/<32 hex>              content-addressed packs of chunk objects
     models/<model>/parts/<version>/<session>/<rank>.json  a sharded publish's per-rank parts,
                                                         before the one manifest commits
+    models/<model>/files/<name>                         the files beside the weights an engine
+                                                        loads (config.json, tokenizer...), as of the
+                                                        latest publish that carried them
 
 Zero-padded versions make lexicographic order numeric order. Keys are relative to the store's
 root (a directory or an S3 prefix). Not here: reading or writing them (`store.py`).
@@ -38,6 +41,14 @@ def check_model_name(model: object) -> str:
 
 def model_prefix(model: str) -> str:
     return f"models/{check_model_name(model)}/"
+
+
+def model_file_key(model: str, name: str) -> str:
+    """Where a file beside the weights (config.json, tokenizer.json...) is kept; `name` is a
+    plain file name."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name):
+        raise FormatError(f"invalid model file name {name!r}")
+    return f"{model_prefix(model)}files/{name}"
 
 
 def versions_prefix(model: str) -> str:

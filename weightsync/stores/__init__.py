@@ -15,7 +15,7 @@ import importlib
 import os
 import re
 
-from weightsync.errors import StoreError
+from weightsync.errors import StoreUriError
 from weightsync.stores.base import ObjectInfo, Store, check_key, check_range
 from weightsync.stores.local import LocalStore
 
@@ -57,7 +57,8 @@ def store_uri_forms() -> str:
 def open_store(uri: str | os.PathLike, **options) -> Store:
     """The store a URI names (see STORE_SCHEMES); a URI without a scheme is a local directory.
 
-    Raises StoreError on a scheme this build does not know, listing the ones it does.
+    Raises StoreUriError (a StoreError and a ConfigError) on a scheme this build does not know,
+    listing the ones it does.
     """
     text = os.fspath(uri)
     scheme, sep, rest = text.partition("://")
@@ -66,7 +67,7 @@ def open_store(uri: str | os.PathLike, **options) -> Store:
         scheme, rest = "file", text
     entry = STORE_SCHEMES.get(scheme)
     if entry is None:
-        raise StoreError(f"unsupported store URI {text!r}; supported: {store_uri_forms()}")
+        raise StoreUriError(f"unsupported store URI {text!r}; supported: {store_uri_forms()}")
     module, function = entry.opener.split(":")
     return getattr(importlib.import_module(module), function)(rest, **options)
 
@@ -78,7 +79,7 @@ def _refuse_scheme_like_path(text: str) -> None:
     scheme, rest = match.groups()
     if scheme in STORE_SCHEMES or rest.startswith("/"):
         hint = f"; did you mean {scheme}://{rest.lstrip('/')}?" if scheme in STORE_SCHEMES else ""
-        raise StoreError(
+        raise StoreUriError(
             f"store URI {text!r} is neither a directory nor a URI this build opens{hint} "
             f"(supported: {store_uri_forms()}; write ./{text} for a directory of that name)"
         )

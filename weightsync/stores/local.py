@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError
+from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError, StoreUriError
 from weightsync.stores.base import TEMP_PREFIX, ObjectInfo, check_key, check_range
 
 
@@ -198,5 +198,5 @@ def _unlink_quietly(path: Path) -> None:
 def open_local(location: str, **options) -> LocalStore:
     """`DIR` (the part after `file://`, or a plain path) as a store."""
     if not location:
-        raise StoreError("file:// URI needs a directory, e.g. file:///data/weights")
+        raise StoreUriError("file:// URI needs a directory, e.g. file:///data/weights")
     return LocalStore(location, **options)

@@ -60,7 +60,14 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from weightsync.errors import ObjectExists, ObjectNotFound, ObjectTooShort, StoreError, UnsafeCommitError
+from weightsync.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    ObjectTooShort,
+    StoreError,
+    StoreUriError,
+    UnsafeCommitError,
+)
 from weightsync.stores.base import ObjectInfo, check_key, check_range
 
 log = logging.getLogger(__name__)
@@ -202,7 +209,7 @@ class S3Store:
             raise StoreError(f"s3:// stores need boto3 ({e}): pip install 'weightsync[s3]'") from None
 
         if not bucket:
-            raise StoreError("s3:// URI needs a bucket, e.g. s3://my-bucket/weights")
+            raise StoreUriError("s3:// URI needs a bucket, e.g. s3://my-bucket/weights")
         config = config or S3StoreConfig()
         if endpoint_url is not None:
             config = dataclasses.replace(config, endpoint_url=endpoint_url)
@@ -725,7 +732,7 @@ def open_s3(uri_rest: str, endpoint_url: str | None = None, config: S3StoreConfi
         unknown = sorted(set(options) - {"single_publisher"})
         value = options.get("single_publisher", [""])[-1].strip().lower()
         if unknown or value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise StoreError(f"s3:// URI options: only single_publisher=1 (or 0) is known, got ?{query}")
+            raise StoreUriError(f"s3:// URI options: only single_publisher=1 (or 0) is known, got ?{query}")
         config = dataclasses.replace(config or S3StoreConfig(), single_publisher=_truthy(value))
     bucket, _, prefix = uri_rest.partition("/")
     return S3Store(bucket, prefix, endpoint_url=endpoint_url, config=config)

@@ -30,10 +30,10 @@ import queue
 import threading
 import time
 
-from weightsync.errors import StaleVersion, WeightsyncError
+from weightsync.errors import AccessDenied, SignatureError, StaleVersion, WeightsyncError
 from weightsync.format.manifest import ChunkPlacement, Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
-from weightsync.transport.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc
+from weightsync.transport.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc, read_token
 from weightsync.transport.v1 import sync_pb2
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class PushConfig:
     model: str
     tls: TlsConfig | None = None
     token: str | None = None
+    """Bearer token the agents require; None: $WEIGHTSYNC_TOKEN if set (read when the Pusher starts)."""
     origin: str = "publisher"
     """Who pushes (shown in agents' ledgers)."""
     hops: int = 0
@@ -90,7 +91,7 @@ class _Target:
         self.address = address
         self.config = config
         self.metrics = metrics
-        self.client = AgentClient(address, tls=config.tls, token=config.token)
+        self.client = AgentClient(address, tls=config.tls, token=read_token(config.token))
         self._cond = threading.Condition()
         self._versions: dict[int, _Version] = {}
         self._finished = 0  # the newest version done with: later objects or offers for it are dropped
@@ -168,6 +169,17 @@ class _Target:
                 backoff = self.config.retry_backoff_s[0]
             except StaleVersion as e:  # the agent is past this version (it caught up elsewhere): next one
                 log.info("push to %s: v%d is stale there (%s); moving on", self.address, state.version, e)
+                self._finish(state)
+            except (AccessDenied, SignatureError) as e:  # a retry cannot fix a wrong token or a refused signature
+                self.last_error = str(e) or type(e).__name__
+                self.metrics.inc("push/errors", target=self.address)
+                log.error(
+                    "push to %s refused v%d: %s (the agent's token or trusted keys and this publisher's do not "
+                    "match; not retried, the agent catches up from the store once they do)",
+                    self.address,
+                    state.version,
+                    e,
+                )
                 self._finish(state)
             except Exception as e:  # whatever goes wrong, the worker must live on and retry
                 if not isinstance(e, WeightsyncError):

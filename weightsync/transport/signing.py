@@ -27,7 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from weightsync.errors import SignatureError
+from weightsync.errors import ConfigError, SignatureError
 
 ALGORITHM = "ed25519"
 MAX_SIGNATURE_BYTES = 1024
@@ -75,12 +75,25 @@ class Signer:
         )
 
     def write(self, private_path: str | os.PathLike, public_path: str | os.PathLike) -> None:
-        """Writes the key pair; the private key file is readable by its owner only."""
-        private_path = Path(private_path)
-        fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        """Writes the key pair; the private key file is readable by its owner only. Never
+        overwrites a key: ConfigError (naming the file and the fix) if either file exists or the
+        directory does not, before anything is written."""
+        private_path, public_path = Path(private_path), Path(public_path)
+        for path in (private_path, public_path):
+            if not path.parent.is_dir():
+                raise ConfigError(f"cannot write {path}: the directory {path.parent} does not exist (create it first)")
+            if path.exists():
+                raise ConfigError(
+                    f"{path} already exists, and a key is never overwritten: remove it or pick another "
+                    "path for the key pair"
+                )
+        try:
+            fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # created since the check above
+            raise ConfigError(f"{private_path} already exists, and a key is never overwritten") from None
         with os.fdopen(fd, "wb") as f:
             f.write(self.private_pem())
-        Path(public_path).write_bytes(self.public_pem())
+        public_path.write_bytes(self.public_pem())
 
 
 class Verifier:
