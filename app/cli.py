@@ -104,13 +104,13 @@ def _size(n: int | None) -> str:
 
 
 def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.checkpoint_io import checkpoint_dtypes, open_checkpoint
+    from weightsync.checkpoint_io import checkpoint_dtypes
     from weightsync.publisher import PublisherConfig, publish_once
     from weightsync.transport.signing import Signer
 
     _model(args)
     store = _store(args)
-    checkpoint = open_checkpoint(args.checkpoint)
+    checkpoint = _open_checkpoint(args.checkpoint)
     signer = Signer.from_pem(args.signing_key) if args.signing_key else None
     config_kwargs: dict[str, Any] = {
         "chunk_bytes": int(args.chunk_mib * 2**20),
@@ -162,6 +162,21 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
             + ("" if signer is None else f", signed by key {signer.key_id}")
         )
     return row
+
+
+def _open_checkpoint(paths: list[str]):
+    """Safetensors files or HF-style directories, or one torch DCP directory (what FSDP ranks save)."""
+    from weightsync.checkpoint_io import is_dcp_checkpoint, open_checkpoint
+
+    if any(is_dcp_checkpoint(p) for p in paths):
+        if len(paths) != 1:
+            from weightsync.errors import LayoutError
+
+            raise LayoutError("a torch DCP checkpoint is published on its own: give its directory alone")
+        from weightsync.trainer.checkpoint import open_dcp_checkpoint
+
+        return open_dcp_checkpoint(paths[0])
+    return open_checkpoint(paths)
 
 
 def _store_model_files(store, model: str, checkpoint_paths: list[str]) -> list[str]:

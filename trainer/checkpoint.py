@@ -27,6 +27,8 @@ import logging
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from weightsync.errors import FormatError, LayoutError
 from weightsync.trainer.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -186,3 +189,72 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------------ reading a DCP directory
+# `weightsync publish DIR` of a DCP checkpoint: what FSDP ranks wrote with
+# torch.distributed.checkpoint.save (this format or any other trainer's), read tensor by tensor
+# on one process, resharded from however many ranks wrote it. In a training state ({"model":
+# ..., "optim": ...}) only the model's tensors are taken, under their own names.
+
+
+class DcpCheckpoint(Mapping[str, torch.Tensor]):
+    """Tensor name -> tensor of a torch DCP directory, each loaded (whole) on access."""
+
+    def __init__(self, path: Path, entries: dict[str, tuple[str, torch.Size, torch.dtype]]) -> None:
+        self.path = path
+        self._entries = entries  # name -> (key in the checkpoint, global shape, dtype)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        key, shape, dtype = self._entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise FormatError(f"cannot read tensor {key!r} from the DCP checkpoint {self.path}: {e}") from None
+        return tensor
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {name: dtype for name, (_, _, dtype) in self._entries.items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# Where FSDP trainers keep the model in a DCP training state, and what else such a state holds.
+_DCP_MODEL_KEYS = ("model",)
+_DCP_TRAINING_STATE_KEYS = ("optim", "optimizer", "optimizer_state", "extra", "lr_scheduler", "scheduler")
+
+
+def open_dcp_checkpoint(path: str | os.PathLike) -> DcpCheckpoint:
+    """A DCP directory's model tensors (see the module docstring for which ones)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from weightsync.checkpoint_io import DCP_METADATA
+
+    path = Path(path)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or foreign .metadata: pickle, EOF or attribute errors
+        raise FormatError(f"{path / DCP_METADATA} is not a readable torch DCP metadata file: {e}") from None
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    tops = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    model_top = next((top for top in _DCP_MODEL_KEYS if top in tops), None)
+    if model_top is not None and tops & set(_DCP_TRAINING_STATE_KEYS):
+        # A training state: the model's tensors, named as the model names them.
+        entries = {k[len(model_top) + 1 :]: k for k in tensors if k.startswith(model_top + ".")}
+    else:
+        entries = {k: k for k in tensors}
+    if not entries:
+        raise LayoutError(f"the DCP checkpoint {path} holds no tensors")
+    return DcpCheckpoint(
+        path, {name: (key, tensors[key].size, tensors[key].properties.dtype) for name, key in sorted(entries.items())}
+    )

@@ -1,12 +1,9 @@
-"""checkpoint_io: checkpoints in (safetensors files, an HF-style directory, or a torch DCP
-directory) and safetensors out.
+"""checkpoint_io: safetensors checkpoints in (files or an HF-style directory) and out.
 
 `open_checkpoint` returns a lazy read-only mapping, so publishing a checkpoint never holds it
-twice in memory: each tensor is read when the publisher's snapshot asks for it. A DCP directory
-(`.metadata` + `*.distcp`, what `torch.distributed.checkpoint.save` writes from FSDP ranks) is read
-whole-tensor by whole-tensor, resharded from however many ranks wrote it; when it holds a
-training state (`{"model": ..., "optim": ...}`, as FSDP trainers save), only the model's tensors
-are taken, under their own names.
+twice in memory: each tensor is read when the publisher's snapshot asks for it. A torch DCP
+directory is recognised here (`is_dcp_checkpoint`) and read by the trainer layer
+(`weightsync.trainer.checkpoint.open_dcp_checkpoint`).
 `write_safetensors` writes `model.safetensors`, or HF-style shards plus an index, atomically:
 files appear under their final names only when complete. It replaces the checkpoint files an
 earlier write left in the directory, and refuses to touch any it did not write. Not here: stores or versions.
@@ -18,7 +15,6 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -78,88 +74,34 @@ def checkpoint_dtypes(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch
                     if name in checkpoint:
                         out[name] = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
         return out
-    if isinstance(checkpoint, DcpCheckpoint):
-        return checkpoint.dtypes()
+    dtypes = getattr(checkpoint, "dtypes", None)  # a lazy mapping that knows them (a DCP checkpoint)
+    if callable(dtypes):
+        return dtypes()
     return {name: tensor.dtype for name, tensor in checkpoint.items()}
 
 
-class DcpCheckpoint(Mapping[str, torch.Tensor]):
-    """Tensor name -> tensor of a torch DCP directory, each loaded (whole) on access."""
-
-    def __init__(self, path: Path, entries: dict[str, tuple[str, torch.Size, torch.dtype]]) -> None:
-        self.path = path
-        self._entries = entries  # name -> (key in the checkpoint, global shape, dtype)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        key, shape, dtype = self._entries[name]
-        tensor = torch.empty(shape, dtype=dtype)
-        try:
-            with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
-                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise FormatError(f"cannot read tensor {key!r} from the DCP checkpoint {self.path}: {e}") from None
-        return tensor
-
-    def dtypes(self) -> dict[str, torch.dtype]:
-        return {name: dtype for name, (_, _, dtype) in self._entries.items()}
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 DCP_METADATA = ".metadata"
-# Where FSDP trainers keep the model in a DCP training state, and what else such a state holds.
-_DCP_MODEL_KEYS = ("model",)
-_DCP_TRAINING_STATE_KEYS = ("optim", "optimizer", "optimizer_state", "extra", "lr_scheduler", "scheduler")
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    """A torch DCP directory (`.metadata` + `*.distcp`): the trainer layer reads those
+    (`weightsync.trainer.checkpoint.open_dcp_checkpoint`), since the library does not depend on
+    torch.distributed."""
     return (Path(path) / DCP_METADATA).is_file()
 
 
-def open_dcp_checkpoint(path: str | os.PathLike) -> DcpCheckpoint:
-    """A DCP directory's model tensors (see the module docstring for which ones)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated or foreign .metadata: pickle, EOF or attribute errors
-        raise FormatError(f"{path / DCP_METADATA} is not a readable torch DCP metadata file: {e}") from None
-    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    tops = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-    model_top = next((top for top in _DCP_MODEL_KEYS if top in tops), None)
-    if model_top is not None and tops & set(_DCP_TRAINING_STATE_KEYS):
-        # A training state: the model's tensors, named as the model names them.
-        entries = {k[len(model_top) + 1 :]: k for k in tensors if k.startswith(model_top + ".")}
-    else:
-        entries = {k: k for k in tensors}
-    if not entries:
-        raise LayoutError(f"the DCP checkpoint {path} holds no tensors")
-    return DcpCheckpoint(
-        path, {name: (key, tensors[key].size, tensors[key].properties.dtype) for name, key in sorted(entries.items())}
-    )
-
-
-def open_checkpoint(paths: list[str | os.PathLike] | str | os.PathLike) -> Mapping[str, torch.Tensor]:
-    """Opens `.safetensors` files and/or HF-style directories as one checkpoint, or one torch
-    DCP directory."""
+def open_checkpoint(paths: list[str | os.PathLike] | str | os.PathLike) -> SafetensorsCheckpoint:
+    """Opens `.safetensors` files and/or HF-style directories as one checkpoint."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     if not paths:
         raise LayoutError("no checkpoint given: pass .safetensors files, a directory, or a torch DCP directory")
-    if any(is_dcp_checkpoint(p) for p in paths):
-        if len(paths) != 1:
-            raise LayoutError("a torch DCP checkpoint is published on its own: give its directory alone")
-        return open_dcp_checkpoint(paths[0])
+    dcp = [p for p in paths if is_dcp_checkpoint(p)]
+    if dcp:
+        raise LayoutError(
+            f"{dcp[0]} is a torch DCP checkpoint: open it with weightsync.trainer.checkpoint."
+            "open_dcp_checkpoint (what `weightsync publish` does)"
+        )
     files: dict[str, Path] = {}
     for path in map(Path, paths):
         for file in _checkpoint_files(path):

@@ -50,7 +50,7 @@ def log_format_from_env(default: str = "text") -> str:
 
 
 def configure_logging(level: int | str = logging.INFO, fmt: str | None = None, **context: object) -> None:
-    """Configures the root logger for this process (replacing any earlier configuration), and
+    """Configures the root logger for this process (replacing what an earlier call set up), and
     exports the format for the processes it starts. `fmt` None: WEIGHTSYNC_LOG_FORMAT, else text."""
     fmt = log_format_from_env() if fmt is None else fmt
     if fmt not in LOG_FORMATS:
@@ -64,4 +64,11 @@ def configure_logging(level: int | str = logging.INFO, fmt: str | None = None, *
         handler.setFormatter(
             logging.Formatter(f"%(asctime)s {where + ' ' if where else ''}%(name)s %(levelname)s: %(message)s")
         )
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    # Replace the handler an earlier call installed, and only that one: a host process's own
+    # handlers (pytest's capture, an application's) stay.
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "weightsync", False)]:
+        root.removeHandler(old)
+    handler.weightsync = True
+    root.addHandler(handler)
+    root.setLevel(level)
