@@ -539,7 +539,9 @@ def _cmd_train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_serve_training(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.app.training.serve import launch, to_argv
+    from weightsync.app.training.serve import launch, require_training_extra, to_argv
+
+    require_training_extra()  # before any rank starts
 
     code = launch(to_argv(args), args.nproc)
     row = {"exit_code": code}

@@ -77,7 +77,7 @@ def stop(pids: list[int], *, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
         while time.monotonic() < deadline:
             _reap_zombies(pids)
-            if not any(_alive(pid) for pid in pids):
+            if not any(alive(pid) for pid in pids):
                 return
             time.sleep(0.05)
 
@@ -88,7 +88,8 @@ def _reap_zombies(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

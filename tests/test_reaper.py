@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.reaper import Reaper, descendants
+from harness.reaper import Reaper, alive, descendants
 
 REPO = Path(__file__).resolve().parents[1]
 # A parent that starts a sleeper in a session of its own, prints its PID and exits at once: the
@@ -24,14 +24,6 @@ ORPHAN = (
     "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
     "print(p.pid, flush=True)"
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:

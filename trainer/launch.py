@@ -1,8 +1,8 @@
 """launch: what `weightsync train --config FILE [--nproc N]` runs.
 
 With --nproc N > 1 (and not already under torchrun) it starts `torchrun --standalone
---nproc-per-node N -m weightsync.trainer.train ...` as a child process and returns its exit
-code; otherwise it runs the trainer in this process (a world of one, or this rank of a job
+--nproc-per-node N -m weightsync.trainer.train ...` as a child job (`run_torchrun`: a SIGTERM or
+Ctrl-C reaches every rank, and no rank outlives the command) and returns its exit code; otherwise it runs the trainer in this process (a world of one, or this rank of a job
 that torchrun started). Multi-node jobs call torchrun directly with their rendezvous flags.
 
 Imports nothing heavy at module level, so `weightsync train --help` stays instant.
@@ -13,10 +13,15 @@ Not here: the trainer itself (`train.py`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+
+STOP_TIMEOUT_S = 60.0
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,17 +58,45 @@ def run_train(
         from weightsync.trainer.train import main
 
         return main(argv)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "weightsync.trainer.train",
-        *argv,
-    ]
-    return subprocess.run(command, check=False).returncode
+    return run_torchrun(nproc, "weightsync.trainer.train", argv)
+
+
+def run_torchrun(nproc: int, module: str, argv: Sequence[str], *, stop_timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """`torchrun --standalone --nproc-per-node N -m MODULE ARGV` as a child job; returns its exit code.
+
+    The job runs in a process group of its own, and a SIGTERM or SIGINT to this process is passed
+    on to torchrun (which passes it on to the ranks and waits for them). If the job has not ended
+    `stop_timeout_s` after that, its whole group is killed: the ranks never outlive this process.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", module, *argv]  # fmt: skip
+    job = subprocess.Popen(command, start_new_session=True)
+    stopping = threading.Event()
+
+    def forward(signum, _frame) -> None:
+        stopping.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, signum)
+
+    handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                return job.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if stopping.is_set():
+                    break
+        try:
+            return job.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            return -signal.SIGKILL  # killed below
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if job.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 def run_train_args(args: argparse.Namespace) -> int:

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="DIR",
-        help="a base model directory to advertise in get_server_capabilities (repeatable)",
+        help="any local HF model directory (config.json + safetensors; a tokenizer for sampling) to advertise "
+        "in get_server_capabilities (repeatable); clients may pass any such directory as base_model",
     )
     parser.add_argument(
         "--profile",
@@ -109,6 +110,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "into chunks sent in parallel)",
     )
     parser.add_argument("--log-level", default="INFO")
+
+
+def require_training_extra() -> None:
+    """The server reads the wire schema from the tinker SDK's wheel: without it, refuse to start
+    (a server that says ready and then fails every forward_backward with HTTP 500, while the SDK
+    retries for minutes, is worse)."""
+    from weightsync.errors import ConfigError
+
+    try:
+        import tinker.proto.tinker_public_pb2  # noqa: F401 -- the schema itself, not just the package
+    except ImportError:
+        raise ConfigError(
+            "serve-training needs the tinker SDK's wire schema, which is not installed: "
+            "pip install 'weightsync[training]'"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,19 +250,9 @@ def launch(argv: Sequence[str], nproc: int | None) -> int:
             nproc = resolve_profile(args.profile).ranks
     if nproc is None or nproc == 1 or "LOCAL_RANK" in os.environ:
         return main(argv)
-    import subprocess
+    from weightsync.trainer.launch import run_torchrun
 
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "weightsync.app.training.serve",
-        *argv,
-    ]
-    return subprocess.run(command, check=False).returncode
+    return run_torchrun(nproc, "weightsync.app.training.serve", argv)
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -274,8 +280,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from weightsync.errors import ConfigError
+
     args = _parser().parse_args(argv)
     _configure_logging(args.log_level)
+    try:
+        require_training_extra()
+    except ConfigError as e:
+        print(f"weightsync: error: {e}", file=sys.stderr)
+        return 2
     return run(args)
 
 

@@ -14,6 +14,7 @@ against the model (service.py).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -223,7 +224,9 @@ def decode_lora_config(doc: Mapping[str, Any] | None, model: ModelConfig) -> Lor
             train_attn=bool(doc.get("train_attn", True)),
             train_mlp=bool(doc.get("train_mlp", True)),
             train_unembed=bool(doc.get("train_unembed", True)),
-            seed=doc.get("seed"),
+            # The SDK documents seed=None as a random initialisation. Drawn here, on rank 0, the
+            # seed travels with the command, so every rank builds the same adapters.
+            seed=doc["seed"] if doc.get("seed") is not None else secrets.randbits(31),
         )
         check_fits(model, settings)
     except ConfigError as e:  # the settings the request asked for: the caller's to fix

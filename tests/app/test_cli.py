@@ -430,3 +430,21 @@ def test_the_demo_progress_is_one_line_rewritten_on_a_terminal_and_changes_only_
             assert stream.text == "\r\033[Kstep 1\r\033[Kstep 2\r\033[Kstep 3\n"
         else:
             assert stream.text == "step 1\nstep 2\nstep 3\n"
+
+
+def test_serve_training_without_the_training_extra_refuses_to_start_naming_it(tmp_path):
+    """It used to start, print ready, then answer every forward_backward with HTTP 500 'No module
+    named tinker' while the SDK retried for minutes."""
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'tinker':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from weightsync.app.cli import main\n"
+        f"sys.exit(main(['serve-training', '--port', '0', '--api-key', 'tml-x', '--state-dir', {str(tmp_path)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'weightsync[training]'" in done.stderr and "ready" not in done.stdout

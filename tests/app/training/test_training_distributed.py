@@ -124,3 +124,35 @@ def test_the_api_matches_the_toml_trainer_on_the_same_batch(tmp_path, model_dir)
         for s, got in zip(SEQS, api_logprobs, strict=True):
             want = token_logprobs(model(torch.tensor([s[:-1]])), torch.tensor([s[1:]]))[0]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_sigterm_to_serve_training_stops_every_rank(tmp_path):
+    """`weightsync serve-training --nproc 2` ran torchrun as a plain child: a SIGTERM ended the
+    command and left torchrun and both ranks serving, forever. Now the signal reaches every rank
+    and none outlives the command."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from harness.reaper import alive, descendants
+
+    model_dir = write_tiny_model(tmp_path / "model")
+    command = [sys.executable, "-m", "weightsync.app.cli", "serve-training", "--nproc", "2", "--port", "0",
+               "--api-key", API_KEY, "--state-dir", str(tmp_path / "state"), "--model", str(model_dir)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "ready"
+        job = descendants(proc.pid)
+        assert sum("weightsync.app.training.serve" in cmd for cmd in job.values()) >= 3  # torchrun and 2 ranks
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+        deadline = time.monotonic() + 300
+        while any(alive(pid) for pid in job):
+            assert time.monotonic() < deadline, f"still running after the command ended: {job}"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -190,3 +190,18 @@ def test_bad_lora_configs_are_refused(service, model_dir, tmp_path):
         service.create_lora_training_client(base_model=str(tmp_path / "tied"), rank=1, train_unembed=True).result()
     client = service.create_lora_training_client(base_model=str(tmp_path / "tied"), rank=1, train_unembed=False)
     assert client.result().get_info().lora_rank == 1
+
+
+def test_a_lora_client_without_a_seed_gets_random_adapters_and_a_seed_repeats_them(service, model_dir):
+    """The SDK documents seed=None as a random initialisation; the server used to fix it at 0, so
+    every unseeded run started from the same adapters. B starts at zero, so the adapters' A shows
+    after the first step: same seed, same loss; no seed, different losses."""
+
+    def second_loss(seed):
+        client = service.create_lora_training_client(base_model=model_dir, rank=4, seed=seed).result()
+        step(client, lr=1e-2)
+        return step(client)
+
+    assert second_loss(11) == second_loss(11)
+    unseeded = [second_loss(None) for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
