@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync import logs
 from weightsync.models import CausalLM, ModelConfig, build_model
 from weightsync.trainer.checkpoint import CheckpointManager
 from weightsync.trainer.config import JobConfig, ModelSpec, load_job_config
@@ -307,14 +307,10 @@ class Trainer:
 
 
 def configure_logging(level: str = "INFO") -> None:
-    """One format for every rank; each line says which rank wrote it."""
+    """One format for every rank (text, or JSON lines with WEIGHTSYNC_LOG_FORMAT=json, which
+    `weightsync train --log-format json` sets); each line says which rank wrote it."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        force=True,
-        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
-    )
+    logs.configure_logging(level, rank=rank)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

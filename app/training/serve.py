@@ -293,13 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _configure_logging(level: str) -> None:
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        force=True,
-        format=f"%(asctime)s [rank{rank}] %(name)s %(levelname)s: %(message)s",
-    )
+    from weightsync.logs import configure_logging
+
+    configure_logging(level, rank=int(os.environ.get("RANK", "0")))
 
 
 if __name__ == "__main__":

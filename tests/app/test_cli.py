@@ -448,3 +448,16 @@ def test_serve_training_without_the_training_extra_refuses_to_start_naming_it(tm
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "pip install 'weightsync[training]'" in done.stderr and "ready" not in done.stdout
+
+
+@pytest.mark.slow
+def test_log_format_json_reaches_the_trainer_processes(tmp_path):
+    config = Path(__file__).parents[2] / "trainer" / "configs" / "sft_tiny.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "weightsync.app.cli", "train", "--config", str(config), "--set", "train.steps=6",
+         "--log-format", "json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
+    assert any(r["logger"].startswith("weightsync.trainer") and r["rank"] == 0 for r in records), records[:5]
