@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import dataclasses
 import json
 import logging
 import math
@@ -43,14 +42,6 @@ from weightsync.transport.rpc import TlsConfig, read_token
 from weightsync.transport.signing import Signer
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatRange:
-    """Where a local shard sits in its global tensor: elements [start, start + numel)."""
-
-    global_shape: tuple[int, ...]
-    start: int
 
 
 def flat_start(global_shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
@@ -78,7 +69,7 @@ def flat_start(global_shape: tuple[int, ...], offsets: tuple[int, ...], sizes: t
 
 def collect_local_shards(
     state_dict: Mapping[str, torch.Tensor], *, rank: int
-) -> tuple[dict[str, torch.Tensor], dict[str, FlatRange]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Placement]]:
     """This rank's part of `state_dict`: (local tensors, placements of the sharded ones).
 
     DTensors sharded on dim 0 give their local shard and its flat range; a tensor replicated
@@ -86,7 +77,7 @@ def collect_local_shards(
     (whole on every rank) are kept by global rank 0 only, with no placement.
     """
     tensors: dict[str, torch.Tensor] = {}
-    placements: dict[str, FlatRange] = {}
+    placements: dict[str, Placement] = {}
     for name, tensor in state_dict.items():
         if not isinstance(tensor, DTensor):
             if rank == 0:
@@ -107,7 +98,7 @@ def collect_local_shards(
         global_shape = tuple(tensor.shape)
         start = flat_start(global_shape, tuple(chunk.offsets), tuple(chunk.sizes))
         tensors[name] = local
-        placements[name] = FlatRange(global_shape, start)
+        placements[name] = Placement(global_shape=global_shape, start=start)
     return tensors, placements
 
 
@@ -186,8 +177,7 @@ class WeightPublisher:
         blocked (the snapshot copy, plus any wait for a free in-flight slot)."""
         t0 = time.perf_counter()
         called_unix_ms = int(time.time() * 1000)
-        tensors, ranges = collect_local_shards(state_dict, rank=self.rank)
-        placements = {name: Placement(global_shape=r.global_shape, start=r.start) for name, r in ranges.items()}
+        tensors, placements = collect_local_shards(state_dict, rank=self.rank)
         future = self._publisher.publish(tensors, step=step, placements=placements)
         self._pending.append((step, future, called_unix_ms))
         return time.perf_counter() - t0
