@@ -315,14 +315,13 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
-        engine_url = getattr(server.engine, "url", None)
         print(
             json.dumps(
                 {
                     "event": "ready",
                     "agent": config.name,
                     "address": server.address,
-                    "engine_url": engine_url,
+                    "engine_url": server.engine.url,
                     "metrics_port": server.metrics_port,
                 }
             ),
@@ -511,6 +510,9 @@ def _add_gc(sub) -> None:
 
 
 def _add_demo(sub) -> None:
+    from weightsync.agents.engines.swap_policy import SwapPolicy
+    from weightsync.app.demo.run import DEMO_ENGINES
+
     p = sub.add_parser(
         "demo",
         help="run the end-to-end demo on embedded defaults",
@@ -528,7 +530,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--seed", type=int, help="seed of the model, data and sampling (default 0)")
     p.add_argument(
         "--engine",
-        choices=("reference", "vllm"),
+        choices=DEMO_ENGINES,
         help="inference engine beside each agent: the embedded reference server (default) or a real vLLM "
         "server per agent (needs vLLM: bash scripts/setup_vllm.sh; docs/vllm.md)",
     )
@@ -541,7 +543,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--agents-per-region", type=int, help="agents per region (default 2; each runs its own engine)")
     p.add_argument(
         "--swap-policy",
-        choices=("drain", "in_flight", "abort"),
+        choices=SwapPolicy.names(),
         help="every agent's swap policy (default drain; docs/agents.md); summary.json reports the "
         "staleness of what the trainer learned from",
     )
@@ -555,6 +557,9 @@ def _add_demo(sub) -> None:
 
 
 def _add_agent(sub) -> None:
+    from weightsync.agents.engines import engine_types  # the registry's names: no engine is imported
+    from weightsync.agents.engines.swap_policy import SwapPolicy
+
     p = sub.add_parser(
         "agent",
         help="run a sync agent beside an inference engine",
@@ -573,7 +578,12 @@ def _add_agent(sub) -> None:
     p.add_argument("--name", help="agent name (default: hostname)")
     p.add_argument("--region", help="region name (default 'default')")
     p.add_argument("--peer", action="append", default=[], help="downstream agent host:port to relay to (repeatable)")
-    p.add_argument("--engine", help="engine type: reference (default) or safetensors_dir")
+    p.add_argument(
+        "--engine",
+        choices=engine_types(),
+        help="engine type (default reference); its other settings come from the --config file's "
+        "[agent.engine] table (docs/agents.md, Engines)",
+    )
     p.add_argument("--model-dir", help="HF-style directory giving the engine its architecture (and first weights)")
     p.add_argument("--engine-port", type=int, help="the reference engine's HTTP port (default: any free port)")
     p.add_argument("--token-file", help="bearer token callers must present (or $WEIGHTSYNC_TOKEN)")
@@ -583,7 +593,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--poll-interval-s", type=float, help="how often to check the store for new versions")
     p.add_argument(
         "--swap-policy",
-        choices=("drain", "in_flight", "abort"),
+        choices=SwapPolicy.names(),
         help="how requests running at a swap meet the new version (default drain; docs/agents.md)",
     )
     p.set_defaults(handler=_cmd_agent)

@@ -1,8 +1,8 @@
 """vllm_worker: the worker extension weightsync's vLLM engine drives inside each vLLM worker.
 
-Start vLLM with `--worker-extension-cls weightsync.agents.vllm_worker.WeightsyncWorkerExtension`
+Start vLLM with `--worker-extension-cls weightsync.agents.engines.vllm_worker.WeightsyncWorkerExtension`
 (and `VLLM_SERVER_DEV_MODE=1`, which exposes `/collective_rpc`); vLLM mixes these methods into
-every worker, and the agent's engine (`vllm_engine.py`) calls them through
+every worker, and the agent's engine (`vllm.py`) calls them through
 `POST /collective_rpc`. Arguments arrive as strings, results leave as JSON.
 
 A swap, in each worker:
@@ -23,7 +23,7 @@ they exist in checkpoint layout (after fusing and sharding). A parameter of neit
 verified, and the load says so rather than pass.
 
 This module is imported inside vLLM's workers: it depends on torch, safetensors and xxhash only.
-Not here: pausing, draining, comparing digests, deciding what is served (`vllm_engine.py`).
+Not here: pausing, draining, comparing digests, deciding what is served (`vllm.py`).
 """
 
 from __future__ import annotations
