@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 vh.require_vllm()
 
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400]]
@@ -378,7 +379,7 @@ def read_line(process: subprocess.Popen) -> dict:
 ATTEMPTS = 12  # one CI run beside a busy loop and other heavy tests got no freeze mid-way in 8
 
 
-@pytest.mark.parametrize("policy", ["in_flight", "drain"])
+@pytest.mark.parametrize("policy", [SwapPolicy.IN_FLIGHT, SwapPolicy.DRAIN])
 def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engine, server, published, policy):
     """A swap meets a long greedy generation. in_flight (pause mode keep, running requests' KV
     recomputed; the generation is frozen the same way mid-way, then swapped): the response lists
@@ -396,7 +397,7 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
     for attempt in range(ATTEMPTS):
         old, new = (3, 4) if attempt % 2 == 0 else (4, 3)
         engine.swap(old, versions[old][0], digest=versions[old][1])
-        client = generate_and_freeze(server.url, prompt, new_tokens, delay_s, freeze=policy == "in_flight")
+        client = generate_and_freeze(server.url, prompt, new_tokens, delay_s, freeze=policy is SwapPolicy.IN_FLIGHT)
         try:
             assert read_line(client)["under_way"]
             engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
@@ -407,9 +408,9 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
         tokens, spans = answer["token_ids"], answer["weight_versions"]
         outcomes.append({"wait_s": delay_s, "spans": spans})
         assert len(tokens) == new_tokens and spans[0]["start"] == 0 and spans[-1]["end"] == new_tokens
-        if len(spans) == 1 or policy == "drain":
+        if len(spans) == 1 or policy is SwapPolicy.DRAIN:
             assert len(spans) == 1 and spans[0]["version"] in (str(old), str(new)), spans
-            if policy == "drain":
+            if policy is SwapPolicy.DRAIN:
                 return
             delay_s = delay_s / 2 if spans[0]["version"] == str(old) else delay_s * 2
             continue
