@@ -21,6 +21,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+# Light (standard library only): the registry's names and the swap policies, for choices and help.
+from weightsync.agents.engines import engine_types
+from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.app.demo.run import DEMO_ENGINES
+
 log = logging.getLogger("weightsync.app.cli")
 
 
@@ -510,9 +515,6 @@ def _add_gc(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    from weightsync.agents.engines.swap_policy import SwapPolicy
-    from weightsync.app.demo.run import DEMO_ENGINES
-
     p = sub.add_parser(
         "demo",
         help="run the end-to-end demo on embedded defaults",
@@ -557,9 +559,6 @@ def _add_demo(sub) -> None:
 
 
 def _add_agent(sub) -> None:
-    from weightsync.agents.engines import engine_types  # the registry's names: no engine is imported
-    from weightsync.agents.engines.swap_policy import SwapPolicy
-
     p = sub.add_parser(
         "agent",
         help="run a sync agent beside an inference engine",
