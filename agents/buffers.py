@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from weightsync.agents.engine import Engine
+from weightsync.agents.engines.base import Engine
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import ResourceExhausted
 from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_hex
@@ -49,7 +50,7 @@ class Buffers:
         self.spare_served_as = 0
         self.rewriting = False  # a sync is rewriting a buffer (for copying engines: the served one)
 
-    def staging(self, name: str, policy: str) -> tuple[WeightsState, float]:
+    def staging(self, name: str, policy: SwapPolicy) -> tuple[WeightsState, float]:
         """The buffer the next version is built in: the spare (zero-copy engines still serve the
         current one), or the served one (copying engines keep their own copy); and the seconds
         spent waiting for requests to leave it. Under the drain swap policy that wait lasts as

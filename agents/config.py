@@ -13,39 +13,41 @@
     trusted_keys = ["/etc/weightsync/publisher.pub"]
     require_signatures = true
 
-    [agent.engine]                 # the inference engine beside the agent (agents/engine.py)
-    type = "reference"
+    [agent.engine]                 # the inference engine beside the agent (agents/engines/)
+    type = "reference"             # one of engines.engine_types(); the other keys are its options
+    model_dir = "/models/qwen3-0.6b"
     port = 8000
 
     [agent.tls]                    # this agent's server side; [agent.client_tls] for its peers
     cert = "agent.pem"
     key = "agent.key"
 
-Every key is checked when the file is loaded (`load_agent_config`): unknown keys, wrong types
-and bad sub-tables raise ConfigError naming the key and the fix.
+Every key is checked when the file is loaded (`load_agent_config`), those of [agent.engine]
+against the engine's own config class (`engines.parse_engine_config`): unknown keys, missing
+settings, wrong types and bad sub-tables raise ConfigError naming the key and the fix
+(weightsync/settings.py), and the swap policy becomes a `SwapPolicy` here, once.
 
-Not here: what the agent does with it (`sync.py`, `server.py`).
+Not here: what the agent does with it (`sync.py`, `server.py`), what an engine's options mean
+(its module in agents/engines/).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import socket
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any
 
+from weightsync.agents.engines import parse_engine_config
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ConfigError
 from weightsync.format.layout import check_model_name
+from weightsync.settings import build_table, check_known_keys, check_required, check_type, toml_kind
 from weightsync.transport.rpc import TlsConfig
-
-# engine.SWAP_POLICIES, spelled here so that loading a config does not import torch.
-_SWAP_POLICIES = ("drain", "in_flight", "abort")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,7 +76,7 @@ class AgentConfig:
     peers: tuple[str, ...] = ()
     """Downstream agents (host:port) this agent relays every version to as it arrives."""
     engine: dict[str, Any] = dataclasses.field(default_factory=lambda: {"type": "reference"})
-    """The inference engine: {"type": ..., options...} (agents/engine.py, open_engine)."""
+    """The inference engine: {"type": ..., options...} (agents/engines/, open_engine)."""
     tls: TlsConfig | None = None
     """Server TLS (cert/key; ca + require_client_cert for mTLS). None: plaintext (loopback only!)."""
     client_tls: TlsConfig | None = None
@@ -116,19 +118,18 @@ class AgentConfig:
     weights_kind: str = "model"
     """What this agent's engine serves: "model" (whole weights) or "adapter" (LoRA adapters only).
     A version whose manifest says another kind (producer.weights_kind; absent = "model") is refused."""
-    swap_policy: str = "drain"
+    swap_policy: SwapPolicy = SwapPolicy.DRAIN
     """How requests running at a swap meet the new version (docs/agents.md, "Swap policies"):
     "drain" (each response comes from one version; sync latency is bounded by the longest
     request), "in_flight" (running requests go on with the new weights from their next token;
     responses say which versions made which tokens), "abort" (running requests are cut and
-    retried on the new version). The engine must implement it (`Engine.swap_policies`)."""
+    retried on the new version). A string is parsed into the enum here; the engine must
+    implement it (`Engine.swap_policies`)."""
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
         object.__setattr__(self, "peers", tuple(self.peers))
         object.__setattr__(self, "trusted_keys", tuple(self.trusted_keys))
-        if "type" not in self.engine:
-            raise ValueError('engine needs a "type", e.g. {"type": "reference"}')
         if self.require_signatures and not self.trusted_keys:
             raise ValueError("require_signatures needs trusted_keys: the publisher public keys (PEM) to accept")
         for name in ("poll_interval_s", "push_wait_s", "cache_grace_s"):
@@ -138,11 +139,13 @@ class AgentConfig:
             raise ValueError("max_pending_bytes >= 0, cache_keep_versions >= 1, max_hops >= 1, workers >= 1 needed")
         if self.weights_kind not in ("model", "adapter"):
             raise ValueError(f'weights_kind must be "model" or "adapter", got {self.weights_kind!r}')
-        if self.swap_policy not in _SWAP_POLICIES:
+        try:
+            object.__setattr__(self, "swap_policy", SwapPolicy.parse(self.swap_policy))
+        except ValueError:
             raise ValueError(
-                f"swap_policy must be one of {list(_SWAP_POLICIES)}, got {self.swap_policy!r}: "
+                f"swap_policy must be one of {SwapPolicy.names()}, got {self.swap_policy!r}: "
                 'e.g. swap_policy = "in_flight"'
-            )
+            ) from None
         for name in ("listen", "health_listen"):
             value = getattr(self, name)
             if value is not None and ":" not in value:
@@ -192,115 +195,38 @@ _HOWTO_REQUIRED = {
 def parse_agent_config(doc: dict[str, Any], *, where: str = "agent settings") -> AgentConfig:
     """Builds an AgentConfig from the [agent] table of a parsed document; ConfigError if it is unusable."""
     doc = dict(doc)
-    fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
-    for key in sorted(set(doc) - set(fields)):
-        close = difflib.get_close_matches(key, fields, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"{where}: unknown key [agent] {key!r}; {hint}valid keys: {sorted(fields)}")
-    for key, howto in _HOWTO_REQUIRED.items():
-        if key not in doc:
-            raise ConfigError(f"{where}: [agent] {key} is missing: {howto}")
+    check_known_keys(doc, {f.name for f in dataclasses.fields(AgentConfig)}, where=where, section="[agent]")
+    check_required(doc, _HOWTO_REQUIRED, where=where, section="[agent]", howto=_HOWTO_REQUIRED)
     hints = typing.get_type_hints(AgentConfig)
     for key, value in doc.items():
-        if key in ("engine", "tls", "client_tls"):
-            continue
-        _check_type(where, f"[agent] {key}", value, hints[key])
+        if key not in ("engine", "tls", "client_tls"):
+            check_type(value, hints[key], where=where, name=f"[agent] {key}")
     doc["engine"] = _check_engine_table(where, doc.get("engine", {"type": "reference"}))
     for key in ("tls", "client_tls"):
-        if key in doc:
-            doc[key] = _build_tls(where, key, doc[key])
+        if key in doc and not isinstance(doc[key], TlsConfig):
+            doc[key] = build_table(TlsConfig, _table(where, key, doc[key]), where=where, section=f"[agent.{key}]")
     try:
         config = AgentConfig(**doc)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
-    # Last: the engine registry imports torch (seconds), worth it only for an otherwise good file.
-    from weightsync.agents.engine import engine_types
-
-    known = engine_types()
-    if config.engine["type"] not in known:
-        raise ConfigError(f"{where}: [agent.engine] type {config.engine['type']!r} is not an engine; known: {known}")
+    # Last: the engine's module imports torch (seconds), worth it only for an otherwise good file.
+    parse_engine_config(config.engine, where=where)
     return config
-
-
-def _check_type(where: str, name: str, value: Any, hint: Any) -> None:
-    """TOML gives ints, floats, strings, bools, arrays and tables; refuse the wrong one here with
-    the fix, e.g. a quoted number."""
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for kind in allowed:
-        origin = typing.get_origin(kind) or kind
-        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if origin is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if origin in (bool, str) and type(value) is origin:
-            return
-        if origin is tuple and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-            return
-    wanted = {
-        float: "a number",
-        int: "an integer",
-        bool: "true or false",
-        str: "a string",
-        tuple: "an array of strings",
-    }
-    names = " or ".join(wanted.get(typing.get_origin(k) or k, str(k)) for k in allowed if k is not type(None))
-    fix = ""
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if number is not None:
-            fix = f"; write the number without quotes, e.g. {name.split()[-1]} = {value.strip()}"
-    if isinstance(value, (list, tuple)) and any(not isinstance(v, str) for v in value):
-        fix = '; every element must be a quoted string, e.g. ["10.0.0.2:7070"]'
-    raise ConfigError(f"{where}: {name} must be {names}, got {value!r} ({_toml_kind(value)}){fix}")
-
-
-def _toml_kind(value: Any) -> str:
-    for kind, name in (
-        (bool, "a boolean"),
-        (int, "an integer"),
-        (float, "a number"),
-        (str, "a string"),
-        (dict, "a table"),
-        ((list, tuple), "an array"),
-    ):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
 
 
 def _check_engine_table(where: str, table: Any) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ConfigError(
-            f"{where}: [agent] engine must be a table, got {table!r} ({_toml_kind(table)}); write "
+            f"{where}: [agent] engine must be a table, got {table!r} ({toml_kind(table)}); write "
             '[agent.engine] with type = "reference" (or another engine type) and its options'
         )
-    if "type" not in table:
-        raise ConfigError(f'{where}: [agent.engine] needs a type, e.g. type = "reference"')
-    if not isinstance(table["type"], str):
-        raise ConfigError(f"{where}: [agent.engine] type must be a string, got {table['type']!r}")
     return dict(table)
 
 
-def _build_tls(where: str, key: str, table: Any) -> TlsConfig:
-    if isinstance(table, TlsConfig):
-        return table
-    section = f"[agent.{key}]"
+def _table(where: str, key: str, table: Any) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ConfigError(
-            f"{where}: [agent] {key} must be a table, got {table!r} ({_toml_kind(table)}); write "
-            f'{section} with cert = "agent.pem" and key = "agent.key" (ca = ... for mTLS)'
+            f"{where}: [agent] {key} must be a table, got {table!r} ({toml_kind(table)}); write "
+            f'[agent.{key}] with cert = "agent.pem" and key = "agent.key" (ca = ... for mTLS)'
         )
-    fields = {f.name for f in dataclasses.fields(TlsConfig)}
-    unknown = sorted(set(table) - fields)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown} in {section}; valid keys: {sorted(fields)}")
-    hints = typing.get_type_hints(TlsConfig)
-    for name, value in table.items():
-        _check_type(where, f"{section} {name}", value, hints[name])
-    try:
-        return TlsConfig(**table)
-    except ValueError as e:
-        raise ConfigError(f"{where}: {section}: {e}") from None
+    return table

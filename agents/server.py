@@ -8,7 +8,7 @@ alone on a plaintext `health_listen` port for probes that cannot speak TLS), and
 metrics when a metrics port is set. `AgentServer.stop` drains in-flight calls for a grace period
 before closing (what SIGTERM does in `run_agent`).
 
-Not here: what the agent does (`sync.py`), engines (`engine.py`), the CLI (app/cli.py).
+Not here: what the agent does (`sync.py`), engines (`engines/`), the CLI (app/cli.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from weightsync.agents.config import AgentConfig
-from weightsync.agents.engine import Engine, open_engine
+from weightsync.agents.engines import open_engine
+from weightsync.agents.engines.base import Engine
 from weightsync.agents.sync import SyncAgent
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics

@@ -22,7 +22,7 @@ then written to the local cache). One sync thread does the rest, one version at 
                 (range by range, one hash pass per chunk, `weightsync/format/codecs/fold.py`); the ledger
                 records the route (chain or folded) and why.
     swap     -> engine.swap under the agent's swap policy (drain / in_flight / abort: what running
-                requests do, engine.SWAP_POLICIES); the state file records the served version
+                requests do, `SwapPolicy`); the state file records the served version
                 (crash-safe), the ledger its timings; old cache entries are collected. A version
                 that took more than STALL_LOG_S from its offer is logged with where the time went.
 A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
@@ -42,7 +42,7 @@ token step after the swap); copying engines use one buffer. Received objects liv
 
 Not here: the gRPC plumbing (`server.py`), what pushers send (`intake.py`), the served and spare
 buffers (`buffers.py`), the cache, its state file, repairs and gc (`cache.py`), the ledger and
-broken versions (`ledger.py`), engines (`engine.py`).
+broken versions (`ledger.py`), engines (`engines/`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.early_apply import EarlyApply
-from weightsync.agents.engine import Engine, check_swap_policy, check_weights_kind
+from weightsync.agents.engines.base import Engine, check_engine, check_swap_policy, check_weights_kind
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
 from weightsync.errors import (
@@ -113,16 +113,9 @@ class SyncAgent:
         self.verifier = verifier
         self.relay = relay
         self.metrics = metrics
-        check_swap_policy(
-            config.swap_policy,
-            getattr(engine, "swap_policies", ("drain",)),
-            engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine",
-        )
-        check_weights_kind(
-            config.weights_kind,
-            getattr(engine, "weights_kinds", ("model",)),
-            engine=f"the {getattr(engine, 'name', type(engine).__name__)} engine",
-        )
+        check_engine(engine)  # an engine handed in directly, not opened by the registry, too
+        check_swap_policy(config.swap_policy, engine.swap_policies, engine=f"the {engine.name} engine")
+        check_weights_kind(config.weights_kind, engine.weights_kinds, engine=f"the {engine.name} engine")
         self.model = config.model
         self.cache = AgentCache(config.cache_path, model=config.model, name=config.name, workers=config.workers)
         self.reader = self.cache.reader
@@ -662,7 +655,7 @@ class SyncAgent:
                 "target_version": max(target, self._served_version),
                 "ledger": self.ledger.to_json(),
                 "last_error": self.last_error,
-                "engine": getattr(self.engine, "name", type(self.engine).__name__),
+                "engine": self.engine.name,
                 "peers": list(self.config.peers),
                 "started_unix_ms": self.started_unix_ms,
                 "served_digest": served_digest,

@@ -21,7 +21,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from weightsync.stores import store_uri_forms  # no torch, no boto3: --help stays instant
+# Light (standard library only: no torch, no boto3, so --help stays instant): the registries'
+# names and the swap policies, for choices and help.
+from weightsync.agents.engines import engine_types
+from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.app.demo.run import DEMO_ENGINES
+from weightsync.stores import store_uri_forms
 
 log = logging.getLogger("weightsync.app.cli")
 
@@ -449,14 +454,13 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
 
     def ready(server) -> None:
         # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
-        engine_url = getattr(server.engine, "url", None)
         print(
             json.dumps(
                 {
                     "event": "ready",
                     "agent": config.name,
                     "address": server.address,
-                    "engine_url": engine_url,
+                    "engine_url": server.engine.url,
                     "metrics_port": server.metrics_port,
                 }
             ),
@@ -690,7 +694,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--seed", type=int, help=f"seed of the model, data and sampling (default {default.seed})")
     p.add_argument(
         "--engine",
-        choices=("reference", "vllm"),
+        choices=DEMO_ENGINES,
         help="inference engine beside each agent: the embedded reference server (default) or a real vLLM "
         "server per agent (needs vLLM: bash scripts/setup_vllm.sh; docs/vllm.md)",
     )
@@ -707,7 +711,7 @@ def _add_demo(sub) -> None:
     )
     p.add_argument(
         "--swap-policy",
-        choices=("drain", "in_flight", "abort"),
+        choices=SwapPolicy.names(),
         help=f"every agent's swap policy (default {default.swap_policy}; docs/agents.md); summary.json reports the "
         "staleness of what the trainer learned from",
     )
@@ -739,7 +743,12 @@ def _add_agent(sub) -> None:
     p.add_argument("--name", help="agent name (default: hostname)")
     p.add_argument("--region", help="region name (default 'default')")
     p.add_argument("--peer", action="append", default=[], help="downstream agent host:port to relay to (repeatable)")
-    p.add_argument("--engine", help="engine type: reference (default) or safetensors_dir")
+    p.add_argument(
+        "--engine",
+        choices=engine_types(),
+        help="engine type (default reference); its other settings come from the --config file's "
+        "[agent.engine] table (docs/agents.md, Engines)",
+    )
     p.add_argument("--model-dir", help="HF-style directory giving the engine its architecture (and first weights)")
     p.add_argument("--engine-port", type=int, help="the reference engine's HTTP port (default: any free port)")
     p.add_argument("--token-file", help="bearer token callers must present (or $WEIGHTSYNC_TOKEN)")
@@ -749,7 +758,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--poll-interval-s", type=float, help="how often to check the store for new versions")
     p.add_argument(
         "--swap-policy",
-        choices=("drain", "in_flight", "abort"),
+        choices=SwapPolicy.names(),
         help="how requests running at a swap meet the new version (default drain; docs/agents.md)",
     )
     _add_log_format(p)

@@ -36,7 +36,7 @@ import torch
 
 from harness.machine import describe_machine
 from weightsync import __version__
-from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
+from weightsync.agents.engines.reference_server import ReferenceServer, ReferenceServerConfig
 from weightsync.models import CausalLM, ModelConfig
 
 log = logging.getLogger("bench.swap")

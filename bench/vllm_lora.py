@@ -73,8 +73,8 @@ def main() -> None:
 
 def run(work: Path, spec: dict, versions: int, rank: int) -> dict:
     from weightsync.agents.config import AgentConfig
+    from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
     from weightsync.agents.server import AgentServer
-    from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
 
     model_dir = work / "model"
     params = vh.write_qwen3(model_dir, seed=0, **spec)

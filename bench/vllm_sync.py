@@ -242,7 +242,7 @@ def write_snapshot(directory: Path, model_dir: Path, weights: dict[str, torch.Te
 def pause_under_load(server, agent, store, weights, generator, swaps: int) -> dict:
     """Swaps `swaps` versions straight into a second engine instance while clients send requests;
     the engine's pause per swap and the clients' latencies with and without swaps."""
-    from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
+    from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 
     agent.kill()  # one driver at a time
     agent.wait()

@@ -6,7 +6,10 @@ names another interpreter). The server is vLLM's OpenAI-compatible one with the 
 on a 2-core CPU machine (../shared/FACTS.md), in its own process group so that stopping it (by
 PID) stops its engine-core and worker processes too.
 
-Not here: the engine that drives it (`weightsync.agents.vllm_engine`).
+Also: asking the workers (weightsync's extension) what they hold, and turning vLLM's fused
+parameters (`qkv_proj`, `gate_up_proj`) into the checkpoint's tensors and back.
+
+Not here: the engine that drives it (`weightsync.agents.engines.vllm`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
 
@@ -206,3 +212,50 @@ def post_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> di
 def get_json(url: str, timeout_s: float = 60.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout_s) as reply:
         return json.load(reply)
+
+
+def collective_rpc(url: str, method: str, *args: str, timeout_s: float = 600.0) -> list:
+    """One method of weightsync's worker extension on every worker; their results in rank order."""
+    body = {"method": method, "args": list(args), "timeout": timeout_s}
+    return post_json(url + "/collective_rpc", body, timeout_s=timeout_s + 30)["results"]
+
+
+def held_params(url: str, directory: Path) -> dict[str, torch.Tensor]:
+    """What the (one) worker holds, in vLLM's names: live parameters as served, repacked ones as
+    loaded (the server needs `weightsync_keep_loaded("1")` before the load)."""
+    path = Path(directory) / f"held-{time.monotonic_ns()}.safetensors"
+    collective_rpc(url, "weightsync_save_params", str(path))
+    try:
+        return load_file(str(path))
+    finally:
+        path.unlink(missing_ok=True)
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""vLLM's fused Qwen3 parameters and the checkpoint tensors each holds, in order along dim 0."""
+
+
+def fuse(weights: dict[str, torch.Tensor], vllm_name: str) -> torch.Tensor:
+    """The checkpoint tensors (HF names) that vLLM parameter `vllm_name` holds, as it holds them."""
+    module, _, param = vllm_name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in FUSED:
+        return torch.cat([weights[f"{parent}.{sub}.{param}"] for sub in FUSED[leaf]], dim=0)
+    return weights[vllm_name]
+
+
+def unfuse(held: dict[str, torch.Tensor], spec: dict | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's parameters of a Qwen3 of `spec` (default TINY_QWEN3) back in checkpoint names."""
+    spec = {**TINY_QWEN3, **(spec or {})}
+    q, kv = spec["num_attention_heads"] * spec["head_dim"], spec["num_key_value_heads"] * spec["head_dim"]
+    sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (spec["intermediate_size"],) * 2}
+    out = {}
+    for name, tensor in held.items():
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in FUSED:
+            for sub, piece in zip(FUSED[leaf], torch.split(tensor, sizes[leaf], dim=0), strict=True):
+                out[f"{parent}.{sub}.{param}"] = piece
+        else:
+            out[name] = tensor
+    return out

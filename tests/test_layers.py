@@ -183,6 +183,38 @@ def test_the_engine_and_its_commands_live_in_the_trainer():
     assert modules == APP_TRAINING_FRONT_END, f"app/training/ is the HTTP front end only; found {sorted(modules)}"
 
 
+def engines_module(module: str) -> str | None:
+    """The agents/engines/ module an import names: its stem, "" for the registry (the package or a
+    name from it), None for anything outside agents/engines/."""
+    package = "weightsync.agents.engines"
+    if module == package:
+        return ""
+    if not module.startswith(package + "."):
+        return None
+    first = module[len(package) + 1 :].split(".")[0]
+    return first if (REPO / "agents" / "engines" / f"{first}.py").exists() else ""
+
+
+def test_the_agent_and_the_engines_are_apart():
+    """agents/ holds the agent, agents/engines/ the engines behind their registry. The agent reaches
+    an engine only through the registry, the protocol (base) and the swap policy, so adding an
+    engine touches no agent module; no engine imports the agent."""
+    problems = []
+    for path in sorted((REPO / "agents").rglob("*.py")):
+        in_engines = path.parent.name == "engines"
+        for line, module in imported_modules(path):
+            if not module.startswith("weightsync.agents."):
+                continue
+            target = engines_module(module)
+            if in_engines and target is None:
+                problems.append(f"{path.relative_to(REPO)}:{line}: an engine imports the agent's {module}")
+            if not in_engines and target not in (None, "", "base", "swap_policy"):
+                problems.append(f"{path.relative_to(REPO)}:{line}: the agent imports the engine {module}")
+    assert not problems, "\n".join(problems)
+    assert engines_module("weightsync.agents.engines.vllm.VllmEngine") == "vllm"
+    assert engines_module("weightsync.agents.engines.open_engine") == ""
+
+
 # ------------------------------------------------------------------------------ tests, bench, harness
 
 # tests/ and bench/ stand on harness/ (servers, proxies, fakes, machine description), never on each

@@ -28,7 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from weightsync.agents.engines.swap_policy import SwapPolicy
+
 log = logging.getLogger(__name__)
+
+DEMO_ENGINES = ("reference", "vllm")
+"""The engine types the demo can start beside its agents (of the registry's, weightsync.agents.engines)."""
 
 _ARCH = {  # ~0.8M parameters: learns two-digit addition on two CPU cores in a few minutes
     "model_type": "qwen3",
@@ -70,14 +75,15 @@ class DemoConfig:
     rl_lr: float = 1e-3
     architecture: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(_ARCH))
     engine: str = "reference"
-    """The inference engine beside each agent: "reference" (the embedded server) or "vllm" (a real
-    vLLM server per agent, started by the demo; needs vLLM, see docs/vllm.md)."""
+    """The inference engine beside each agent, one of DEMO_ENGINES: "reference" (the embedded
+    server) or "vllm" (a real vLLM server per agent, started by the demo; needs vLLM, see
+    docs/vllm.md)."""
     vllm_python: str | None = None
     """engine "vllm": the interpreter with vLLM and weightsync installed (default
     $WEIGHTSYNC_VLLM_PYTHON, else .venv-vllm/bin/python as scripts/setup_vllm.sh makes it)."""
-    swap_policy: str = "drain"
-    """Every agent's swap policy (docs/agents.md): "drain", "in_flight" or "abort". summary.json
-    reports the staleness of what the trainer learned from under it."""
+    swap_policy: SwapPolicy = SwapPolicy.DRAIN
+    """Every agent's swap policy (docs/agents.md; a string is parsed): "drain", "in_flight" or
+    "abort". summary.json reports the staleness of what the trainer learned from under it."""
     rollout_tokens: int = 8
     """Tokens each completion generates. The answer takes a few; above 8 the servers keep
     generating past the end of the answer (long rollouts, as in agentic RL), so requests run
@@ -93,10 +99,9 @@ class DemoConfig:
             raise ValueError("rl_steps must be >= 1 and warmup_steps >= 0")
         if (self.groups_per_step * self.group_size) % self.trainer_ranks:
             raise ValueError("groups_per_step x group_size must split evenly over trainer_ranks")
-        if self.engine not in ("reference", "vllm"):
-            raise ValueError(f'engine must be "reference" or "vllm", got {self.engine!r}')
-        if self.swap_policy not in ("drain", "in_flight", "abort"):
-            raise ValueError(f'swap_policy must be "drain", "in_flight" or "abort", got {self.swap_policy!r}')
+        if self.engine not in DEMO_ENGINES:
+            raise ValueError(f"engine must be one of {list(DEMO_ENGINES)}, got {self.engine!r}")
+        object.__setattr__(self, "swap_policy", SwapPolicy.parse(self.swap_policy))
         if self.rollout_tokens < 1 or self.rollout_tokens > 1024:
             raise ValueError(
                 f"rollout_tokens must be in 1..1024 (the reference server's limit), got {self.rollout_tokens}"

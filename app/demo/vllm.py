@@ -4,7 +4,7 @@ The server is vLLM's OpenAI-compatible one with weightsync's worker extension an
 (docs/vllm.md), with flags that run on a small CPU machine. vLLM lives in its own environment
 (`scripts/setup_vllm.sh` makes `.venv-vllm`), which must also have weightsync installed.
 
-Not here: driving the server (`weightsync.agents.vllm_engine`), processes and their lifetimes
+Not here: driving the server (`weightsync.agents.engines.vllm`), processes and their lifetimes
 (the caller's).
 """
 
@@ -14,7 +14,6 @@ import os
 import socket
 from pathlib import Path
 
-EXTENSION = "weightsync.agents.vllm_worker.WeightsyncWorkerExtension"
 SERVED_MODEL_NAME = "m"
 
 
@@ -73,5 +72,7 @@ def vllm_server_command(
         *extra_args,
     ]
     if extension:
+        from weightsync.agents.engines.vllm import EXTENSION  # torch: only for a server with the extension
+
         argv += ["--worker-extension-cls", EXTENSION]
     return argv, env

@@ -257,7 +257,7 @@ class SamplerHub:
         """Starts the agent for `store_model` if there is none; returns its gRPC address (push
         target). `adapter`: the store model holds adapter-only versions (vLLM only)."""
         from weightsync.agents.config import AgentConfig
-        from weightsync.agents.reference_engine import ReferenceEngine, ReferenceEngineConfig
+        from weightsync.agents.engines.reference import ReferenceEngine, ReferenceEngineConfig
         from weightsync.agents.server import AgentServer
 
         with self._lock:
@@ -297,7 +297,7 @@ class SamplerHub:
     def _attach_vllm(self, store_model: str, adapter: bool) -> Any:
         """A VllmEngine on the configured server, which serves this store model from now on (under
         self._lock); adapter-only versions as the LoRA adapter named `store_model`."""
-        from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
+        from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
         from weightsync.app.training.vllm_sampling import GENERATE_ROUTE
 
         if self._vllm_owner is not None:
@@ -440,7 +440,7 @@ class SamplerHub:
         return server
 
     def _base_engine(self, base_dir: str) -> Any:
-        from weightsync.agents.reference_engine import ReferenceEngine, ReferenceEngineConfig
+        from weightsync.agents.engines.reference import ReferenceEngine, ReferenceEngineConfig
 
         with self._lock:
             engine = self._base_engines.get(base_dir)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from bench.chaos import __doc__ as CHAOS_DOC
-from bench.chaos.config import REPO, ChaosConfig
+from bench.chaos.config import REPO, SWAP_POLICIES, ChaosConfig
 from harness.machine import describe_machine
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-scale", type=float, default=1.0, help="multiplies every fault's probability")
     parser.add_argument(
         "--swap-policy",
-        choices=["drain", "in_flight", "abort", "mixed"],
+        choices=[*SWAP_POLICIES, "mixed"],
         default="drain",
         help="every agent's swap policy (docs/agents.md); mixed: all three in one cluster, one "
         "per agent (bench/chaos/config.py, MIXED_POLICIES)",

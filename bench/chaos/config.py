@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from weightsync.agents.engines.swap_policy import SwapPolicy
+
 MODEL = "chaos-lm"
 ARCH = {
     "vocab_size": 259,
@@ -23,8 +25,8 @@ GENERATION_PROMPT = [256, 99, 104, 97, 111, 115]
 GENERATION_TOKENS = 96
 """The long generations kept running on every agent during the rounds (run.py, checks.py)."""
 REPO = Path(__file__).resolve().parents[2]
-SWAP_POLICIES = ("drain", "in_flight", "abort")
-MIXED_POLICIES = ("drain", "in_flight", "abort", "in_flight")
+SWAP_POLICIES = tuple(SwapPolicy.names())
+MIXED_POLICIES = (SwapPolicy.DRAIN, SwapPolicy.IN_FLIGHT, SwapPolicy.ABORT, SwapPolicy.IN_FLIGHT)
 """Under swap_policy "mixed": east-1, east-2, west-1, west-2. in_flight twice: it is the policy whose
 responses span versions, the one with the most to check per token range."""
 FAULT_KINDS = (

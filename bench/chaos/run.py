@@ -139,7 +139,7 @@ class Run(Faults, Checks):
             t.join()
         if not self.publisher.alive() or not all(a.up.is_set() for a in self.agents.values()):
             raise RuntimeError(f"the cluster did not start; logs in {self.work}")
-        from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
+        from weightsync.agents.engines.reference_server import ReferenceServer, ReferenceServerConfig
 
         self.reference = ReferenceServer(ReferenceServerConfig(model=ARCH, torch_threads=1))
         self.monitor = Monitor(self)

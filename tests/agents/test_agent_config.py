@@ -33,7 +33,7 @@ def test_corpus_is_complete():
 def test_valid_config_loads():
     config = load_agent_config(VALID)
     assert config.cache_dir == "/var/lib/weightsync/agent" and config.poll_interval_s == 5.0
-    assert config.engine == {"type": "reference", "port": 8000}
+    assert config.engine == {"type": "reference", "model_dir": "/var/lib/weightsync/model"}
     assert config.tls == TlsConfig(cert="/etc/weightsync/tls/agent.pem", key="/etc/weightsync/tls/agent.key")
     assert config.peers == ("10.0.0.2:7070",) and config.require_signatures
 
@@ -89,7 +89,11 @@ def test_overrides_are_checked_like_the_file():
 def test_no_file_needs_model_and_cache_dir_from_overrides():
     with pytest.raises(ConfigError, match="cache_dir is missing"):
         load_agent_config(None, model="m")
-    assert load_agent_config(None, model="m", cache_dir="/c").engine == {"type": "reference"}
+    # The default engine is the reference server, which needs an architecture: refused at load, not at start.
+    with pytest.raises(ConfigError, match=r"\[agent.engine\] give exactly one of model .* and model_dir"):
+        load_agent_config(None, model="m", cache_dir="/c")
+    engine = {"type": "reference", "model_dir": "/m"}
+    assert load_agent_config(None, model="m", cache_dir="/c", engine=engine).engine == engine
 
 
 def test_a_file_without_an_agent_table_is_refused(tmp_path):

@@ -13,7 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.bits import assert_bit_equal
+from weightsync.agents.engines import engine_types
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.app.cli import main
+from weightsync.app.demo.run import DEMO_ENGINES
 from weightsync.checkpoint_io import INDEX_NAME, open_checkpoint, write_safetensors
 from weightsync.format.layout import manifest_key
 
@@ -461,3 +464,34 @@ def test_log_format_json_reaches_the_trainer_processes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
     assert any(r["logger"].startswith("weightsync.trainer") and r["rank"] == 0 for r in records), records[:5]
+
+
+def test_agent_help_lists_every_engine_type_and_swap_policy(capsys):
+    """The choices come from the engine registry and the SwapPolicy enum, not a list of their own."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["agent", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the choices over lines
+    assert len(engine_types()) >= 4 and "{" + ",".join(engine_types()) + "}" in out
+    assert "{" + ",".join(SwapPolicy.names()) + "}" in out
+    assert set(DEMO_ENGINES) <= set(engine_types()), "the demo starts registered engines only"
+
+
+def test_agent_engine_without_its_required_setting_is_a_config_error(tmp_path, capsys):
+    """`--engine vllm` without a URL: one line naming the setting, exit 2, before anything starts."""
+    code, out, err = _run(capsys, "agent", "--engine", "vllm", "--model", "m", "--cache-dir", str(tmp_path / "c"))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("weightsync: error:"), err
+    assert "[agent.engine] url is missing" in err and "vllm" in err
+    assert not (tmp_path / "c").exists(), "nothing was started"
+
+
+def test_building_the_parser_does_not_import_torch():
+    """`--help` (the parser with the registry's choices) stays instant: no torch, no engine module."""
+    script = (
+        "import sys\nfrom weightsync.app.cli import build_parser\nbuild_parser()\n"
+        "heavy = [m for m in ('torch', 'numpy', 'weightsync.agents.engines.base') if m in sys.modules]\n"
+        "sys.exit(str(heavy) if heavy else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

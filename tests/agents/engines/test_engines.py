@@ -1,8 +1,14 @@
-"""The engine contract (agents/engine.py), one suite over every engine adapter, plus what only the
-safetensors directory engine does (reload failures and retries, snapshot layout, retention,
-crash leftovers). The reload target of the directory engine is a fake SGLang server that really
-loads the directory it is told about, so the tests compare what it loaded with what was swapped in.
-The sglang engine runs against harness/sglang_contract_server.py (its own tests: test_sglang_engine.py).
+"""The engine contract (agents/engines/base.py), one suite over every registered engine, plus what
+only the safetensors directory engine does (reload failures and retries, snapshot layout,
+retention, crash leftovers).
+
+The suite is parametrized from the registry (weightsync.agents.engines.ENGINES): KITS says, one
+entry per engine, how to run it under test and how to see what it really serves, and a registered
+engine without a kit fails. The reload target of the directory engine is a fake SGLang server that
+really loads the directory it is told about; the sglang engine runs against
+harness/sglang_contract_server.py (its own tests: test_sglang.py); the vllm engine against the real
+vLLM server (marked vllm and slow; its own tests: test_vllm.py), whose workers write back what they
+hold. So each test compares what the inference side loaded with what was swapped in.
 """
 
 from __future__ import annotations
@@ -14,16 +20,21 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from harness import vllm as vh
 from harness.bits import assert_bit_equal
 from harness.sglang_contract_server import SGLangContractServer
-from weightsync.agents.engine import SWAP_POLICIES, Engine, open_engine
-from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.agents.engines import ENGINES, engine_config_class, engine_types, open_engine
+from weightsync.agents.engines.base import Engine, check_engine
+from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.errors import ConfigError, LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
 SMALL = dict(
@@ -34,7 +45,6 @@ SMALL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
-ENGINES = ["reference", "safetensors_dir", "sglang"]
 
 
 def make_weights(version: int) -> dict[str, torch.Tensor]:
@@ -85,57 +95,74 @@ class FakeReloadServer:
         self.http.server_close()
 
 
-class Kit:
-    """An engine under test and how to see what it serves."""
+# ------------------------------------------------------------------ kits: each engine under test
 
-    def __init__(self, kind: str, tmp_path: Path, **options) -> None:
-        self.kind = kind
-        self.fake = None
-        self.server = None
-        if kind == "reference":
-            self.engine = open_engine({"type": "reference", "model": SMALL, **options})
-        elif kind == "sglang":
-            save_pretrained(tmp_path / "template", ModelConfig(**SMALL), make_weights(0))
-            self.server = SGLangContractServer(tmp_path / "template")
-            self.engine = open_engine(
-                {
-                    "type": "sglang",
-                    "url": self.server.url,
-                    "root": str(tmp_path / "snapshots"),
-                    "template_dir": str(tmp_path / "template"),
-                    "retry_backoff_s": 0.0,
-                    **options,
-                }
-            )
-        else:
-            self.fake = FakeReloadServer()
-            options = {
-                "root": str(tmp_path / "snapshots"),
-                "reload_url": self.fake.url,
-                "model": SMALL,
-                "reload_backoff_s": 0.0,
-                **options,
-            }
-            self.engine = open_engine({"type": "safetensors_dir", **options})
+
+class Kit:
+    """An engine under test: the weights it serves and how to see what it really serves."""
+
+    kind = ""
+    marks: tuple = ()  # pytest marks its contract tests carry
+
+    def __init__(self, request: pytest.FixtureRequest, tmp_path: Path, **options) -> None:
+        self.engine: Engine = open_engine({"type": self.kind, **self.options(request, tmp_path), **options})
+
+    def options(self, request: pytest.FixtureRequest, tmp_path: Path) -> dict:
+        """The engine's [agent.engine] options for a test (and whatever it runs beside)."""
+        return {}
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        """bf16 weights that differ per version, as an agent hands them to swap."""
+        return make_weights(version)
 
     def served(self) -> tuple[int | None, dict[str, torch.Tensor] | None]:
         """(version, tensors) as the inference side has them."""
-        if self.kind == "reference":
-            served = self.engine.served()
-            return served.version, dict(served.weights)
-        if self.kind == "sglang":
-            version = self.server.weight_version
-            return (int(version), self.server.weights) if version.isdigit() else (None, None)
+        raise NotImplementedError
+
+    def observe(self) -> tuple[int | None, dict[str, torch.Tensor]] | None:
+        """What a reader sees right now: (version, tensors), version None where the inference side
+        does not say (the version is then the one whose tensors they are), or None for nothing."""
+        return self.served()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ReferenceKit(Kit):
+    """The in-process reference server: what it serves is its served record."""
+
+    kind = "reference"
+
+    def options(self, request, tmp_path) -> dict:
+        return {"model": SMALL}
+
+    def served(self):
+        served = self.engine.served()
+        return served.version, dict(served.weights)
+
+
+class SafetensorsDirKit(Kit):
+    """The directory engine in front of FakeReloadServer, which loads what it is told to."""
+
+    kind = "safetensors_dir"
+
+    def options(self, request, tmp_path) -> dict:
+        self.fake = FakeReloadServer()
+        return {
+            "root": str(tmp_path / "snapshots"),
+            "reload_url": self.fake.url,
+            "model": SMALL,
+            "reload_backoff_s": 0.0,
+        }
+
+    def served(self):
         if not self.fake.loaded:
             return None, None
         path, weights = self.fake.loaded[-1]
         return int(Path(path).name[1:]), weights
 
-    def observe(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """What a reader sees right now: the served record, or the snapshot `current` names."""
-        if self.kind == "reference":
-            served = self.engine.served()
-            return served.version, dict(served.weights)
+    def observe(self):
+        """The snapshot `current` names, read the way a restarted server would."""
         current = self.engine.current_dir()
         if current is None:
             return None
@@ -147,42 +174,204 @@ class Kit:
             return None  # pruned by a later swap while we read it
 
     def close(self) -> None:
+        super().close()
+        self.fake.close()
+
+
+class SGLangKit(SafetensorsDirKit):
+    """The sglang engine in front of the SGLang contract server, which loads what it is told to."""
+
+    kind = "sglang"
+
+    def options(self, request, tmp_path) -> dict:
+        save_pretrained(tmp_path / "template", ModelConfig(**SMALL), make_weights(0))
+        self.server = SGLangContractServer(tmp_path / "template")
+        return {
+            "url": self.server.url,
+            "root": str(tmp_path / "snapshots"),
+            "template_dir": str(tmp_path / "template"),
+            "retry_backoff_s": 0.0,
+        }
+
+    def served(self):
+        version = self.server.weight_version
+        return (int(version), self.server.weights) if version.isdigit() else (None, None)
+
+    def close(self) -> None:
         self.engine.close()
-        if self.fake is not None:
-            self.fake.close()
-        if self.server is not None:
-            self.server.close()
+        self.server.close()
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """One real vLLM server (tiny Qwen3) for the module; its workers keep a copy of what they load
+    before the CPU kernels repack it, so that they can write back what they hold."""
+    vh.require_vllm()
+    model_dir = tmp_path_factory.mktemp("qwen3")
+    vh.write_qwen3(model_dir, seed=0)
+    with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log") as server:
+        server.wait_ready()
+        assert vh.collective_rpc(server.url, "weightsync_keep_loaded", "1") == [{"keep_loaded": True}]
+        server.base_weights = load_file(str(model_dir / "model.safetensors"))
+        yield server
+
+
+class VllmKit(Kit):
+    """The vllm engine on the real vLLM server; what it serves is what the workers write back."""
+
+    kind = "vllm"
+    marks = (pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800))
+
+    def options(self, request, tmp_path) -> dict:
+        self.server = request.getfixturevalue("vllm_server")
+        self.tmp_path = tmp_path
+        return {"url": self.server.url}
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(version)
+        return {
+            name: (0.05 * torch.randn(t.shape, generator=generator)).to(t.dtype)
+            for name, t in sorted(self.server.base_weights.items())
+        }
+
+    def served(self):
+        version = vh.get_json(self.server.url + "/weight_info").get("weight_version")
+        return (int(version) if version and version.isdigit() else None), self._held()
+
+    def observe(self):
+        return None, self._held()  # /weight_info and the tensors are two calls: tell by the tensors
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        return vh.unfuse(vh.held_params(self.server.url, self.tmp_path))
+
+
+KITS: dict[str, Callable[..., Kit]] = {
+    "reference": ReferenceKit,
+    "safetensors_dir": SafetensorsDirKit,
+    "sglang": SGLangKit,
+    "vllm": VllmKit,
+}
+
+
+@pytest.fixture(params=[pytest.param(kind, marks=getattr(KITS.get(kind), "marks", ())) for kind in engine_types()])
 def kit(request, tmp_path):
-    kit = Kit(request.param, tmp_path)
+    if request.param not in KITS:
+        pytest.fail(f"engine {request.param!r} is registered but has no kit here: add one line to KITS")
+    kit = KITS[request.param](request, tmp_path)
     yield kit
     kit.close()
+
+
+def seen_version(kit: Kit, versions: dict[int, dict[str, torch.Tensor]]) -> int | None:
+    """The version a reader sees now, after checking it sees exactly that version's tensors."""
+    observed = kit.observe()
+    if observed is None:
+        return None
+    version, weights = observed
+    if version is None:
+        same = [
+            v
+            for v, w in versions.items()
+            if sorted(w) == sorted(weights) and all(torch.equal(weights[n], t) for n, t in w.items())
+        ]
+        assert same, "a reader saw tensors of no whole version"
+        version = same[0]
+    assert_bit_equal(weights, versions[version])
+    return version
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def test_every_registered_engine_has_a_kit_and_a_config_class():
+    assert set(KITS) == set(engine_types()) == set(ENGINES)
+    for kind in engine_types():
+        cls = engine_config_class(kind)
+        assert cls.__module__.startswith("weightsync.agents.engines.") and callable(cls.open)
+
+
+def test_the_registry_imports_an_engine_only_when_its_type_is_used():
+    """Listing the types (--help, config errors) imports no engine and no torch; resolving one
+    imports its module alone."""
+    script = """
+import sys
+from weightsync.agents.engines import ENGINES, engine_config_class, engine_types
+assert engine_types() == tuple(ENGINES), engine_types()
+assert "torch" not in sys.modules
+engine_config_class("safetensors_dir")
+loaded = sorted(m for m in sys.modules if m.startswith("weightsync.agents.engines."))
+print(loaded)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = eval(done.stdout.strip())  # noqa: S307 - our own child's list of module names
+    assert "weightsync.agents.engines.safetensors_dir" in loaded
+    assert not {f"weightsync.agents.engines.{m}" for m in ("reference", "reference_server", "vllm", "sglang")} & set(
+        loaded
+    )
+
+
+def test_the_docs_engine_table_lists_the_registry():
+    """docs/agents.md's Engines table has one row per registered type, no more, no fewer."""
+    text = (Path(__file__).parents[3] / "docs" / "agents.md").read_text()
+    table = text.split("## Engines", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:] if line.startswith("|")]
+    assert sorted(rows) == sorted(engine_types()) and len(rows) == len(set(rows))
+
+
+def test_open_engine_refuses_unknown_types_and_options(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"type 'vllm-magic' is not an engine type; .*known: \['reference', 'safetensors_dir'"
+    ):
+        open_engine({"type": "vllm-magic"})
+    with pytest.raises(ConfigError, match=r"type 'refrence' is not an engine type; did you mean 'reference'\?"):
+        open_engine({"type": "refrence"})
+    with pytest.raises(ConfigError, match=r"\[agent.engine\] needs a type"):
+        open_engine({"model": SMALL})
+    with pytest.raises(ConfigError, match=r"unknown key \[agent.engine\] 'prot'; did you mean 'port'\?"):
+        open_engine({"type": "reference", "model": SMALL, "prot": 80})
+    with pytest.raises(ConfigError, match=r"unknown key \[agent.engine\] 'reload'; did you mean 'reload_url'\?"):
+        open_engine({"type": "safetensors_dir", "root": str(tmp_path), "model": SMALL, "reload": "x"})
+    with pytest.raises(ConfigError, match="template_dir"):
+        open_engine({"type": "safetensors_dir", "root": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"\[agent.engine\] root is missing: the safetensors_dir engine needs it"):
+        open_engine({"type": "safetensors_dir", "model": SMALL})
+    with pytest.raises(ConfigError, match=r"\[agent.engine\] url is missing: the vllm engine needs it"):
+        open_engine({"type": "vllm"})
+    with pytest.raises(ConfigError, match=r"\[agent.engine\] port must be an integer, got '80'"):
+        open_engine({"type": "reference", "model": SMALL, "port": "80"})
 
 
 # ------------------------------------------------------------------ the contract, over every engine
 
 
+def test_engine_keeps_every_member_of_the_protocol(kit):
+    engine = kit.engine
+    check_engine(engine)
+    assert isinstance(engine, Engine)
+    assert engine.name == kit.kind, "the name the registry knows it by"
+    assert "model" in engine.weights_kinds
+    assert engine.url is None or engine.url.startswith("http")
+
+
 def test_swap_makes_the_version_served(kit):
     engine = kit.engine
-    assert isinstance(engine, Engine)
     assert engine.served_version() is None
-    w1 = make_weights(1)
+    w1 = kit.weights(1)
     report = engine.swap(1, w1, digest="digest-1")
     assert report.version == 1 and 0 <= report.pause_s <= report.total_s
     assert engine.served_version() == 1
     version, served = kit.served()
     assert version == 1
     assert_bit_equal(served, w1)
-    w2 = make_weights(2)
+    w2 = kit.weights(2)
     engine.swap(2, w2, digest="digest-2")
     assert engine.served_version() == 2
     assert_bit_equal(kit.served()[1], w2)
 
 
 def test_zero_copy_engines_serve_the_tensors_copying_engines_keep_none(kit):
-    weights = make_weights(1)
+    weights = kit.weights(1)
     originals = {name: t.clone() for name, t in weights.items()}
     kit.engine.swap(1, weights, digest="digest-1")
     if kit.engine.zero_copy:
@@ -192,14 +381,14 @@ def test_zero_copy_engines_serve_the_tensors_copying_engines_keep_none(kit):
         for t in weights.values():  # the agent reuses its buffers as soon as swap returns
             t.fill_(float("nan"))
         assert_bit_equal(kit.served()[1], originals)
-        assert_bit_equal(kit.observe()[1], originals)
+        assert seen_version(kit, {1: originals}) == 1
 
 
 @pytest.mark.parametrize("damage", ["missing", "unexpected", "shape", "not_a_tensor"])
 def test_a_bad_swap_raises_and_the_previous_version_stays(kit, damage):
-    w1 = make_weights(1)
+    w1 = kit.weights(1)
     kit.engine.swap(1, w1, digest="digest-1")
-    bad = make_weights(2)
+    bad = kit.weights(2)
     if damage == "missing":
         del bad["model.layers.1.mlp.up_proj.weight"]
     elif damage == "unexpected":
@@ -207,19 +396,19 @@ def test_a_bad_swap_raises_and_the_previous_version_stays(kit, damage):
     elif damage == "shape":
         bad["model.norm.weight"] = bad["model.norm.weight"][:-1]
     else:
-        bad["model.norm.weight"] = [1.0] * 32
+        bad["model.norm.weight"] = [1.0] * len(bad["model.norm.weight"])
     with pytest.raises(LayoutError):
         kit.engine.swap(2, bad, digest="digest-2")
     assert kit.engine.served_version() == 1
     assert kit.served()[0] == 1
     assert_bit_equal(kit.served()[1], w1)
-    assert kit.observe()[0] == 1
+    assert seen_version(kit, {1: w1}) == 1
     if kit.kind == "safetensors_dir":
         assert kit.engine.snapshots() == [1]
 
 
 def test_readers_only_ever_see_whole_versions(kit):
-    versions = {v: make_weights(v) for v in range(1, 7)}
+    versions = {v: kit.weights(v) for v in range(1, 7)}
     kit.engine.swap(1, versions[1], digest="digest-1")
     stop = threading.Event()
     seen, problems = [], []
@@ -227,14 +416,9 @@ def test_readers_only_ever_see_whole_versions(kit):
     def observe() -> None:
         while not stop.is_set():
             try:
-                observed = kit.observe()
-                if observed is not None:
-                    version, weights = observed
+                version = seen_version(kit, versions)
+                if version is not None:
                     seen.append(version)
-                    if sorted(weights) != sorted(versions[version]) or not all(
-                        torch.equal(weights[n], t) for n, t in versions[version].items()
-                    ):
-                        problems.append(f"version {version} observed with other tensors")
             except Exception as e:  # reported below; a reader thread must not die silently
                 problems.append(repr(e))
 
@@ -248,13 +432,13 @@ def test_readers_only_ever_see_whole_versions(kit):
         reader.join()
     assert not problems
     assert seen and seen == sorted(seen)
-    assert kit.observe()[0] == 6
+    assert seen_version(kit, versions) == 6
 
 
 def test_wait_unused(kit):
     engine = kit.engine
-    engine.swap(1, make_weights(1), digest="digest-1")
-    engine.swap(2, make_weights(2), digest="digest-2")
+    engine.swap(1, kit.weights(1), digest="digest-1")
+    engine.swap(2, kit.weights(2), digest="digest-2")
     if not engine.zero_copy:
         assert engine.wait_unused(1, 0) and engine.wait_unused(2, 0)
         return
@@ -262,7 +446,7 @@ def test_wait_unused(kit):
     assert not engine.wait_unused(2, 0.05), "the served version is in use: new requests get it"
     with engine.lease() as held:  # a request in flight on version 2
         assert held.version == 2
-        engine.swap(3, make_weights(3), digest="digest-3")
+        engine.swap(3, kit.weights(3), digest="digest-3")
         assert not engine.wait_unused(2, 0.05)
         result = []
         waiter = threading.Thread(target=lambda: result.append(engine.wait_unused(2, 60)))
@@ -273,58 +457,42 @@ def test_wait_unused(kit):
 
 
 def test_close_is_idempotent(kit):
-    kit.engine.swap(1, make_weights(1), digest="digest-1")
+    kit.engine.swap(1, kit.weights(1), digest="digest-1")
     kit.engine.close()
     kit.engine.close()
     with pytest.raises(WeightsyncError, match="closed"):
-        kit.engine.swap(2, make_weights(2), digest="digest-2")
+        kit.engine.swap(2, kit.weights(2), digest="digest-2")
 
 
 def test_every_engine_names_its_swap_policies_and_refuses_the_others(kit):
     engine = kit.engine
-    assert "drain" in engine.swap_policies and set(engine.swap_policies) <= set(SWAP_POLICIES)
-    for policy in SWAP_POLICIES:
+    assert SwapPolicy.DRAIN in engine.swap_policies
+    assert all(isinstance(policy, SwapPolicy) for policy in engine.swap_policies)
+    for policy in SwapPolicy:
         if policy not in engine.swap_policies:
-            with pytest.raises(ValueError, match=f"does not implement swap policy {policy!r}"):
-                engine.swap(1, make_weights(1), digest="digest-1", policy=policy)
-    with pytest.raises(ValueError, match="swap policy must be one of"):
-        engine.swap(1, make_weights(1), digest="digest-1", policy="later")
+            with pytest.raises(ValueError, match=f"does not implement swap policy {policy.value!r}"):
+                engine.swap(1, kit.weights(1), digest="digest-1", policy=policy)
+    for policy in ("later", "drain"):  # strings are parsed once, where a setting is read
+        with pytest.raises(TypeError, match="swap policy must be a SwapPolicy"):
+            engine.swap(1, kit.weights(1), digest="digest-1", policy=policy)
     assert engine.served_version() is None, "a refused policy touched nothing"
 
 
-@pytest.mark.parametrize("kind", ENGINES)
-def test_swap_refuses_bad_versions_and_digests(kind, tmp_path):
-    kit = Kit(kind, tmp_path)
-    try:
-        for version in (-1, True, 1.0, "1"):
-            with pytest.raises(ValueError, match="version"):
-                kit.engine.swap(version, make_weights(1), digest="d")
-        with pytest.raises(TypeError, match="digest"):
-            kit.engine.swap(1, make_weights(1), digest=None)
-        assert kit.engine.served_version() is None
-    finally:
-        kit.close()
-
-
-def test_open_engine_refuses_unknown_types_and_options(tmp_path):
-    with pytest.raises(ValueError, match="unknown engine type 'vllm-magic'.*reference.*safetensors_dir"):
-        open_engine({"type": "vllm-magic"})
-    with pytest.raises(ValueError, match="unknown engine type None"):
-        open_engine({"model": SMALL})
-    with pytest.raises(ValueError, match="options are"):
-        open_engine({"type": "reference", "model": SMALL, "prot": 80})
-    with pytest.raises(ValueError, match="options are"):
-        open_engine({"type": "safetensors_dir", "root": str(tmp_path), "model": SMALL, "reload": "x"})
-    with pytest.raises(ValueError, match="template_dir"):
-        open_engine({"type": "safetensors_dir", "root": str(tmp_path)})
+def test_swap_refuses_bad_versions_and_digests(kit):
+    for version in (-1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="version"):
+            kit.engine.swap(version, kit.weights(1), digest="d")
+    with pytest.raises(TypeError, match="digest"):
+        kit.engine.swap(1, kit.weights(1), digest=None)
+    assert kit.engine.served_version() is None
 
 
 # ------------------------------------------------------------------ safetensors directory engine
 
 
 @pytest.fixture
-def dir_kit(tmp_path):
-    kit = Kit("safetensors_dir", tmp_path, reload_retries=1)
+def dir_kit(request, tmp_path):
+    kit = SafetensorsDirKit(request, tmp_path, reload_retries=1)
     yield kit
     kit.close()
 
@@ -470,7 +638,7 @@ def test_dir_reopen_cleans_leftovers_and_reuses_a_complete_snapshot(tmp_path):
 
 _CRASH_CHILD = """
 import sys, torch
-from weightsync.agents.engine import open_engine
+from weightsync.agents.engines import open_engine
 from weightsync.models import ModelConfig, build_model
 small = {small!r}
 engine = open_engine({{"type": "safetensors_dir", "root": sys.argv[1], "model": small, "keep_snapshots": 2}})
@@ -511,13 +679,13 @@ def test_dir_sigkill_mid_swap_leaves_current_complete(tmp_path):
 
 def test_dir_needs_no_model_code(tmp_path):
     """A generic engine: an HF config.json dict as `model`, layout from the first swap, and the
-    decoder (weightsync.models) never imported (open_engine would import the reference server's)."""
+    decoder (weightsync.models) never imported: the registry imports the directory engine's module alone."""
     hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32}
     child = f"""
 import json, sys, torch
-from weightsync.agents.safetensors_engine import open_safetensors_dir_engine
+from weightsync.agents.engines import open_engine
 from weightsync.errors import LayoutError
-engine = open_safetensors_dir_engine({{"root": sys.argv[1], "model": {hf!r}}})
+engine = open_engine({{"type": "safetensors_dir", "root": sys.argv[1], "model": {hf!r}}})
 engine.swap(1, {{"a": torch.zeros(2, 3, dtype=torch.bfloat16)}}, digest="d1")
 try:
     engine.swap(2, {{"a": torch.zeros(3, 2, dtype=torch.bfloat16)}}, digest="d2")

@@ -18,8 +18,9 @@ import urllib.request
 import pytest
 import torch
 
-from weightsync.agents.engine import SWAP_POLICIES, open_engine
-from weightsync.agents.reference_server import ReferenceServer, ReferenceServerConfig
+from weightsync.agents.engines import open_engine
+from weightsync.agents.engines.reference_server import ReferenceServer, ReferenceServerConfig
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError
 from weightsync.models import ByteTokenizer, CausalLM, ModelConfig, build_model, save_pretrained
 
@@ -124,7 +125,7 @@ def test_sampling_is_seeded_and_stop_tokens_end_completions(server):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", SWAP_POLICIES)
+@pytest.mark.parametrize("policy", list(SwapPolicy))
 def test_hammer_every_token_comes_from_a_swapped_in_version(server, policy):
     """Clients generate without pause while the agent swaps versions and, as it would with double
     buffering, overwrites each replaced version's tensors once wait_unused says they are free.
@@ -189,7 +190,7 @@ def test_hammer_every_token_comes_from_a_swapped_in_version(server, policy):
             assert status == 200, answer
             v = answer["weight_version"]
             assert header == str(v) and answer["weight_digest"] == f"digest-{v}"
-            if policy == "in_flight":
+            if policy is SwapPolicy.IN_FLIGHT:
                 check_ranges(answer, requests[r], {v: expected[v, r] for v in versions})
             else:
                 assert answer["weight_versions"] == [v] and all(
@@ -257,7 +258,7 @@ class GatedServer(ReferenceServer):
         return running
 
 
-def generate_across_a_swap(policy: str, *, at_step: int = 10, new_tokens: int = 48) -> dict:
+def generate_across_a_swap(policy: SwapPolicy, *, at_step: int = 10, new_tokens: int = 48) -> dict:
     """A greedy generation on v1 that a swap to v2 under `policy` meets at token `at_step`."""
     body = {"prompt_ids": [[256, 5, 6, 7]], "max_new_tokens": new_tokens, "stop": None}
     with GatedServer(ReferenceServerConfig(model=BYTE_MODEL), at_steps=(at_step,)) as server:
@@ -275,7 +276,7 @@ def generate_across_a_swap(policy: str, *, at_step: int = 10, new_tokens: int = 
     return answer
 
 
-@pytest.mark.parametrize("policy", SWAP_POLICIES)
+@pytest.mark.parametrize("policy", list(SwapPolicy))
 def test_a_replaced_version_is_free_one_token_step_after_the_swap_unless_draining(policy):
     """What bounds memory without a third buffer: under in_flight and abort the request leaves v1
     at its next token step, so the agent may rebuild v1's buffer while the request still runs;
@@ -289,7 +290,7 @@ def test_a_replaced_version_is_free_one_token_step_after_the_swap_unless_drainin
         server.swap(2, make_weights(2), digest="digest-2", policy=policy)
         server.go[10].set()
         assert server.reached[20].wait(60)  # the request is running, held at its token step 20
-        assert server.wait_unused(1, 0) == (policy != "drain")
+        assert server.wait_unused(1, 0) == (policy is not SwapPolicy.DRAIN)
         assert server.requests_in_flight() == 1
         server.go[20].set()
         client.join(60)
@@ -306,7 +307,7 @@ def alone(version: int, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def test_in_flight_a_long_generation_spans_a_swap_and_says_which_version_made_which_tokens():
-    answer = generate_across_a_swap("in_flight", at_step=10, new_tokens=48)
+    answer = generate_across_a_swap(SwapPolicy.IN_FLIGHT, at_step=10, new_tokens=48)
     completion = answer["completions"][0]
     assert answer["weight_version"] == 1 and answer["weight_versions"] == [1, 2] and answer["restarts"] == 0
     assert completion["versions"] == [{"version": 1, "start": 0, "stop": 10}, {"version": 2, "start": 10, "stop": 48}]
@@ -318,23 +319,30 @@ def test_in_flight_a_long_generation_spans_a_swap_and_says_which_version_made_wh
 
 
 def test_drain_a_generation_that_a_swap_meets_stays_on_its_version():
-    answer = generate_across_a_swap("drain")
+    answer = generate_across_a_swap(SwapPolicy.DRAIN)
     assert answer["weight_version"] == 1 and answer["weight_versions"] == [1]
     assert answer["completions"][0]["versions"] == [{"version": 1, "start": 0, "stop": 48}]
     assert answer["completions"][0]["token_ids"] == alone(1, [256, 5, 6, 7], 48)
 
 
 def test_abort_a_generation_that_a_swap_meets_runs_again_on_the_new_version():
-    answer = generate_across_a_swap("abort")
+    answer = generate_across_a_swap(SwapPolicy.ABORT)
     assert answer["weight_version"] == 2 and answer["weight_versions"] == [2] and answer["restarts"] == 1
     assert answer["completions"][0]["versions"] == [{"version": 2, "start": 0, "stop": 48}]
     assert answer["completions"][0]["token_ids"] == alone(2, [256, 5, 6, 7], 48)
 
 
-def test_swap_refuses_an_unknown_policy(server):
-    with pytest.raises(ValueError, match="swap policy must be one of"):
-        server.swap(1, make_weights(1), digest="digest-1", policy="eventually")
+def test_swap_refuses_a_policy_that_is_not_a_swap_policy(server):
+    """Strings are parsed once, where a setting is read (SwapPolicy.parse); swap takes the enum."""
+    for policy in ("eventually", "drain"):
+        with pytest.raises(TypeError, match="swap policy must be a SwapPolicy"):
+            server.swap(1, make_weights(1), digest="digest-1", policy=policy)
     assert server.served_version() is None
+    with pytest.raises(
+        ValueError, match=r"swap policy must be one of \['drain', 'in_flight', 'abort'\], got 'eventually'"
+    ):
+        SwapPolicy.parse("eventually")
+    assert SwapPolicy.parse("in_flight") is SwapPolicy.IN_FLIGHT
 
 
 BAD_REQUESTS = [
@@ -492,7 +500,7 @@ def test_model_dir_is_served_as_version_0(tmp_path):
 
 
 def test_replica_rope_matches_the_model():
-    from weightsync.agents.reference_engine import _replica
+    from weightsync.agents.engines.reference import _replica
 
     config = ModelConfig(**{**BYTE_MODEL, "rope_theta": 500000.0, "head_dim": 16})
     assert torch.equal(_replica(config).inv_freq, CausalLM(config).inv_freq)
@@ -506,7 +514,7 @@ def test_serve_entry_point(tmp_path):
         [
             sys.executable,
             "-m",
-            "weightsync.agents.reference_server",
+            "weightsync.agents.engines.reference_server",
             "--model-dir",
             str(tmp_path / "model"),
             "--port",

@@ -27,10 +27,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 vh.require_vllm()
 
-from weightsync.agents import vllm_lora
 from weightsync.agents.config import AgentConfig
+from weightsync.agents.engines import vllm_lora
+from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 from weightsync.agents.server import AgentServer
-from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
 
 RANK, ALPHA = 4, 32.0
 SCALE = ALPHA / RANK

@@ -1,4 +1,4 @@
-"""The vllm engine's adapter-only checks and handoff (agents/vllm_lora.py), without a vLLM server:
+"""The vllm engine's adapter-only checks and handoff (agents/engines/vllm_lora.py), without a vLLM server:
 what is refused before a server is touched, the PEFT directory vLLM reads, and the digest of an
 adapter as vLLM holds it. The real server: tests/agents/engines/test_vllm_lora.py."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightsync.agents import vllm_lora
+from weightsync.agents.engines import vllm_lora
 from weightsync.errors import IntegrityError, LayoutError
 from weightsync.format.hashing import xxh3_hex
 

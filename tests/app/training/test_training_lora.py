@@ -136,7 +136,7 @@ def test_an_agent_refuses_versions_of_the_wrong_kind(server, service, model_dir,
     import time
 
     from weightsync.agents.config import AgentConfig
-    from weightsync.agents.reference_engine import ReferenceEngine, ReferenceEngineConfig
+    from weightsync.agents.engines.reference import ReferenceEngine, ReferenceEngineConfig
     from weightsync.agents.server import AgentServer
     from weightsync.models import load_config
 

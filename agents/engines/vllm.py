@@ -1,21 +1,24 @@
-"""vllm_engine: a copying engine that hot-swaps verified versions into a running vLLM server.
+"""vllm: a copying engine that hot-swaps verified versions into a running vLLM server.
 
 The server is vLLM's OpenAI-compatible one, started with weightsync's worker extension and the
 dev routes (docs/vllm.md has the full command):
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
-        --worker-extension-cls weightsync.agents.vllm_worker.WeightsyncWorkerExtension
+        --worker-extension-cls weightsync.agents.engines.vllm_worker.WeightsyncWorkerExtension
 
 A swap, in order (a failure at any step is handled as the last column says):
 
+    layout   names against what the workers load, shapes and dtypes    -> nothing changed: raise
+             against the last version served (vLLM's loader would find
+             another shape only once the server is paused)
     handoff  the version's tensors go to a safetensors file on tmpfs       -> nothing changed: raise
              (`handoff_dir`, /dev/shm); each worker maps it, so no tensor
              crosses the network
     check    POST /collective_rpc weightsync_check: each worker hashes the -> damaged: nothing
              file against the agent's per-tensor hashes (still serving)       changed, raise
-    pause    POST /pause?mode=M, M from the swap policy: drain -> wait      -> nothing changed: raise
+    pause    POST /pause?mode=M, M from the swap policy: DRAIN -> wait      -> nothing changed: raise
              (running requests finish on the old version, new ones wait),
-             in_flight -> keep (they are frozen), abort -> abort (cut)
+             IN_FLIGHT -> keep (they are frozen), ABORT -> abort (cut)
     load     POST /collective_rpc weightsync_load: each worker reloads    -> unknown weights: stay
              through vLLM's own load path (fusing, tensor parallelism)        paused, unhealthy, raise
     verify   each worker's digest of what it now holds (HF names, its     -> unknown weights: stay
@@ -44,7 +47,8 @@ server as the last one left it (maybe paused mid-load) and swaps its cached vers
 
 Memory in the agent: the agent's one buffer (the engine keeps no reference to it); the handoff
 file lives on tmpfs only for the duration of the swap. The copy vLLM serves is the engine's copy.
-Not here: fetching or verifying versions (the agent), the worker side (`vllm_worker.py`).
+Not here: fetching or verifying versions (the agent), the worker side (`vllm_worker.py`), adapters
+(`vllm_lora.py`).
 """
 
 from __future__ import annotations
@@ -68,17 +72,19 @@ from typing import Any
 
 import torch
 
-from weightsync.agents import vllm_lora
-from weightsync.agents.engine import SWAP_POLICIES, SwapReport, check_layout, check_swap_args, register_engine
+from weightsync.agents.engines import vllm_lora
+from weightsync.agents.engines.base import Layout, SwapReport, check_layout, check_swap_args, layout_of
+from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.agents.engines.vllm_worker import PROTOCOL, WeightsyncWorkerExtension
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.format.hashing import xxh3_hex
 
 logger = logging.getLogger(__name__)
 
-EXTENSION = "weightsync.agents.vllm_worker.WeightsyncWorkerExtension"
-PROTOCOL = 1  # the worker extension's; see vllm_worker.PROTOCOL
+EXTENSION = f"{WeightsyncWorkerExtension.__module__}.{WeightsyncWorkerExtension.__qualname__}"
+"""What vLLM's --worker-extension-cls must name."""
 PAUSE_MODES = ("wait", "abort", "keep")
-_PAUSE_MODE = {"drain": "wait", "in_flight": "keep", "abort": "abort"}  # swap policy -> /pause mode
+_PAUSE_MODE = {SwapPolicy.DRAIN: "wait", SwapPolicy.IN_FLIGHT: "keep", SwapPolicy.ABORT: "abort"}  # -> /pause mode
 # route -> how to get it, for the refusal message when a server lacks it
 REQUIRED_ROUTES = {
     "/collective_rpc": "start vLLM with VLLM_SERVER_DEV_MODE=1",
@@ -88,10 +94,6 @@ REQUIRED_ROUTES = {
 }
 OPTIONAL_ROUTES = ("/update_weight_version", "/is_paused", "/weight_info")
 _REPLY_BYTES = 1024 * 1024
-
-
-class EngineUnhealthy(WeightsyncError, RuntimeError):
-    """The server may hold weights nobody verified; it stays paused until a swap succeeds."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,6 +156,10 @@ class VllmEngineConfig:
         ):
             raise ValueError(f"lora_alpha must be a positive number, got {self.lora_alpha!r}")
 
+    def open(self) -> VllmEngine:
+        """The engine this config describes (the registry's "vllm" engine); probes the server."""
+        return VllmEngine(self)
+
 
 class VllmEngine:
     """A copying `Engine` (name "vllm") driving a vLLM server through its dev routes and
@@ -161,11 +167,11 @@ class VllmEngine:
 
     name = "vllm"
     zero_copy = False
-    swap_policies = SWAP_POLICIES
+    swap_policies = tuple(SwapPolicy)
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
-        self.url = config.url  # shown by the agent's ready line and status
+        self.url: str | None = config.url  # where clients reach the served model
         self._api_key = config.api_key or os.environ.get("VLLM_API_KEY")
         self._lock = threading.Lock()
         self._closed = False
@@ -173,6 +179,7 @@ class VllmEngine:
         self._healthy = True
         self._last_error: str | None = None
         self._slices: dict[int, dict[str, tuple]] = {}  # per worker: what it held at the last swap
+        self._layout: Layout | None = None  # names, dtypes and shapes of the last version served
         self._handoff_dir = Path(
             config.handoff_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
         )
@@ -187,14 +194,14 @@ class VllmEngine:
     # ------------------------------------------------------------------ Engine protocol
 
     def swap(
-        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: SwapPolicy = SwapPolicy.DRAIN
     ) -> SwapReport:
         """Hands `weights` to the workers, has them load and digest them, and serves `version`
         only once every worker holds exactly those bytes; running requests meet it as `policy`
         says (module docstring)."""
         started = time.perf_counter()
-        check_swap_args(version, digest, policy)
-        mode = _PAUSE_MODE[policy] if policy != "drain" else self.config.pause_mode
+        check_swap_args(version, digest, policy, self.swap_policies)
+        mode = _PAUSE_MODE[policy] if policy is not SwapPolicy.DRAIN else self.config.pause_mode
         adapter = self.config.lora_name is not None
         with self._lock:
             if self._closed:
@@ -203,6 +210,9 @@ class VllmEngine:
                 rank = vllm_lora.adapter_rank(version, weights, self.lora_info)
             else:
                 self._check_names(version, weights)
+                # vLLM's loader would refuse another shape only after the pause, leaving the
+                # server paused on half-loaded weights: refused here, while it still serves.
+                check_layout(self._layout, weights, what=f"the model vLLM serves (v{self._served})")
             path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}"
             try:
                 if adapter:
@@ -246,6 +256,7 @@ class VllmEngine:
                 else:
                     path.unlink(missing_ok=True)
             self._served, self._healthy, self._last_error = version, True, None
+            self._layout = None if adapter else layout_of(weights)
         timings = reports[0].get("timings_s", {})
         logger.info(
             "vllm %s serves v%d: pause %.1f ms (drain %.1f ms, load %.1f ms), swap %.2f s",
@@ -440,7 +451,7 @@ class VllmEngine:
     def _check_names(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Refuses, before the server is touched, a version whose tensor names are not the ones
         the served model loads (another architecture, a renamed checkpoint)."""
-        check_layout(None, weights)  # tensors, whatever their shapes: vLLM's loader checks those
+        check_layout(None, weights)  # tensors; their shapes: against the last version served (swap)
         expected = set(self.workers[0].get("hf_names") or ())
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or unexpected:
@@ -619,16 +630,3 @@ def _error_text(detail: str) -> str:
                 value = doc[key]
                 return (value.get("message") if isinstance(value, dict) else str(value))[:2000]
     return detail[:500]
-
-
-def open_vllm_engine(options: Mapping[str, Any]) -> VllmEngine:
-    """The `open_engine({"type": "vllm", ...})` factory."""
-    names = sorted(f.name for f in dataclasses.fields(VllmEngineConfig))
-    try:
-        config = VllmEngineConfig(**options)
-    except TypeError as e:
-        raise ValueError(f"vllm engine: {e}; options are {names}") from None
-    return VllmEngine(config)
-
-
-register_engine("vllm", open_vllm_engine)

@@ -1,4 +1,4 @@
-"""safetensors_engine: a copying engine that writes each version as an HF-style directory and
+"""safetensors_dir: a copying engine that writes each version as an HF-style directory and
 asks the inference server to reload from it.
 
 This is how SGLang's `POST /update_weights_from_disk` ({"model_path": DIR}) and vLLM's
@@ -22,7 +22,7 @@ It keeps no reference to the tensors it is handed (`zero_copy` is False). Swaps 
 layout (names, shapes, dtypes) of the template's safetensors, else of the snapshot `current`
 names, else of the first swap; it never builds a model to learn one, so it fits any architecture
 an inference server loads. Not here: verifying versions (the agent), loading weights (the
-inference server does that), the swap checks every engine shares (`engine.py`).
+inference server does that), the swap checks every engine shares (`base.py`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from weightsync.agents.engine import Layout, SwapReport, check_layout, check_swap_args, layout_of, register_engine
-from weightsync.agents.snapshot_dir import (
+from weightsync.agents.engines.base import Layout, SwapReport, check_layout, check_swap_args, layout_of
+from weightsync.agents.engines.snapshot_dir import (
     CONFIG_NAME,
     SNAPSHOT_META,
     SnapshotDir,
@@ -56,6 +56,7 @@ from weightsync.agents.snapshot_dir import (
     read_meta,
     snapshot_name,
 )
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, write_safetensors
 from weightsync.errors import WeightsyncError
 
@@ -127,13 +128,19 @@ class SafetensorsDirConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "reload_retries" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'reload_retries' else 1}, got {value!r}")
 
+    def open(self) -> SafetensorsDirEngine:
+        """The engine this config describes (the registry's "safetensors_dir" engine)."""
+        return SafetensorsDirEngine(self)
+
 
 class SafetensorsDirEngine:
     """A copying `Engine` (name "safetensors_dir"): snapshot directory + reload hook."""
 
     name = "safetensors_dir"
     zero_copy = False
-    swap_policies = ("drain",)  # what running requests see is up to the server the reload hook drives
+    swap_policies = (SwapPolicy.DRAIN,)  # what running requests see is up to the server the reload hook drives
+    weights_kinds = ("model",)
+    url = None  # it knows the server's reload hook, not where clients reach it
 
     def __init__(self, config: SafetensorsDirConfig) -> None:
         self.config = config
@@ -151,7 +158,7 @@ class SafetensorsDirEngine:
     # ------------------------------------------------------------------ Engine protocol
 
     def swap(
-        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: SwapPolicy = SwapPolicy.DRAIN
     ) -> SwapReport:
         """Writes, places and points at snapshot `version`, then has the server reload it."""
         started = time.perf_counter()
@@ -365,16 +372,3 @@ def _reports_failure(text: str) -> bool:
     except ValueError:
         return False
     return isinstance(doc, dict) and doc.get("success") is False
-
-
-def open_safetensors_dir_engine(options: Mapping[str, Any]) -> SafetensorsDirEngine:
-    """The `open_engine({"type": "safetensors_dir", ...})` factory."""
-    names = sorted(f.name for f in dataclasses.fields(SafetensorsDirConfig))
-    try:
-        config = SafetensorsDirConfig(**options)
-    except TypeError as e:
-        raise ValueError(f"safetensors_dir engine: {e}; options are {names}") from None
-    return SafetensorsDirEngine(config)
-
-
-register_engine("safetensors_dir", open_safetensors_dir_engine)

@@ -1,13 +1,14 @@
 """reference_server: the HTTP/JSON front end of the reference engine, and the "reference" engine type.
 
-`ReferenceServer` is a `ReferenceEngine` (agents/reference_engine.py: the zero-copy `Engine`,
-generation) that also serves it over HTTP: POST /v1/generate, GET /v1/version, /health and
-/metrics. The handler validates each request (`parse_generate_request`) and delegates; it holds
-no logic of its own. `open_engine({"type": "reference", ...})` builds and starts one, and
-`python -m weightsync.agents.reference_server --model-dir DIR` serves a directory.
+`ReferenceServer` is a `ReferenceEngine` (`reference.py`: the zero-copy `Engine`, generation)
+that also serves it over HTTP: POST /v1/generate, GET /v1/version, /health and /metrics. The
+handler validates each request (`parse_generate_request`) and delegates; it holds no logic of its
+own. `ReferenceServerConfig` is what the registry knows as "reference": `open()` builds and starts
+a server, and `python -m weightsync.agents.engines.reference_server --model-dir DIR` serves a
+directory.
 
-Not here: swapping, generation and what requests see during a swap (`reference_engine.py`), TLS
-or auth (bind to loopback or put a proxy in front).
+Not here: swapping, generation and what requests see during a swap (`reference.py`), TLS or auth
+(bind to loopback or put a proxy in front).
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import prometheus_client as prom
 
-from weightsync.agents.engine import register_engine
-from weightsync.agents.reference_engine import (
+from weightsync.agents.engines.reference import (
     COMPUTE_DTYPES,
     TOKENIZER,
     Completion,
@@ -47,7 +47,6 @@ __all__ = [
     "ReferenceServer",
     "ReferenceServerConfig",
     "Served",
-    "open_reference_server",
     "parse_generate_request",
     "serve",
 ]
@@ -83,6 +82,10 @@ class ReferenceServerConfig(ReferenceEngineConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def open(self) -> ReferenceServer:
+        """The server this config describes, started (the registry's "reference" engine)."""
+        return ReferenceServer(self).start()
 
 
 class BadRequest(WeightsyncError, ValueError):
@@ -360,23 +363,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def open_reference_server(options: Mapping[str, Any]) -> ReferenceServer:
-    """The `open_engine({"type": "reference", ...})` factory: builds and starts the server."""
-    names = sorted(f.name for f in dataclasses.fields(ReferenceServerConfig))
-    try:
-        config = ReferenceServerConfig(**options)
-    except TypeError as e:
-        raise ValueError(f"reference engine: {e}; options are {names}") from None
-    return ReferenceServer(config).start()
-
-
-register_engine("reference", open_reference_server)
-
-
 def serve(argv: Sequence[str] | None = None) -> int:
     """Serves an HF-style directory until SIGINT/SIGTERM; prints {"url": ...} once listening."""
     parser = argparse.ArgumentParser(
-        prog="python -m weightsync.agents.reference_server",
+        prog="python -m weightsync.agents.engines.reference_server",
         description="Serve an HF-style model directory with the reference server.",
     )
     parser.add_argument("--model-dir", required=True, help="config.json + safetensors, served as version 0")

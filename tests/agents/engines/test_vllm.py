@@ -29,9 +29,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 vh.require_vllm()
 
-from weightsync.agents.vllm_engine import VllmEngine, VllmEngineConfig
+from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400]]
 
 
@@ -90,20 +90,6 @@ def read_version(store, version):
     return state.state_dict(), state.manifest.digest
 
 
-def fuse(weights: dict[str, torch.Tensor], vllm_name: str) -> torch.Tensor:
-    module, _, param = vllm_name.rpartition(".")
-    parent, _, leaf = module.rpartition(".")
-    if leaf in FUSED:
-        return torch.cat([weights[f"{parent}.{sub}.{param}"] for sub in FUSED[leaf]], dim=0)
-    return weights[vllm_name]
-
-
-def held_params(engine, tmp_path) -> dict[str, torch.Tensor]:
-    path = tmp_path / f"held-{time.monotonic_ns()}.safetensors"
-    engine.rpc("weightsync_save_params", str(path))
-    return load_file(str(path))
-
-
 def is_paused(server) -> bool:
     return vh.get_json(server.url + "/is_paused")["is_paused"]
 
@@ -116,10 +102,10 @@ def test_published_versions_reach_the_workers_bit_exactly(engine, server, publis
             assert torch.equal(weights[name], tensor), name
         report = engine.swap(version, weights, digest=digest)
         assert report.version == version and engine.served_version() == version
-        held = held_params(engine, tmp_path)
+        held = vh.held_params(server.url, tmp_path)
         assert len(held) == len(engine.workers[0]["hf_names"]) - 2 * 2 - 1 * 2  # qkv 3->1, gate_up 2->1 per layer
         for name, tensor in held.items():  # every vLLM parameter, through the same fusing
-            assert torch.equal(tensor, fuse(snapshots[version - 1], name)), f"v{version} {name}"
+            assert torch.equal(tensor, vh.fuse(snapshots[version - 1], name)), f"v{version} {name}"
         assert engine.served_weight_version() == str(version)
         assert not is_paused(server)
 
@@ -145,7 +131,7 @@ def test_greedy_text_follows_the_weights_and_matches_a_fresh_server(engine, serv
     with vh.VllmServer(snapshot, tmp_path / "fresh.log", extension=False) as fresh:
         fresh.wait_ready()
         expected = [vh.complete(fresh.url, p, max_tokens=12, prompt_logprobs=1) for p in PROMPTS]
-        with pytest.raises(WeightsyncError, match="--worker-extension-cls weightsync.agents.vllm_worker"):
+        with pytest.raises(WeightsyncError, match="--worker-extension-cls weightsync.agents.engines.vllm_worker"):
             VllmEngine(VllmEngineConfig(url=fresh.url))
     assert [a["token_ids"] for a in after] == [e["token_ids"] for e in expected]
     assert [a["prompt_logprobs"] for a in after] == [e["prompt_logprobs"] for e in expected]
@@ -290,7 +276,9 @@ url = "{server.url}"
         assert not [p for p in left if p.exists()], left
         weights5, _ = read_version(store, 5)
         engine._verify(5, weights5, engine.rpc("weightsync_digest"))
-        assert torch.equal(held_params(engine, tmp_path)["model.norm.weight"], weights5["model.norm.weight"])
+        assert torch.equal(
+            vh.held_params(engine.config.url, tmp_path)["model.norm.weight"], weights5["model.norm.weight"]
+        )
     finally:
         agent.kill()
         agent.wait(timeout=60)
@@ -391,7 +379,7 @@ def read_line(process: subprocess.Popen) -> dict:
 ATTEMPTS = 12  # one CI run beside a busy loop and other heavy tests got no freeze mid-way in 8
 
 
-@pytest.mark.parametrize("policy", ["in_flight", "drain"])
+@pytest.mark.parametrize("policy", [SwapPolicy.IN_FLIGHT, SwapPolicy.DRAIN])
 def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engine, server, published, policy):
     """A swap meets a long greedy generation. in_flight (pause mode keep, running requests' KV
     recomputed; the generation is frozen the same way mid-way, then swapped): the response lists
@@ -409,7 +397,7 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
     for attempt in range(ATTEMPTS):
         old, new = (3, 4) if attempt % 2 == 0 else (4, 3)
         engine.swap(old, versions[old][0], digest=versions[old][1])
-        client = generate_and_freeze(server.url, prompt, new_tokens, delay_s, freeze=policy == "in_flight")
+        client = generate_and_freeze(server.url, prompt, new_tokens, delay_s, freeze=policy is SwapPolicy.IN_FLIGHT)
         try:
             assert read_line(client)["under_way"]
             engine.swap(new, versions[new][0], digest=versions[new][1], policy=policy)
@@ -420,9 +408,9 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
         tokens, spans = answer["token_ids"], answer["weight_versions"]
         outcomes.append({"wait_s": delay_s, "spans": spans})
         assert len(tokens) == new_tokens and spans[0]["start"] == 0 and spans[-1]["end"] == new_tokens
-        if len(spans) == 1 or policy == "drain":
+        if len(spans) == 1 or policy is SwapPolicy.DRAIN:
             assert len(spans) == 1 and spans[0]["version"] in (str(old), str(new)), spans
-            if policy == "drain":
+            if policy is SwapPolicy.DRAIN:
                 return
             delay_s = delay_s / 2 if spans[0]["version"] == str(old) else delay_s * 2
             continue

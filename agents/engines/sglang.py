@@ -1,4 +1,4 @@
-"""sglang_engine: a copying engine that drives a running SGLang server over its HTTP routes.
+"""sglang: a copying engine that drives a running SGLang server over its HTTP routes.
 
 Each version becomes a complete HF-style snapshot directory under `root`, and the server is told
 to load it with `POST /update_weights_from_disk`. What SGLang does, read from its source
@@ -12,8 +12,8 @@ to load it with `POST /update_weights_from_disk`. What SGLang does, read from it
   and "retract". While paused, the reload skips the lock, so in_place/retract would let paused
   requests continue on the new weights (mixed versions) with KV computed by the old ones, whose
   tokens neither version would produce: this engine offers "abort" only. Swap policies
-  (engine.SWAP_POLICIES): "drain" is drain "wait" (or "abort" where the config says so, its older
-  spelling), "abort" pauses with mode abort, "in_flight" is refused (the agent will not start).
+  (`SwapPolicy`): DRAIN is drain "wait" (or "abort" where the config says so, its older
+  spelling), ABORT pauses with mode abort, IN_FLIGHT is refused (the agent will not start).
 - On a failed load SGLang reloads the weights of its previous model_path and answers 400
   {"success": false, "message": ...}; on success it sets `weight_version` (if given), which
   `GET /get_weight_version` and every response's meta_info report. `flush_cache=true` in the
@@ -44,7 +44,7 @@ Layout of `root`:
               previous snapshot stays on disk: SGLang re-reads it when a load fails.
 
 It keeps no reference to the tensors it is handed (`zero_copy` is False). Not here: verifying
-versions (the agent), loading weights (SGLang), the generic reload hook (`safetensors_engine.py`).
+versions (the agent), loading weights (SGLang), the generic reload hook (`safetensors_dir.py`).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weightsync.agents.engine import SwapReport, check_layout, check_swap_args, layout_of, register_engine
-from weightsync.agents.safetensors_engine import _DTYPES, _as_config_source, _config_json
-from weightsync.agents.snapshot_dir import (
+from weightsync.agents.engines.base import SwapReport, check_layout, check_swap_args, layout_of
+from weightsync.agents.engines.safetensors_dir import _DTYPES, _as_config_source, _config_json
+from weightsync.agents.engines.snapshot_dir import (
     CONFIG_NAME,
     SNAPSHOT_META,
     SnapshotDir,
@@ -80,6 +80,7 @@ from weightsync.agents.snapshot_dir import (
     read_meta,
     snapshot_name,
 )
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.checkpoint_io import INDEX_NAME
 from weightsync.errors import WeightsyncError
 from weightsync.format.hashing import xxh3_hex
@@ -164,6 +165,10 @@ class SGLangEngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
+    def open(self) -> SGLangEngine:
+        """The engine this config describes (the registry's "sglang" engine); probes the server."""
+        return SGLangEngine(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Reply:
@@ -186,10 +191,12 @@ class SGLangEngine:
 
     name = "sglang"
     zero_copy = False
-    swap_policies = ("drain", "abort")  # in_flight: see the module docstring
+    swap_policies = (SwapPolicy.DRAIN, SwapPolicy.ABORT)  # IN_FLIGHT: see the module docstring
+    weights_kinds = ("model",)
 
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
+        self.url: str | None = config.url  # where clients reach the served model
         self._template_files = find_template_files(config.template_dir, need_config=config.model is None)
         self._probe()  # before touching the disk: a wrong URL fails fast and leaves nothing behind
         self.dir = SnapshotDir(config.root)
@@ -213,14 +220,14 @@ class SGLangEngine:
     # ------------------------------------------------------------------ Engine protocol
 
     def swap(
-        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: SwapPolicy = SwapPolicy.DRAIN
     ) -> SwapReport:
         """Writes snapshot `version` (linking unchanged files), has SGLang load it, confirms.
-        `policy` "abort" pauses with mode abort whatever `drain` says; "in_flight" is refused
+        `policy` ABORT pauses with mode abort whatever `drain` says; IN_FLIGHT is refused
         (module docstring)."""
         started = time.perf_counter()
         check_swap_args(version, digest, policy, self.swap_policies)
-        abort = policy == "abort" or self.config.drain == "abort"
+        abort = policy is SwapPolicy.ABORT or self.config.drain == "abort"
         with self._lock:
             if self._closed:
                 raise WeightsyncError(f"the sglang engine on {self.root} is closed")
@@ -550,16 +557,3 @@ def _describe(reply: _Reply) -> str:
     doc = reply.doc()
     text = doc.get("message") if isinstance(doc.get("message"), str) else reply.text
     return f"HTTP {reply.status}: {text.strip()[:500]}"
-
-
-def open_sglang_engine(options: Mapping[str, Any]) -> SGLangEngine:
-    """The `open_engine({"type": "sglang", ...})` factory."""
-    names = sorted(f.name for f in dataclasses.fields(SGLangEngineConfig))
-    try:
-        config = SGLangEngineConfig(**options)
-    except TypeError as e:
-        raise ValueError(f"sglang engine: {e}; options are {names}") from None
-    return SGLangEngine(config)
-
-
-register_engine("sglang", open_sglang_engine)

@@ -11,7 +11,7 @@ and alpha (scale = alpha / rank, as the trainer's `trainer/lora.py`). vLLM keeps
 loaded and folds the scale into lora_B (`lora_b *= alpha / rank`, in its dtype); the digest each
 worker reports is of those tensors, so the expected one here is computed the same way.
 
-Not here: pausing, loading, the worker side (`vllm_engine.py`, `vllm_worker.py`).
+Not here: pausing, loading, the worker side (`vllm.py`, `vllm_worker.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from weightsync.agents.engine import check_layout
+from weightsync.agents.engines.base import check_layout
 from weightsync.errors import IntegrityError, LayoutError
 from weightsync.format.hashing import xxh3_hex
 

@@ -1,4 +1,4 @@
-"""The sglang engine (agents/sglang_engine.py). Contract tests run it against
+"""The sglang engine (agents/engines/sglang.py). Contract tests run it against
 harness/sglang_contract_server.py, a contract server that reproduces SGLang's weight-update routes
 and failure behaviour (not SGLang: it cannot be installed on a CPU machine); the generic engine
 contract also runs over it in tests/agents/engines/test_engines.py. `test_real_sglang_gpu` runs the same swaps
@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from harness.sglang_contract_server import SGLangContractServer
-from weightsync.agents.engine import Engine, open_engine
-from weightsync.agents.sglang_engine import SGLangError
-from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.agents.engines import open_engine
+from weightsync.agents.engines.base import Engine
+from weightsync.agents.engines.sglang import SGLangError
+from weightsync.errors import ConfigError, LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
 
 SMALL = dict(
@@ -395,7 +396,9 @@ def test_config_is_validated(tmp_path, template):
         open_engine({**base, "drain": "in_place"})
     with pytest.raises(ValueError, match="url must be"):
         open_engine({**base, "url": "127.0.0.1:30000"})
-    with pytest.raises(ValueError, match="options are"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key \[agent.engine\] 'reload_url'; did you mean 'reload_retries'\?"
+    ):
         open_engine({**base, "reload_url": "x"})
     with pytest.raises(ValueError, match="template_dir"):
         open_engine({"type": "sglang", "url": "http://127.0.0.1:1", "root": str(tmp_path)})

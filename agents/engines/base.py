@@ -1,9 +1,9 @@
-"""engine: the one small interface between a sync agent and the inference engine beside it.
+"""base: the one small interface between a sync agent and the inference engine beside it.
 
 The agent verifies a whole version, then hands its tensors to `Engine.swap`; the engine makes
 them the served weights atomically (no request ever runs on a mix of two versions) and reports
-how long requests were held back. Engines are chosen by a `type` field and built by
-`open_engine`, which raises on an unknown type.
+how long requests were held back. Engines are found by their `type` in the registry
+(`engines/__init__.py`); `check_engine` checks that one keeps the shape below.
 
 Two kinds of engine, told apart by `zero_copy`:
 - zero-copy (the in-process reference server): serves the very tensors it is handed. The agent
@@ -13,34 +13,24 @@ Two kinds of engine, told apart by `zero_copy`:
   tensors inside `swap` and keeps no reference, so the agent may reuse them as soon as `swap`
   returns.
 
-Native vLLM/SGLang adapters (update weights over NCCL or from tensors) implement the same
-protocol. Every engine checks a swap's arguments with the shared `check_swap_args` and
-`check_layout` below, so that all refuse the same things with the same errors.
+Every engine checks a swap's arguments with the shared `check_swap_args` and `check_layout`
+below, so that all refuse the same things with the same errors.
 
-Not here: verifying, staging or fetching versions (the agent does that).
+Not here: verifying, staging or fetching versions (the agent does that), the registry
+(`engines/__init__.py`), the swap policies themselves (`swap_policy.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError
 from weightsync.format.layout import MAX_VERSION
-
-SWAP_POLICIES = ("drain", "in_flight", "abort")
-"""How requests running at a swap meet the new version (docs/agents.md, "Swap policies"):
-- "drain": each request runs on the version it started on to its end, so a response comes from
-  one version; the agent can rebuild that version's memory (zero-copy engines) only once the
-  last such request ends, so sync latency is bounded by the longest request.
-- "in_flight": running requests continue on the new version from their next token on; their KV
-  cache is recomputed with the new weights, so the tokens after the switch are what the new
-  version generates from that prefix. Responses say which versions made which tokens.
-- "abort": running requests are cut at their next token and retried from the start on the new
-  version (the reference engine retries them itself; vLLM returns them as aborted)."""
 
 Layout = Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
 """Tensor name -> (dtype, shape) a swap must match; a dtype of None accepts any dtype."""
@@ -58,32 +48,40 @@ class SwapReport:
     """The whole `swap` call: for copying engines this includes writing and the reload call."""
 
 
+WEIGHTS_KINDS = ("model", "adapter")
+"""What an engine may serve: "model" (whole weights) or "adapter" (LoRA adapter tensors only)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """The contract every engine adapter keeps (tests/agents/engines/test_engines.py runs it over each).
+    """The contract every engine keeps (tests/agents/engines/test_engines.py runs it over each
+    registered engine). Every member is required; the agent reads them all.
 
     - `swap(version, weights, digest=..., policy=...)` makes `weights` (HF tensor names ->
       tensors, every tensor of the model) the served weights, atomically: no forward pass ever
       runs on a mix of two versions, and new requests get `version`. It returns once they do.
-      Requests already running meet it as `policy` (one of `swap_policies`, see SWAP_POLICIES)
-      says; the switch is always between token steps. On failure it raises and the previous
-      version stays served.
-    - `swap_policies` lists the policies the engine implements (the agent refuses to start with
-      another).
+      Requests already running meet it as `policy` (one of `swap_policies`) says; the switch is
+      always between token steps. On failure it raises and the previous version stays served.
     - `served_version()` is the version new requests get (None before the first swap).
     - `wait_unused(version, timeout_s)` returns True once no request runs on `version`'s
       tensors any more (immediately for copying engines); False on timeout.
     - `close()` stops whatever the engine started; idempotent.
-    - `weights_kinds` (optional, default ("model",)): "model" for whole weights, "adapter" for
-      LoRA adapter tensors only; the agent refuses to start with a weights_kind not listed.
     """
 
     name: str
+    """The engine's type, as the registry knows it (shown in status, logs and errors)."""
     zero_copy: bool
-    swap_policies: tuple[str, ...]
+    """True: serves the very tensors `swap` is handed (see the module docstring)."""
+    swap_policies: tuple[SwapPolicy, ...]
+    """The swap policies the engine implements; the agent refuses to start with another."""
+    weights_kinds: tuple[str, ...]
+    """What it serves, of WEIGHTS_KINDS; the agent refuses to start with a weights_kind not listed."""
+    url: str | None
+    """Where inference clients reach the served model (the agent's ready line and status), or
+    None for an engine with no endpoint of its own (a directory that a server reloads from)."""
 
     def swap(
-        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: SwapPolicy = SwapPolicy.DRAIN
     ) -> SwapReport: ...
 
     def served_version(self) -> int | None: ...
@@ -93,9 +91,31 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def check_swap_args(
-    version: int, digest: str, policy: str = "drain", supported: tuple[str, ...] = SWAP_POLICIES
-) -> None:
+def check_engine(engine: object) -> None:
+    """TypeError unless `engine` has every member of `Engine`, each of the documented kind: what
+    the registry checks of each engine it opens, and the contract suite of each registered one."""
+    problems = []
+    for member in ("swap", "served_version", "wait_unused", "close"):
+        if not callable(getattr(engine, member, None)):
+            problems.append(f"{member}() is missing")
+    name, url = getattr(engine, "name", None), getattr(engine, "url", None)
+    if not isinstance(name, str) or not name:
+        problems.append(f"name must be a non-empty str, not {name!r}")
+    if not isinstance(getattr(engine, "zero_copy", None), bool):
+        problems.append("zero_copy must be a bool")
+    policies = getattr(engine, "swap_policies", None)
+    if not isinstance(policies, tuple) or not policies or not all(isinstance(p, SwapPolicy) for p in policies):
+        problems.append(f"swap_policies must be a non-empty tuple of SwapPolicy, not {policies!r}")
+    kinds = getattr(engine, "weights_kinds", None)
+    if not isinstance(kinds, tuple) or not kinds or not set(kinds) <= set(WEIGHTS_KINDS):
+        problems.append(f"weights_kinds must be a non-empty tuple of {WEIGHTS_KINDS}, not {kinds!r}")
+    if url is not None and not isinstance(url, str):
+        problems.append(f"url must be a str or None, not {url!r}")
+    if problems:
+        raise TypeError(f"{type(engine).__name__} is not an Engine: " + "; ".join(problems))
+
+
+def check_swap_args(version: int, digest: str, policy: SwapPolicy, supported: tuple[SwapPolicy, ...]) -> None:
     """The arguments every `swap` takes besides the weights: ValueError / TypeError if off."""
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
         raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
@@ -104,12 +124,19 @@ def check_swap_args(
     check_swap_policy(policy, supported)
 
 
-def check_swap_policy(policy: str, supported: tuple[str, ...] = SWAP_POLICIES, *, engine: str = "this engine") -> None:
-    """ValueError unless `policy` is one of SWAP_POLICIES that `supported` lists."""
-    if policy not in SWAP_POLICIES:
-        raise ValueError(f"swap policy must be one of {list(SWAP_POLICIES)}, got {policy!r}")
+def check_swap_policy(policy: SwapPolicy, supported: tuple[SwapPolicy, ...], *, engine: str = "this engine") -> None:
+    """The one check of a swap policy, wherever one meets an engine (the agent at start, each
+    swap): TypeError unless it is a SwapPolicy (strings are parsed once, where a setting is read:
+    `SwapPolicy.parse`), ValueError unless the engine implements it."""
+    if not isinstance(policy, SwapPolicy):
+        raise TypeError(
+            f"swap policy must be a SwapPolicy ({', '.join(f'SwapPolicy.{p.name}' for p in SwapPolicy)}), "
+            f"got {policy!r}; SwapPolicy.parse reads one from a setting"
+        )
     if policy not in supported:
-        raise ValueError(f"{engine} does not implement swap policy {policy!r}; it implements {list(supported)}")
+        raise ValueError(
+            f"{engine} does not implement swap policy {policy.value!r}; it implements {[p.value for p in supported]}"
+        )
 
 
 def check_weights_kind(kind: str, served: tuple[str, ...], *, engine: str = "this engine") -> None:
@@ -152,39 +179,3 @@ def check_layout(
 def layout_of(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The layout `weights` have (what later swaps are checked against)."""
     return {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
-
-
-_FACTORIES: dict[str, Callable[[dict[str, Any]], Engine]] = {}
-
-
-def register_engine(type_name: str, factory: Callable[[dict[str, Any]], Engine]) -> None:
-    """Makes `open_engine({"type": type_name, ...})` call `factory(options)`."""
-    _FACTORIES[type_name] = factory
-
-
-def open_engine(config: Mapping[str, Any]) -> Engine:
-    """The engine a config names by its `type`; every other key is that engine's option.
-
-    Raises ValueError on an unknown type, listing the known ones.
-    """
-    _load_builtin_engines()
-    options = dict(config)
-    type_name = options.pop("type", None)
-    factory = _FACTORIES.get(type_name)
-    if factory is None:
-        raise ValueError(f"unknown engine type {type_name!r}; known: {sorted(_FACTORIES)}")
-    return factory(options)
-
-
-def engine_types() -> list[str]:
-    """The engine types `open_engine` knows (what a config's `type` may say), sorted."""
-    _load_builtin_engines()
-    return sorted(_FACTORIES)
-
-
-def _load_builtin_engines() -> None:
-    # Imported for their register_engine calls; lazily, so `import engine` stays light.
-    import weightsync.agents.reference_server  # noqa: F401
-    import weightsync.agents.safetensors_engine  # noqa: F401
-    import weightsync.agents.sglang_engine  # noqa: F401
-    import weightsync.agents.vllm_engine  # noqa: F401

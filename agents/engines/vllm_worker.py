@@ -1,8 +1,9 @@
 """vllm_worker: the worker extension weightsync's vLLM engine drives inside each vLLM worker.
 
-Start vLLM with `--worker-extension-cls weightsync.agents.vllm_worker.WeightsyncWorkerExtension`
-(and `VLLM_SERVER_DEV_MODE=1`, which exposes `/collective_rpc`); vLLM mixes these methods into
-every worker, and the agent's engine (`vllm_engine.py`) calls them through
+Start vLLM with
+`--worker-extension-cls weightsync.agents.engines.vllm_worker.WeightsyncWorkerExtension` (and
+`VLLM_SERVER_DEV_MODE=1`, which exposes `/collective_rpc`); vLLM mixes these methods into
+every worker, and the agent's engine (`vllm.py`) calls them through
 `POST /collective_rpc`. Arguments arrive as strings, results leave as JSON.
 
 A swap, in each worker:
@@ -22,12 +23,18 @@ the parameter; those are hashed inside the reload, right before the repack, the 
 they exist in checkpoint layout (after fusing and sharding). A parameter of neither kind cannot be
 verified, and the load says so rather than pass.
 
-This module is imported inside vLLM's workers: it depends on torch, safetensors and xxhash only.
-Not here: pausing, draining, comparing digests, deciding what is served (`vllm_engine.py`).
+This module is imported inside vLLM's workers, so it runs in an inference image that has only
+torch, xxhash and safetensors: it imports those and the standard library, of weightsync only
+the package __init__s on its path (which import only the standard library), and not numpy
+(tensors are hashed through a ctypes view of their memory). Only the debugging RPCs that write files (`weightsync_save_params`,
+`weightsync_lora_save`) need numpy, as safetensors' writer does; tests/agents/engines/
+test_vllm_worker.py runs the rest where anything else is blocked.
+Not here: pausing, draining, comparing digests, deciding what is served (`vllm.py`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 from typing import Any
@@ -40,10 +47,14 @@ PROTOCOL = 1  # bumped when the RPCs below change incompatibly; the engine check
 
 
 def _tensor_hash(tensor: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's bytes, as the engine's `_slice_hash` computes it of the published one."""
     flat = tensor.detach().contiguous().view(-1)
     if flat.numel() == 0:
         return xxhash.xxh3_128_hexdigest(b"")
-    return xxhash.xxh3_128_hexdigest(flat.view(torch.uint8).cpu().numpy())
+    flat = flat.view(torch.uint8).cpu()
+    # A buffer over the tensor's own memory (no copy, and no numpy, which the image may lack);
+    # `flat` outlives the hashing, so the memory does.
+    return xxhash.xxh3_128_hexdigest((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr()))
 
 
 class WeightsyncWorkerExtension:

@@ -1,14 +1,14 @@
-"""reference_engine: the reference inference engine, weightsync's embedded default.
+"""reference: the reference inference engine, weightsync's embedded default.
 
 Runs a `weightsync.models.CausalLM` in-process and implements the `Engine` protocol
-(agents/engine.py). It is zero-copy: `swap` makes the agent's very tensors the served weights by
+(agents/engines/base.py). It is zero-copy: `swap` makes the agent's very tensors the served weights by
 flipping one reference to an immutable (version, digest, weights, policy) record. Each request
 takes the record when it starts and holds it (the model runs on per-call weights via
 `functional_call`); requests in flight are counted per version so that `wait_unused` can tell the
 agent when a replaced version's memory is free again. Nothing is copied or converted while new
 requests are held back.
 
-What a running request does when a swap lands is the swap's policy (engine.SWAP_POLICIES),
+What a running request does when a swap lands is the swap's policy (`SwapPolicy`),
 applied between token steps, never inside a forward pass:
     drain      it keeps its version to the end: a response comes from one version
     in_flight  at its next token step it takes the new record; its KV cache is recomputed from
@@ -49,7 +49,8 @@ from typing import Any, NamedTuple
 import prometheus_client as prom
 import torch
 
-from weightsync.agents.engine import SWAP_POLICIES, SwapReport, check_layout, check_swap_args
+from weightsync.agents.engines.base import SwapReport, check_layout, check_swap_args
+from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import (
     ByteTokenizer,
@@ -113,7 +114,7 @@ class Served(NamedTuple):
 class _Record:
     served: Served
     swapped_at: float  # unix seconds
-    policy: str = "drain"  # how requests running on the version it replaced meet it
+    policy: SwapPolicy = SwapPolicy.DRAIN  # how requests running on the version it replaced meet it
 
 
 class VersionRange(NamedTuple):
@@ -190,7 +191,10 @@ class ReferenceEngine:
     """The reference inference engine, in-process (name "reference"); `ReferenceServer` adds HTTP."""
 
     name = "reference"
-    swap_policies = SWAP_POLICIES
+    swap_policies = tuple(SwapPolicy)
+    weights_kinds = ("model",)
+    url: str | None = None
+    """In-process: no endpoint of its own (`ReferenceServer.url` is its HTTP one)."""
 
     def __init__(self, config: ReferenceEngineConfig) -> None:
         self.config = config
@@ -229,13 +233,13 @@ class ReferenceEngine:
     # ------------------------------------------------------------------ Engine protocol
 
     def swap(
-        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: str = "drain"
+        self, version: int, weights: Mapping[str, torch.Tensor], *, digest: str, policy: SwapPolicy = SwapPolicy.DRAIN
     ) -> SwapReport:
         """Makes `weights` the served weights atomically; running requests meet them as `policy`
         says (module docstring). Raises LayoutError (and keeps serving the previous version)
         when they do not fit the architecture."""
         started = time.perf_counter()
-        check_swap_args(version, digest, policy)
+        check_swap_args(version, digest, policy, self.swap_policies)
         with self._swap_lock:
             if self._closed:
                 raise WeightsyncError("the reference engine is closed")
@@ -490,13 +494,13 @@ class _Running:
         request then holding the new record to start again on."""
         engine = self.engine
         current = engine._current
-        if current is self.record or current.policy == "drain":
+        if current is self.record or current.policy is SwapPolicy.DRAIN:
             return None
         with engine._cond:
             current = engine._current
             old, self.record = self.record, engine._hold()
         engine._release(old)
-        if current.policy == "abort":
+        if current.policy is SwapPolicy.ABORT:
             raise _Aborted
         return current
 
