@@ -71,7 +71,7 @@ class AgentConfig:
     for probes that speak neither TLS nor tokens (Kubernetes `grpc` probes). None: health is
     served on `listen` alone (behind its TLS; the token guard lets health checks through)."""
     store: str | None = None
-    """URI of the store versions are committed to (file://, s3://): where missing, late or
+    """URI of the store versions are committed to (any form `weightsync.stores.open_store` takes): where missing, late or
     corrupt objects come from, and how a lagging or new agent catches up. None: push only."""
     peers: tuple[str, ...] = ()
     """Downstream agents (host:port) this agent relays every version to as it arrives."""

@@ -287,7 +287,7 @@ class PublishConfig:
     """Publishing the weights from the loop (see publish.py)."""
 
     store: str | None = None
-    """Store URI (file://DIR, a path, s3://BUCKET/PREFIX); None disables publishing."""
+    """Store URI (any form `weightsync.stores.open_store` takes); None disables publishing."""
     model: str = "model"
     """Model name in the store."""
     every_steps: int = 1

@@ -34,6 +34,8 @@ API_KEY_ENV = "WEIGHTSYNC_TRAINING_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from weightsync.stores import store_uri_forms
+
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port; the ready line names it)")
     parser.add_argument("--api-key", default=None, help=f"the key clients must send (default: ${API_KEY_ENV})")
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
         default=None,
-        help="where save_weights_for_sampler publishes (file:// or s3://; default file://<state-dir>/store)",
+        help=f"where save_weights_for_sampler publishes: {store_uri_forms()} (default file://<state-dir>/store)",
     )
     parser.add_argument(
         "--model",

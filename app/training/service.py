@@ -80,7 +80,7 @@ class ServiceConfig:
     model_aliases: tuple[tuple[str, str], ...] = ()
     """(name, directory) pairs: a base_model of that name means that directory (profiles)."""
     store: str | None = None
-    """Where save_weights_for_sampler publishes (file:// or s3://); default file://<state_dir>/store."""
+    """Where save_weights_for_sampler publishes (a store URI, `weightsync.stores`); default file://<state_dir>/store."""
     max_sample_tokens: int = 1024
     """Largest max_tokens a sampling request may ask for."""
     sampling_threads: int = 2
