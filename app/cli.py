@@ -110,6 +110,7 @@ def _size(n: int | None) -> str:
 
 def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.checkpoint_io import checkpoint_dtypes
+    from weightsync.format.codecs.warmup import on_first_kernel_compile
     from weightsync.publisher import PublisherConfig, publish_once
     from weightsync.transport.signing import Signer
 
@@ -143,9 +144,10 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
     _warn_if_step_does_not_advance(store, args.model, args.step)
     progress = _Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
-        result = publish_once(
-            store, checkpoint, model=args.model, step=args.step, config=config, signer=signer, progress=progress
-        )
+        with on_first_kernel_compile(_say_kernels_compile):  # a delta on a machine without them
+            result = publish_once(
+                store, checkpoint, model=args.model, step=args.step, config=config, signer=signer, progress=progress
+            )
     finally:
         progress.close()
     model_files = _store_model_files(store, args.model, args.checkpoint)
@@ -218,6 +220,14 @@ def _note_dtype_cast(dtypes: dict[str, Any], cast_floats_to: str | None) -> None
             "(--keep-dtypes publishes them as they are)",
             file=sys.stderr,
         )
+
+
+def _say_kernels_compile() -> None:
+    print(
+        "weightsync: compiling the codec kernels, once per machine (numba caches them; ~15-25 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _warn_if_step_does_not_advance(store, model: str, step: int | None) -> None:

@@ -4,6 +4,7 @@ real subprocess, with --json output and clear one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -495,3 +496,27 @@ def test_building_the_parser_does_not_import_torch():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_a_delta_on_a_machine_without_the_kernels_says_it_compiles_them(tmp_path):
+    """`publish` of a delta on a cold numba cache compiled for a minute in silence; now it says so
+    first, and only when it must (a full version needs no kernel, a warm cache none either)."""
+    _, _, c1, c2 = _checkpoints(tmp_path)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    note = "compiling the codec kernels, once per machine"
+
+    def publish(checkpoint) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "weightsync.app.cli", "publish", "--store", str(tmp_path / "store"), "--model", "m",
+             str(checkpoint)],
+            env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert note not in publish(c1)  # full: no kernel
+    assert note in publish(c2)  # the first delta here, on an empty cache
+    for i in range(3):  # later deltas also decode their parent from the store: a kernel or two more
+        last = publish(c1 if i % 2 == 0 else c2)
+    assert note not in last  # once every kernel a delta uses is cached, nothing is said

@@ -12,9 +12,10 @@ Not here: the kernels (`changes.py`, `ctx.py`, `rans.py`), the registry (`__init
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from weightsync.cpus import lower_this_thread_priority
 from weightsync.format.codecs import CODEC_NAMES, codec
@@ -80,3 +81,30 @@ class BackgroundWarmUp:
         self.stop()
         if not self.wait(timeout):
             log.warning("the codec warm-up (%s) is still compiling after %.0f s", self._thread.name, timeout)
+
+
+@contextlib.contextmanager
+def on_first_kernel_compile(announce: Callable[[], None]) -> Iterator[None]:
+    """Calls `announce` once, when a codec kernel starts compiling inside this block (not when it
+    loads from numba's cache): a one-shot command says why it pauses, and only when it does."""
+    import numba.core.event as numba_events
+
+    said = threading.Event()
+
+    class Listener(numba_events.Listener):
+        def on_start(self, event) -> None:
+            dispatcher = event.data.get("dispatcher") if isinstance(event.data, dict) else None
+            module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
+            if module.startswith("weightsync.") and not said.is_set():
+                said.set()
+                announce()
+
+        def on_end(self, event) -> None:
+            pass
+
+    listener = Listener()
+    numba_events.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        numba_events.unregister("numba:compile", listener)
