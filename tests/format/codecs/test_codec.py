@@ -1,7 +1,7 @@
 """Codecs and chunk objects round-trip bit for bit, through the chunk API on real torch tensors.
 
 Covers `full` and the delta codecs (`encode_delta` / `decode_into`, via `encode_chunk` /
-`apply_chunk`; `ctx` in detail in tests/format/codecs/test_ctx_codec.py) for every itemsize (1, 2, 4, 8) and every dtype this torch build has; special
+`apply_chunk`; `ctx` in detail in tests/format/codecs/test_ctx.py) for every itemsize (1, 2, 4, 8) and every dtype this torch build has; special
 bit patterns (NaN payloads, signalling NaNs, +-0, +-inf, subnormals, extremes); empty and 0-dim
 tensors; odd sizes around the sparse path's 8-byte-word scan and its tail; changes at the first
 and last element, at word boundaries and everywhere; every change density (unchanged -> no

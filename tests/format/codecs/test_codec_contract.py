@@ -14,7 +14,7 @@ For each registered codec, through its own (forced) encoder and the registry's `
 - the registry itself: ids and names as registered, an unknown id refused with the known ones.
 
 Codec-specific layouts and their documented decoders are tested in test_codec.py,
-test_ctx_codec.py and test_rans_codec.py.
+test_ctx.py and test_rans.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ step (old to new in the dtype's monotone order, +-1 for a one-ULP move). `ctx` c
 Symbols go through an adaptive binary range coder (LZMA's, with 15-bit probabilities whose
 adaptation rate warms up from 1/2 to 1/128), with separate probabilities per class. The exact
 layout is in docs/format.md, "Payload: codec ctx"; this module is its reference implementation
-(tests/format/codecs/test_ctx_codec.py checks it against a plain-Python decoder written from
+(tests/format/codecs/test_ctx.py checks it against a plain-Python decoder written from
 that section).
 
 The kernels are numba (`changes.jit`: only the first run on a machine compiles, ~20-25 s per

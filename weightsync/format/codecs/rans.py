@@ -22,7 +22,7 @@ for learning: the codec choice (`choice.py`) keeps ctx there.
 
 A class's changes are counted in the table section, so classes without changes cost nothing and
 a class's last change needs no closing gap. The exact layout is in docs/format.md, "Payload: codec
-rans"; this module is its reference implementation (tests/format/codecs/test_rans_codec.py checks it
+rans"; this module is its reference implementation (tests/format/codecs/test_rans.py checks it
 against a plain-Python decoder written from that section). Kernels are numba, like ctx's: every read is
 bounds-checked, a corrupt payload returns an error code, and nothing is applied to `out` until
 the whole payload checked out.

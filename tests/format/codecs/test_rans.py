@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from test_ctx_codec import DTYPES, FLOATS, HYPO, _pairs, extreme_pairs
+from test_ctx import DTYPES, FLOATS, HYPO, _pairs, extreme_pairs
 
 from weightsync.errors import FormatError, UnsupportedFormatError
 from weightsync.format import codecs
