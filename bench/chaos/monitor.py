@@ -31,6 +31,7 @@ class Monitor:
         self.verify_calls = 0
         self.verify_races = 0
         self.last: dict[str, tuple[int, int]] = {}  # agent -> (incarnation, version) last seen
+        self.versions_served: dict[tuple[str, int], int] = {}  # (agent, incarnation) -> versions seen served
         self.max_seen: dict[str, int] = collections.defaultdict(int)  # agent -> highest version, this incarnation
         self.before_restart: dict[str, int] = {}  # agent -> highest version of the previous incarnation
         self.stale_windows: list[float] = []
@@ -102,6 +103,8 @@ class Monitor:
         if name in self._stale_since and version >= self.before_restart.get(name, 0):
             self.stale_windows.append(time.monotonic() - self._stale_since.pop(name))
             agent.stale = False
+        if (incarnation, version) != self.last.get(name):
+            self.versions_served[(name, incarnation)] = self.versions_served.get((name, incarnation), 0) + 1
         self.last[name] = (incarnation, version)
         self.max_seen[name] = max(self.max_seen[name], version)
         if time.monotonic() >= self._next_verify[name]:
@@ -151,10 +154,12 @@ class Monitor:
             if rss is None:
                 continue
             self.rss_peak[kind] = max(self.rss_peak[kind], rss)
-            # The baseline is taken once the process has done its first piece of work: an agent
-            # served a version, the publisher committed one (before that it is still importing).
+            # The baseline is taken once the process has done its first pieces of work: an agent
+            # served two versions (the second a delta: the codec kernels, numba and LLVM are
+            # loaded by then, a one-time ~100 MB that is no leak), the publisher committed one
+            # (before that it is still importing).
             if kind == "agent":
-                serving = self.last.get(name, (0, 0))[0] == incarnation
+                serving = self.versions_served.get((name, incarnation), 0) >= 2
             elif kind == "publisher":
                 serving = self.run.publisher_worked == incarnation
             else:
