@@ -1,12 +1,12 @@
 """pytest_reaper: the reaper (`reaper.py`) as pytest hooks. What a test's body leaves running is
 stopped when the body ends, on every path (a failed assertion, a pytest timeout, a
 `subprocess.run(timeout=)` that killed only the parent); whatever is still running when the
-session ends is stopped then. Each stop is reported as a warning naming the processes, so a leak is
-fixed in its test rather than hidden.
+session ends is stopped then. Each stop in a test is reported as a warning naming the processes,
+so a leak is fixed in its test rather than hidden.
 
 Processes that fixtures start (a module's server, the session's moto) are their fixtures' to stop:
-the scope is the test body only, so a session fixture first requested inside a test is not
-mistaken for a leak.
+a fixture's setup runs under the session's mark, also when the body requests it lazily
+(`request.getfixturevalue`), so a body's scope never takes a fixture's server with it.
 
 tests/conftest.py imports the hooks; `python -m pytest -p harness.pytest_reaper` loads them into
 any other run.
@@ -16,19 +16,33 @@ Not here: finding and stopping the processes (`reaper.py`).
 
 from __future__ import annotations
 
+import os
+import uuid
 import warnings
 
 import pytest
 
-from harness.reaper import Reaper
+from harness.reaper import SCOPE_ENV, Reaper, marked, marking, stop
 
 _REAPER = Reaper()
+_SESSION_TOKEN = uuid.uuid4().hex  # what the session's processes carry (fixtures' servers included)
 
 
 def _report(where: str, left: dict[int, str]) -> None:
     if left:
         lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
         warnings.warn(f"{where} left {len(left)} process(es) running; stopped:\n{lines}", stacklevel=1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    os.environ[SCOPE_ENV] = _SESSION_TOKEN
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    with marking(_SESSION_TOKEN):
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -41,4 +55,6 @@ def pytest_runtest_call(item: pytest.Item):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Nothing outlives the run: the fixtures have been torn down by now."""
-    _REAPER.stop_all()
+    left = marked(_SESSION_TOKEN)
+    if left:
+        stop(sorted(left))

@@ -2,13 +2,17 @@
 
 A test that starts servers, agents or torchrun ranks usually stops them itself, but not on every
 path: a pytest timeout, a failed assertion between start and stop, or `subprocess.run(timeout=)`
-killing a parent whose children live on (they are re-parented to init and outlive the run, as
-four chaos agents once did for 45 minutes). The reaper makes the test process a *child
-subreaper* (Linux `PR_SET_CHILD_SUBREAPER`), so orphaned descendants are re-parented to it rather
-than to init, and `Reaper.scope()` notes the descendants alive when a scope opens and stops every
-new one still alive when it closes: SIGTERM to each, then SIGKILL to what is left after a grace
-period. By PID, never by name. Processes started by a wider scope (a module's server) are left to
-that scope.
+killing a parent whose children live on (re-parented to init, four chaos agents once outlived
+their test by 45 minutes). Such orphans are no longer our descendants, so they are found by a mark
+instead: `Reaper.scope()` puts a fresh token in this process's environment
+(WEIGHTSYNC_REAPER_SCOPE), every process started inside the scope inherits it (and passes it on
+to its own children), and when the scope closes every process whose environment carries the token
+is stopped: SIGTERM to each, then SIGKILL to what is left after a grace period. By PID, never by
+name. Processes started outside the scope (a module's server) carry another token and are left to
+their owner.
+
+Not a subreaper: re-parenting orphans to the test process would keep them from seeing their parent
+die (many programs watch for their parent becoming init), and would leave zombies nobody reaps.
 
 Not here: starting processes (each harness module starts its own).
 """
@@ -16,25 +20,30 @@ Not here: starting processes (each harness module starts its own).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
-import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-_PR_SET_CHILD_SUBREAPER = 36
+SCOPE_ENV = "WEIGHTSYNC_REAPER_SCOPE"
 
 
-def become_subreaper() -> bool:
-    """Makes this process the reaper of its orphaned descendants; False where the OS has no such thing."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+def marked(token: str) -> dict[int, str]:
+    """PID -> command line of every live process (this one excepted) started with `token` in its
+    environment, from /proc."""
+    needle = f"{SCOPE_ENV}={token}".encode()
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
+                found[int(entry.name)] = _command_line(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
 
 
 def descendants(pid: int | None = None) -> dict[int, str]:
@@ -68,26 +77,6 @@ def _command_line(pid: int) -> str:
         return "?"
 
 
-def stop(pids: list[int], *, grace_s: float = 10.0) -> None:
-    """SIGTERM to each, SIGKILL to those still alive after `grace_s`; reaps what is ours to reap."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < deadline:
-            _reap_zombies(pids)
-            if not any(alive(pid) for pid in pids):
-                return
-            time.sleep(0.05)
-
-
-def _reap_zombies(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
-
-
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, is not)."""
     try:
@@ -97,27 +86,51 @@ def alive(pid: int) -> bool:
     return state[state.rindex(")") + 2] != "Z"
 
 
+def stop(pids: list[int], *, grace_s: float = 10.0) -> None:
+    """SIGTERM to each, SIGKILL to those still alive after `grace_s`; reaps what is ours to reap."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            for pid in pids:  # our own children: reap them, or they stay zombies
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)
+            if not any(alive(pid) for pid in pids):
+                return
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def marking(token: str | None) -> Iterator[None]:
+    """Processes started inside carry `token` (none if None), whatever scope is open."""
+    outer = os.environ.get(SCOPE_ENV)
+    if token is None:
+        os.environ.pop(SCOPE_ENV, None)
+    else:
+        os.environ[SCOPE_ENV] = token
+    try:
+        yield
+    finally:
+        if outer is None:
+            os.environ.pop(SCOPE_ENV, None)
+        else:
+            os.environ[SCOPE_ENV] = outer
+
+
 class Reaper:
     """Scopes in which the processes started are stopped at the end (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.subreaper = become_subreaper()
-
-    def stop_all(self) -> dict[int, str]:
-        """Stops every live descendant; returns what it stopped."""
-        left = descendants()
-        if left:
-            stop(sorted(left))
-        return left
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[dict[int, str]]:
         """Yields a dict that, once the scope closes, holds what was left running (and was stopped)."""
-        before = set(descendants())
+        token = uuid.uuid4().hex
         left: dict[int, str] = {}
         try:
-            yield left
+            with marking(token):
+                yield left
         finally:
-            left.update({pid: cmd for pid, cmd in descendants().items() if pid not in before})
+            left.update(marked(token))
             if left:
                 stop(sorted(left))

@@ -21,7 +21,12 @@ from harness.bits import assert_bit_equal as _assert_bit_equal
 from harness.moto import MotoServer
 
 # Hooks: what a test's body starts and leaves running is stopped when it ends, timeouts included.
-from harness.pytest_reaper import pytest_runtest_call, pytest_unconfigure  # noqa: F401
+from harness.pytest_reaper import (  # noqa: F401
+    pytest_fixture_setup,
+    pytest_runtest_call,
+    pytest_sessionstart,
+    pytest_unconfigure,
+)
 from weightsync.stores import STORE_SCHEMES, LocalStore, open_store
 
 SCHEME_MARKS = {"s3": pytest.mark.s3}  # schemes whose tests need a marked resource
