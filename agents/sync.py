@@ -715,6 +715,7 @@ class SyncAgent:
     def status(self, *, verify: bool = False, verify_timeout_s: float = 5.0) -> dict:
         verification = signals.verify(self, verify_timeout_s) if verify else None
         engine_state = signals.engine_state(self.engine)
+        unhealthy = self._health.reason()[0]
         with self._cond:
             target = max(self._known, default=self._served_version)
             status = {
@@ -728,6 +729,7 @@ class SyncAgent:
                 "last_error": self.last_error,
                 "engine": self.engine.name,
                 "engine_state": engine_state,
+                "unhealthy": unhealthy,
                 "peers": list(self.config.peers),
                 "started_unix_ms": self.started_unix_ms,
                 "served_digest": verification["digest"] if verification else "",

@@ -492,6 +492,12 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         client.close()
     row = _message_json(reply)
+    if not reply.HasField("engine_state"):  # an agent from before engine states: its own word for both
+        reply.engine_state.state, reply.engine_state.version = sync_pb2.EngineState.SERVING, reply.current_version
+        if args.verify:
+            same = bool(reply.served_digest) and reply.served_digest == reply.current_digest
+            reply.verification.ok, reply.verification.hashed = same, "the bytes the agent serves (an older agent)"
+            reply.verification.error = "" if same else f"they hash to {reply.served_digest!r}"
     engine = reply.engine_state
     engine_state = sync_pb2.EngineState.State.Name(engine.state)
     engine_serving = engine.state == sync_pb2.EngineState.SERVING and engine.version == reply.current_version
@@ -508,10 +514,15 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             f"agent {reply.agent} ({reply.region}) {serving}, newest known v{reply.target_version}, "
             f"engine {reply.engine}: {engine_says}, peers {list(reply.peers) or '-'}"
         )
+        if reply.unhealthy:
+            print(f"not healthy: {reply.unhealthy}")
         if args.verify:
             check = reply.verification
-            verdict = f"bit-exact, {reply.served_digest}" if check.ok else f"MISMATCH: {check.error}"
-            print(f"verified {check.hashed}: {verdict}")
+            if check.hashed == "nothing":
+                print(f"not verified: {check.error}")
+            else:
+                verdict = f"bit-exact, {reply.served_digest}" if check.ok else f"MISMATCH: {check.error}"
+                print(f"verified {check.hashed}: {verdict}")
         if reply.last_error:
             print(f"last error: {reply.last_error}")
         for b in reply.broken:  # never served; retried while an older good version is served

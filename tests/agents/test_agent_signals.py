@@ -249,7 +249,7 @@ def test_an_agent_serving_nothing_says_why_keeps_saying_it_and_is_not_healthy(
         assert _health(server.address, SERVICE) == SERVING  # it takes calls: a push can still bring a version
         code, out, err = _cli(capsys, "status", "--agent", server.address, "--verify")
         assert code == 1 and "serves no version" in err, out + err
-        assert "serving nothing" in out
+        assert "serving nothing" in out and f"not healthy: {said.split('serving nothing: ', 1)[1]}" in out
 
         # A first version: healthy, quiet, verified.
         with Publisher(store, model=MODEL, config=PUBLISH) as publisher:

@@ -606,3 +606,39 @@ def test_the_agent_runs_with_the_engine_port_given_beside_its_config(tmp_path):
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=60)
+
+
+def test_status_of_an_agent_from_before_engine_states_takes_its_word(capsys):
+    """A new CLI against an agent from before this release (no engine_state, no verification in its
+    reply): --verify compares the digests it sends, as the older CLI did, and does not call its
+    engine not serving."""
+    import concurrent.futures as cf
+
+    import grpc
+
+    from weightsync.transport.rpc import agent_service_handler
+    from weightsync.transport.v1 import sync_pb2
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this test")
+
+    def old_status(request, context) -> sync_pb2.StatusReply:  # what an older agent answered
+        digest = "ab" * 16
+        return sync_pb2.StatusReply(
+            agent="old", model="m", current_version=4, current_digest=digest, target_version=4, engine="vllm",
+            served_digest=digest if request.verify else "",
+        )  # fmt: skip
+
+    server = grpc.server(cf.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((agent_service_handler(refuse, refuse, old_status),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code, out, err = _run(capsys, "status", "--agent", f"127.0.0.1:{port}", "--verify")
+        assert code == 0, out + err
+        assert (
+            "engine vllm: serving v4" in out
+            and "verified the bytes the agent serves (an older agent): bit-exact" in out
+        )
+    finally:
+        server.stop(0)

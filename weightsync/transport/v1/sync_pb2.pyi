@@ -169,7 +169,7 @@ class Verification(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., hashed: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken", "engine_state", "verification")
+    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken", "engine_state", "verification", "unhealthy")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class StatusReply(_message.Message):
     BROKEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
     agent: str
     region: str
     model: str
@@ -200,4 +201,5 @@ class StatusReply(_message.Message):
     broken: _containers.RepeatedCompositeFieldContainer[BrokenVersion]
     engine_state: EngineState
     verification: Verification
-    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
+    unhealthy: str
+    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., unhealthy: _Optional[str] = ...) -> None: ...
