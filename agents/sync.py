@@ -82,7 +82,7 @@ from weightsync.errors import (
 from weightsync.format import codecs
 from weightsync.format.manifest import KIND_FULL, ChunkPlacement, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
-from weightsync.reader import WeightsState
+from weightsync.reader import WeightsState, check_delta_layout
 from weightsync.stores import Store
 from weightsync.transport.push import Pusher
 from weightsync.transport.signing import Verifier
@@ -546,6 +546,8 @@ class SyncAgent:
             chain.append(self._manifest(parent))
             if chain[-1].manifest.base != chain[-2].manifest.base:
                 raise FormatError(f"v{chain[-2].manifest.version} and its parent v{parent} disagree on their base")
+            # Said before the engine's check_fit, which would name only the tensor that differs.
+            check_delta_layout(self.model, chain[-1].manifest, chain[-2].manifest)
         chain.reverse()
         return chain
 
