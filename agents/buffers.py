@@ -4,8 +4,9 @@ Zero-copy engines serve the agent's very tensors, so the agent double-buffers: t
 is built in the spare (once no request runs on it any more: under the drain swap policy the
 longest request decides when, under in_flight and abort the next token step) and the two trade
 places at the swap; while idle, the spare is brought up to the served version so the next version costs one
-delta. Copying engines keep their own copy, so one buffer is rewritten in place. Either way
-about one or two models, never a copy per version of a chain.
+delta. Copying engines keep their own copy, so one buffer is rewritten in place (under
+`rewrite_lock`, which `status --verify` waits for; a failed sync puts the served version back:
+sync.py). Either way about one or two models, never a copy per version of a chain.
 
 States of the spare (zero-copy): none (before the second swap) -> behind (it was served as an
 older version) -> caught up (a copy of the served version, made while idle) -> staging (rewritten
@@ -48,7 +49,9 @@ class Buffers:
         # The version the spare's memory was last served as: what the engine must have stopped
         # using before we write into it (its content may have moved on: see catch_up_spare).
         self.spare_served_as = 0
-        self.rewriting = False  # a sync is rewriting a buffer (for copying engines: the served one)
+        self.rewrite_lock = threading.Lock()
+        """Copying engines: held by a sync, which rewrites the one buffer in place (and puts it back
+        when the sync fails), and by whoever hashes that buffer, so that no hash reads it half-written."""
 
     def staging(self, name: str, policy: SwapPolicy) -> tuple[WeightsState, float]:
         """The buffer the next version is built in: the spare (zero-copy engines still serve the
@@ -118,17 +121,17 @@ class Buffers:
         old.clear()
         spare.manifest = served.manifest
 
-    def served_digest(self) -> str:
-        """The version digest recomputed from the bytes served now (every chunk range of the
-        served manifest re-hashed): equal to the manifest's digest iff they are the published
-        bytes. For a copying engine it checks the agent's own copy, and only between syncs
-        (during one that copy is being rewritten); "" when there is nothing to check."""
-        with self._lock:
-            state = self.served
-            manifest = state.manifest if state is not None else None
-            if manifest is None or (not self.engine.zero_copy and self.rewriting):
-                return ""
-            buffers = dict(state.buffers)
+    def digest_of(self, state: WeightsState | None) -> str:
+        """The version digest recomputed from a buffer's bytes (every chunk range of its manifest
+        re-hashed): equal to the manifest's digest iff they are the published bytes; "" for no
+        buffer or an invalid one. The caller keeps the buffer from being rewritten meanwhile
+        (copying engines: `rewrite_lock`)."""
+        manifest = state.manifest if state is not None else None
+        if manifest is None:
+            return ""
+        buffers = dict(state.buffers)
+        if any(tensor.name not in buffers for tensor in manifest.tensors):
+            return ""  # zero-copy: swapped out and being rebuilt meanwhile (the caller asks again)
         rehashed = []
         for tensor in manifest.tensors:
             itemsize = dtype_by_name(tensor.dtype).itemsize

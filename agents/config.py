@@ -9,6 +9,8 @@
     cache_dir = "/var/lib/weightsync/agent"
     peers = ["10.0.0.2:7070"]      # downstream agents this one relays to
     token_file = "/etc/weightsync/token"
+    metrics_port = 9400            # Prometheus /metrics, bound on metrics_host (default 127.0.0.1)
+    metrics_host = "0.0.0.0"
     swap_policy = "in_flight"      # drain (default) | in_flight | abort: see docs/agents.md
     trusted_keys = ["/etc/weightsync/publisher.pub"]
     require_signatures = true
@@ -34,18 +36,22 @@ Not here: what the agent does with it (`sync.py`, `server.py`), what an engine's
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import socket
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from weightsync.agents.engines import parse_engine_config
+from weightsync.agents.engines import engine_config_class, parse_engine_config
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ConfigError
 from weightsync.format.layout import check_model_name
+from weightsync.listen import split_listen
 from weightsync.settings import build_table, check_known_keys, check_required, check_type, toml_kind
 from weightsync.transport.rpc import TlsConfig
 
@@ -113,6 +119,10 @@ class AgentConfig:
     every chunk is applied after the offer."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0: any free port); None: off."""
+    metrics_host: str = "127.0.0.1"
+    """The address /metrics binds (with metrics_port): loopback, for a Prometheus on this host only;
+    "0.0.0.0" (or "::") for one that scrapes the pod or host from outside, as the Kubernetes and
+    systemd examples in deploy/ do."""
     ledger_size: int = 64
     """Versions remembered in the status ledger."""
     weights_kind: str = "model"
@@ -148,16 +158,42 @@ class AgentConfig:
             ) from None
         for name in ("listen", "health_listen"):
             value = getattr(self, name)
-            if value is not None and ":" not in value:
-                raise ValueError(f"{name} must be host:port, got {value!r}")
+            if value is not None:
+                split_listen(value, name)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a port in 0..65535 (0: any free port), got {self.metrics_port}")
+        if not _is_host(self.metrics_host):
+            raise ValueError(
+                f"metrics_host must be an address or host name without a port, got {self.metrics_host!r}: e.g. "
+                'metrics_host = "0.0.0.0" with metrics_port = 9400'
+            )
 
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir)
 
 
-def load_agent_config(path: str | os.PathLike | None = None, **overrides: Any) -> AgentConfig:
+def _is_host(value: str) -> bool:
+    """An IP address (v4 or v6) or a host name: what a server binds, without a port."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?", value))
+
+
+def load_agent_config(
+    path: str | os.PathLike | None = None,
+    *,
+    engine_flags: Mapping[str, tuple[str, Any]] | None = None,
+    **overrides: Any,
+) -> AgentConfig:
     """The [agent] table of a TOML file (if given), with `overrides` (None values ignored) on top.
+
+    `engine_flags` are command-line flags that set [agent.engine] options: {flag: (option, value)}
+    ("type" for --engine; value None: not given). Given ones are applied on top of the file's
+    [agent.engine] table, each refused with a reason where it cannot apply: --engine naming
+    another type than the file's, a flag for an option the engine does not have.
 
     Every key is checked before the agent starts: unknown keys, wrong types, a bad engine or tls
     table and missing required settings raise ConfigError naming the key and the fix (a typo
@@ -183,7 +219,40 @@ def load_agent_config(path: str | os.PathLike | None = None, **overrides: Any) -
             )
         doc = dict(document["agent"])
     doc.update({k: v for k, v in overrides.items() if v is not None})
+    if engine_flags and any(value is not None for _, value in engine_flags.values()):
+        doc["engine"] = _apply_engine_flags(where, doc.get("engine"), engine_flags)
     return parse_agent_config(doc, where=where)
+
+
+def _apply_engine_flags(where: str, table: Any, flags: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """The [agent.engine] table (None: not in the file) with the given flags' options on top."""
+    merged = dict(_check_engine_table(where, table)) if table is not None else {}
+    given = {flag: (option, value) for flag, (option, value) in flags.items() if value is not None}
+    for flag, (option, value) in given.items():
+        if option != "type":
+            continue
+        if merged.get("type", value) != value:
+            raise ConfigError(
+                f"{flag} {value} contradicts [agent.engine] type = {merged['type']!r} in {where}: the file's "
+                f"engine options are that engine's; drop {flag}, or change the file's [agent.engine] table"
+            )
+        merged["type"] = value
+    type_name = merged.setdefault("type", "reference")
+    try:
+        options = {f.name for f in dataclasses.fields(engine_config_class(type_name))}
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    for flag, (option, value) in given.items():
+        if option == "type":
+            continue
+        if option not in options:
+            takes = sorted(f for f, (o, _) in flags.items() if o in options and o != "type")
+            raise ConfigError(
+                f"{flag}: the {type_name} engine has no {option} option; its flags are {takes or 'none'}, "
+                f"its other options go in the [agent.engine] table of a --config file"
+            )
+        merged[option] = value
+    return merged
 
 
 _HOWTO_REQUIRED = {

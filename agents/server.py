@@ -2,11 +2,20 @@
 
 The servicer is thin: it converts protobuf messages to the agent's calls and back, and maps
 errors to status codes with the one table in `weightsync.transport.rpc`; it holds no logic. The server
-has explicit message limits, a bearer-token interceptor and TLS/mTLS when configured, the
-standard gRPC health service (SERVING once the agent runs, NOT_SERVING while it shuts down; also
-alone on a plaintext `health_listen` port for probes that cannot speak TLS), and Prometheus
-metrics when a metrics port is set. `AgentServer.stop` drains in-flight calls for a grace period
-before closing (what SIGTERM does in `run_agent`).
+has explicit message limits, a bearer-token interceptor and TLS/mTLS when configured, Prometheus
+metrics when a metrics port is set, and the standard gRPC health service (also alone on a
+plaintext `health_listen` port for probes that cannot speak TLS) with two names:
+
+    ""           readiness: SERVING while the agent serves a version and its engine serves that
+                 version (`SyncAgent.check_health`); NOT_SERVING before the first version, while
+                 the engine is paused or unreachable, and while shutting down. A watch thread
+                 checks again after every sync and every poll_interval_s.
+    SERVICE      ("weightsync.transport.v1.SyncAgent") liveness: SERVING while the process takes
+                 calls (it must, to receive its first version); NOT_SERVING while shutting down.
+
+Every port (listen, health_listen, the metrics port) is bound before the engine starts, and one
+that is taken is a `ListenError` naming the setting. `AgentServer.stop` drains in-flight calls for
+a grace period before closing (what SIGTERM does in `run_agent`).
 
 Not here: what the agent does (`sync.py`), engines (`engines/`), the CLI (app/cli.py).
 """
@@ -14,6 +23,7 @@ Not here: what the agent does (`sync.py`), engines (`engines/`), the CLI (app/cl
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import gc
 import logging
 import signal
@@ -28,6 +38,7 @@ from weightsync.agents.engines import open_engine
 from weightsync.agents.engines.base import Engine
 from weightsync.agents.sync import SyncAgent
 from weightsync.errors import WeightsyncError
+from weightsync.listen import check_bindable, listen_error, split_listen
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.stores import open_store
 from weightsync.transport.push import PushConfig, Pusher
@@ -89,15 +100,22 @@ class _Servicer:
         return sync_pb2.PushReply(objects=kept, bytes=size, duplicates=duplicates)
 
     def get_status(self, request: sync_pb2.StatusRequest, context: grpc.ServicerContext) -> sync_pb2.StatusReply:
-        return status_to_proto(self.agent.status(verify=request.verify))
+        # A verify waits for a copying engine's sync to end, within the caller's deadline.
+        remaining = context.time_remaining()
+        wait_s = 5.0 if remaining is None else max(0.0, remaining - 1.0)
+        return status_to_proto(self.agent.status(verify=request.verify, verify_timeout_s=wait_s))
 
 
 def status_to_proto(status: dict) -> sync_pb2.StatusReply:
-    reply = sync_pb2.StatusReply(**{k: v for k, v in status.items() if k not in ("ledger", "broken")})
+    nested = ("ledger", "broken", "engine_state", "verification")
+    reply = sync_pb2.StatusReply(**{k: v for k, v in status.items() if k not in nested})
     for entry in status["ledger"]:
         reply.ledger.add(**entry)
     for broken in status["broken"]:
         reply.broken.add(**broken)
+    reply.engine_state.CopyFrom(sync_pb2.EngineState(**status["engine_state"]))
+    if "verification" in status:
+        reply.verification.CopyFrom(sync_pb2.Verification(**status["verification"]))
     return reply
 
 
@@ -112,71 +130,88 @@ class AgentServer:
             if config.metrics_port is not None
             else NULL_METRICS
         )
-        self.engine = engine if engine is not None else open_engine(config.engine)
-        relay = None
-        if config.peers:
-            relay = Pusher(
-                PushConfig(
-                    targets=config.peers,
-                    model=config.model,
-                    tls=config.client_tls,
-                    token=token,
-                    origin=config.name,
-                    hops=1,
-                    max_buffered_bytes=config.relay_buffer_bytes,
-                ),
-                metrics=self.metrics,
-            )
-        self.agent = SyncAgent(
-            config,
-            self.engine,
-            upstream=open_store(config.store) if config.store else None,
-            verifier=Verifier.from_pem(config.trusted_keys) if config.trusted_keys else None,
-            relay=relay,
-            metrics=self.metrics,
-        )
+        self.engine: Engine | None = None
+        self._health = health.HealthServicer()
+        self._health_server: grpc.Server | None = None
+        self.health_address: str | None = None
+        self.metrics_port: int | None = None
         interceptors = [TokenAuthInterceptor(token)] if token else []
         self._server = grpc.server(
             cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ws-rpc"),
             options=SERVER_OPTIONS,
             interceptors=interceptors,
         )
+        try:
+            # Ports first: a taken one fails in a line naming its setting before the engine starts.
+            tls = config.tls if config.tls is not None and config.tls.enabled else None
+            port = bind_port(self._server, config.listen, "listen", "--listen", tls=tls)
+            self.address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+            # Kubernetes grpc probes speak neither TLS nor tokens: the health service alone, in
+            # plaintext, on a port of its own (it tells only whether the agent serves).
+            if config.health_listen is not None:
+                self._health_server = grpc.server(cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-health"))
+                health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+                health_port = bind_port(self._health_server, config.health_listen, "health_listen", "--health-listen")
+                self.health_address = f"{config.health_listen.rsplit(':', 1)[0]}:{health_port}"
+            if isinstance(self.metrics, PrometheusMetrics):
+                address = f"{config.metrics_host}:{config.metrics_port}"
+                try:
+                    self.metrics_port = self.metrics.serve(config.metrics_port, config.metrics_host)
+                except OSError as e:  # Prometheus' own "[Errno 98] Address already in use" names no port
+                    raise listen_error("metrics_port", address, e, flag="--metrics-port") from None
+            self.engine = engine if engine is not None else open_engine(config.engine)
+            relay = None
+            if config.peers:
+                relay = Pusher(
+                    PushConfig(
+                        targets=config.peers,
+                        model=config.model,
+                        tls=config.client_tls,
+                        token=token,
+                        origin=config.name,
+                        hops=1,
+                        max_buffered_bytes=config.relay_buffer_bytes,
+                    ),
+                    metrics=self.metrics,
+                )
+            self.agent = SyncAgent(
+                config,
+                self.engine,
+                upstream=open_store(config.store) if config.store else None,
+                verifier=Verifier.from_pem(config.trusted_keys) if config.trusted_keys else None,
+                relay=relay,
+                metrics=self.metrics,
+            )
+        except BaseException:
+            self._close_parts(engine_given=engine is not None)
+            raise
         servicer = _Servicer(self.agent)
         self._server.add_generic_rpc_handlers(
             (agent_service_handler(servicer.offer, servicer.push_objects, servicer.get_status),)
         )
-        self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        if config.tls is not None and config.tls.enabled:
-            port = self._server.add_secure_port(config.listen, server_credentials(config.tls))
-        else:
-            port = self._server.add_insecure_port(config.listen)
-        if port == 0:
-            raise OSError(f"cannot listen on {config.listen}")
-        self.address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
-        # Kubernetes grpc probes speak neither TLS nor tokens: the health service alone, in
-        # plaintext, on a port of its own (it tells only whether the agent runs).
-        self._health_server: grpc.Server | None = None
-        self.health_address: str | None = None
-        if config.health_listen is not None:
-            self._health_server = grpc.server(cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-health"))
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            health_port = self._health_server.add_insecure_port(config.health_listen)
-            if health_port == 0:
-                raise OSError(f"cannot listen on {config.health_listen}")
-            self.health_address = f"{config.health_listen.rsplit(':', 1)[0]}:{health_port}"
-        self.metrics_port: int | None = None
         self._stopped = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    def _close_parts(self, *, engine_given: bool) -> None:
+        """What __init__ opened before it failed: ports, metrics, the engine it started."""
+        self._server.stop(0)
+        if self._health_server is not None:
+            self._health_server.stop(0)
+        if isinstance(self.metrics, PrometheusMetrics):
+            self.metrics.close()
+        if self.engine is not None and not engine_given:
+            self.engine.close()
 
     def start(self) -> AgentServer:
         self.agent.start()  # serves the cached version before taking calls
+        self._set_health()  # NOT_SERVING (and a warning saying why) until a version is served
         self._server.start()
         if self._health_server is not None:
             self._health_server.start()
-        if isinstance(self.metrics, PrometheusMetrics):
-            self.metrics_port = self.metrics.serve(self.config.metrics_port)
-        for name in ("", SERVICE):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)  # liveness: it takes calls
+        self._watch = threading.Thread(target=self._watch_health, name=f"ws-health-{self.config.name}", daemon=True)
+        self._watch.start()
         log.info(
             "agent %s (%s) listening on %s, serving %s",
             self.config.name,
@@ -186,15 +221,37 @@ class AgentServer:
         )
         return self
 
+    def _set_health(self) -> None:
+        serving = not self.agent.check_health()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if not self._stopped.is_set():
+            self._health.set("", status)
+
+    def _watch_health(self) -> None:
+        """Readiness follows the agent: after every sync attempt, and every poll_interval_s (an
+        engine that became unreachable, a store that got the model)."""
+        while not self._stopped.is_set():
+            self.agent.changed.wait(timeout=self.config.poll_interval_s)
+            self.agent.changed.clear()
+            if self._stopped.is_set():
+                return
+            try:
+                self._set_health()
+            except Exception:  # a bug here must not leave readiness stuck: log, keep watching
+                log.exception("agent %s: health check failed", self.config.name)
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets in-flight ones finish for `grace_s`, then closes everything."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.agent.changed.set()  # the watch thread ends
         self._health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait()
         if self._health_server is not None:
             self._health_server.stop(0).wait()
+        if self._watch is not None:
+            self._watch.join(timeout=30)
         self.agent.close()
         self.engine.close()
         if isinstance(self.metrics, PrometheusMetrics):
@@ -202,6 +259,21 @@ class AgentServer:
 
     def wait(self) -> None:
         self._stopped.wait()
+
+
+def bind_port(server: grpc.Server, address: str, setting: str, flag: str, *, tls=None) -> int:
+    """Binds `address` (host:port) on a gRPC server; the port it got (0: any free one). A port
+    that is taken or an address that cannot be bound is a ListenError naming `setting` and its
+    `flag`, checked with a plain socket first: gRPC itself would only log a C-level line and raise
+    a bare RuntimeError."""
+    host, port = split_listen(address, setting)
+    check_bindable(host, port, setting, flag=flag)
+    try:
+        if tls is not None:
+            return server.add_secure_port(address, server_credentials(tls))
+        return server.add_insecure_port(address)
+    except RuntimeError:  # taken between the check and the bind
+        raise listen_error(setting, address, OSError(errno.EADDRINUSE, "in use"), flag=flag) from None
 
 
 def run_agent(config: AgentConfig, *, ready=None) -> None:

@@ -25,8 +25,11 @@ then written to the local cache). One sync thread does the rest, one version at 
                 requests do, `SwapPolicy`); the state file records the served version
                 (crash-safe), the ledger its timings; old cache entries are collected. A version
                 that took more than STALL_LOG_S from its offer is logged with where the time went.
-A failure in gather, apply or swap leaves what the engine serves untouched; it is recorded, a
-corrupt cached object is deleted so it is fetched again, and the version is broken: retried with
+Before gather, the engine is asked whether it would take the target's layout (`check_fit`): a
+version it would refuse fails there, before a byte is fetched or written. A failure in gather,
+apply or swap leaves what the engine serves untouched, and a copying engine's one buffer, which
+apply rewrites in place, is read back from the cache as the served version; the failure is
+recorded, a corrupt cached object is deleted so it is fetched again, and the version is broken: retried with
 its own growing backoff (0.5 s doubling to 10 s) and reported in `status()["broken"]` and the
 `agent/broken_versions` metric. Meanwhile the agent serves the newest version it can verify: when
 every newer version it knows is broken, it takes the store's newest other one above the served
@@ -42,27 +45,36 @@ token step after the swap); copying engines use one buffer. Received objects liv
 
 Not here: the gRPC plumbing (`server.py`), what pushers send (`intake.py`), the served and spare
 buffers (`buffers.py`), the cache, its state file, repairs and gc (`cache.py`), the ledger and
-broken versions (`ledger.py`), engines (`engines/`).
+broken versions (`ledger.py`), `status --verify` and health (`signals.py`), engines (`engines/`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 
+from weightsync.agents import signals
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.early_apply import EarlyApply
-from weightsync.agents.engines.base import Engine, check_engine, check_swap_policy, check_weights_kind
+from weightsync.agents.engines.base import (
+    Engine,
+    check_engine,
+    check_swap_policy,
+    check_weights_kind,
+    manifest_layout,
+)
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
 from weightsync.errors import (
     FormatError,
     IntegrityError,
+    LayoutError,
     ObjectNotFound,
     StaleVersion,
     WeightsyncError,
@@ -70,6 +82,7 @@ from weightsync.errors import (
 from weightsync.format import codecs
 from weightsync.format.manifest import KIND_FULL, ChunkPlacement, ChunkRef, Manifest, parse_manifest
 from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.reader import WeightsState, check_delta_layout
 from weightsync.stores import Store
 from weightsync.transport.push import Pusher
 from weightsync.transport.signing import Verifier
@@ -139,6 +152,9 @@ class SyncAgent:
         self.broken = BrokenVersions(_RETRY_S)
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
+        self.changed = threading.Event()
+        """Set after each sync attempt (served or failed): what the health watch wakes on (`server.py`)."""
+        self._health = signals.HealthCheck(self)
         self._closed = False
         self._thread: threading.Thread | None = None
         self.warm_up: codecs.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
@@ -358,22 +374,54 @@ class SyncAgent:
             log.warning("%s: polling %s failed: %s", self.config.name, self.upstream.uri, e)
 
     def _sync_to(self, target: _Known) -> None:
-        self.buffers.rewriting = True
         started = time.monotonic()
+        # A copying engine's one buffer is the staging one: nobody hashes it while a sync may rewrite it.
+        with self.buffers.rewrite_lock if not self.engine.zero_copy else contextlib.nullcontext():
+            try:
+                self._sync_version(target)
+            except BaseException:
+                self._restore_served_copy()
+                # Kept in the ledger, so that the time a version took is explained in full (a drain
+                # that timed out, a fetch that failed) when a later attempt serves it.
+                entry = self.ledger.entry(target.manifest.version)
+                with self._cond:
+                    entry.timings_s["failed_attempts"] = entry.timings_s.get("failed_attempts", 0.0) + (
+                        time.monotonic() - started
+                    )
+                raise
+            finally:
+                self.early.release()
+                self.changed.set()
+
+    def _restore_served_copy(self) -> None:
+        """After a failed sync on a copying engine, whose one buffer the sync rewrote in place: the
+        agent's copy goes back to the served version, read again from the cache (its chain is
+        kept there), so that what `status --verify` hashes and the next delta's parent are the
+        served bytes again. A version of another layout never gets here (`check_fit` refuses it
+        before anything is written); this is the path of the rarer failures (a reload the server
+        refused, a digest the workers disagree with, an apply that failed half-way)."""
+        served = self.buffers.served
+        if self.engine.zero_copy or served is None or self._served_version == 0:
+            return  # zero-copy: the sync wrote into the spare; nothing served: nothing to restore
+        manifest = served.manifest
+        if manifest is not None and (manifest.version, manifest.digest) == (self._served_version, self._served_digest):
+            return  # the failure came before the buffer was touched
         try:
-            self._sync_version(target)
-        except BaseException:
-            # Kept in the ledger, so that the time a version took is explained in full (a drain
-            # that timed out, a fetch that failed) when a later attempt serves it.
-            entry = self.ledger.entry(target.manifest.version)
-            with self._cond:
-                entry.timings_s["failed_attempts"] = entry.timings_s.get("failed_attempts", 0.0) + (
-                    time.monotonic() - started
-                )
-            raise
-        finally:
-            self.buffers.rewriting = False
-            self.early.release()
+            self.reader.advance_route(served, self._served_version)
+            if served.manifest is None or served.manifest.digest != self._served_digest:
+                raise IntegrityError(f"the cache's v{self._served_version} is not the one served")
+        except WeightsyncError as e:
+            served.manifest = None  # `status --verify` says the copy is unavailable; the next sync reads a base
+            served.buffers.clear()
+            log.error(
+                "%s: cannot rebuild the agent's copy of the served v%d from its cache after a failed sync (%s); "
+                "the next version is applied from its base",
+                self.config.name,
+                self._served_version,
+                e,
+            )
+            return
+        log.info("%s: the agent's copy of v%d is back after the failed sync", self.config.name, self._served_version)
 
     def _sync_version(self, target: _Known) -> None:
         version = target.manifest.version
@@ -388,6 +436,13 @@ class SyncAgent:
         except (IntegrityError, FormatError):
             self._forget_failed_path([target])  # a parent that exists nowhere, or bases that disagree
             raise
+        # Before any byte is fetched or written: a version the engine would refuse for its layout
+        # (another vocabulary, another architecture) must not touch the buffer a copying engine
+        # is handed, which is the agent's copy of what it serves.
+        try:
+            self.engine.check_fit(manifest_layout(target.manifest.layout))
+        except LayoutError as e:
+            raise LayoutError(f"v{version} does not fit what the {self.engine.name} engine serves: {e}") from e
         start = 0
         if staging.manifest is not None:
             for i, known in enumerate(chain):
@@ -491,6 +546,8 @@ class SyncAgent:
             chain.append(self._manifest(parent))
             if chain[-1].manifest.base != chain[-2].manifest.base:
                 raise FormatError(f"v{chain[-2].manifest.version} and its parent v{parent} disagree on their base")
+            # Said before the engine's check_fit, which would name only the tensor that differs.
+            check_delta_layout(self.model, chain[-1].manifest, chain[-2].manifest)
         chain.reverse()
         return chain
 
@@ -638,15 +695,32 @@ class SyncAgent:
         self.metrics.set("agent/broken_versions", len(self.broken))
         self.metrics.set("agent/newest_broken_version", self.broken.newest())
 
-    def verify_served(self) -> str:
-        """The version digest of the bytes served now, re-hashed (see Buffers.served_digest)."""
-        return self.buffers.served_digest()
+    def served(self) -> tuple[int, str, WeightsState | None]:
+        """(version, digest, the agent's buffer of it) of what is served now, read together."""
+        with self._cond:
+            return self._served_version, self._served_digest, self.buffers.served
 
-    def status(self, *, verify: bool = False) -> dict:
-        served_digest = self.verify_served() if verify else ""
+    def newest_known(self) -> int:
+        """The newest version offered or found in the store and not served yet (0: none)."""
+        with self._cond:
+            return max(self._known, default=0)
+
+    def verify_served(self) -> str:
+        """The version digest the agent's copy of the served version re-hashes to ("" when there is
+        none); `signals.verify` says more."""
+        return signals.verify(self)["digest"]
+
+    def check_health(self) -> str:
+        """Why the agent is not healthy, "" when it is (`signals.HealthCheck`)."""
+        return self._health.check()
+
+    def status(self, *, verify: bool = False, verify_timeout_s: float = 5.0) -> dict:
+        verification = signals.verify(self, verify_timeout_s) if verify else None
+        engine_state = signals.engine_state(self.engine)
+        unhealthy = self._health.reason()[0]
         with self._cond:
             target = max(self._known, default=self._served_version)
-            return {
+            status = {
                 "agent": self.config.name,
                 "region": self.config.region,
                 "model": self.model,
@@ -656,8 +730,13 @@ class SyncAgent:
                 "ledger": self.ledger.to_json(),
                 "last_error": self.last_error,
                 "engine": self.engine.name,
+                "engine_state": engine_state,
+                "unhealthy": unhealthy,
                 "peers": list(self.config.peers),
                 "started_unix_ms": self.started_unix_ms,
-                "served_digest": served_digest,
+                "served_digest": verification["digest"] if verification else "",
                 "broken": self.broken.to_json(time.monotonic()),
             }
+        if verification is not None:
+            status["verification"] = {k: verification[k] for k in ("ok", "hashed", "error")}
+        return status

@@ -302,9 +302,11 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.versions import list_models
+
     store = _store(args)
     if args.model is None:
-        models = _list_models(store)
+        models = list_models(store)
         if not args.json:
             print("\n".join(models) if models else f"no models in {store.uri}")
         return {"store": store.uri, "models": models}
@@ -336,17 +338,6 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
                     f"{_size(r['stored_bytes'] + r['manifest_bytes']):>12} {ratio:>7}  {r['digest'][:12]}"
                 )
     return {"store": store.uri, "model": args.model, "versions": rows}
-
-
-def _list_models(store) -> list[str]:
-    """Models are the names under models/ that have a versions/ folder (a name may be org/name)."""
-    models = set()
-    for info in store.list("models/"):
-        parts = info.key.split("/")
-        for i in (2, 3):  # models/<name>/versions/... or models/<org>/<name>/versions/...
-            if len(parts) > i + 1 and parts[i] == "versions":
-                models.add("/".join(parts[1:i]))
-    return sorted(models)
 
 
 def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -428,33 +419,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.agents.config import load_agent_config
-
-    engine = None
-    if args.engine or args.model_dir:
-        engine = {"type": args.engine or "reference"}
-        if args.model_dir:
-            engine["model_dir"] = args.model_dir
-        if args.engine_port is not None:
-            engine["port"] = args.engine_port
-    config = load_agent_config(
-        args.config,
-        model=args.model,
-        cache_dir=args.cache_dir,
-        name=args.name,
-        region=args.region,
-        listen=args.listen,
-        health_listen=args.health_listen,
-        store=args.store,
-        peers=tuple(args.peer) or None,
-        engine=engine,
-        token_file=args.token_file,
-        trusted_keys=tuple(args.trusted_key) or None,
-        require_signatures=args.require_signatures or None,
-        metrics_port=args.metrics_port,
-        poll_interval_s=args.poll_interval_s,
-        swap_policy=args.swap_policy,
-    )
+    config = agent_config(args)
     from weightsync.agents.server import run_agent  # after the config is known good: it imports torch
     from weightsync.logs import configure_logging
 
@@ -481,10 +446,54 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
     return {"agent": config.name, "stopped": True}
 
 
-def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
-    from google.protobuf.json_format import MessageToDict
+def agent_config(args: argparse.Namespace):
+    """The AgentConfig `weightsync agent` runs with: --config's file with the flags on top, every
+    flag applied or refused with a reason (ConfigError)."""
+    from weightsync.agents.config import load_agent_config
+    from weightsync.errors import ConfigError
 
+    engine_flags = {flag: (option, getattr(args, dest)) for flag, (dest, option) in _ENGINE_FLAGS.items()}
+    if args.config is None and all(value is None for _, value in engine_flags.values()):
+        raise ConfigError(
+            "weightsync agent needs an engine: give --model-dir DIR (the reference engine serving that HF "
+            "directory), --engine TYPE with its settings (e.g. --engine vllm --engine-url http://127.0.0.1:8000), "
+            "or --config FILE with an [agent.engine] table"
+        )
+    return load_agent_config(
+        args.config,
+        engine_flags=engine_flags,
+        model=args.model,
+        cache_dir=args.cache_dir,
+        name=args.name,
+        region=args.region,
+        listen=args.listen,
+        health_listen=args.health_listen,
+        store=args.store,
+        peers=tuple(args.peer) or None,
+        token_file=args.token_file,
+        trusted_keys=tuple(args.trusted_key) or None,
+        require_signatures=args.require_signatures or None,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        poll_interval_s=args.poll_interval_s,
+        swap_policy=args.swap_policy,
+    )
+
+
+_ENGINE_FLAGS = {  # flag -> (argparse dest, the [agent.engine] option it sets)
+    "--engine": ("engine", "type"),
+    "--model-dir": ("model_dir", "model_dir"),
+    "--engine-port": ("engine_port", "port"),
+    "--engine-url": ("engine_url", "url"),
+    "--engine-root": ("engine_root", "root"),
+    "--template-dir": ("template_dir", "template_dir"),
+    "--reload-url": ("reload_url", "reload_url"),
+}
+
+
+def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.transport.rpc import AgentClient, TlsConfig, read_token
+    from weightsync.transport.v1 import sync_pb2
 
     tls = TlsConfig(ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name) if args.ca else None
     client = AgentClient(args.agent, tls=tls, token=read_token(token_file=args.token_file))
@@ -492,19 +501,38 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         reply = client.status(timeout_s=args.timeout_s, verify=args.verify)
     finally:
         client.close()
-    row = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    if not args.json:
-        print(
-            f"agent {reply.agent} ({reply.region}) serving {reply.model} v{reply.current_version} "
-            f"[{reply.current_digest[:12]}], newest known v{reply.target_version}, engine {reply.engine}, "
-            f"peers {list(reply.peers) or '-'}"
-        )
+    row = _message_json(reply)
+    if not reply.HasField("engine_state"):  # an agent from before engine states: its own word for both
+        reply.engine_state.state, reply.engine_state.version = sync_pb2.EngineState.SERVING, reply.current_version
         if args.verify:
-            same = reply.served_digest == reply.current_digest
-            print(
-                f"served bytes re-hashed: {reply.served_digest or 'nothing to check'} "
-                f"({'bit-exact' if same else 'MISMATCH'})"
-            )
+            same = bool(reply.served_digest) and reply.served_digest == reply.current_digest
+            reply.verification.ok, reply.verification.hashed = same, "the bytes the agent serves (an older agent)"
+            reply.verification.error = "" if same else f"they hash to {reply.served_digest!r}"
+    engine = reply.engine_state
+    engine_state = sync_pb2.EngineState.State.Name(engine.state)
+    engine_serving = engine.state == sync_pb2.EngineState.SERVING and engine.version == reply.current_version
+    if not args.json:
+        serving = (
+            f"serving {reply.model} v{reply.current_version} [{reply.current_digest[:12]}]"
+            if reply.current_version
+            else f"serving nothing of {reply.model}"
+        )
+        engine_says = (
+            f"serving v{engine.version}" if engine.state == sync_pb2.EngineState.SERVING else engine_state
+        ) + (f" ({engine.reason})" if engine.reason else "")
+        print(
+            f"agent {reply.agent} ({reply.region}) {serving}, newest known v{reply.target_version}, "
+            f"engine {reply.engine}: {engine_says}, peers {list(reply.peers) or '-'}"
+        )
+        if reply.unhealthy:
+            print(f"not healthy: {reply.unhealthy}")
+        if args.verify:
+            check = reply.verification
+            if check.hashed == "nothing":
+                print(f"not verified: {check.error}")
+            else:
+                verdict = f"bit-exact, {reply.served_digest}" if check.ok else f"MISMATCH: {check.error}"
+                print(f"verified {check.hashed}: {verdict}")
         if reply.last_error:
             print(f"last error: {reply.last_error}")
         for b in reply.broken:  # never served; retried while an older good version is served
@@ -521,11 +549,56 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
                 f"{_size(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
                 f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}"
             )
-    if args.verify and reply.served_digest != reply.current_digest:
-        raise _Failed(
-            row, f"served bytes hash to {reply.served_digest!r}, v{reply.current_version} is {reply.current_digest!r}"
-        )
+    if args.verify:
+        if not reply.current_version:
+            raise _Failed(row, f"agent {reply.agent} serves no version of {reply.model}: nothing to verify")
+        if not engine_serving:
+            raise _Failed(
+                row,
+                f"the {reply.engine} engine does not serve v{reply.current_version}: {engine_state}"
+                + (f" v{engine.version}" if engine.state == sync_pb2.EngineState.SERVING else "")
+                + (f" ({engine.reason})" if engine.reason else ""),
+            )
+        if not reply.verification.ok:
+            raise _Failed(row, f"v{reply.current_version} does not verify: {reply.verification.error}")
     return row
+
+
+def _message_json(message) -> dict[str, Any]:
+    """A protobuf message as JSON-ready data with every field present, integers as numbers
+    (MessageToDict writes 64-bit integers as strings) and enums by name."""
+    from google.protobuf.descriptor import FieldDescriptor
+    from google.protobuf.json_format import MessageToDict
+
+    doc = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    int64 = {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+
+    def numbers(descriptor, value):
+        message_type = descriptor.message_type
+        if isinstance(value, dict) and message_type is not None and not message_type.GetOptions().map_entry:
+            return fix(message_type, value)
+        if descriptor.type in int64 and isinstance(value, str):
+            return int(value)
+        return value
+
+    def fix(message_type, doc: dict) -> dict:
+        for field in message_type.fields:
+            if field.name not in doc:
+                continue
+            value = doc[field.name]
+            if isinstance(value, list):  # a repeated field
+                doc[field.name] = [numbers(field, v) for v in value]
+            else:
+                doc[field.name] = numbers(field, value)
+        return doc
+
+    return fix(message.DESCRIPTOR, doc)
 
 
 def _cmd_keygen(args: argparse.Namespace) -> dict[str, Any]:
@@ -753,18 +826,35 @@ def _add_agent(sub) -> None:
     p.add_argument("--name", help="agent name (default: hostname)")
     p.add_argument("--region", help="region name (default 'default')")
     p.add_argument("--peer", action="append", default=[], help="downstream agent host:port to relay to (repeatable)")
-    p.add_argument(
+    engine = p.add_argument_group(
+        "engine",
+        "The inference engine beside the agent. Each flag sets one [agent.engine] option, on top of the "
+        "--config file's table; one the engine type lacks is refused. Other options: the --config file "
+        "(docs/agents.md, Engines).",
+    )
+    engine.add_argument(
         "--engine",
         choices=engine_types(),
-        help="engine type (default reference); its other settings come from the --config file's "
-        "[agent.engine] table (docs/agents.md, Engines)",
+        help="engine type (default: the --config file's, else reference); must agree with the --config file's",
     )
-    p.add_argument("--model-dir", help="HF-style directory giving the engine its architecture (and first weights)")
-    p.add_argument("--engine-port", type=int, help="the reference engine's HTTP port (default: any free port)")
+    engine.add_argument(
+        "--model-dir", help="reference: HF-style directory giving the engine its architecture and first weights"
+    )
+    engine.add_argument("--engine-port", type=int, help="reference: its HTTP port (default: any free port)")
+    engine.add_argument("--engine-url", help="vllm, sglang: the server's base URL, e.g. http://127.0.0.1:8000")
+    engine.add_argument("--engine-root", help="safetensors_dir, sglang: the directory snapshots are written to")
+    engine.add_argument(
+        "--template-dir", help="safetensors_dir, sglang: HF directory whose config and tokenizer go into each snapshot"
+    )
+    engine.add_argument("--reload-url", help="safetensors_dir: the URL that has the server reload a snapshot")
     p.add_argument("--token-file", help="bearer token callers must present (or $WEIGHTSYNC_TOKEN)")
     p.add_argument("--trusted-key", action="append", default=[], help="publisher public key (PEM), repeatable")
     p.add_argument("--require-signatures", action="store_true", help="refuse unsigned versions")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
+    p.add_argument(
+        "--metrics-host",
+        help="address /metrics binds (default 127.0.0.1: this host only; 0.0.0.0 for a Prometheus elsewhere)",
+    )
     p.add_argument("--poll-interval-s", type=float, help="how often to check the store for new versions")
     p.add_argument(
         "--swap-policy",
@@ -778,9 +868,10 @@ def _add_agent(sub) -> None:
 def _add_status(sub) -> None:
     p = sub.add_parser(
         "status",
-        help="show an agent's version, ledger and last error",
-        description="Ask a running agent for its current version, its ledger of recent versions "
-        "(path, bytes pushed and fetched, timings) and its last error.",
+        help="show an agent's version, its engine's state, ledger and last error",
+        description="Ask a running agent for its current version, what its engine serves (serving, or "
+        "empty, paused, unreachable, with the reason), its ledger of recent versions (path, bytes pushed "
+        "and fetched, timings) and its last error.",
     )
     _common(p, store=False, model=False)
     p.add_argument("--agent", required=True, help="agent gRPC address host:port")
@@ -793,7 +884,10 @@ def _add_status(sub) -> None:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="have the agent re-hash the weights it serves; exit 1 unless they match the version's digest",
+        help="have the agent re-hash its copy of the served version against the version's digest and, where "
+        "the engine reports a digest of what it holds (vllm, reference), have the engine compare what it holds "
+        "with that copy; the output says what was hashed. Exit 1 unless they match and the engine serves "
+        "that version (also when nothing is served)",
     )
     p.set_defaults(handler=_cmd_status)
 

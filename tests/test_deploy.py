@@ -1,14 +1,16 @@
 """deploy/ cannot rot: every `weightsync` command line in the Kubernetes manifests and the systemd
 unit parses with the CLI's own parser, every agent config they carry loads with
 `load_agent_config` (engine options included), the files the config names are mounted from the
-Secrets, and the pod's gRPC probe points at the agent's plaintext health port. Also here: that
-health port answers a plaintext health check while the agent itself requires TLS and a token
-(what a Kubernetes grpc probe does).
+Secrets, the pod's gRPC probes point at the agent's plaintext health port (readiness: the overall
+health, liveness: the agent's service), and /metrics binds an address the Prometheus scrape reaches.
+Also here: that health port answers a plaintext health check while the agent itself requires TLS
+and a token (what a Kubernetes grpc probe does).
 """
 
 from __future__ import annotations
 
 import configparser
+import ipaddress
 import shlex
 import sys
 from pathlib import Path, PurePosixPath
@@ -18,6 +20,7 @@ import yaml
 
 from weightsync.agents.config import AgentConfig, load_agent_config
 from weightsync.app.cli import build_parser
+from weightsync.transport.rpc import SERVICE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -100,13 +103,21 @@ def test_kubernetes_commands_parse_and_the_agent_config_loads(tmp_path):
     assert any(config.cache_dir == m or config.cache_dir.startswith(m + "/") for m in mounts)
     assert any(config.engine["root"].startswith(m + "/") for m in mounts)
 
-    # the probes ask the agent's health port, which serves plaintext (grpc probes cannot do TLS)
+    # the probes ask the agent's health port, which serves plaintext (grpc probes cannot do TLS):
+    # readiness the overall health (a version is served), liveness the service (it takes calls)
     health_port = int(config.health_listen.rsplit(":", 1)[1])
     for probe in ("readinessProbe", "livenessProbe"):
         assert agent[probe]["grpc"]["port"] == health_port
+    assert agent["readinessProbe"]["grpc"].get("service", "") == ""
+    assert agent["livenessProbe"]["grpc"]["service"] == SERVICE
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
     assert ports["grpc"] == int(config.listen.rsplit(":", 1)[1])
     assert ports["health"] == health_port and ports["metrics"] == config.metrics_port
+
+    # Prometheus scrapes the port the annotation names, from outside the pod: not a loopback bind
+    annotations = kinds["Deployment"][0]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == config.metrics_port
+    assert not ipaddress.ip_address(config.metrics_host).is_loopback, "the scrape cannot reach a loopback bind"
 
 
 def test_every_weightsync_command_in_deploy_parses():
@@ -138,6 +149,7 @@ def test_systemd_unit_runs_a_valid_command_with_a_valid_config(tmp_path):
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 
     config = load_agent_config(SYSTEMD_TOML)
+    assert config.metrics_port and not ipaddress.ip_address(config.metrics_host).is_loopback, "scraped from elsewhere"
     state = "/var/lib/" + service["StateDirectory"]
     assert config.cache_dir.startswith(state + "/"), "the cache lives in the unit's StateDirectory"
     assert state in service["ReadWritePaths"].split()
@@ -189,7 +201,11 @@ def test_health_port_answers_plaintext_while_the_agent_needs_tls_and_a_token(tmp
     try:
         assert server.health_address != server.address
         with grpc.insecure_channel(server.health_address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            stub = health_pb2_grpc.HealthStub(channel)
+            # No version served (no store, nothing pushed): not ready; alive, taking calls.
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=30)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         with grpc.insecure_channel(server.address) as channel:  # the agent's own port: TLS only
             with pytest.raises(grpc.RpcError):

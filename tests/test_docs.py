@@ -1,10 +1,12 @@
 """The docs are true as written: every relative link and named docs page exists, every
-`weightsync ...` command line parses, every [agent] TOML block loads, and every Python block runs
+`weightsync ...` command line parses, every [agent] TOML block loads, the reference engine's request
+fields and options are all documented, and every Python block runs
 (the README's FSDP2 publisher under torchrun on 2 ranks, then its agent serving what it
 published; the training-API page's client against a real server)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
@@ -191,3 +193,15 @@ def test_the_training_api_page_snippet_runs_against_the_server(tmp_path):
         out = _run_python_block(block, tmp_path, replace={"http://127.0.0.1:8000": server.url, "tml-mykey": API_KEY,
                                                           "/models/my-model": str(model_dir)})  # fmt: skip
     assert "sequences" in out, out
+
+
+def test_the_reference_engine_section_lists_every_request_field_and_option():
+    """docs/agents.md, "The reference engine's HTTP API": every field POST /v1/generate takes and
+    every [agent.engine] option of the reference engine, by name."""
+    from weightsync.agents.engines.reference_server import _GENERATE_FIELDS, ReferenceServerConfig
+
+    page = (REPO / "docs" / "agents.md").read_text()
+    section = page[page.index("### The reference engine's HTTP API") :].split("\n## ", 1)[0]
+    missing = [f for f in sorted(_GENERATE_FIELDS) if f"| `{f}` |" not in section]
+    missing += [f.name for f in dataclasses.fields(ReferenceServerConfig) if f"`{f.name}`" not in section]
+    assert not missing, f"docs/agents.md does not document {missing}"

@@ -36,6 +36,11 @@ class StoreError(WeightsyncError, OSError):
     """A store could not do what was asked (I/O failure, bad key, bad URI)."""
 
 
+class ListenError(WeightsyncError, OSError):
+    """An address a server must listen on cannot be bound (taken, not on this host, privileged);
+    the message names the setting."""
+
+
 class StoreUriError(StoreError, ConfigError):
     """A store URI this build cannot open (unknown scheme, a scheme with its `//` missing): a
     setting to fix, not a failure of the store."""

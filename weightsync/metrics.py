@@ -2,12 +2,15 @@
 
 Code records `metrics.inc("agent/bytes_received", n, source="push")`,
 `metrics.set("agent/version", 7)` or `metrics.observe("agent/swap_pause_s", 0.002)`; the name
-`agent/swap_pause_s` becomes the Prometheus metric `weightsync_agent_swap_pause_s`. Every
-component takes a `Metrics` and defaults to `NULL_METRICS`, which drops everything, so no code
-branches on whether metrics are enabled. Each Prometheus sink has its own registry (several
-agents in one test process must not collide) and can serve `/metrics` over HTTP.
+`agent/swap_pause_s` becomes the Prometheus metric `weightsync_agent_swap_pause_s`, and its HELP
+string is what METRICS says of it: every name recorded anywhere is declared there, once (a name
+that is not is refused at its first use, and tests/test_metrics.py finds every name the code
+records). Every component takes a `Metrics` and defaults to `NULL_METRICS`, which drops
+everything, so no code branches on whether metrics are enabled. Each Prometheus sink has its own
+registry (several agents in one test process must not collide) and can serve `/metrics` over HTTP.
 
-Not here: what is measured (each component documents its own names: the agent's in docs/agents.md).
+Not here: when each is recorded (the agent's, the pusher's, the publisher's code; docs/agents.md
+lists the agent's).
 """
 
 from __future__ import annotations
@@ -41,6 +44,38 @@ DEFAULT_BUCKETS_S = (
     120,
 )
 _NAME = re.compile(r"[a-z][a-z0-9_]*(/[a-z][a-z0-9_]*)+")
+
+METRICS: dict[str, str] = {
+    # the sync agent (agents/)
+    "agent/version": "The version the agent serves (0: none yet).",
+    "agent/serving": "1 while the agent serves a version and its engine serves that version (gRPC health "
+    "SERVING), else 0.",
+    "agent/swap_pause_s": "Seconds new requests were held back by a swap: the pause clients see.",
+    "agent/sync_s": "Seconds from a version's offer (or discovery in the store) to the agent serving it.",
+    "agent/versions_served": "Versions served, by path: deltas (applied on the version held) or base "
+    "(a base and its deltas).",
+    "agent/bytes_received": "Object bytes received, by source: push (from a publisher or an upstream "
+    "agent) or store (fetched).",
+    "agent/objects_rejected": "Pushed objects refused, by reason: hash (bytes do not match their address) "
+    "or quota (max_pending_bytes).",
+    "agent/errors": "Sync attempts that failed (verification, a fetch, a refused layout, the engine's swap).",
+    "agent/broken_versions": "Versions newer than the served one that failed and wait for a retry.",
+    "agent/newest_broken_version": "The newest version that failed and waits for a retry (0: none).",
+    # pushing (weightsync/transport/push.py)
+    "push/bytes_sent": "Object bytes a pusher sent, by target.",
+    "push/errors": "Pushes to a target that failed (each is retried, or left to the store).",
+    # publishing (weightsync/publisher.py)
+    "publish/versions": "Versions committed, by kind: full or delta.",
+    "publish/version": "The version this publisher committed last.",
+    "publish/failures": "Versions whose publish failed (nothing was committed for them).",
+    "publish/latency_s": "Seconds from a publish() call to its version's commit.",
+    "publish/snapshot_s": "Seconds the caller of publish() waited: the snapshot copy.",
+    "publish/encode_s": "Seconds a version took to encode and upload.",
+    "publish/stored_bytes": "Bytes the versions added to the store (chunk objects and manifests).",
+    "publish/ratio": "The last version's compression ratio: the model's bytes over what it added to the store.",
+    "publish/changed_fraction": "Fraction of the elements the last version changed.",
+}
+"""Every metric weightsync records: name -> its Prometheus HELP string (what it measures, its labels)."""
 
 
 class Metrics(Protocol):
@@ -97,7 +132,9 @@ class PrometheusMetrics:
                 if metric is None:
                     label_names = sorted({*self._constant, *labels})
                     full = prometheus_name(name)
-                    doc = f"weightsync {name}"
+                    doc = METRICS.get(name)
+                    if doc is None:
+                        raise ValueError(f"metric {name!r} is not declared: add it, with what it measures, to METRICS")
                     if kind == "counter":
                         metric = self._prom.Counter(full, doc, label_names, registry=self.registry)
                     elif kind == "gauge":

@@ -190,8 +190,7 @@ class Reader:
                 f"{self.model}: folded deltas start on v{first.parent}, "
                 f"but the state holds {current.version if current else 'nothing'}"
             )
-        if current.layout != target.layout:
-            raise LayoutError(f"{self.model} v{target.version} changes tensor layout without a rebase")
+        check_delta_layout(self.model, current, target)
         state.manifest = None
         cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-fold")
         try:
@@ -251,8 +250,7 @@ class Reader:
                     f"{self.model} v{manifest.version} is a delta on v{manifest.parent}, "
                     f"but the state holds {current.version if current else 'nothing'}"
                 )
-            if current.layout != manifest.layout:
-                raise LayoutError(f"{self.model} v{manifest.version} changes tensor layout without a rebase")
+            check_delta_layout(self.model, current, manifest)
         self._fetch_and_apply(
             state.buffers,
             manifest,
@@ -417,6 +415,13 @@ class Reader:
                 f"pack {key} in {self.store.uri} is shorter than the manifest's index says "
                 f"(bytes {start}..{start + length}): truncated, or a bad index"
             ) from None
+
+
+def check_delta_layout(model: str, parent: Manifest, delta: Manifest) -> None:
+    """LayoutError when a delta's tensors (names, dtypes, shapes) are not its parent's: the layout
+    changes only at a rebase (a full version)."""
+    if parent.layout != delta.layout:
+        raise LayoutError(f"{model} v{delta.version} changes tensor layout without a rebase")
 
 
 def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:

@@ -27,6 +27,18 @@ def list_versions(store: Store, model: str) -> list[int]:
     return sorted(v for v in versions if v is not None)
 
 
+def list_models(store: Store) -> list[str]:
+    """The models a store holds: the names under models/ that have a versions/ folder (a name may
+    be org/name), sorted."""
+    models = set()
+    for info in store.list("models/"):
+        parts = info.key.split("/")
+        for i in (2, 3):  # models/<name>/versions/... or models/<org>/<name>/versions/...
+            if len(parts) > i + 1 and parts[i] == "versions":
+                models.add("/".join(parts[1:i]))
+    return sorted(models)
+
+
 def latest_version(store: Store, model: str) -> int | None:
     versions = list_versions(store, model)
     return versions[-1] if versions else None

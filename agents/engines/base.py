@@ -16,6 +16,12 @@ Two kinds of engine, told apart by `zero_copy`:
 Every engine checks a swap's arguments with the shared `check_swap_args` and `check_layout`
 below, so that all refuse the same things with the same errors.
 
+Besides swapping, an engine answers three questions the agent's signals rest on: `check_fit`
+(would `swap` refuse weights of this layout? asked before the agent rewrites the buffer a copying
+engine is handed, so that a refused version never touches it), `state` (what it serves now, or why
+it serves nothing: `EngineState`) and `verify_held` (does what it holds hash to the agent's verified
+copy of a version? `status --verify`; None from an engine that cannot report what it holds).
+
 Not here: verifying, staging or fetching versions (the agent does that), the registry
 (`engines/__init__.py`), the swap policies themselves (`swap_policy.py`).
 """
@@ -23,14 +29,16 @@ Not here: verifying, staging or fetching versions (the agent does that), the reg
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError
+from weightsync.format.hashing import xxh3_hex
 from weightsync.format.layout import MAX_VERSION
+from weightsync.format.tensors import raw_bytes
 
 Layout = Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
 """Tensor name -> (dtype, shape) a swap must match; a dtype of None accepts any dtype."""
@@ -51,6 +59,46 @@ class SwapReport:
 WEIGHTS_KINDS = ("model", "adapter")
 """What an engine may serve: "model" (whole weights) or "adapter" (LoRA adapter tensors only)."""
 
+ENGINE_STATES = ("serving", "empty", "paused", "unreachable", "unknown")
+"""What `Engine.state()` may say: "serving" (new requests get `version`), "empty" (no weights
+swapped in yet), "paused" (a failed swap left the server paused: it serves nothing until the next
+good swap), "unreachable" (the server does not answer), "unknown" (the server answers but does not
+say it serves the version last swapped in)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineState:
+    """What an engine serves now, as it reports it (`Engine.state`)."""
+
+    state: str
+    """One of ENGINE_STATES."""
+    version: int | None = None
+    """The version new requests get; set only when `state` is "serving"."""
+    reason: str = ""
+    """Why it is not serving (the error of the swap that paused it, the unanswered request)."""
+
+    def __post_init__(self) -> None:
+        if self.state not in ENGINE_STATES:
+            raise ValueError(f"engine state must be one of {ENGINE_STATES}, got {self.state!r}")
+        if (self.state == "serving") != (self.version is not None):
+            raise ValueError(f"an engine state has a version exactly when it is serving, got {self}")
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "serving"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeldReport:
+    """What `Engine.verify_held` found: the engine's digest of what it holds, against the agent's copy."""
+
+    ok: bool
+    """True iff the engine holds exactly the bytes it was compared with."""
+    hashed: str
+    """What was hashed, for an operator: e.g. "what the vllm engine's 1 worker holds"."""
+    error: str = ""
+    """The first difference (or why nothing could be compared) when not `ok`."""
+
 
 @runtime_checkable
 class Engine(Protocol):
@@ -65,6 +113,14 @@ class Engine(Protocol):
     - `served_version()` is the version new requests get (None before the first swap).
     - `wait_unused(version, timeout_s)` returns True once no request runs on `version`'s
       tensors any more (immediately for copying engines); False on timeout.
+    - `check_fit(layout)` raises LayoutError where `swap` would refuse weights of `layout` for
+      their names, dtypes or shapes (`Layout`), and does nothing otherwise; it touches nothing.
+    - `state()` says what the engine serves now (`EngineState`); it may ask the server (a short
+      request), never waits for a swap.
+    - `verify_held(version, weights)` has the engine digest what it holds now (re-hash its own
+      tensors, or ask its workers) and compares that with `weights`, the agent's verified copy of
+      `version`: a `HeldReport`, or None from an engine that cannot report what it holds (one
+      that hands weights to a server it cannot ask). Called between swaps.
     - `close()` stops whatever the engine started; idempotent.
     """
 
@@ -88,6 +144,12 @@ class Engine(Protocol):
 
     def wait_unused(self, version: int, timeout_s: float) -> bool: ...
 
+    def check_fit(self, layout: Layout) -> None: ...
+
+    def state(self) -> EngineState: ...
+
+    def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> HeldReport | None: ...
+
     def close(self) -> None: ...
 
 
@@ -95,7 +157,7 @@ def check_engine(engine: object) -> None:
     """TypeError unless `engine` has every member of `Engine`, each of the documented kind: what
     the registry checks of each engine it opens, and the contract suite of each registered one."""
     problems = []
-    for member in ("swap", "served_version", "wait_unused", "close"):
+    for member in ("swap", "served_version", "wait_unused", "check_fit", "state", "verify_held", "close"):
         if not callable(getattr(engine, member, None)):
             problems.append(f"{member}() is missing")
     name, url = getattr(engine, "name", None), getattr(engine, "url", None)
@@ -159,23 +221,70 @@ def check_layout(
     for name, tensor in weights.items():
         if not isinstance(tensor, torch.Tensor):
             raise LayoutError(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+    check_fits(expected, layout_of(weights), what=what)
+
+
+def check_fits(expected: Layout | None, layout: Layout, *, what: str = "the served layout") -> None:
+    """`check_layout` on a layout (names -> (dtype, shape)) rather than tensors: what `check_fit`
+    implementations share. Nothing to check when `expected` is None."""
     if expected is None:
         return
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(layout))
+    unexpected = sorted(set(layout) - set(expected))
     if missing or unexpected:
         raise LayoutError(
             f"weights do not fit {what}: {len(missing)} missing {missing[:5]}, "
             f"{len(unexpected)} unexpected {unexpected[:5]}"
         )
     for name, (dtype, shape) in expected.items():
-        tensor = weights[name]
-        if tuple(tensor.shape) != tuple(shape):
-            raise LayoutError(f"{name} has shape {tuple(tensor.shape)}, {what} needs {tuple(shape)}")
-        if dtype is not None and tensor.dtype != dtype:
-            raise LayoutError(f"{name} is {tensor.dtype}, {what} needs {dtype}")
+        got_dtype, got_shape = layout[name]
+        if tuple(got_shape) != tuple(shape):
+            raise LayoutError(f"{name} has shape {tuple(got_shape)}, {what} needs {tuple(shape)}")
+        if dtype is not None and got_dtype != dtype:
+            raise LayoutError(f"{name} is {got_dtype}, {what} needs {dtype}")
 
 
 def layout_of(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The layout `weights` have (what later swaps are checked against)."""
     return {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
+
+
+def tensor_hash(tensor: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's bytes (contiguous, on the CPU): what engines compare held tensors by."""
+    return xxh3_hex(raw_bytes(tensor.detach().cpu().contiguous()))
+
+
+def compare_tensors(held: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> str:
+    """The first difference between the tensors an engine holds and `weights` (the agent's copy),
+    each held tensor compared in its own dtype (a float32 engine holds exact conversions of bf16
+    weights); "" when they are the same. Tensors that share memory with their counterpart are
+    not hashed again (a zero-copy engine serves the agent's own buffers)."""
+    missing, unexpected = sorted(set(weights) - set(held)), sorted(set(held) - set(weights))
+    if missing or unexpected:
+        return (
+            f"the engine holds {len(missing)} tensors fewer {missing[:5]} and {len(unexpected)} more {unexpected[:5]}"
+        )
+    for name, tensor in held.items():
+        want = weights[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            return f"the engine holds {name} with shape {tuple(tensor.shape)}, the version has {tuple(want.shape)}"
+        if tensor.dtype == want.dtype and tensor.data_ptr() == want.data_ptr() and tensor.is_contiguous():
+            continue  # the same bytes
+        actual, expected = tensor_hash(tensor), tensor_hash(want.to(tensor.dtype))
+        if actual != expected:
+            return f"the engine holds {name} with digest {actual}, the version has {expected}"
+    return ""
+
+
+def manifest_layout(
+    tensors: Iterable[tuple[str, str, tuple[int, ...]]],
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A `Layout` from a manifest's (name, dtype name, shape) triples (`Manifest.layout`): what the
+    agent asks `check_fit` about before it applies a version."""
+    layout = {}
+    for name, dtype, shape in tensors:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise LayoutError(f"{name} is {dtype}, which this torch build has no dtype for")
+        layout[name] = (torch_dtype, tuple(shape))
+    return layout

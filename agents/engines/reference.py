@@ -38,18 +38,30 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import prometheus_client as prom
 import torch
 
-from weightsync.agents.engines.base import SwapReport, check_layout, check_swap_args
+from weightsync.agents.engines.base import (
+    EngineState,
+    HeldReport,
+    Layout,
+    SwapReport,
+    check_fits,
+    check_layout,
+    check_swap_args,
+    compare_tensors,
+    layout_of,
+)
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError, WeightsyncError
 from weightsync.models import (
@@ -64,6 +76,8 @@ from weightsync.models import (
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MODEL_STOP = "model"
+"""`generate(stop=MODEL_STOP)`: stop at the model's own EOS (`ReferenceEngine.default_stop`)."""
 TOKENIZER = ByteTokenizer()
 _PAUSE_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
 
@@ -84,10 +98,20 @@ class ReferenceEngineConfig:
     max_concurrent_requests: int = 4
     """Generations running at once; later requests wait up to `queue_timeout_s`, then get NotReady."""
     queue_timeout_s: float = 30.0
+    eos_token_id: int | None = None
+    """The token a generation stops at when a request sends no `stop` ("stop": null turns it off).
+    None: the model's own, eos_token_id from model_dir's generation_config.json, else from its
+    config.json (the first one where they list several); failing those, the byte tokenizer's EOS
+    (257) for a model whose vocabulary is the byte tokenizer's (259 tokens, as the demo's and
+    the trainer's small models); else no default stop: generations run to max_new_tokens."""
 
     def __post_init__(self) -> None:
         if (self.model is None) == (self.model_dir is None):
-            raise ValueError("give exactly one of model (a ModelConfig or dict of its fields) and model_dir")
+            raise ValueError(
+                "give exactly one of model (the architecture: a table of ModelConfig fields) and model_dir "
+                "(an HF directory, config.json + safetensors: --model-dir) for the reference engine; got "
+                f"{'both' if self.model is not None else 'neither'}"
+            )
         object.__setattr__(self, "model", as_model_config(self.model))
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
@@ -98,6 +122,9 @@ class ReferenceEngineConfig:
             raise ValueError(f"max_concurrent_requests must be a positive int, got {value!r}")
         if not self.queue_timeout_s > 0:
             raise ValueError("queue_timeout_s must be > 0 seconds")
+        eos = self.eos_token_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
+            raise ValueError(f"eos_token_id must be a token id (an int >= 0) or None, got {eos!r}")
 
 
 class Served(NamedTuple):
@@ -208,6 +235,8 @@ class ReferenceEngine:
         else:
             model_config = config.model
         self.model_config: ModelConfig = model_config
+        self.default_stop = default_stop_token(config, model_config)
+        """The stop token of a request that names none (ReferenceEngineConfig.eos_token_id)."""
         # Any float dtype fits the architecture; _check_layout adds what this engine needs.
         self._layout = {name: (None, tuple(t.shape)) for name, t in _replica(model_config).state_dict().items()}
         # functional_call swaps the weights into the module for the duration of a call, so a
@@ -282,6 +311,32 @@ class ReferenceEngine:
         with self._cond:
             return self._cond.wait_for(unused, timeout=max(0.0, timeout_s))
 
+    def check_fit(self, layout: Layout) -> None:
+        """LayoutError where `swap` would refuse weights of `layout` (the architecture's names and
+        shapes, floating point, and under compute_dtype bfloat16 that dtype)."""
+        check_fits(self._layout, layout, what="the architecture")
+        self._check_dtypes(layout, strict_dtype=self.zero_copy)
+
+    def state(self) -> EngineState:
+        """In-process: serving whatever was swapped in last (or loaded from model_dir as version 0)."""
+        version = self.served_version()
+        if version is None:
+            return EngineState(state="empty", reason="no weights yet: the agent has not swapped in a version")
+        return EngineState(state="serving", version=version)
+
+    def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> HeldReport:
+        """The served tensors against `weights`: the same memory under compute_dtype bfloat16
+        (zero-copy: the agent's re-hash of its buffers covers them), re-hashed in float32."""
+        record = self._current
+        what = f"the {len(record.served.weights) if record else 0} tensors the reference engine serves" + (
+            " (the agent's own buffers: zero-copy)" if self.zero_copy else f" ({self.config.compute_dtype})"
+        )
+        if record is None or record.served.version != version:
+            served = "nothing" if record is None else f"v{record.served.version}"
+            return HeldReport(ok=False, hashed=what, error=f"the engine serves {served}, not v{version}")
+        error = compare_tensors(record.served.weights, weights)
+        return HeldReport(ok=not error, hashed=what, error=error)
+
     def close(self) -> None:
         """Refuses further swaps (running generations finish on their own threads); idempotent."""
         self._close_engine()
@@ -343,15 +398,19 @@ class ReferenceEngine:
         temperature: float = 0.0,
         top_k: int = 0,
         seed: int | None = None,
-        stop: int | None = ByteTokenizer.EOS,
+        stop: int | None | str = MODEL_STOP,
     ) -> Generation:
         """Continuations of `prompt_ids` (any lengths), with the versions that produced them.
+
+        `stop`: the token that ends a completion (None: none, MODEL_STOP: the model's, `default_stop`).
 
         Prompts are grouped by length and each group decoded as one batch. A swap during the
         generation is met as its policy says (module docstring). Inputs are trusted (the HTTP
         layer validates them). Raises NotReady without weights or when every generation slot
         stays busy for `queue_timeout_s`.
         """
+        if stop == MODEL_STOP:
+            stop = self.default_stop
         try:
             replica = self._replicas.get(timeout=self.config.queue_timeout_s)
         except queue.Empty:
@@ -471,11 +530,15 @@ class ReferenceEngine:
         for name, tensor in weights.items():
             if tensor.device.type != "cpu":
                 raise LayoutError(f"{name} is on {tensor.device}; the reference server computes on the CPU")
-            if not tensor.is_floating_point():
-                raise LayoutError(f"{name} is {tensor.dtype}; the model's weights are floating point")
-            if strict_dtype and tensor.dtype != self._dtype:
+        self._check_dtypes(layout_of(weights), strict_dtype=strict_dtype)
+
+    def _check_dtypes(self, layout: Layout, *, strict_dtype: bool) -> None:
+        for name, (dtype, _) in layout.items():
+            if not dtype.is_floating_point:
+                raise LayoutError(f"{name} is {dtype}; the model's weights are floating point")
+            if strict_dtype and dtype != self._dtype:
                 raise LayoutError(
-                    f"{name} is {tensor.dtype}; compute_dtype {self.config.compute_dtype} serves "
+                    f"{name} is {dtype}; compute_dtype {self.config.compute_dtype} serves "
                     f"{self._dtype} tensors as they are (use compute_dtype float32 to convert)"
                 )
 
@@ -503,6 +566,39 @@ class _Running:
         if current.policy is SwapPolicy.ABORT:
             raise _Aborted
         return current
+
+
+def default_stop_token(config: ReferenceEngineConfig, model: ModelConfig) -> int | None:
+    """The stop token of a request that names none: `config.eos_token_id`, else the model
+    directory's own (generation_config.json, then config.json), else the byte tokenizer's EOS for
+    a model with its vocabulary, else None (ReferenceEngineConfig.eos_token_id says why)."""
+    eos = config.eos_token_id
+    if eos is None and config.model_dir is not None:
+        for name in ("generation_config.json", "config.json"):
+            eos = _eos_in(Path(config.model_dir) / name)
+            if eos is not None:
+                break
+    if eos is None and model.vocab_size == ByteTokenizer.vocab_size:
+        eos = ByteTokenizer.EOS
+    if eos is not None and not 0 <= eos < model.vocab_size:
+        raise LayoutError(f"eos_token_id {eos} is not a token of the model's vocabulary (0..{model.vocab_size - 1})")
+    return eos
+
+
+def _eos_in(path: Path) -> int | None:
+    """The eos_token_id an HF config file names (the first of a list), or None."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise LayoutError(f"cannot read {path}: {e}") from None
+    eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+        raise LayoutError(f"{path}: eos_token_id must be a token id, got {eos!r}")
+    return eos
 
 
 def _replica(config: ModelConfig) -> CausalLM:

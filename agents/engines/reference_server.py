@@ -37,7 +37,7 @@ from weightsync.agents.engines.reference import (
     Served,
 )
 from weightsync.errors import WeightsyncError
-from weightsync.models import ByteTokenizer, ModelConfig
+from weightsync.models import ModelConfig
 
 __all__ = [
     "BadRequest",
@@ -160,7 +160,7 @@ class ReferenceServer(ReferenceEngine):
         `weight_version` (and `weight_digest`) name the version the response started on, the
         oldest of `weight_versions`, every version that produced one of its tokens; each
         completion's `versions` lists [{version, start, stop}] token ranges (docs/agents.md)."""
-        args = parse_generate_request(body, self.model_config, self.config)
+        args = parse_generate_request(body, self.model_config, self.config, default_stop=self.default_stop)
         generation = self.generate(**args)
         completions = []
         for c in generation.completions:
@@ -176,8 +176,11 @@ class ReferenceServer(ReferenceEngine):
         }
 
 
-def parse_generate_request(body: bytes, model: ModelConfig, limits: ReferenceServerConfig) -> dict[str, Any]:
-    """Keyword arguments for `ReferenceServer.generate` from a JSON body; BadRequest on anything off."""
+def parse_generate_request(
+    body: bytes, model: ModelConfig, limits: ReferenceServerConfig, *, default_stop: int | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for `ReferenceServer.generate` from a JSON body; BadRequest on anything off.
+    `default_stop`: the stop token of a request that sends no "stop" (the engine's `default_stop`)."""
     try:
         doc = json.loads(body, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as e:
@@ -221,7 +224,7 @@ def parse_generate_request(body: bytes, model: ModelConfig, limits: ReferenceSer
         or not (temperature == 0 or 0.01 <= temperature <= 100)
     ):
         raise BadRequest(f"temperature must be 0 (greedy) or a number in [0.01, 100], got {temperature!r}")
-    stop = doc.get("stop", ByteTokenizer.EOS if vocab > ByteTokenizer.EOS else None)
+    stop = doc.get("stop", default_stop)
     return {
         "prompt_ids": prompt_ids,
         "max_new_tokens": max_new,

@@ -46,7 +46,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from weightsync.agents.engines.base import Layout, SwapReport, check_layout, check_swap_args, layout_of
+from weightsync.agents.engines.base import (
+    EngineState,
+    Layout,
+    SwapReport,
+    check_fits,
+    check_layout,
+    check_swap_args,
+    layout_of,
+)
 from weightsync.agents.engines.snapshot_dir import (
     CONFIG_NAME,
     SNAPSHOT_META,
@@ -203,6 +211,20 @@ class SafetensorsDirEngine:
 
     def wait_unused(self, version: int, timeout_s: float) -> bool:
         return True  # swap copied the tensors to disk; nothing here refers to the agent's memory
+
+    def check_fit(self, layout: Layout) -> None:
+        check_fits(self._layout, layout)
+
+    def state(self) -> EngineState:
+        """Serving the version whose reload the server last answered with success; it asks no
+        server (the reload hook is the only route it knows)."""
+        if self._served is None:
+            return EngineState(state="empty", reason="no reload has succeeded since the agent started")
+        return EngineState(state="serving", version=self._served)
+
+    def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """None: the server that reloaded the snapshot has no route to report what it loaded."""
+        return None
 
     def close(self) -> None:
         with self._lock:

@@ -69,7 +69,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weightsync.agents.engines.base import SwapReport, check_layout, check_swap_args, layout_of
+from weightsync.agents.engines.base import (
+    EngineState,
+    Layout,
+    SwapReport,
+    check_fits,
+    check_layout,
+    check_swap_args,
+    layout_of,
+)
 from weightsync.agents.engines.safetensors_dir import _DTYPES, _as_config_source, _config_json
 from weightsync.agents.engines.snapshot_dir import (
     CONFIG_NAME,
@@ -269,6 +277,30 @@ class SGLangEngine:
 
     def wait_unused(self, version: int, timeout_s: float) -> bool:
         return True  # swap wrote the tensors to disk; nothing here refers to the agent's memory
+
+    def check_fit(self, layout: Layout) -> None:
+        check_fits(self._layout, layout)  # the first snapshot fixes the layout
+
+    def state(self) -> EngineState:
+        """What the server says it serves (GET /get_weight_version) against the last confirmed swap."""
+        try:
+            now = self.weight_version()
+        except SGLangError as e:
+            return EngineState(state="unreachable", reason=str(e))
+        if self._served is None:
+            return EngineState(
+                state="empty", reason=f"no swap confirmed yet; the server reports weight_version {now!r}"
+            )
+        if now != str(self._served):
+            return EngineState(
+                state="unknown",
+                reason=f"the server reports weight_version {now!r}, the last swap confirmed {self._served}",
+            )
+        return EngineState(state="serving", version=self._served)
+
+    def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """None: SGLang has no route that reports a digest of the weights it holds."""
+        return None
 
     def close(self) -> None:
         with self._lock:

@@ -73,7 +73,17 @@ from typing import Any
 import torch
 
 from weightsync.agents.engines import vllm_lora
-from weightsync.agents.engines.base import Layout, SwapReport, check_layout, check_swap_args, layout_of
+from weightsync.agents.engines.base import (
+    EngineState,
+    HeldReport,
+    Layout,
+    SwapReport,
+    check_fits,
+    check_layout,
+    check_swap_args,
+    layout_of,
+    tensor_hash,
+)
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.engines.vllm_worker import PROTOCOL, WeightsyncWorkerExtension
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
@@ -209,6 +219,7 @@ class VllmEngine:
             if adapter:
                 rank = vllm_lora.adapter_rank(version, weights, self.lora_info)
             else:
+                check_layout(None, weights)  # tensors; their shapes: against the last version served, below
                 self._check_names(version, weights)
                 # vLLM's loader would refuse another shape only after the pause, leaving the
                 # server paused on half-loaded weights: refused here, while it still serves.
@@ -274,6 +285,55 @@ class VllmEngine:
 
     def wait_unused(self, version: int, timeout_s: float) -> bool:
         return True  # the workers copied the tensors; nothing here refers to the agent's memory
+
+    def check_fit(self, layout: Layout) -> None:
+        """The names the workers load and the shapes of the last version served (whole-model
+        versions); an adapter's rank and modules are checked on its tensors, in swap."""
+        if self.config.lora_name is None:
+            self._check_names(None, layout)
+            check_fits(self._layout, layout, what=f"the model vLLM serves (v{self._served})")
+
+    def state(self) -> EngineState:
+        """Paused after a swap that failed mid-load (until the next good one), else what GET /health says."""
+        if not self._healthy:
+            return EngineState(state="paused", reason=f"kept paused after a failed swap: {self._last_error}")
+        try:
+            self._request("GET", "/health", None, min(5.0, self.config.request_timeout_s))
+        except WeightsyncError as e:
+            return EngineState(state="unreachable", reason=str(e))
+        if self._served is None:
+            return EngineState(state="empty", reason="no version swapped in since the agent started")
+        return EngineState(state="serving", version=self._served)
+
+    def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> HeldReport:
+        """Every worker digests what it holds now (`weightsync_digest`, or the adapter's
+        `weightsync_lora_digest`) and the digests are compared with the same slices of `weights`."""
+        adapter = self.config.lora_name is not None
+        what = f"what the vllm engine's {len(self.workers)} worker(s) hold" + (
+            f" of adapter {self.config.lora_name!r}"
+            if adapter
+            else " (parameters the CPU kernels repack: as hashed when loaded)"
+        )
+        with self._lock:
+            if not self._healthy or self._served != version:
+                served = f"v{self._served}" if self._healthy else f"nothing (paused: {self._last_error})"
+                return HeldReport(ok=False, hashed=what, error=f"the engine serves {served}, not v{version}")
+            try:
+                if adapter:
+                    if self._lora_id is None:
+                        return HeldReport(ok=False, hashed=what, error="the adapter is not registered with vLLM")
+                    reports = self.rpc(
+                        "weightsync_lora_digest", str(self._lora_id), timeout_s=self.config.load_timeout_s
+                    )
+                    rank = vllm_lora.adapter_rank(version, weights, self.lora_info)
+                    scale = self.config.lora_alpha / rank
+                    vllm_lora.verify(version, weights, reports, scale, {}, _TORCH_DTYPES)
+                else:
+                    reports = self.rpc("weightsync_digest", timeout_s=self.config.load_timeout_s)
+                    self._compare(version, weights, reports)
+            except WeightsyncError as e:
+                return HeldReport(ok=False, hashed=what, error=str(e))
+        return HeldReport(ok=True, hashed=what)
 
     def close(self) -> None:
         with self._lock:
@@ -373,7 +433,23 @@ class VllmEngine:
         expected: Mapping[tuple[int, str, tuple], str] | None = None,
     ) -> None:
         """Each worker's digest against the same slices of the published tensors (`expected`:
-        hashes computed beforehand, by rank, name and slice; the rest are computed here)."""
+        hashes computed beforehand, by rank, name and slice; the rest are computed here); the
+        slices they hold are remembered for the next swap's `expected`."""
+        self._compare(version, weights, reports, expected)
+        self._slices = {
+            rank: {name: tuple(entry[:4]) for name, entry in report["tensors"].items()}
+            for rank, report in enumerate(reports)
+        }
+
+    def _compare(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor],
+        reports: list[dict[str, Any]],
+        expected: Mapping[tuple[int, str, tuple], str] | None = None,
+    ) -> None:
+        """IntegrityError (LayoutError) at the first worker slice that differs from `weights`
+        (is not among them); what `_verify` checks after a load and `verify_held` at any time."""
         expected = expected or {}
         covered: set[str] = set()
         for rank, report in enumerate(reports):
@@ -400,10 +476,6 @@ class VllmEngine:
                 f"v{version} publishes {len(missing)} tensors no worker loaded, e.g. {missing[:5]}; "
                 "the served model's architecture does not match the published one"
             )
-        self._slices = {
-            rank: {name: tuple(entry[:4]) for name, entry in report["tensors"].items()}
-            for rank, report in enumerate(reports)
-        }
 
     def _load_adapter(self, staged: Path) -> list[dict[str, Any]]:
         """Moves the staged PEFT directory's files into this adapter's fixed directory (the path
@@ -448,15 +520,15 @@ class VllmEngine:
     def _lora_ids(self) -> set[int]:
         return set(self.rpc("weightsync_lora_info")[0]["ids"])
 
-    def _check_names(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+    def _check_names(self, version: int | None, names: Mapping[str, Any]) -> None:
         """Refuses, before the server is touched, a version whose tensor names are not the ones
         the served model loads (another architecture, a renamed checkpoint)."""
-        check_layout(None, weights)  # tensors; their shapes: against the last version served (swap)
         expected = set(self.workers[0].get("hf_names") or ())
-        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        missing, unexpected = sorted(expected - set(names)), sorted(set(names) - expected)
         if missing or unexpected:
+            which = "the version" if version is None else f"v{version}"
             raise LayoutError(
-                f"v{version} does not fit the model vLLM serves ({self.workers[0].get('model_class')}): "
+                f"{which} does not fit the model vLLM serves ({self.workers[0].get('model_class')}): "
                 f"{len(missing)} tensors missing {missing[:5]}, {len(unexpected)} unexpected "
                 f"{unexpected[:5]}; the published model's architecture does not match"
             )
@@ -614,9 +686,7 @@ def _slice_hash(tensor: torch.Tensor, dim: int, start: int, length: int, dtype: 
     target = _TORCH_DTYPES.get(dtype)
     if target is None:
         raise LayoutError(f"a worker holds a tensor in {dtype}, which weightsync cannot compare")
-    if piece.dtype != target:
-        piece = piece.to(target)
-    return xxh3_hex(_raw_bytes(piece.contiguous()))
+    return tensor_hash(piece.to(target))
 
 
 def _error_text(detail: str) -> str:

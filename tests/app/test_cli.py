@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -520,3 +522,148 @@ def test_a_delta_on_a_machine_without_the_kernels_says_it_compiles_them(tmp_path
     for i in range(3):  # later deltas also decode their parent from the store: a kernel or two more
         last = publish(c1 if i % 2 == 0 else c2)
     assert note not in last  # once every kernel a delta uses is cached, nothing is said
+
+
+# ------------------------------------------------------------------------ agent: errors, not tracebacks
+
+AGENT_TOML = """
+[agent]
+model = "m"
+cache_dir = "{cache}"
+poll_interval_s = 5.0
+
+[agent.engine]
+type = "reference"
+model = {{vocab_size = 64, hidden_size = 32, intermediate_size = 64, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1}}
+"""
+
+
+def _agent_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(AGENT_TOML.format(cache=tmp_path / "cache"))
+    return path
+
+
+@pytest.mark.parametrize(
+    "flag, setting", [("--listen", "listen"), ("--health-listen", "health_listen"), ("--metrics-port", "metrics_port")]
+)
+def test_an_agent_port_in_use_is_one_line_naming_the_setting(tmp_path, capfd, flag, setting):
+    """It was a traceback and a C-level `add_port.cc` line (listen), or `[Errno 98] Address already
+    in use` with no port named (metrics)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        value = str(port) if flag == "--metrics-port" else f"127.0.0.1:{port}"
+        code = main(["agent", "--config", str(_agent_toml(tmp_path)), flag, value])
+    out, err = capfd.readouterr()  # the file descriptors: gRPC's C core writes there, not to sys.stderr
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("weightsync: error:"), err
+    assert f"cannot listen on 127.0.0.1:{port} ({setting}): the port is taken" in err
+    assert f"set {setting} ({flag})" in err
+    assert "Traceback" not in err and "add_port" not in err
+    assert not (tmp_path / "cache").exists(), "the agent stopped before it started anything"
+
+
+def test_an_agent_without_an_engine_names_the_flags_to_give(tmp_path, capsys):
+    code, out, err = _run(capsys, "agent", "--model", "m", "--cache-dir", str(tmp_path / "c"))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("weightsync: error: weightsync agent needs an engine"), err
+    assert "--model-dir" in err and "--engine" in err and "--engine-url" in err and "--config" in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--engine", "vllm", "--engine-url", "http://127.0.0.1:8000"],
+            "--engine vllm contradicts [agent.engine] type",
+        ),
+        (["--engine-url", "http://127.0.0.1:8000"], "--engine-url: the reference engine has no url option"),
+        (["--engine-root", "/tmp/x"], "its flags are ['--engine-port', '--model-dir']"),
+    ],
+)
+def test_an_engine_flag_that_cannot_apply_over_the_config_is_refused_with_the_reason(tmp_path, capsys, flags, message):
+    code, out, err = _run(capsys, "agent", "--config", str(_agent_toml(tmp_path)), *flags)
+    assert code == 2 and out == "", err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_flags_given_with_config_are_applied(tmp_path):
+    """`--engine-port 18777` beside --config was silently ignored; every flag now lands in the config."""
+    from weightsync.app.cli import agent_config, build_parser
+
+    argv = ["agent", "--config", str(_agent_toml(tmp_path)), "--engine-port", "18777", "--poll-interval-s", "0.7"]
+    config = agent_config(build_parser().parse_args(argv + ["--metrics-port", "9500", "--metrics-host", "0.0.0.0"]))
+    assert config.engine["port"] == 18777 and config.engine["model"]["vocab_size"] == 64  # the file's options stay
+    assert (config.poll_interval_s, config.metrics_port, config.metrics_host) == (0.7, 9500, "0.0.0.0")
+    config = agent_config(
+        build_parser().parse_args(
+            ["agent", "--model", "m", "--cache-dir", "c", "--engine", "vllm", "--engine-url", "http://127.0.0.1:8000"]
+        )
+    )
+    assert config.engine == {"type": "vllm", "url": "http://127.0.0.1:8000"}
+
+
+def test_the_agent_runs_with_the_engine_port_given_beside_its_config(tmp_path):
+    """What the user saw: the ready line's engine_url on another port than --engine-port."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.app.cli",
+            "agent",
+            "--config",
+            str(_agent_toml(tmp_path)),
+            "--engine-port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready = json.loads(agent.stdout.readline())
+        assert ready["event"] == "ready" and ready["engine_url"] == f"http://127.0.0.1:{port}", ready
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+
+
+def test_status_of_an_agent_from_before_engine_states_takes_its_word(capsys):
+    """A new CLI against an agent from before this release (no engine_state, no verification in its
+    reply): --verify compares the digests it sends, as the older CLI did, and does not call its
+    engine not serving."""
+    import concurrent.futures as cf
+
+    import grpc
+
+    from weightsync.transport.rpc import agent_service_handler
+    from weightsync.transport.v1 import sync_pb2
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this test")
+
+    def old_status(request, context) -> sync_pb2.StatusReply:  # what an older agent answered
+        digest = "ab" * 16
+        return sync_pb2.StatusReply(
+            agent="old", model="m", current_version=4, current_digest=digest, target_version=4, engine="vllm",
+            served_digest=digest if request.verify else "",
+        )  # fmt: skip
+
+    server = grpc.server(cf.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((agent_service_handler(refuse, refuse, old_status),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code, out, err = _run(capsys, "status", "--agent", f"127.0.0.1:{port}", "--verify")
+        assert code == 0, out + err
+        assert (
+            "engine vllm: serving v4" in out
+            and "verified the bytes the agent serves (an older agent): bit-exact" in out
+        )
+    finally:
+        server.stop(0)

@@ -249,6 +249,9 @@ class _Context:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
 
+    def time_remaining(self) -> float | None:
+        return None  # a call without a deadline
+
 
 class _Details:
     def __init__(self, method: str) -> None:

@@ -32,7 +32,7 @@ from harness import vllm as vh
 from harness.bits import assert_bit_equal
 from harness.sglang_contract_server import SGLangContractServer
 from weightsync.agents.engines import ENGINES, engine_config_class, engine_types, open_engine
-from weightsync.agents.engines.base import Engine, check_engine
+from weightsync.agents.engines.base import Engine, EngineState, check_engine, layout_of
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import ConfigError, LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
@@ -352,6 +352,54 @@ def test_engine_keeps_every_member_of_the_protocol(kit):
     assert engine.name == kit.kind, "the name the registry knows it by"
     assert "model" in engine.weights_kinds
     assert engine.url is None or engine.url.startswith("http")
+
+
+def test_an_engine_without_a_member_is_refused_naming_it():
+    """Every member is required, the digest of what an engine holds too (not an optional attribute)."""
+
+    class NoDigest:
+        name, zero_copy, swap_policies, weights_kinds, url = "x", False, (SwapPolicy.DRAIN,), ("model",), None
+
+        def swap(self, *args, **kwargs): ...
+
+        def served_version(self): ...
+
+        def wait_unused(self, version, timeout_s): ...
+
+        def check_fit(self, layout): ...
+
+        def state(self): ...
+
+        def close(self): ...
+
+    with pytest.raises(TypeError, match=r"NoDigest is not an Engine: verify_held\(\) is missing"):
+        check_engine(NoDigest())
+
+
+def test_engine_says_what_it_serves_and_digests_what_it_holds(kit):
+    """`state()` before and after a swap; `verify_held` against the version swapped in (equal) and
+    another one (not), or None from an engine that cannot report what it holds; `check_fit`
+    refuses what `swap` would refuse for its layout, before anything is touched."""
+    engine = kit.engine
+    before = engine.state()
+    assert before.state == "empty" and before.version is None and before.reason
+    w1, w2 = kit.weights(1), kit.weights(2)
+    engine.swap(1, w1, digest="digest-1")
+    assert engine.state() == EngineState(state="serving", version=1)
+    held = engine.verify_held(1, w1)
+    if kit.kind in ("safetensors_dir", "sglang"):  # a server with no route that reports what it holds
+        assert held is None
+    else:
+        assert held.ok and not held.error and held.hashed, held
+        other = engine.verify_held(1, w2)  # the bytes differ from what it holds
+        assert not other.ok and "digest" in other.error, other
+        assert not engine.verify_held(2, w1).ok, "it serves v1, not v2"
+    engine.check_fit(layout_of(w2))
+    wider = layout_of(w2)
+    wider["model.norm.weight"] = (wider["model.norm.weight"][0], (wider["model.norm.weight"][1][0] + 8,))
+    with pytest.raises(LayoutError, match="model.norm.weight has shape"):
+        engine.check_fit(wider)
+    assert engine.served_version() == 1 and kit.served()[0] == 1
 
 
 def test_swap_makes_the_version_served(kit):

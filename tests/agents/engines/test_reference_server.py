@@ -3,7 +3,7 @@ of mixed lengths, the version on every response, a hammer test per swap policy (
 while versions swap) proving every token comes from a swapped-in version as that version generates
 it, the swap policies on a generation held at a token step (drain: one version; in_flight: both,
 with token ranges, the later tokens exactly the new version's from that prefix; abort: run again),
-request validation, endpoints and configurations."""
+request validation, endpoints and configurations, and the default stop token (the model's own EOS)."""
 
 from __future__ import annotations
 
@@ -536,3 +536,49 @@ def test_serve_entry_point(tmp_path):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def _always_says(tmp_path, token: int, vocab: int, **files: dict) -> str:
+    """A model directory whose greedy choice is always `token`, with extra JSON files (or keys
+    added to config.json) as given."""
+    config = ModelConfig(**{**BYTE_MODEL, "vocab_size": vocab})
+    state = build_model(config, seed=1).state_dict()
+    for name, tensor in state.items():  # the residual stream is the embedding, the same for every token
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    state["model.embed_tokens.weight"].fill_(1.0)
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
+    state["lm_head.weight"][token] = 1.0  # the one logit above 0
+    directory = tmp_path / f"model-{token}-{vocab}-{len(files)}"
+    save_pretrained(directory, config, state)
+    for name, doc in files.items():
+        path = directory / f"{name}.json"
+        merged = {**(json.loads(path.read_text()) if path.exists() else {}), **doc}
+        path.write_text(json.dumps(merged))
+    return str(directory)
+
+
+def _greedy(model_dir: str, **options) -> dict:
+    with ReferenceServer(ReferenceServerConfig(model_dir=model_dir, **options)) as server:
+        status, _, answer = post(server.url, {"prompt_ids": [[1, 2, 3]], "max_new_tokens": 6})
+        assert status == 200, answer
+        return {**answer["completions"][0], "default_stop": getattr(server, "default_stop", "none before")}
+
+
+def test_the_default_stop_is_the_models_own_eos_not_the_byte_tokenizers(tmp_path):
+    """Token 257 is the byte tokenizer's EOS; it cut the generations of every other model with a
+    vocabulary above 257 unless each request sent "stop": null."""
+    other = _greedy(_always_says(tmp_path, 257, vocab=300))
+    assert other["token_ids"] == [257] * 6 and other["finish_reason"] == "length"
+    assert other["default_stop"] is None
+    # The model's own eos_token_id: generation_config.json first (the first of a list), then config.json.
+    named = _greedy(_always_says(tmp_path, 257, vocab=300, config={"eos_token_id": 5}))
+    assert named["default_stop"] == 5 and named["token_ids"] == [257] * 6
+    stops = _greedy(
+        _always_says(tmp_path, 257, vocab=300, config={"eos_token_id": 5}, generation_config={"eos_token_id": [257, 5]})
+    )
+    assert stops["default_stop"] == 257 and stops["token_ids"] == [257] and stops["finish_reason"] == "stop"
+    # The byte tokenizer's vocabulary (the demo's models) keeps its EOS; the engine option wins over all.
+    byte = _greedy(_always_says(tmp_path, 257, vocab=259))
+    assert byte["default_stop"] == 257 and byte["token_ids"] == [257] and byte["finish_reason"] == "stop"
+    assert _greedy(_always_says(tmp_path, 257, vocab=259), eos_token_id=3)["token_ids"] == [257] * 6

@@ -428,6 +428,102 @@ def test_a_generation_that_a_swap_meets_reports_its_versions_per_token_span(engi
     pytest.skip(f"no freeze landed mid-generation in {ATTEMPTS} attempts on this loaded machine: {outcomes}")
 
 
+def test_an_agent_on_vllm_verifies_what_the_workers_hold_and_reports_a_paused_engine(
+    engine, server, published, tmp_path, capsys, monkeypatch
+):
+    """`status --verify` on a copying engine hashed only the agent's own copy; and while vLLM was
+    paused by a failed swap, `status` still showed the last version as served. Now --verify asks
+    the workers (weights loaded behind the agent's back fail it), and a paused engine shows in
+    status (PAUSED and why), fails --verify and turns gRPC health NOT_SERVING until a good swap."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from weightsync.agents.config import AgentConfig
+    from weightsync.agents.server import AgentServer
+    from weightsync.app.cli import main
+    from weightsync.versions import latest_version
+
+    def status(*flags: str) -> tuple[int, str, str]:
+        code = main(["status", "--agent", agent.address, "--timeout-s", "120", *flags])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def health() -> int:
+        with grpc.insecure_channel(agent.address) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60).status
+
+    def wait(what: str, predicate, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    store, _ = published
+    latest = latest_version(store, "qwen3-tiny")
+    config = AgentConfig(
+        model="qwen3-tiny",
+        cache_dir=str(tmp_path / "cache"),
+        name="vllm-agent",
+        store=store.uri,
+        engine={"type": "vllm", "url": server.url},
+        poll_interval_s=0.5,
+        workers=2,
+    )
+    agent = AgentServer(config, engine=VllmEngine(VllmEngineConfig(url=server.url))).start()
+    try:
+        assert agent.agent.wait_for_version(latest, 900)
+        code, out, err = status("--verify")
+        assert code == 0, out + err
+        assert (
+            "what the vllm engine's 1 worker(s) hold" in out and f"compared with the agent's copy of v{latest}" in out
+        )
+        assert "bit-exact" in out and f"engine vllm: serving v{latest}" in out
+
+        # Another client loads v1 into the workers behind the agent's back: the agent's copy is
+        # still v{latest} and re-hashes fine, but what the engine holds does not.
+        weights1, digest1 = read_version(store, 1)
+        engine.swap(1, weights1, digest=digest1)
+        code, out, err = status("--verify")
+        assert code == 1 and "MISMATCH" in out and "worker 0 holds" in out, out + err
+
+        # A swap whose in-engine verification fails leaves vLLM paused: status says so.
+        original = agent.engine._load
+
+        def load_then_lie(path):
+            reports = original(path)
+            name = min(reports[0]["tensors"])
+            reports[0]["tensors"][name][4] = "0" * 32
+            return reports
+
+        monkeypatch.setattr(agent.engine, "_load", load_then_lie)
+        weights, _ = read_version(store, latest)
+        with Publisher(store, model="qwen3-tiny") as publisher:
+            bumped = {n: (t.float() * 1.02).to(t.dtype) for n, t in weights.items()}
+            publisher.publish(bumped, step=100).result()
+        wait("the failed swap", lambda: any(b["version"] == latest + 1 for b in agent.agent.status()["broken"]))
+        assert is_paused(server)
+        code, out, err = status("--verify")
+        assert code == 1, out + err
+        assert f"serving qwen3-tiny v{latest}" in out and "engine vllm: PAUSED (kept paused after a failed swap" in out
+        assert f"does not serve v{latest}: PAUSED" in err
+        code, out, _ = status("--json")
+        row = json.loads(out)
+        assert (
+            row["engine_state"]["state"] == "PAUSED"
+            and "does not serve what was published" in row["engine_state"]["reason"]
+        )
+        wait("health NOT_SERVING", lambda: health() == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        monkeypatch.undo()  # the broken version's retry now loads it
+        assert agent.agent.wait_for_version(latest + 1, 900)
+        wait("health SERVING", lambda: health() == health_pb2.HealthCheckResponse.SERVING)
+        code, out, err = status("--verify")
+        assert code == 0 and "bit-exact" in out, out + err
+        assert not is_paused(server)
+    finally:
+        agent.stop(0)
+
+
 def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine, server, published, monkeypatch):
     """Last in this module: it kills the shared server."""
     store, _ = published

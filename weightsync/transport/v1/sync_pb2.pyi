@@ -134,8 +134,42 @@ class BrokenVersion(_message.Message):
     retry_in_s: float
     def __init__(self, version: _Optional[int] = ..., digest: _Optional[str] = ..., error: _Optional[str] = ..., failures: _Optional[int] = ..., first_failed_unix_ms: _Optional[int] = ..., retry_in_s: _Optional[float] = ...) -> None: ...
 
+class EngineState(_message.Message):
+    __slots__ = ("state", "version", "reason")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[EngineState.State]
+        SERVING: _ClassVar[EngineState.State]
+        EMPTY: _ClassVar[EngineState.State]
+        PAUSED: _ClassVar[EngineState.State]
+        UNREACHABLE: _ClassVar[EngineState.State]
+        UNKNOWN: _ClassVar[EngineState.State]
+    STATE_UNSPECIFIED: EngineState.State
+    SERVING: EngineState.State
+    EMPTY: EngineState.State
+    PAUSED: EngineState.State
+    UNREACHABLE: EngineState.State
+    UNKNOWN: EngineState.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    state: EngineState.State
+    version: int
+    reason: str
+    def __init__(self, state: _Optional[_Union[EngineState.State, str]] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Verification(_message.Message):
+    __slots__ = ("ok", "hashed", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    HASHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    hashed: str
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., hashed: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken")
+    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken", "engine_state", "verification", "unhealthy")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +183,9 @@ class StatusReply(_message.Message):
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SERVED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BROKEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
     agent: str
     region: str
     model: str
@@ -162,4 +199,7 @@ class StatusReply(_message.Message):
     started_unix_ms: int
     served_digest: str
     broken: _containers.RepeatedCompositeFieldContainer[BrokenVersion]
-    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ...) -> None: ...
+    engine_state: EngineState
+    verification: Verification
+    unhealthy: str
+    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., unhealthy: _Optional[str] = ...) -> None: ...
