@@ -17,7 +17,7 @@ Every port (listen, health_listen, the metrics port) is bound before the engine 
 that is taken is a `ListenError` naming the setting. `AgentServer.stop` drains in-flight calls for
 a grace period before closing (what SIGTERM does in `run_agent`).
 
-Not here: what the agent does (`sync.py`), engines (`engines/`), the CLI (app/cli.py).
+Not here: what the agent does (`sync.py`), engines (`engines/`), the CLI (app/cli/).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ say "built $(basename "$wheel")"
 "$tmp/venv/bin/python" - "$wheel" <<'EOF'
 import fnmatch, sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-need = ["weightsync/app/cli.py", "weightsync/app/demo/*.py", "weightsync/models/*.py", "weightsync/agents/*.py",
+need = ["weightsync/app/cli/*.py", "weightsync/app/demo/*.py", "weightsync/models/*.py", "weightsync/agents/*.py",
         "weightsync/trainer/*.py", "weightsync/trainer/configs/*.toml", "weightsync/transport/v1/sync_pb2.py"]
 missing = [p for p in need if not fnmatch.filter(names, p)]
 strays = [n for n in names if n.split("/")[0] not in ("weightsync",) and ".dist-info/" not in n]

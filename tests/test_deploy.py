@@ -44,7 +44,7 @@ def _parse_cli(argv: list[str], where: str):
     try:
         return build_parser().parse_args(argv[1:])
     except SystemExit:
-        pytest.fail(f"{where}: `{shlex.join(argv)}` does not parse with app/cli.py's parser")
+        pytest.fail(f"{where}: `{shlex.join(argv)}` does not parse with the CLI's parser (app/cli/)")
 
 
 def _paths_in(config: AgentConfig) -> list[str]:

@@ -591,7 +591,8 @@ def test_an_engine_flag_that_cannot_apply_over_the_config_is_refused_with_the_re
 
 def test_flags_given_with_config_are_applied(tmp_path):
     """`--engine-port 18777` beside --config was silently ignored; every flag now lands in the config."""
-    from weightsync.app.cli import agent_config, build_parser
+    from weightsync.app.cli import build_parser
+    from weightsync.app.cli.agent import agent_config
 
     argv = ["agent", "--config", str(_agent_toml(tmp_path)), "--engine-port", "18777", "--poll-interval-s", "0.7"]
     config = agent_config(build_parser().parse_args(argv + ["--metrics-port", "9500", "--metrics-host", "0.0.0.0"]))

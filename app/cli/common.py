@@ -1,0 +1,118 @@
+"""cli.common: what every subcommand shares: the common flags, the store and model flags'
+checks, sizes as people read them, one row per version, a progress bar, and the failure that
+still prints its JSON.
+
+Not here: the subcommands (`versions.py`, `agent.py`, `jobs.py`), the entry point (`__init__.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from typing import Any
+
+from weightsync.stores import store_uri_forms  # no torch, no boto3: --help stays instant
+
+
+class Progress:
+    """A tqdm bar on stderr over bytes, or nothing when stderr is not a terminal or with --json."""
+
+    def __init__(self, args: argparse.Namespace, total: int | None, desc: str) -> None:
+        self._bar = None
+        if not args.json and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+    def __call__(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def check_model_flag(args: argparse.Namespace) -> str:
+    """--model, checked before anything is read or written: a bad name is a usage error (exit 2)."""
+    from weightsync.errors import ConfigError, FormatError
+    from weightsync.format.layout import check_model_name
+
+    try:
+        return check_model_name(args.model)
+    except FormatError as e:
+        raise ConfigError(f"--model: {e}") from None
+
+
+def open_store_flag(args: argparse.Namespace):
+    from weightsync.stores import open_store
+
+    if getattr(args, "endpoint_url", None) and str(args.store).startswith("s3://"):
+        return open_store(args.store, endpoint_url=args.endpoint_url)
+    return open_store(args.store)
+
+
+def manifest_row(manifest) -> dict[str, Any]:
+    """One version as `ls`, `publish` and `--json` show it. `ratio` is the one compression ratio
+    weightsync reports: the model's bytes over what the version adds to the store (its chunk
+    objects and its manifest)."""
+    raw, stored, manifest_bytes = manifest.raw_bytes, manifest.stored_bytes, len(manifest.to_bytes())
+    return {
+        "version": manifest.version,
+        "kind": manifest.kind,
+        "parent": manifest.parent,
+        "base": manifest.base,
+        "step": manifest.step,
+        "created": datetime.datetime.fromtimestamp(manifest.created_unix_ms / 1000, datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "manifest_bytes": manifest_bytes,
+        "ratio": raw / (stored + manifest_bytes),
+        "tensors": len(manifest.tensors),
+        "digest": manifest.digest,
+    }
+
+
+def format_size(n: int | None) -> str:
+    """Bytes in the unit that shows them: 512 B, 28.6 kB, 1.2 MB, 3.4 GB (powers of 1000)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+class Failed(Exception):
+    """A subcommand that ran but whose result is a failure (its JSON is still printed)."""
+
+    def __init__(self, row: dict, message: str) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+def add_common_flags(parser: argparse.ArgumentParser, *, store: bool = True, model: bool = True) -> None:
+    if store:
+        parser.add_argument("--store", required=True, help=f"store URI: {store_uri_forms()}")
+        parser.add_argument(
+            "--endpoint-url",
+            help="S3 endpoint (MinIO, R2, Ceph...); default: boto3's own settings ($AWS_ENDPOINT_URL, profile)",
+        )
+    if model:
+        parser.add_argument("--model", required=True, help="model name, e.g. qwen3-0.6b-grpo or org/name")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+
+
+def add_log_format_flag(parser: argparse.ArgumentParser) -> None:
+    """For the long-running commands: their logs may go to a log shipper."""
+    from weightsync.logs import LOG_FORMATS
+
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help="stderr log lines as text (default) or one JSON object per line (also for the processes it starts)",
+    )
