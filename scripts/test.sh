@@ -7,13 +7,19 @@
 #                                  distributed and gpu (2 minutes on 2 cores); no vLLM needed
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
 select=()
 if [ "${1:-}" = "--fast" ]; then
   shift
+  bash scripts/setup.sh test
   select=(-m "not slow and not distributed and not gpu")
 else
-  bash scripts/setup_vllm.sh
+  # The two venvs are independent: set them up side by side (mostly unpacking wheels).
+  bash scripts/setup.sh test & tests_venv=$!
+  bash scripts/setup_vllm.sh & vllm_venv=$!
+  trap 'kill "$tests_venv" "$vllm_venv" 2>/dev/null || true' EXIT
+  wait "$tests_venv" || { echo "test.sh: setting up .venv failed" >&2; exit 1; }
+  wait "$vllm_venv" || { echo "test.sh: setting up .venv-vllm failed" >&2; exit 1; }
+  trap - EXIT
   export WEIGHTSYNC_REQUIRE_VLLM=1
 fi
 # One worker per CPU, up to 4 (WEIGHTSYNC_TEST_WORKERS overrides; 0 runs in this process): many
