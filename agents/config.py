@@ -36,9 +36,7 @@ Not here: what the agent does with it (`sync.py`, `server.py`), what an engine's
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
-import re
 import socket
 import sys
 import typing
@@ -51,7 +49,7 @@ from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ConfigError
 from weightsync.format.layout import check_model_name
-from weightsync.listen import split_listen
+from weightsync.listen import is_host, split_listen
 from weightsync.settings import build_table, check_known_keys, check_required, check_type, toml_kind
 from weightsync.transport.rpc import TlsConfig
 
@@ -162,7 +160,7 @@ class AgentConfig:
                 split_listen(value, name)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a port in 0..65535 (0: any free port), got {self.metrics_port}")
-        if not _is_host(self.metrics_host):
+        if not is_host(self.metrics_host):
             raise ValueError(
                 f"metrics_host must be an address or host name without a port, got {self.metrics_host!r}: e.g. "
                 'metrics_host = "0.0.0.0" with metrics_port = 9400'
@@ -171,15 +169,6 @@ class AgentConfig:
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir)
-
-
-def _is_host(value: str) -> bool:
-    """An IP address (v4 or v6) or a host name: what a server binds, without a port."""
-    try:
-        ipaddress.ip_address(value)
-        return True
-    except ValueError:
-        return bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?", value))
 
 
 def load_agent_config(

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from weightsync.listen import is_host
 from weightsync.models import ModelConfig
 from weightsync.publisher import PublisherConfig
 
@@ -309,6 +310,8 @@ class PublishConfig:
     metrics_port: int | None = None
     """Rank 0 serves the publisher's Prometheus metrics (weightsync_publish_*, weightsync_push_*) on
     this port (0: any free port); None: off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics port binds: "0.0.0.0" for a Prometheus on another host."""
     log_path: str | None = None
     """Rank 0 appends one JSON line per committed version (version, step, when publish() was
     called, time to commit, bytes): what `weightsync demo` reports from."""
@@ -319,6 +322,11 @@ class PublishConfig:
             raise ValueError(f"train.publish.every_steps must be >= 1, got {self.every_steps}")
         if not self.commit_timeout_s > 0:
             raise ValueError(f"train.publish.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        if not is_host(self.metrics_host):
+            raise ValueError(
+                f"train.publish.metrics_host must be an address or host name without a port, got "
+                f'{self.metrics_host!r}: e.g. metrics_host = "0.0.0.0" with metrics_port = 9401'
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from weightsync.errors import LayoutError, PublishError
+from weightsync.listen import listen_error
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.publisher import Placement, Publisher, ShardSpec
 from weightsync.stores import open_store
@@ -137,8 +138,12 @@ class WeightPublisher:
         self.metrics = NULL_METRICS
         if config.metrics_port is not None and rank == 0:
             self.metrics = PrometheusMetrics(model=config.model)
-            port = self.metrics.serve(config.metrics_port)
-            log.info("publisher metrics on http://127.0.0.1:%d/metrics", port)
+            address = f"{config.metrics_host}:{config.metrics_port}"
+            try:
+                port = self.metrics.serve(config.metrics_port, config.metrics_host)
+            except OSError as e:  # Prometheus' own "[Errno 98] Address already in use" names no port
+                raise listen_error("train.publish.metrics_port", address, e) from None
+            log.info("publisher metrics on http://%s:%d/metrics", config.metrics_host, port)
         self._pusher = None
         if config.push:
             self._pusher = Pusher(

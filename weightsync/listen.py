@@ -3,6 +3,7 @@ that names the setting.
 
     split_listen(value, setting)        (host, port) of "host:port" (IPv6 in brackets), or
                                         ValueError saying how to write it
+    is_host(value)                      whether a setting is an address or host name (no port)
     check_bindable(host, port, setting) ListenError naming the setting when the port is taken,
                                         the host is not this machine's, or the port is privileged
 
@@ -17,6 +18,8 @@ Not here: the servers themselves (agents/server.py, `metrics.py`).
 from __future__ import annotations
 
 import errno
+import ipaddress
+import re
 import socket
 
 from weightsync.errors import ListenError
@@ -26,6 +29,15 @@ _WHY = {
     errno.EADDRNOTAVAIL: "that address is not one of this machine's",
     errno.EACCES: "ports below 1024 need privileges",
 }
+
+
+def is_host(value: str) -> bool:
+    """An IP address (v4 or v6) or a host name: what a server binds, without a port."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?", str(value)))
 
 
 def split_listen(value: str, setting: str) -> tuple[str, int]:

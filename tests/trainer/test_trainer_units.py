@@ -5,6 +5,7 @@ discovery. No process group, no torchrun."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -22,6 +23,7 @@ from weightsync.trainer.config import (
     GuardConfig,
     LossConfig,
     ParallelConfig,
+    PublishConfig,
     ScheduleConfig,
     apply_override,
     load_job_config,
@@ -438,3 +440,37 @@ def test_exit_worker_flushes_output_and_logs_then_exits_with_the_code():
     assert proc.returncode == 3
     assert proc.stdout == "result line"  # flushed, and no finalization (atexit did not run)
     assert "last log line" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["0.0.0.0:9401", "", "host name"])
+def test_the_publishers_metrics_host_is_checked_like_the_agents(value):
+    with pytest.raises(ValueError, match="metrics_host must be an address or host name without a port"):
+        PublishConfig(store="file://weights", metrics_port=9401, metrics_host=value)
+
+
+def test_the_publishers_metrics_bind_on_metrics_host_and_a_taken_port_names_the_setting(tmp_path):
+    """The trainer's metrics were bound on 127.0.0.1 only, out of a Prometheus scrape's reach."""
+    import socket
+
+    import torch.distributed as dist
+
+    from weightsync.errors import ListenError
+    from weightsync.trainer.publish import WeightPublisher
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        config = PublishConfig(store=str(tmp_path / "store"), metrics_port=0, metrics_host="0.0.0.0")
+        publisher = WeightPublisher(config, rank=0, world_size=1)
+        try:
+            assert publisher.metrics._server.server_address[0] == "0.0.0.0"
+            taken = publisher.metrics._server.server_port
+            again = dataclasses.replace(config, metrics_port=taken)
+            with pytest.raises(ListenError, match=r"train\.publish\.metrics_port.*the port is taken"):
+                WeightPublisher(again, rank=0, world_size=1)
+        finally:
+            publisher.close()
+    finally:
+        dist.destroy_process_group()
