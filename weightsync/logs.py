@@ -49,6 +49,23 @@ def log_format_from_env(default: str = "text") -> str:
     return fmt
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is at each record, not as it was when configured (as logging's
+    own last-resort handler does): a host that swaps sys.stderr for a while (pytest's capture, an
+    in-process call of the CLI) leaves no handler writing to a stream that has since closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler's __init__ and setStream assign it
+        pass
+
+
 def configure_logging(level: int | str = logging.INFO, fmt: str | None = None, **context: object) -> None:
     """Configures the root logger for this process (replacing what an earlier call set up), and
     exports the format for the processes it starts. `fmt` None: WEIGHTSYNC_LOG_FORMAT, else text."""
@@ -56,7 +73,7 @@ def configure_logging(level: int | str = logging.INFO, fmt: str | None = None, *
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r}: use one of {list(LOG_FORMATS)}")
     os.environ[LOG_FORMAT_ENV] = fmt
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter({k: v for k, v in context.items() if v is not None}))
     else:
