@@ -20,14 +20,6 @@ import torch
 
 from harness.bits import assert_bit_equal as _assert_bit_equal
 from harness.moto import MotoServer
-
-# Hooks: what a test's body starts and leaves running is stopped when it ends, timeouts included.
-from harness.pytest_reaper import (  # noqa: F401
-    pytest_fixture_setup,
-    pytest_runtest_call,
-    pytest_sessionstart,
-    pytest_unconfigure,
-)
 from weightsync.stores import STORE_SCHEMES, LocalStore, open_store
 
 SCHEME_MARKS = {"s3": pytest.mark.s3}  # schemes whose tests need a marked resource
@@ -58,6 +50,15 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}")
     rank = {root / name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(item.path), len(rank)))  # stable: the rest keep their order
+
+
+def pytest_configure(config):
+    """What a test's body starts and leaves running is stopped when it ends, timeouts included
+    (harness/pytest_reaper.py). Registered as a plugin of the whole run rather than imported as
+    this file's hooks: a conftest's hooks see only the nodes under tests/, and a session-scoped
+    fixture set up lazily inside a test body (`request.getfixturevalue("s3_endpoint")`) runs on the
+    session node, so its server took the test's mark and was stopped with the test."""
+    config.pluginmanager.import_plugin("harness.pytest_reaper")
 
 
 @pytest.fixture(scope="session", autouse=True)
