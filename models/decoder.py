@@ -1,10 +1,12 @@
-"""decoder: a Llama / Qwen2 / Qwen3-style decoder in plain PyTorch, with Hugging Face tensor names.
+"""decoder: a Llama / Qwen2 / Qwen3-style decoder in plain PyTorch, dense or Mixture-of-Experts,
+with Hugging Face tensor names.
 
 The one model definition the project shares: the trainer (`weightsync.trainer`) trains it and
 the reference inference server (`weightsync.agents`) serves it, and its checkpoints load in HF
 tooling and inference engines (`config.json` + safetensors, the names of `LlamaForCausalLM`,
-`Qwen2ForCausalLM` and `Qwen3ForCausalLM`). RMSNorm, RoPE (HF's half-split layout), grouped-query
-attention, SwiGLU, optional tied embeddings, optional q/k bias (Qwen2) and q/k norms (Qwen3).
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM`). RMSNorm,
+RoPE (HF's half-split layout), grouped-query attention, SwiGLU, optional tied embeddings, optional
+q/k/v bias (Qwen2) and q/k norms (Qwen3); MoE layers (`moe.py`) where `num_experts` says so.
 
 The module is an architecture; the weights can be handed in per call (`forward(..., weights=)`,
 via `torch.func.functional_call`) so that a server can swap a whole dict of tensors atomically
@@ -26,8 +28,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightsync.models.moe import SparseMoeBlock, SwiGLU, is_sparse_layer
+
 CONFIG_NAME = "config.json"
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_QKV_BIAS = {"qwen2", "qwen2_moe"}
+_QK_NORM = {"qwen3", "qwen3_moe"}
+_MOE = {"qwen2_moe", "qwen3_moe"}
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
+    "router_aux_loss_coef",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,7 +58,8 @@ class ModelConfig:
     """The architecture, with the field names of an HF `config.json`."""
 
     model_type: str = "qwen3"
-    """"llama", "qwen2" (q/k/v bias) or "qwen3" (per-head RMSNorm on q and k)."""
+    """"llama", "qwen2" (q/k/v bias), "qwen3" (per-head RMSNorm on q and k), or their MoE forms
+    "qwen2_moe" and "qwen3_moe" (which need num_experts)."""
     vocab_size: int = 256
     hidden_size: int = 256
     intermediate_size: int = 768
@@ -52,6 +76,22 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     """The output projection reuses embed_tokens.weight (no lm_head.weight tensor)."""
     initializer_range: float = 0.02
+    num_experts: int = 0
+    """Experts per MoE layer; 0: a dense model (MoE model types need >= 1)."""
+    num_experts_per_tok: int = 2
+    """Top-k: the experts each token goes through."""
+    moe_intermediate_size: int = 768
+    """Each expert's SwiGLU width."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1 (HF's default: no; Qwen3-30B-A3B: yes)."""
+    decoder_sparse_step: int = 1
+    """Every this many layers is a MoE layer (1: all of them), except those in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP (of intermediate_size)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's shared expert, which every token goes through (0: none, as in Qwen3-MoE)."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss the trainer adds (models.moe.load_balancing_loss)."""
 
     def __post_init__(self) -> None:
         if self.model_type not in _ARCHITECTURES:
@@ -75,16 +115,45 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for RoPE")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.model_type in _MOE:
+            if self.num_experts < 1:
+                raise ValueError(f"model_type {self.model_type!r} needs num_experts >= 1")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+                )
+            if (
+                self.moe_intermediate_size < 1
+                or self.decoder_sparse_step < 1
+                or self.shared_expert_intermediate_size < 0
+            ):
+                raise ValueError("moe_intermediate_size and decoder_sparse_step must be >= 1")
+            if self.shared_expert_intermediate_size and self.model_type != "qwen2_moe":
+                raise ValueError("a shared expert is Qwen2-MoE's: use model_type 'qwen2_moe'")
+        elif self.num_experts:
+            raise ValueError(f"num_experts is for the MoE model types {sorted(_MOE)}, not {self.model_type!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type in _MOE
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` document HF transformers and inference engines read."""
         doc = dataclasses.asdict(self)
+        if self.is_moe:
+            doc["mlp_only_layers"] = list(self.mlp_only_layers)
+        else:  # a dense model's config.json stays what it always was
+            for name in _MOE_FIELDS:
+                del doc[name]
         doc.update(
             architectures=[_ARCHITECTURES[self.model_type]],
             torch_dtype="bfloat16",
             hidden_act="silu",
-            attention_bias=self.model_type == "qwen2",
+            attention_bias=self.model_type in _QKV_BIAS,
         )
+        if self.model_type == "qwen2_moe":
+            doc["qkv_bias"] = True  # what transformers 5's Qwen2-MoE reads
         return doc
 
     @classmethod
@@ -96,6 +165,10 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in doc.items() if k in names}
         kwargs.setdefault("num_key_value_heads", doc.get("num_attention_heads", 1))
+        if model_type == "qwen2_moe" and doc.get("qkv_bias", True) is not True:
+            raise ValueError("a Qwen2-MoE without q/k/v biases (qkv_bias: false) is not supported")
+        if "num_experts" not in kwargs and "num_local_experts" in doc:  # transformers 5 writes this name
+            kwargs["num_experts"] = doc["num_local_experts"]
         # transformers >= 5 writes rope_theta inside rope_parameters, not at the top level.
         rope = doc.get("rope_parameters")
         if "rope_theta" not in kwargs and isinstance(rope, Mapping) and "rope_theta" in rope:
@@ -167,12 +240,12 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        bias = c.model_type == "qwen2"
+        bias = c.model_type in _QKV_BIAS
         self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
-        if c.model_type == "qwen3":
+        if c.model_type in _QK_NORM:
             self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
@@ -202,28 +275,25 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = SparseMoeBlock(c) if is_sparse_layer(c, layer) else SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        router_logits: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, router_logits) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h))
 
 
 class Backbone(nn.Module):
@@ -268,11 +338,15 @@ class CausalLM(nn.Module):
         *,
         cache: KVCache | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
+        router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (batch, tokens, vocab) in fp32. `weights`: run on these tensors instead of the
-        module's own (names as in `state_dict()`); the module's parameters are not touched."""
+        module's own (names as in `state_dict()`); the module's parameters are not touched.
+        `router_logits`: a list that gets each MoE layer's router logits, in layer order (for
+        `models.moe.load_balancing_loss`)."""
         if weights is not None:
-            return torch.func.functional_call(self, dict(weights), (input_ids,), {"cache": cache}, strict=False)
+            kwargs = {"cache": cache, "router_logits": router_logits}
+            return torch.func.functional_call(self, dict(weights), (input_ids,), kwargs, strict=False)
         past = 0 if cache is None else cache.length()
         t = input_ids.shape[1]
         positions = torch.arange(past, past + t, dtype=torch.float32, device=input_ids.device)
@@ -281,7 +355,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, cache, router_logits)
         x = self.model.norm(x)
         return F.linear(x, self.output_weight()).float()
 
