@@ -123,12 +123,11 @@ class ModelConfig:
                 raise ValueError(
                     f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
                 )
-            if (
-                self.moe_intermediate_size < 1
-                or self.decoder_sparse_step < 1
-                or self.shared_expert_intermediate_size < 0
-            ):
-                raise ValueError("moe_intermediate_size and decoder_sparse_step must be >= 1")
+            for name in ("moe_intermediate_size", "decoder_sparse_step"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.shared_expert_intermediate_size < 0:
+                raise ValueError("shared_expert_intermediate_size must be >= 0 (0: no shared expert)")
             if self.shared_expert_intermediate_size and self.model_type != "qwen2_moe":
                 raise ValueError("a shared expert is Qwen2-MoE's: use model_type 'qwen2_moe'")
         elif self.num_experts:
