@@ -530,7 +530,7 @@ def test_serve_entry_point(tmp_path):
         assert started["weight_version"] == 0
         assert json.loads(get(started["url"], "/health")[1])["ready"] is True
         proc.terminate()
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=300) == 0  # a deadline for a loaded machine, not a timing check
     finally:
         if proc.poll() is None:
             proc.kill()
