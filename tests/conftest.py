@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,32 +23,6 @@ from weightsync.stores import STORE_SCHEMES, LocalStore, open_store
 
 SCHEME_MARKS = {"s3": pytest.mark.s3}  # schemes whose tests need a marked resource
 STORE_KINDS = [pytest.param(scheme, marks=SCHEME_MARKS.get(scheme, ())) for scheme in STORE_SCHEMES]
-
-
-# The files that run for minutes (junit times, 2 workers on 2 cores: chaos 324 s, cookbook and vLLM
-# sampling ~150 s, the demos ~100 s, crash ~95 s, vLLM ~90 s, S3 faults ~70 s), handed out first.
-# scripts/test.sh runs `--dist loadfile --no-loadscope-reorder`: a worker takes a whole file, in
-# collection order, and a long file taken last keeps the run going while the other worker idles.
-# Order only: a file missing from this list just runs in its place.
-LONGEST_FIRST = (
-    "tests/test_chaos.py",
-    "tests/app/training/test_training_cookbook.py",
-    "tests/app/training/test_training_vllm_sampling.py",
-    "tests/app/test_demo_vllm.py",
-    "tests/app/test_demo.py",
-    "tests/test_crash.py",
-    "tests/agents/engines/test_vllm.py",
-    "tests/stores/test_s3_faults.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    root = Path(config.rootpath)
-    missing = [name for name in LONGEST_FIRST if not (root / name).is_file()]
-    if missing:  # a renamed file would silently lose its place
-        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}")
-    rank = {root / name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.path), len(rank)))  # stable: the rest keep their order
 
 
 def pytest_configure(config):
