@@ -35,7 +35,8 @@ def _machine() -> dict:
     return {
         **describe_machine(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "code": str(Path(weightsync.__file__).resolve().parent.parent),
+        # Where the code came from, without this machine's paths: git_head names the checkout.
+        "code": "checkout" if (Path(weightsync.__file__).resolve().parent.parent / ".git").exists() else "installed",
         "git_head": git("rev-parse", "--short", "HEAD"),
         "git_modified": git("status", "--short", "--untracked-files=no").splitlines(),
     }
