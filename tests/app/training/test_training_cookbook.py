@@ -11,18 +11,15 @@ The commands are the ones docs/training-api.md gives.
 from __future__ import annotations
 
 import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("tinker_cookbook")
 
+from harness.cookbook import run_recipe, write_arithmetic_conversations
 from harness.tiny_model import write_tiny_model
-from harness.training_server import API_KEY, TrainingServer
+from harness.training_server import TrainingServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -36,29 +33,6 @@ def model_dir(tmp_path_factory):
 def server(tmp_path_factory):
     with TrainingServer(tmp_path_factory.mktemp("server") / "state") as srv:
         yield srv
-
-
-def run_recipe(module: str, args: list[str], log_path: Path, server) -> list[dict]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TINKER_API_KEY": API_KEY,
-        "TINKER_TELEMETRY": "0",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        module,
-        *args,
-        f"base_url={server.url}",
-        f"log_path={log_path}",
-        "behavior_if_log_dir_exists=delete",
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=log_path.parent, capture_output=True, text=True, timeout=800, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Training completed successfully" in proc.stdout + proc.stderr
-    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_chat_sft_recipe_runs_unmodified_and_its_loss_falls(tmp_path, server, model_dir):
@@ -84,24 +58,6 @@ def test_chat_sft_recipe_runs_unmodified_and_its_loss_falls(tmp_path, server, mo
     nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
     assert len(nll) == 6
     assert nll[-1] < nll[0] - 0.5, nll
-
-
-def write_arithmetic_conversations(path: Path, *, count: int, seed: int) -> Path:
-    """SFT data in the arithmetic environment's own format (tinker_cookbook.recipes.math_rl.
-    arithmetic_env): its few-shot exchange, then "What is x + y?" answered with the bare sum,
-    x and y drawn from the environment's range 0..100."""
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(count):
-            x, y = rng.randint(0, 100), rng.randint(0, 100)
-            messages = [
-                {"role": "user", "content": "What is 4 + 5?"},
-                {"role": "assistant", "content": "9"},
-                {"role": "user", "content": f"What is {x} + {y}?"},
-                {"role": "assistant", "content": str(x + y)},
-            ]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
 
 
 def test_math_rl_recipe_from_an_sft_warm_start_raises_the_reward(tmp_path, server, model_dir):
