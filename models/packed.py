@@ -262,8 +262,8 @@ def pack_experts(model: nn.Module, fmt: PackFormat) -> list[str]:
         linear = model.get_submodule(name)
         if hasattr(linear, "lora_A"):
             raise ConfigError(
-                f"{name} has LoRA adapters, which cannot sit on a packed expert: leave the experts "
-                "without adapters, or unset parallel.frozen_experts"
+                f"{name} has LoRA adapters, which cannot sit on a packed expert: set the LoRA "
+                "settings' train_experts=False, or unset parallel.frozen_experts"
             )
         if not isinstance(linear, nn.Linear) or linear.bias is not None:
             raise ConfigError(f"{name} is not a bias-free linear layer; cannot pack it")

@@ -32,6 +32,7 @@ from typing import Any
 
 from weightsync.listen import is_host
 from weightsync.models import ModelConfig
+from weightsync.models.packed import PackFormat
 from weightsync.publisher import PublisherConfig
 
 if sys.version_info >= (3, 11):
@@ -73,11 +74,22 @@ class ParallelConfig:
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     reshard_after_forward: bool = True
     """Free all-gathered layer weights after forward (ZeRO-3); False keeps them until backward."""
+    frozen_experts: str | None = None
+    """How a MoE model's routed experts are held when they do not train: "int4" or "int8" (packed,
+    one bf16 scale per 128 input columns; "int4:64" for groups of 64), or "bf16"; dequantized on
+    the fly (weightsync.models.packed). Setting it freezes the experts (a LoRA run freezes them
+    anyway; in full fine-tuning the rest of the model still trains). Unset (the default): experts
+    are fp32 master weights like the rest. Dense models ignore it."""
 
     def __post_init__(self) -> None:
         _check_choice("parallel.backend", self.backend, BACKENDS)
         _check_choice("parallel.device", self.device, DEVICES)
         _check_choice("parallel.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        if self.frozen_experts is not None:
+            try:
+                PackFormat.parse(self.frozen_experts)
+            except ValueError as e:
+                raise ValueError(f"parallel.frozen_experts: {e}") from None
         if self.dp_replicate < 1:
             raise ValueError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.dp_shard != -1 and self.dp_shard < 1:

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
+from weightsync.models import packed as packing
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
@@ -198,8 +199,9 @@ class TrainingEngine:
     def weights(self, kind: WeightsKind = "full") -> dict[str, torch.Tensor]:
         """This rank's shards (DTensors, by HF name) to publish: "full" (the model as trained),
         "merged" (LoRA folded into the base weights, the plain model's names) or "adapter" (the
-        LoRA tensors only)."""
-        state = self.model.state_dict()
+        LoRA tensors only). Packed frozen experts are given as their bf16 values under the HF
+        names (`...experts.E.gate_proj.weight`): what the model computes with."""
+        state = packing.dequantized_state_dict(self.model, self.model.state_dict())
         if kind == "full":
             return state
         if self.lora is None:
@@ -212,8 +214,9 @@ class TrainingEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The gathered fp32 state dict on rank 0 ({} elsewhere). For tests and exports: training
-        and publishing never gather."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        and publishing never gather. Packed experts are given dequantized (bf16, HF names)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return packing.dequantized_state_dict(self.model, state)
 
     def export_pretrained(self, directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
         """Rank 0 writes the model as an HF-style directory (gathered there); every rank returns
@@ -238,7 +241,8 @@ def _build_model(
     materialise, load (the module docstring). No rank materialises the whole model."""
     with torch.device("meta"):
         model = CausalLM(architecture)
-    targets = _adapt(model, lora=lora, trainable=trainable)
+    frozen_experts = packing.PackFormat.parse(parallel.frozen_experts) if parallel.frozen_experts else None
+    targets = _adapt(model, lora=lora, trainable=trainable, frozen_experts=frozen_experts)
     if parallel.activation_checkpointing and trainable:
         apply_activation_checkpointing(model)
     apply_fsdp(model, mesh, parallel, device=device)
@@ -248,17 +252,32 @@ def _build_model(
     if weights is not None and targets:
         shapes = {name: tuple(t.shape) for name, t in weights.items()}
         state.update(adapters.initial_adapters(shapes, targets, lora))
+    if weights is not None:
+        state = packing.pack_state_dict(state, model)  # rank 0 packs from the fp32 weights
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if not trainable:
         model.eval()
     return model, targets
 
 
-def _adapt(model: CausalLM, *, lora: adapters.LoraSettings | None, trainable: bool) -> list[str]:
+def _adapt(
+    model: CausalLM,
+    *,
+    lora: adapters.LoraSettings | None,
+    trainable: bool,
+    frozen_experts: packing.PackFormat | None = None,
+) -> list[str]:
     """Decides, per parameter and before sharding, what trains: every parameter (full
     fine-tuning), the LoRA adapters only (attached here; the base weights frozen), or nothing (a
-    frozen model). Returns the LoRA target layers."""
+    frozen model). With `frozen_experts` (parallel.frozen_experts) a MoE model's routed experts
+    are frozen whatever else trains, and held in that format (models/packed.py): their
+    projections become PackedLinear layers, which FSDP2 then shards like any layer's weights.
+    Returns the LoRA target layers."""
     if not trainable:
         model.requires_grad_(False)
-        return []
-    return adapters.attach(model, lora) if lora is not None else []
+        targets = []
+    else:
+        targets = adapters.attach(model, lora) if lora is not None else []
+    if frozen_experts is not None and model.config.is_moe:
+        packing.pack_experts(model, frozen_experts)
+    return targets
