@@ -20,6 +20,10 @@
     model_dir = "/models/qwen3-0.6b"
     port = 8000
 
+    [agent.parity]                 # the numerical-parity probe after each swap (agents/parity.py)
+    action = "alert"               # warn (default) | alert | refuse
+    max_abs_dlogprob = 0.25
+
     [agent.tls]                    # this agent's server side; [agent.client_tls] for its peers
     cert = "agent.pem"
     key = "agent.key"
@@ -46,6 +50,7 @@ from typing import Any
 
 from weightsync.agents.engines import engine_config_class, parse_engine_config
 from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.agents.parity import ParityConfig
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ConfigError
 from weightsync.format.layout import check_model_name
@@ -134,6 +139,10 @@ class AgentConfig:
     retried on the new version). A string is parsed into the enum here; the engine must
     implement it (`Engine.swap_policies`)."""
 
+    parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
+    """The numerical-parity probe run after each swap of a version that carries one, and what a
+    breach of its thresholds does: warn, alert or refuse (roll back). See agents/parity.py."""
+
     def __post_init__(self) -> None:
         check_model_name(self.model)
         object.__setattr__(self, "peers", tuple(self.peers))
@@ -200,7 +209,7 @@ def load_agent_config(
         if others:
             raise ConfigError(
                 f"{where}: unknown top-level table(s) or key(s) {others}; the agent reads only "
-                "[agent] (and its [agent.engine], [agent.tls], [agent.client_tls] sub-tables)"
+                "[agent] (and its [agent.engine], [agent.parity], [agent.tls], [agent.client_tls] sub-tables)"
             )
         if not isinstance(document.get("agent"), dict):
             raise ConfigError(
@@ -257,12 +266,14 @@ def parse_agent_config(doc: dict[str, Any], *, where: str = "agent settings") ->
     check_required(doc, _HOWTO_REQUIRED, where=where, section="[agent]", howto=_HOWTO_REQUIRED)
     hints = typing.get_type_hints(AgentConfig)
     for key, value in doc.items():
-        if key not in ("engine", "tls", "client_tls"):
+        if key not in ("engine", "tls", "client_tls", "parity"):
             check_type(value, hints[key], where=where, name=f"[agent] {key}")
     doc["engine"] = _check_engine_table(where, doc.get("engine", {"type": "reference"}))
     for key in ("tls", "client_tls"):
         if key in doc and not isinstance(doc[key], TlsConfig):
             doc[key] = build_table(TlsConfig, _table(where, key, doc[key]), where=where, section=f"[agent.{key}]")
+    if "parity" in doc and not isinstance(doc["parity"], ParityConfig):
+        doc["parity"] = build_table(ParityConfig, doc["parity"], where=where, section="[agent.parity]")
     try:
         config = AgentConfig(**doc)
     except ValueError as e:

@@ -22,7 +22,7 @@ from collections import deque
 @dataclasses.dataclass
 class LedgerEntry:
     version: int
-    outcome: str = "pending"  # served | failed | superseded
+    outcome: str = "pending"  # served | failed | refused (parity probe) | superseded
     path: str = ""
     route: str = ""  # how the path was applied: "chain" (delta by delta) or "folded" (as one delta)
     route_reason: str = ""  # why that route (weightsync/format/codecs/fold.py plan_route)
@@ -35,6 +35,7 @@ class LedgerEntry:
     offered_unix_ms: int = 0
     served_unix_ms: int = 0
     digest: str = ""
+    parity: dict = dataclasses.field(default_factory=dict)  # the parity probe's report (agents/parity.py)
 
 
 class Ledger:

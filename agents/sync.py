@@ -25,6 +25,11 @@ then written to the local cache). One sync thread does the rest, one version at 
                 requests do, `SwapPolicy`); the state file records the served version
                 (crash-safe), the ledger its timings; old cache entries are collected. A version
                 that took more than STALL_LOG_S from its offer is logged with where the time went.
+    probe    -> a version that carries a parity probe is checked against what the engine computes
+                (`parity.py`): on its own thread under the warn and alert actions, in the swap's
+                path under refuse, where a breach swaps the previous version back in (the spare of
+                a zero-copy engine, the cache's copy for a copying one) and the version is refused
+                for good: never retried, never a fallback; a newer version is taken as it comes.
 Before gather, the engine is asked whether it would take the target's layout (`check_fit`): a
 version it would refuse fails there, before a byte is fetched or written. A failure in gather,
 apply or swap leaves what the engine serves untouched, and a copying engine's one buffer, which
@@ -71,6 +76,7 @@ from weightsync.agents.engines.base import (
 )
 from weightsync.agents.intake import PushIntake, check_model
 from weightsync.agents.ledger import BrokenVersions, Ledger, LedgerEntry
+from weightsync.agents.parity import ParityChecker, ParityRefused, ParityReport
 from weightsync.errors import (
     FormatError,
     IntegrityError,
@@ -150,6 +156,16 @@ class SyncAgent:
         )
         self.ledger = Ledger(config.ledger_size)
         self.broken = BrokenVersions(_RETRY_S)
+        self.parity = ParityChecker(
+            config.parity,
+            engine,
+            name=config.name,
+            metrics=metrics,
+            record=self._record_parity,
+            served_version=lambda: self._served_version,
+        )
+        self._refused: dict[int, str] = {}
+        """Versions the parity probe refused (version -> manifest digest): never served again."""
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self.changed = threading.Event()
@@ -188,6 +204,7 @@ class SyncAgent:
             self.warm_up.close()
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.early.close()
+        self.parity.close()
         if self.relay is not None:
             self.relay.close(timeout_s=2)
 
@@ -321,7 +338,11 @@ class SyncAgent:
         with self._cond:
             for version in [v for v in self._known if v <= self._served_version]:
                 del self._known[version]
-            ready = [v for v, k in self._known.items() if not self.broken.waiting(v, k.manifest.digest, now)]
+            ready = [
+                v
+                for v, k in self._known.items()
+                if not self.broken.waiting(v, k.manifest.digest, now) and self._refused.get(v) != k.manifest.digest
+            ]
             return self._known[max(ready)] if ready else None
 
     def _fall_back(self) -> None:
@@ -338,7 +359,10 @@ class SyncAgent:
             candidates = [
                 v
                 for v in list_versions(self.upstream, self.model)
-                if v > self._served_version and v not in skip and not self.broken.waiting(v, None, now)
+                if v > self._served_version
+                and v not in skip
+                and v not in self._refused
+                and not self.broken.waiting(v, None, now)
             ]
             if not candidates:
                 return
@@ -379,8 +403,10 @@ class SyncAgent:
         with self.buffers.rewrite_lock if not self.engine.zero_copy else contextlib.nullcontext():
             try:
                 self._sync_version(target)
-            except BaseException:
+            except BaseException as e:
                 self._restore_served_copy()
+                if isinstance(e, ParityRefused):
+                    self._roll_back(target.manifest.version)
                 # Kept in the ledger, so that the time a version took is explained in full (a drain
                 # that timed out, a fetch that failed) when a later attempt serves it.
                 entry = self.ledger.entry(target.manifest.version)
@@ -392,6 +418,29 @@ class SyncAgent:
             finally:
                 self.early.release()
                 self.changed.set()
+
+    def _roll_back(self, refused: int) -> None:
+        """After the parity probe refused a version the engine was already serving: the served
+        version goes back in, from the agent's copy of it (a zero-copy engine's served buffer was
+        never touched; a copying engine's was read back from the cache by `_restore_served_copy`)."""
+        served = self.buffers.served
+        manifest = served.manifest if served is not None else None
+        if self._served_version == 0 or manifest is None or manifest.digest != self._served_digest:
+            log.error(
+                "%s: v%d was refused by the parity probe, but the agent holds no earlier version to roll back "
+                "to; the engine serves it until a version passes",
+                self.config.name,
+                refused,
+            )
+            return
+        self.engine.swap(
+            self._served_version, served.state_dict(), digest=self._served_digest, policy=self.config.swap_policy
+        )
+        if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
+            self.buffers.spare_served_as = refused
+        self.cache.write_state(self._served_version, self._served_digest)
+        self.metrics.inc("agent/parity_rollbacks")
+        log.warning("%s: rolled back from v%d to v%d", self.config.name, refused, self._served_version)
 
     def _restore_served_copy(self) -> None:
         """After a failed sync on a copying engine, whose one buffer the sync rewrote in place: the
@@ -479,6 +528,10 @@ class SyncAgent:
         report = self.engine.swap(
             version, staging.state_dict(), digest=target.manifest.digest, policy=self.config.swap_policy
         )
+        if self.parity.blocking:  # under refuse the version counts as served only once it passed
+            t_probe = time.monotonic()
+            self.parity.after_swap(version, target.manifest)
+            timings["parity_probe"] = time.monotonic() - t_probe
         self.cache.write_state(version, target.manifest.digest)
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
@@ -513,6 +566,8 @@ class SyncAgent:
             1000 * report.pause_s,
         )
         self._log_stall(entry, done - target.offered_at)
+        if not self.parity.blocking:
+            self.parity.after_swap(version, target.manifest)  # on its own thread: no delay
         self._collect_cache()
 
     def _log_stall(self, entry: LedgerEntry, since_offer_s: float) -> None:
@@ -678,6 +733,10 @@ class SyncAgent:
         version = manifest.version
         entry = self.ledger.entry(version)
         entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
+        if isinstance(error, ParityRefused):
+            entry.outcome = "refused"
+            with self._cond:
+                self._refused[version] = manifest.digest
         self.last_error = f"v{version}: {entry.error}"
         broken = self.broken.fail(version, manifest.digest, entry.error, time.monotonic())
         self.metrics.inc("agent/errors")
@@ -690,6 +749,11 @@ class SyncAgent:
             broken.retry_at - time.monotonic(),
             entry.error,
         )
+
+    def _record_parity(self, report: ParityReport) -> None:
+        """A probe's figures go into its version's ledger entry (status shows the newest too)."""
+        with self._cond:
+            self.ledger.entry(report.version).parity = report.to_json()
 
     def _report_broken(self) -> None:
         self.metrics.set("agent/broken_versions", len(self.broken))
@@ -736,6 +800,8 @@ class SyncAgent:
                 "started_unix_ms": self.started_unix_ms,
                 "served_digest": verification["digest"] if verification else "",
                 "broken": self.broken.to_json(time.monotonic()),
+                "refused": sorted(self._refused),
+                "parity": self.parity.last.to_json() if self.parity.last is not None else None,
             }
         if verification is not None:
             status["verification"] = {k: verification[k] for k in ("ok", "hashed", "error")}

@@ -327,6 +327,11 @@ class PublishConfig:
     log_path: str | None = None
     """Rank 0 appends one JSON line per committed version (version, step, when publish() was
     called, time to commit, bytes): what `weightsync demo` reports from."""
+    probe_prompts: int = 4
+    """Prompts of the numerical-parity probe each version carries (agents compare what their
+    engine computes for them with the trainer's log-probs: agents/parity.py); 0: no probe."""
+    probe_tokens: int = 32
+    """Tokens per probe prompt (fixed seeded token ids, the same for every version)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "push", tuple(self.push))
@@ -334,6 +339,11 @@ class PublishConfig:
             raise ValueError(f"train.publish.every_steps must be >= 1, got {self.every_steps}")
         if not self.commit_timeout_s > 0:
             raise ValueError(f"train.publish.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        if self.probe_prompts < 0 or self.probe_tokens < 2:
+            raise ValueError(
+                f"train.publish.probe_prompts must be >= 0 (0: no probe) and probe_tokens >= 2, "
+                f"got {self.probe_prompts} and {self.probe_tokens}"
+            )
         if not is_host(self.metrics_host):
             raise ValueError(
                 f"train.publish.metrics_host must be an address or host name without a port, got "

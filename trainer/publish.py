@@ -27,14 +27,17 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from weightsync.errors import LayoutError, PublishError
+from weightsync.format.probe import Probe
 from weightsync.listen import listen_error
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
+from weightsync.models.probe import default_prompts, to_probe
 from weightsync.publisher import Placement, Publisher, ShardSpec
 from weightsync.stores import open_store
 from weightsync.trainer.config import PublishConfig
@@ -115,6 +118,18 @@ def _owns(tensor: DTensor) -> bool:
     return True
 
 
+def version_probe(engine: Any, config: PublishConfig, *, compute_dtype: str = "float32") -> Probe | None:
+    """The numerical-parity probe of the version about to be published (None when
+    `probe_prompts` is 0): the fixed prompts through `engine`'s training forward on the weights
+    rounded as the publisher casts them (`TrainingEngine.probe`). Collective: every rank calls it."""
+    if config.probe_prompts == 0:
+        return None
+    prompts = default_prompts(engine.config.vocab_size, count=config.probe_prompts, length=config.probe_tokens)
+    cast = config.publisher.cast_floats_to
+    run = engine.probe(prompts, weights_dtype=getattr(torch, cast) if cast else torch.float32)
+    return to_probe(prompts, run, compute_dtype=compute_dtype)
+
+
 def make_session_id() -> str:
     """One id for every rank of this job run (rank 0 draws it; a collective call)."""
     box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
@@ -177,13 +192,14 @@ class WeightPublisher:
     def due(self, step: int, last_step: int) -> bool:
         return step % self.config.every_steps == 0 or step == last_step
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], step: int) -> float:
-        """Hands this rank's shards of `state_dict` to the publisher; returns the seconds it
-        blocked (the snapshot copy, plus any wait for a free in-flight slot)."""
+    def publish(self, state_dict: Mapping[str, torch.Tensor], step: int, *, probe: Probe | None = None) -> float:
+        """Hands this rank's shards of `state_dict` (and the version's parity probe, which rank 0
+        writes) to the publisher; returns the seconds it blocked (the snapshot copy, plus any
+        wait for a free in-flight slot)."""
         t0 = time.perf_counter()
         called_unix_ms = int(time.time() * 1000)
         tensors, placements = collect_local_shards(state_dict, rank=self.rank)
-        future = self._publisher.publish(tensors, step=step, placements=placements)
+        future = self._publisher.publish(tensors, step=step, placements=placements, probe=probe)
         self._pending.append((step, future, called_unix_ms))
         return time.perf_counter() - t0
 

@@ -77,6 +77,7 @@ from weightsync.format.manifest import (
     parse_manifest,
 )
 from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
+from weightsync.format.probe import Probe
 from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
 from weightsync.format.write_format import WriteFormat
 from weightsync.metrics import NULL_METRICS, Metrics
@@ -311,6 +312,7 @@ class _Job:
     previous: _Job | None = None  # the job accepted just before: commits wait for it
     progress: Callable[[int], None] | None = None
     changes: dict = dataclasses.field(default_factory=dict)  # {name: {chunk start: ctx changes}}, device_diff
+    probe: dict | None = None  # the parity probe's manifest form (producer["probe"])
     future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once this job and every earlier one has finished, committed or failed."""
@@ -378,8 +380,12 @@ class Publisher:
         step: int | None = None,
         progress: Callable[[int], None] | None = None,
         placements: Mapping[str, Placement] | None = None,
+        probe: Probe | None = None,
     ) -> cf.Future[PublishResult]:
         """Snapshots `state_dict` now; returns a Future of the committed version.
+
+        `probe`: the version's numerical-parity probe (`weightsync.format.probe`), written into
+        its manifest's producer object; a sharded publisher's committer (rank 0) writes its own.
 
         `progress`, if given, is called from a background thread with the raw bytes of each
         chunk as it is encoded and stored. `placements` (sharded publishers only) says where
@@ -387,6 +393,7 @@ class Publisher:
         """
         if self._closed:
             raise PublishError("publisher is closed")
+        probe_doc = probe.to_json() if probe is not None else None  # a probe over its bound fails here
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if placements and self.shard is None:
@@ -410,7 +417,7 @@ class Publisher:
             with self._lock:
                 spare, self._spare = self._spare, None
                 job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
-                job.t0, job.previous, job.progress = t0, self._last_job, progress
+                job.t0, job.previous, job.progress, job.probe = t0, self._last_job, progress, probe_doc
                 if self._device_parent is not None:  # on the tensors' device, before the host copy
                     job.changes = self._device_parent.diff(
                         state_dict, planned, job.version, job.parent, self._ranges_of
@@ -689,9 +696,9 @@ class Publisher:
         )
         stats = {"changed_elements": changed, "total_elements": total}
         if self.shard is None:
-            manifest = self._commit(header, tensors, stats)
+            manifest = self._commit(header, tensors, stats, probe=job.probe)
         elif self.shard.is_committer:
-            manifest = self._commit_sharded(header, tensors, stats)
+            manifest = self._commit_sharded(header, tensors, stats, probe=job.probe)
         else:
             write_part(self.store, self.model, self.shard, header, tensors, stats)
             manifest = wait_for_commit(self.store, self.model, self.shard, version)
@@ -726,9 +733,13 @@ class Publisher:
         )
         return result
 
-    def _commit(self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]) -> Manifest:
+    def _commit(
+        self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int], *, probe: dict | None = None
+    ) -> Manifest:
         """Writes the one manifest of a version (signed if we sign) and tells the listeners."""
         producer = {"name": "weightsync", "version": __version__, "host": socket.gethostname()}
+        if probe is not None:
+            producer["probe"] = probe
         if self.config.weights_kind != "model":  # absent means "model": manifests before the field stay as they were
             producer["weights_kind"] = self.config.weights_kind
         if self.shard is not None:
@@ -767,7 +778,9 @@ class Publisher:
                 f"the publisher writes at most {allowed}"
             )
 
-    def _commit_sharded(self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int]) -> Manifest:
+    def _commit_sharded(
+        self, header: PartHeader, tensors: list[TensorEntry], stats: dict[str, int], *, probe: dict | None = None
+    ) -> Manifest:
         """Rank 0: our part, everyone's parts, one manifest — or an abort marker that every rank sees."""
         spec, version = self.shard, header.version
         write_part(self.store, self.model, spec, header, tensors, stats)
@@ -777,7 +790,7 @@ class Publisher:
             parent = read_manifest(self.store, self.model, merged_header.parent)  # VersionNotFound: it failed
             if parent.producer.get("session") != spec.session:
                 raise PublishError(f"v{merged_header.parent} was committed by another job; cannot be our parent")
-        manifest = self._commit(merged_header, merged, merged_stats)
+        manifest = self._commit(merged_header, merged, merged_stats, probe=probe)
         delete_parts(self.store, self.model, version, spec.session)
         return manifest
 

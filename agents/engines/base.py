@@ -22,6 +22,9 @@ engine is handed, so that a refused version never touches it), `state` (what it 
 it serves nothing: `EngineState`) and `verify_held` (does what it holds hash to the agent's verified
 copy of a version? `status --verify`; None from an engine that cannot report what it holds).
 
+One optional member: `prompt_logprobs(prompts, timeout_s=...)` (a `PromptLogprobs`), what the agent's
+parity probe asks after each swap (`agents/parity.py`). An engine without it is never probed.
+
 Not here: verifying, staging or fetching versions (the agent does that), the registry
 (`engines/__init__.py`), the swap policies themselves (`swap_policy.py`).
 """
@@ -98,6 +101,18 @@ class HeldReport:
     """What was hashed, for an operator: e.g. "what the vllm engine's 1 worker holds"."""
     error: str = ""
     """The first difference (or why nothing could be compared) when not `ok`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptLogprobs:
+    """An engine's answer to a parity probe (`prompt_logprobs`): what it computes for prompts."""
+
+    version: int | None
+    """The version that computed it, where the engine can say (None: the one served around the call)."""
+    logprobs: list[torch.Tensor]
+    """Per prompt: float log p(token i | tokens < i), i = 1..n-1."""
+    experts: list[torch.Tensor] | None = None
+    """MoE, where the engine exposes routing: per prompt [tokens, sparse layers, top_k] expert ids."""
 
 
 @runtime_checkable

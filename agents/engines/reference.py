@@ -55,6 +55,7 @@ from weightsync.agents.engines.base import (
     EngineState,
     HeldReport,
     Layout,
+    PromptLogprobs,
     SwapReport,
     check_fits,
     check_layout,
@@ -72,6 +73,7 @@ from weightsync.models import (
     load_pretrained,
     rope_inv_freq,
 )
+from weightsync.models.probe import run_probe
 
 logger = logging.getLogger(__name__)
 
@@ -453,6 +455,22 @@ class ReferenceEngine:
         self.metrics.prompt_tokens.inc(sum(map(len, prompt_ids)))
         self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in completions))
         return Generation(started.served, completions, restarts)
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+        """The parity probe's question (`agents/parity.py`): per prompt, the log-prob of each token
+        after the first, and for MoE models the experts each sparse layer chose per token, on the
+        served version (held for the call, like a drain-policy request). Computed by
+        `weightsync.models.probe.run_probe`, one prompt per pass, as the trainer computes it."""
+        try:
+            replica = self._replicas.get(timeout=min(timeout_s, self.config.queue_timeout_s))
+        except queue.Empty:
+            raise NotReady("every generation slot stayed busy; the parity probe waits for the next version") from None
+        try:
+            with self.lease() as served:
+                run = run_probe(replica, prompts, weights=served.weights)
+        finally:
+            self._replicas.put(replica)
+        return PromptLogprobs(version=served.version, logprobs=run.logprobs, experts=run.experts)
 
     def _running(self, record: _Record) -> _Running:
         """The state of one request starting on `record` (tests gate its steps by subclassing)."""

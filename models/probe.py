@@ -1,0 +1,103 @@
+"""probe: running a parity probe's prompts through a model — the trainer's side and the reference
+engine's side of the same computation.
+
+Both sides call `run_probe` with the same prompts, one prompt per forward pass (batch 1, the
+prompt's own length), so that where they hold the same weights in the same compute dtype they run
+the very same kernels on the very same shapes: the reference engine then matches the trainer to
+the last bits, and any difference the probe reports comes from the weights or the engine, not
+from batching. For MoE models it also records the experts each sparse layer's router chose at
+every position (top-k of the router logits, sorted ids).
+
+`default_prompts` are the fixed prompts a trainer probes with when it is given none: seeded
+random token ids, the same for every version of a run, so that figures compare across versions.
+
+Not here: the probe's format in the manifest (`weightsync.format.probe`), comparing an engine's
+answer with it (`weightsync.agents.parity`), rounding the trainer's weights to what it publishes
+(`trainer/engine.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from weightsync.format.probe import Probe, expert_positions_that_fit
+from weightsync.models.decoder import CausalLM, token_logprobs
+
+DEFAULT_PROMPTS = 4
+DEFAULT_PROMPT_TOKENS = 32
+DEFAULT_PROMPT_SEED = 20261127
+
+
+def default_prompts(
+    vocab_size: int,
+    *,
+    count: int = DEFAULT_PROMPTS,
+    length: int = DEFAULT_PROMPT_TOKENS,
+    seed: int = DEFAULT_PROMPT_SEED,
+) -> list[list[int]]:
+    """`count` prompts of `length` token ids in [0, vocab_size), the same for the same arguments."""
+    if count < 1 or length < 2 or vocab_size < 1:
+        raise ValueError(
+            f"probe prompts need count >= 1, length >= 2, vocab_size >= 1; got {count}, {length}, {vocab_size}"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=generator).tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeRun:
+    """What a model computed for a probe's prompts."""
+
+    logprobs: list[torch.Tensor]
+    """Per prompt: float32 log p(token i | tokens < i) for i = 1..n-1."""
+    experts: list[torch.Tensor] | None
+    """Per prompt: int64 [tokens, sparse layers, top_k], sorted expert ids; None for dense models."""
+
+
+@torch.no_grad()
+def run_probe(
+    model: CausalLM, prompts: Sequence[Sequence[int]], *, weights: Mapping[str, torch.Tensor] | None = None
+) -> ProbeRun:
+    """The probe's prompts through `model` (on `weights` instead of its own, if given), one
+    prompt per forward pass. Collective when `model` is sharded: every rank calls it alike."""
+    device = _device_of(model, weights)
+    logprobs, experts = [], []
+    sparse = model.config.is_moe
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        router_logits: list[torch.Tensor] | None = [] if sparse else None
+        logits = model(ids, weights=weights, router_logits=router_logits)
+        logprobs.append(token_logprobs(logits[:, :-1], ids[:, 1:])[0].float().cpu())
+        if router_logits:
+            k = model.config.num_experts_per_tok
+            chosen = [
+                logit.reshape(len(prompt), -1).float().topk(k, dim=-1).indices.sort(dim=-1).values
+                for logit in router_logits
+            ]
+            experts.append(torch.stack(chosen, dim=1).cpu())
+    return ProbeRun(logprobs=logprobs, experts=experts if sparse and experts else None)
+
+
+def _device_of(model: CausalLM, weights: Mapping[str, torch.Tensor] | None) -> torch.device:
+    if weights:
+        return next(iter(weights.values())).device
+    for parameter in model.parameters():
+        local = getattr(parameter, "_local_tensor", parameter)  # an FSDP2 DTensor's own shard
+        if local.device.type != "meta":
+            return local.device
+    return torch.device("cpu")
+
+
+def to_probe(prompts: Sequence[Sequence[int]], run: ProbeRun, *, compute_dtype: str = "float32") -> Probe:
+    """The manifest's form of a probe run (`weightsync.format.probe.Probe`). Expert choices are
+    kept for as many leading positions as fit the probe's size bound."""
+    experts = None
+    if run.experts is not None:
+        every = torch.cat(run.experts).numpy()
+        keep = expert_positions_that_fit(prompts, every.shape[1], every.shape[2])
+        experts = every[:keep]
+    logprobs = torch.cat([lp.reshape(-1) for lp in run.logprobs]).numpy()
+    return Probe(prompts=prompts, logprobs=logprobs, compute_dtype=compute_dtype, experts=experts)
