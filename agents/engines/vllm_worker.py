@@ -121,8 +121,15 @@ class WeightsyncWorkerExtension:
         tensors: dict[str, list] = {}
         unverifiable = []
         for name, param in model.named_parameters():
-            if param.numel() > 0:
-                parts = _split_to_hf(model, name, param)
+            module_name, _, pname = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            if _is_expert_weight(module, pname):
+                parts, why = _split_experts_to_hf(name, param, module)
+                if parts is None:
+                    unverifiable.append(f"{name} ({why})")
+                    continue
+            elif param.numel() > 0:
+                parts = _split_to_hf(model, name, param, module=module)
             elif name in captured:
                 parts = captured[name]
             else:
@@ -232,11 +239,13 @@ class WeightsyncWorkerExtension:
                 prefix = _names_by_module(model).get(id(layer))
                 if prefix is not None:
                     for pname, param in layer.named_parameters(recurse=False):
-                        if param.numel() > 0:
+                        if param.numel() > 0 and not _is_expert_weight(layer, pname):  # digested live
                             full = f"{prefix}.{pname}" if prefix else pname
                             self._weightsync_captured[full] = _split_to_hf(model, full, param, module=layer)
                             if getattr(self, "_weightsync_keep", False):
                                 self._weightsync_copies[full] = param.detach().clone()
+                if _is_routed_experts(layer):
+                    return _process_experts_after_reload(layer, _original, *args, **kwargs)
                 return _original(layer, *args, **kwargs)
 
             capture._weightsync_wrapped = True
@@ -287,6 +296,11 @@ def _hf_names(model: torch.nn.Module) -> list[str]:
     packed = getattr(type(model), "packed_modules_mapping", None) or {}
     names = []
     for name, _ in model.named_parameters():
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if _is_expert_weight(module, pname):
+            names += _expert_hf_names(_unwrapped(name), module)
+            continue
         name = _unwrapped(name)
         module_name, _, pname = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
@@ -359,3 +373,191 @@ def _split_to_hf(
         length = param.shape[dim]
         return {name: [dim, tp_rank * length, length, dtype, _tensor_hash(param)]}
     return {name: [-1, 0, param.shape[0] if param.dim() else 1, dtype, _tensor_hash(param)]}
+
+
+# ---------------------------------------------------------------------- MoE experts
+#
+# vLLM holds a MoE layer's experts fused, in its `RoutedExperts` module (`...mlp.experts.
+# routed_experts`): `w13_weight` [local experts, 2 * I, H] is each expert's gate_proj rows then its
+# up_proj rows, `w2_weight` [local experts, H, I] its down_proj; under tensor parallelism I is this
+# rank's slice of the checkpoint's moe_intermediate_size, under expert parallelism the local experts
+# are some of the global ones. The checkpoint names them per expert:
+# `...mlp.experts.{E}.{gate,up,down}_proj.weight`.
+#
+# The CPU kernels (`fused_moe/experts/cpu_moe.py`, CPUUnquantizedExperts) repack both tensors in
+# place into their grouped-gemm layout after loading (`cpu_prepack_moe_weight`). The repack is a
+# permutation of each expert's elements; the digest learns it from the kernel's own op (it packs
+# tensors whose elements encode their position) and undoes it, so what is hashed is what the
+# kernel multiplies by, read back into checkpoint layout, not a copy taken at load time.
+
+_EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+_CHECKPOINT_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")  # vLLM keeps [E, 2I, H] / [E, H, I] as loaded
+_PREPACK_SOURCES: dict[tuple, torch.Tensor] = {}
+
+
+def _is_routed_experts(module: torch.nn.Module) -> bool:
+    """vLLM's fused-experts module (RoutedExperts): it owns w13_weight / w2_weight and a moe_config."""
+    return hasattr(module, "moe_config") and all(
+        isinstance(getattr(module, w, None), torch.Tensor) for w in _EXPERT_WEIGHTS
+    )
+
+
+def _is_expert_weight(module: torch.nn.Module, pname: str) -> bool:
+    return pname in _EXPERT_WEIGHTS and _is_routed_experts(module)
+
+
+def _expert_prefix(name: str) -> str:
+    """`model.layers.0.mlp.experts.routed_experts.w13_weight` -> `model.layers.0.mlp.experts`, the
+    checkpoint's prefix of that layer's experts."""
+    module_name = name.rpartition(".")[0]
+    return module_name.removesuffix(".routed_experts")
+
+
+def _expert_projections(module: torch.nn.Module, pname: str) -> tuple[str, ...]:
+    if pname == "w2_weight":
+        return (getattr(module, "ckpt_down_proj_name", "down_proj"),)
+    return (getattr(module, "ckpt_gate_proj_name", "gate_proj"), getattr(module, "ckpt_up_proj_name", "up_proj"))
+
+
+def _expert_hf_names(name: str, module: torch.nn.Module) -> list[str]:
+    """The checkpoint tensors a fused expert parameter is loaded from, for every global expert (the
+    names a version must publish, whichever experts this rank holds)."""
+    prefix, pname = _expert_prefix(name), name.rpartition(".")[2]
+    experts = int(getattr(module, "global_num_experts", 0) or module.moe_config.num_experts)
+    return [f"{prefix}.{e}.{proj}.weight" for e in range(experts) for proj in _expert_projections(module, pname)]
+
+
+def _global_expert_ids(module: torch.nn.Module) -> list[int]:
+    """Global expert id of each local expert slot (expert parallelism: vLLM's `_expert_map` maps
+    global ids to local slots, -1 for experts another rank holds; without it, slot == id)."""
+    local = int(module.w13_weight.shape[0])
+    expert_map = getattr(module, "_expert_map", None)
+    if expert_map is None:
+        return list(range(local))
+    ids = [-1] * local
+    for global_id, slot in enumerate(expert_map.tolist()):
+        if 0 <= slot < local:
+            ids[slot] = global_id
+    if -1 in ids:
+        raise ValueError(f"expert map {expert_map.tolist()} leaves local expert slots without a global expert")
+    return ids
+
+
+def _expert_layout(module: torch.nn.Module) -> tuple[str | None, str]:
+    """How the live expert tensors are laid out: ("checkpoint", ""), ("cpu_prepacked", isa), or
+    (None, why) when weightsync cannot read them back (quantized experts, another kernel's layout)."""
+    method = getattr(module, "quant_method", None)
+    if type(method).__name__ != "UnquantizedFusedMoEMethod":
+        return None, f"experts quantized by {type(method).__name__}: no digest reads them back"
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if experts is None:
+        return "checkpoint", ""  # not processed yet: as loaded
+    if "CPUUnquantizedExperts" in {c.__name__ for c in type(experts).__mro__}:
+        if getattr(experts, "_use_zentorch", False):
+            return "checkpoint", ""  # zentorch uses the weights as loaded
+        return "cpu_prepacked", str(experts.isa)
+    backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+    if backend in _CHECKPOINT_LAYOUT_BACKENDS:
+        return "checkpoint", ""
+    return None, f"the {backend} MoE kernel's weight layout is not one weightsync reads back"
+
+
+def _prepack_sources(shape: tuple[int, int], dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """For one expert of `shape`: src such that packed.flatten()[j] == expert.flatten()[src[j]],
+    learned by packing tensors whose elements encode their own position (14 or 22 bits per pass,
+    as finite normal floats, so that no value is special to the kernel); cached per shape."""
+    key = (shape, dtype, isa)
+    if key in _PREPACK_SOURCES:
+        return _PREPACK_SOURCES[key]
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    n = shape[0] * shape[1]
+    size = torch.empty(0, dtype=dtype).element_size()
+    if size == 2:
+        bits, base, int_dtype = 14, 0x0400, torch.int16  # 0x0400..0x43FF: normal in bf16 and fp16
+    elif size == 4:
+        bits, base, int_dtype = 22, 0x00800000, torch.int32  # normal fp32
+    else:
+        raise ValueError(f"no way to learn the CPU MoE repack of {dtype} experts")
+    position = torch.arange(n, dtype=torch.int64)
+    src = torch.zeros(n, dtype=torch.int64)
+    shift = 0
+    while shift == 0 or (n - 1) >> shift:
+        digit = ((position >> shift) & ((1 << bits) - 1)) + base
+        packed = cpu_prepack_moe_weight(digit.to(int_dtype).view(dtype).reshape(1, *shape), isa)
+        src |= (packed.reshape(-1).view(int_dtype).to(torch.int64) - base) << shift
+        shift += bits
+    if not torch.equal(torch.sort(src).values, position):
+        raise ValueError(f"the CPU MoE repack ({isa}) of a {list(shape)} expert is not a permutation")
+    _PREPACK_SOURCES[key] = src
+    return src
+
+
+def _split_experts_to_hf(name: str, param: torch.Tensor, module: torch.nn.Module) -> tuple[dict | None, str]:
+    """({hf_name: [dim, start, length, dtype, xxh3]}, "") for each expert's gate/up (w13_weight) or
+    down (w2_weight) slice this rank holds, read from the live tensor the kernel uses; (None, why)
+    when its layout is one weightsync cannot read back."""
+    layout, detail = _expert_layout(module)
+    if layout is None:
+        return None, detail
+    pname = name.rpartition(".")[2]
+    prefix = _expert_prefix(_unwrapped(name))
+    config = module.moe_config
+    tp_rank, tp_size = int(getattr(config, "tp_rank", 0)), int(getattr(config, "tp_size", 1))
+    hidden = int(getattr(config, "hidden_dim_unpadded", None) or param.shape[-1 if pname == "w13_weight" else -2])
+    inter = int(getattr(config, "intermediate_size_per_partition_unpadded", None) or 0)
+    # the held (maybe padded) intermediate width: half of w13's rows, w2's columns
+    held_inter = param.shape[1] // 2 if pname == "w13_weight" else param.shape[2]
+    inter = inter or held_inter
+    dtype = str(param.dtype).removeprefix("torch.")
+    src = _prepack_sources(tuple(param.shape[1:]), param.dtype, detail) if layout == "cpu_prepacked" else None
+    flat = param.detach().reshape(param.shape[0], -1)
+    out: dict[str, list] = {}
+    for slot, expert in enumerate(_global_expert_ids(module)):
+        if src is None:
+            weight = param[slot]
+        else:
+            weight = torch.empty_like(flat[slot])
+            weight[src] = flat[slot]
+            weight = weight.view(param.shape[1:])
+        if pname == "w13_weight":
+            gate_name, up_name = (f"{prefix}.{expert}.{proj}.weight" for proj in _expert_projections(module, pname))
+            pieces = {gate_name: weight[:inter, :hidden], up_name: weight[held_inter : held_inter + inter, :hidden]}
+            dim = 0
+        else:
+            (down,) = _expert_projections(module, pname)
+            pieces = {f"{prefix}.{expert}.{down}.weight": weight[:hidden, :inter]}
+            dim = 1
+        for hf_name, piece in pieces.items():
+            out[hf_name] = [dim if tp_size > 1 else -1, tp_rank * inter, inter, dtype, _tensor_hash(piece)]
+    return out, ""
+
+
+def _process_experts_after_reload(layer: torch.nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Runs vLLM's post-load step of a fused-experts layer, then the experts kernel's own one where
+    vLLM skipped it.
+
+    vLLM 0.32's UnquantizedFusedMoEMethod calls `fused_experts.process_weights_after_loading` (the
+    CPU kernels' repack into their grouped-gemm layout) only on the first load; on an in-place reload
+    it copies the new weights into the kernel's tensors unpacked, and the CPU kernel then reads
+    checkpoint-layout bytes as packed ones (measured: greedy tokens of the same weights reloaded
+    differ from a fresh server's). Where that step did not run during a reload, it is run here, on
+    the freshly loaded layer, as a first load runs it."""
+    experts = getattr(getattr(layer.quant_method, "moe_kernel", None), "fused_experts", None)
+    if experts is None:  # first load: vLLM runs every step
+        return original(layer, *args, **kwargs)
+    ran = []
+    step = experts.process_weights_after_loading
+
+    def flagged(*a: Any, **kw: Any) -> Any:
+        ran.append(True)
+        return step(*a, **kw)
+
+    experts.process_weights_after_loading = flagged
+    try:
+        result = original(layer, *args, **kwargs)
+    finally:
+        del experts.process_weights_after_loading  # back to the class's method
+    if not ran:
+        step(layer)
+    return result
