@@ -20,6 +20,10 @@ What it keeps of SGLang:
 - `GET /get_model_info`, `GET /get_weight_version`, `GET /health`; an unknown route is 404, a
   known route with the wrong method 405 (FastAPI's answers).
 
+- `POST /generate` with `"return_logprob": true` and `logprob_start_len` 0 answers meta_info
+  `input_token_logprobs`, [[logprob, token id, null], ...] with null for the first token, as
+  SGLang does; computed by weightsync.models' decoder on the loaded weights in float32.
+
 What it adds for tests (not in SGLang): meta_info "weight_versions_used" (every version a
 request's steps ran on), `hold` (a request with `"hold": true` in sampling_params stops after its
 first step until `release()`), `fail_next_loads`, `lose_next_replies` (the load happens, the
@@ -36,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from weightsync.models import load_pretrained
+from weightsync.models import CausalLM, load_pretrained, rope_inv_freq
+from weightsync.models.probe import run_probe
 
 _ROUTES = {
     "/generate": ("POST", "PUT"),
@@ -55,7 +60,7 @@ class SGLangContractServer:
 
     def __init__(self, model_path: str | Path, *, weight_version: str = "default") -> None:
         self.model_path = str(model_path)
-        _, self.weights = load_pretrained(self.model_path)
+        self.architecture, self.weights = load_pretrained(self.model_path)
         self.weight_version = weight_version
         self.calls: list[tuple[str, str, dict]] = []  # (method, route, body)
         self.fail_next_loads: list[str] = []  # messages: the next loads fail with them
@@ -148,6 +153,12 @@ class SGLangContractServer:
             self._release_reader()
         with self._cond:
             version = self.weight_version
+            weights = self.weights
+        meta = {}
+        if body.get("return_logprob"):
+            if int(body.get("logprob_start_len", -1)) != 0:
+                raise ValueError("the contract server answers input logprobs from logprob_start_len 0 only")
+            meta["input_token_logprobs"] = _input_logprobs(self.architecture, weights, input_ids)
         return {
             "text": "",
             "output_ids": output_ids,
@@ -158,6 +169,7 @@ class SGLangContractServer:
                 "prompt_tokens": len(input_ids),
                 "completion_tokens": len(output_ids),
                 "weight_versions_used": used,
+                **meta,
             },
         }
 
@@ -310,6 +322,18 @@ class SGLangContractServer:
                 self.wfile.write(data)
 
         return Handler
+
+
+def _input_logprobs(architecture, weights: dict[str, torch.Tensor], ids: list[int]) -> list[list]:
+    """SGLang's input_token_logprobs: [logprob, id, text] per prompt token, None for the first."""
+    with torch.device("meta"):
+        model = CausalLM(architecture)
+    model.inv_freq = rope_inv_freq(architecture)
+    floats = {n: t.float() for n, t in weights.items()}
+    run = run_probe(model, [ids], weights=floats)
+    return [[None, ids[0], None]] + [
+        [float(lp), t, None] for lp, t in zip(run.logprobs[0].tolist(), ids[1:], strict=True)
+    ]
 
 
 def _next_token(weights: dict[str, torch.Tensor], ids: list[int]) -> int:

@@ -61,7 +61,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ from safetensors.torch import save_file
 from weightsync.agents.engines.base import (
     EngineState,
     Layout,
+    PromptLogprobs,
     SwapReport,
     check_fits,
     check_layout,
@@ -274,6 +275,31 @@ class SGLangEngine:
 
     def served_version(self) -> int | None:
         return self._served
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+        """The parity probe's question (`agents/parity.py`): per prompt, SGLang's log-prob of each
+        prompt token after the first (POST /generate with input_ids, return_logprob and
+        logprob_start_len 0: meta_info.input_token_logprobs), with the weight_version that
+        answered. SGLang does not report its routing: no expert choices."""
+        logprobs, versions = [], set()
+        for prompt in prompts:
+            body = {
+                "input_ids": [int(t) for t in prompt],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+            reply = self._call("POST", "/generate", body, timeout_s)
+            if reply.status != 200:
+                raise SGLangError(f"POST {self.config.url}/generate for the parity probe: {_describe(reply)}")
+            meta = reply.doc().get("meta_info") or {}
+            entries = meta.get("input_token_logprobs")
+            if not isinstance(entries, list) or len(entries) != len(prompt):
+                raise SGLangError(f"SGLang answered no input_token_logprobs for a {len(prompt)}-token probe prompt")
+            logprobs.append(torch.tensor([float(e[0]) for e in entries[1:]], dtype=torch.float32))
+            versions.add(str(meta.get("weight_version")))
+        served = versions.pop() if len(versions) == 1 else None
+        return PromptLogprobs(version=int(served) if served is not None and served.isdigit() else -1, logprobs=logprobs)
 
     def wait_unused(self, version: int, timeout_s: float) -> bool:
         return True  # swap wrote the tensors to disk; nothing here refers to the agent's memory

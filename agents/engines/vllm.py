@@ -66,7 +66,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ from weightsync.agents.engines.base import (
     EngineState,
     HeldReport,
     Layout,
+    PromptLogprobs,
     SwapReport,
     check_fits,
     check_layout,
@@ -279,6 +280,43 @@ class VllmEngine:
             time.perf_counter() - started,
         )
         return SwapReport(version=version, pause_s=resumed - t_pause, total_s=time.perf_counter() - started)
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+        """The parity probe's question (`agents/parity.py`): per prompt, vLLM's log-prob of each
+        prompt token after the first (POST /v1/completions with the token ids, prompt_logprobs 0,
+        one generated token), on whatever the server serves. vLLM does not expose its routing:
+        no expert choices. The version is the one served before and after the calls (a swap in
+        between makes the answer unusable: the agent drops it)."""
+        if self.weights_kinds == ("adapter",):
+            raise WeightsyncError(
+                "an adapter-serving vLLM engine answers no parity probe (versions of adapters carry none)"
+            )
+        before = self._served
+        model = self._served_model_name()
+        logprobs = []
+        for prompt in prompts:
+            body = {"model": model, "prompt": [int(t) for t in prompt], "max_tokens": 1, "temperature": 0.0}
+            reply = self._post("/v1/completions", body | {"prompt_logprobs": 0}, timeout_s=timeout_s)
+            entries = ((reply.get("choices") or [{}])[0]).get("prompt_logprobs")
+            if not isinstance(entries, list) or len(entries) != len(prompt):
+                raise WeightsyncError(f"vLLM answered no prompt logprobs for a {len(prompt)}-token probe prompt")
+            values = []
+            for i, entry in enumerate(entries[1:], start=1):
+                candidate = (entry or {}).get(str(prompt[i]))
+                if candidate is None:
+                    raise WeightsyncError(f"vLLM's prompt logprobs lack probe token {i}")
+                values.append(float(candidate["logprob"]))
+            logprobs.append(torch.tensor(values, dtype=torch.float32))
+        version = before if self._served == before else -1
+        return PromptLogprobs(version=version, logprobs=logprobs)
+
+    def _served_model_name(self) -> str:
+        """The model name requests must give (the first of GET /v1/models: --served-model-name)."""
+        cards = self._get("/v1/models").get("data") or []
+        bases = [c.get("id") for c in cards if not c.get("parent")]
+        if not bases:
+            raise WeightsyncError(f"vLLM at {self.config.url} lists no model in /v1/models")
+        return bases[0]
 
     def served_version(self) -> int | None:
         return self._served if self._healthy else None

@@ -27,8 +27,10 @@ from harness.sglang_contract_server import SGLangContractServer
 from weightsync.agents.engines import open_engine
 from weightsync.agents.engines.base import Engine
 from weightsync.agents.engines.sglang import SGLangError
+from weightsync.agents.parity import compare
 from weightsync.errors import ConfigError, LayoutError, WeightsyncError
 from weightsync.models import ModelConfig, build_model, load_pretrained, save_pretrained
+from weightsync.models.probe import default_prompts, run_probe, to_probe
 
 SMALL = dict(
     vocab_size=64,
@@ -359,6 +361,20 @@ def test_contract_requests_during_a_run_of_swaps_never_mix_versions(engine, serv
         assert len(meta["weight_versions_used"]) == 1, meta
         assert meta["weight_version"] == meta["weight_versions_used"][0], meta
     assert generate(server)["meta_info"]["weight_version"] == "6"
+
+
+def test_contract_the_parity_probe_reads_sglangs_input_logprobs(engine, server):
+    """The engine answers a parity probe with what the server computes on the version it serves;
+    the trainer's forward on the same bf16 weights in float32 computes the same to ~1e-6."""
+    weights = make_weights(3)
+    engine.swap(3, weights, digest="d3")
+    prompts = default_prompts(SMALL["vocab_size"], count=2, length=9)
+    answer = engine.prompt_logprobs(prompts)
+    assert answer.version == 3 and answer.experts is None
+    trainer = build_model(ModelConfig(**SMALL))
+    want = run_probe(trainer, prompts, weights={n: t.float() for n, t in weights.items()})
+    max_abs, mean_kl, _, tokens = compare(to_probe(prompts, want), answer.logprobs, None)
+    assert tokens == 16 and max_abs <= 1e-6 and mean_kl <= 1e-9
 
 
 def test_contract_flush_cache_is_refused_while_requests_are_pending(server):

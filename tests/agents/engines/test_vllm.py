@@ -31,6 +31,9 @@ vh.require_vllm()
 
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
+from weightsync.agents.parity import compare
+from weightsync.models import build_model, load_config
+from weightsync.models.probe import default_prompts, run_probe, to_probe
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400]]
 
@@ -135,6 +138,25 @@ def test_greedy_text_follows_the_weights_and_matches_a_fresh_server(engine, serv
             VllmEngine(VllmEngineConfig(url=fresh.url))
     assert [a["token_ids"] for a in after] == [e["token_ids"] for e in expected]
     assert [a["prompt_logprobs"] for a in after] == [e["prompt_logprobs"] for e in expected]
+
+
+def test_the_parity_probe_measures_vllm_against_the_trainers_forward(engine, published, model_dir, capsys):
+    """The agent's parity probe on vLLM (bf16 kernels) against the trainer's forward on the same
+    published weights in float32: the measured gap is printed, and held to the bound the
+    sampling tests use (0.08)."""
+    store, _ = published
+    weights, digest = read_version(store, 2)
+    engine.swap(2, weights, digest=digest)
+    architecture = load_config(model_dir)
+    prompts = default_prompts(architecture.vocab_size, count=4, length=32)
+    trainer = build_model(architecture)
+    probe = to_probe(prompts, run_probe(trainer, prompts, weights={n: t.float() for n, t in weights.items()}))
+    answer = engine.prompt_logprobs(prompts)
+    assert answer.version == 2 and answer.experts is None
+    max_abs, mean_kl, _, tokens = compare(probe, answer.logprobs, None)
+    with capsys.disabled():
+        print(json.dumps({"vllm_parity": {"max_abs_dlogprob": max_abs, "mean_kl": mean_kl, "tokens": tokens}}))
+    assert tokens == 4 * 31 and max_abs <= 0.08 and mean_kl <= 1e-3
 
 
 def test_clients_hammering_completions_during_continuous_swaps_see_no_errors(engine, server, published):
