@@ -174,6 +174,7 @@ class Worker:
             batch.targets,
             lambda lp: sum_datum_losses(command.loss_fn, command.loss_config, lp, batch),
             backward=not command.forward_only,
+            token_mask=batch.token_mask,
         )
         outputs = [
             (
@@ -185,14 +186,19 @@ class Worker:
             )
             for row, (i, length) in enumerate(zip(mine, batch.lengths, strict=True))
         ]
-        loss_sum = result.loss.detach().double().reshape(1).cpu()
+        aux = result.metrics.get("moe/aux_loss")  # this rank's share (MoE models that train)
+        sums = torch.stack([result.loss.detach(), aux if aux is not None else torch.zeros_like(result.loss)])
+        sums = sums.double().cpu()
         if self.world_size > 1:
-            dist.all_reduce(loss_sum)
+            dist.all_reduce(sums)
         gathered = self._gather(outputs)
         if gathered is None:
             return None
         ordered = [out for _, out in sorted(gathered, key=lambda pair: pair[0])]
-        return ordered, {"loss:sum": float(loss_sum)}
+        metrics = {"loss:sum": float(sums[0])}
+        if aux is not None:  # the SDK folds chunked calls by the name's suffix: a mean over calls
+            metrics["moe/aux_loss:mean"] = float(sums[1])
+        return ordered, metrics
 
     def _gather(self, items: list) -> list | None:
         """Every rank's list, concatenated on rank 0 (None elsewhere)."""

@@ -92,6 +92,7 @@ class MicroBatch:
     advantages: torch.Tensor | None  # (batch,) float32
     sampler_logprobs: torch.Tensor | None  # (batch, tokens) float32
     sampler_steps: torch.Tensor  # (batch,) int64, -1 where unknown
+    token_mask: torch.Tensor | None = None  # (batch, tokens) bool, False on padding (MoE aux loss)
 
     @property
     def num_tokens(self) -> int:
@@ -140,7 +141,8 @@ def collate(examples: Sequence[Example], *, max_seq_len: int, pad_multiple: int 
             logprobs[i, :n] = e.sampler_logprobs[1:]
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32) if all(policy) else None
     sampler_steps = torch.tensor([-1 if e.sampler_step is None else e.sampler_step for e in examples])
-    return MicroBatch(input_ids, targets, weights, advantages, logprobs, sampler_steps)
+    token_mask = torch.arange(width) < torch.tensor([len(e) - 1 for e in examples])[:, None]
+    return MicroBatch(input_ids, targets, weights, advantages, logprobs, sampler_steps, token_mask)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -160,6 +162,13 @@ class DatumBatch:
     targets: torch.Tensor  # (rows, tokens) int64
     lengths: tuple[int, ...]  # each datum's token count (no entry for a padding-only row)
     inputs: tuple[dict[str, torch.Tensor], ...]  # each datum's float inputs, target_tokens aside
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """(rows, tokens) bool: True on the datums' tokens, False on padding (MoE aux loss)."""
+        lengths = list(self.lengths) + [0] * (self.input_ids.shape[0] - len(self.lengths))
+        lengths_t = torch.tensor(lengths, device=self.input_ids.device)
+        return torch.arange(self.input_ids.shape[1], device=self.input_ids.device) < lengths_t[:, None]
 
 
 def collate_datums(data: Sequence[Datum], device: torch.device) -> DatumBatch:

@@ -20,6 +20,7 @@ frozen and packed in 4/8 bits) is a new case of `_adapt`: once, for every front 
 What it does once built:
 
     forward_backward  a batch through the model, loss_fn(per-token log-probs), backward of the loss
+                      (plus, for MoE models, the router's load-balancing loss)
     clip_gradients    the global gradient norm, clipped
     optimizer_step    AdamW with the given hyper-parameters, then the gradients are cleared
     save / load       DCP checkpoint of model, optimizer and the step count (checkpoint.py)
@@ -36,8 +37,10 @@ Not here: the loop (train.py), the Training API's commands (commands.py), the lo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -52,10 +55,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
 from weightsync.models import packed as packing
+from weightsync.models.moe import SparseMoeBlock
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
-from weightsync.trainer.losses import LossSums
+from weightsync.trainer.losses import LossSums, load_balancing_share, router_load
 from weightsync.trainer.optim import AdamWParams, build_optimizer, set_hyperparameters
 from weightsync.trainer.parallel import (
     apply_activation_checkpointing,
@@ -133,20 +137,66 @@ class TrainingEngine:
         divisor: torch.Tensor | float | None = None,
         sync_gradients: bool = True,
         backward: bool = True,
+        token_mask: torch.Tensor | None = None,
+        step_tokens: torch.Tensor | float | None = None,
     ) -> tuple[torch.Tensor, L]:
         """Forward of a batch, `loss_fn(per-token log-probs)`, and (unless `backward` is False)
         backward of its loss * dp_size / divisor, accumulating into the gradients. Returns the
         log-probs (detached) and what loss_fn returned. `sync_gradients=False` keeps this
-        call's gradients local (a micro-batch before the last)."""
+        call's gradients local (a micro-batch before the last).
+
+        MoE models (router_aux_loss_coef > 0) add coef * the router's load-balancing loss to
+        what is backpropagated, and report its value (without the coef) in the returned metrics
+        as "moe/aux_loss", times `divisor` like every loss sum (so the caller's division by its
+        weight total gives it back). The loss is a mean over routed rows (real tokens x MoE
+        layers; `token_mask`, (batch, tokens) bool, False on padding; None: every position),
+        with this weighting (losses.load_balancing_share):
+
+        - the expert fractions F_e are those of this call's batch on *every* rank (one
+          all-reduce of N+1 numbers), and each rank adds only its own rows' terms: the reduced
+          gradient does not depend on how the batch is cut over the ranks (2 ranks = 1 rank);
+        - each row weighs 1 / (the rows of the whole step): `step_tokens` is the real tokens of
+          every micro-batch on every rank (None: this call's), so k micro-batches add up to a
+          token-weighted mean of their losses. F_e stays per micro-batch (exact over the whole
+          step it would need every micro-batch routed before the first backward), so the
+          gradient still depends on the micro-batch cut through F_e, as in Megatron-LM and HF.
+
+        The Training API passes no step_tokens: each call adds coef * the load-balancing loss
+        of its own batch, whatever the SDK-side loss normalisation."""
         if backward:
             set_gradient_sync(self.model, sync_gradients)
-        with torch.set_grad_enabled(backward):
+        aux_coef = self.config.router_aux_loss_coef if self.config.is_moe and backward else 0.0
+        with torch.set_grad_enabled(backward), _recording_router_logits(self.model, aux_coef > 0) as router_logits:
             logprobs = token_logprobs(self.model(input_ids), targets)
             result = loss_fn(logprobs)
+            aux = None
+            if router_logits:
+                mask = token_mask if token_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+                aux = self._load_balancing_share(router_logits, mask.to(input_ids.device), step_tokens)
+                unit = 1.0 if divisor is None else divisor
+                result = dataclasses.replace(result, metrics={**result.metrics, "moe/aux_loss": aux.detach() * unit})
             if backward:
                 scale = self.dp_size if divisor is None else self.dp_size / divisor
-                (result.loss * scale).backward()
+                total = result.loss * scale
+                if aux is not None:  # already a mean: only FSDP's average over the ranks to undo
+                    total = total + aux_coef * self.dp_size * aux
+                total.backward()
         return logprobs.detach(), result
+
+    def _load_balancing_share(
+        self, router_logits: list[torch.Tensor], token_mask: torch.Tensor, step_tokens: torch.Tensor | float | None
+    ) -> torch.Tensor:
+        """This rank's share of the step's load-balancing loss (see forward_backward)."""
+        c = self.config
+        load = router_load(router_logits, token_mask, num_experts=c.num_experts, top_k=c.num_experts_per_tok)
+        counts = torch.cat([load.picks, load.rows.reshape(1)])
+        if self.dp_size > 1:  # the mesh spans the world (parallel.build_mesh): the default group is the dp group
+            dist.all_reduce(counts)
+        picks, rows = counts[:-1], counts[-1]
+        total_rows = (
+            rows if step_tokens is None else torch.as_tensor(step_tokens, dtype=torch.float32) * len(router_logits)
+        )
+        return load_balancing_share(load, picks, rows, total_rows.to(rows.device))
 
     def logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs, without gradients (what the frozen reference model is for)."""
@@ -225,6 +275,31 @@ class TrainingEngine:
         if dist.get_rank() == 0:
             save_pretrained(directory, self.config, state, dtype=dtype)
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _recording_router_logits(model: CausalLM, enabled: bool) -> Iterator[list[torch.Tensor]]:
+    """Collects each MoE layer's router logits, in layer order, while the block is active (an
+    empty list when not `enabled`).
+
+    Forward hooks on the routers rather than `CausalLM.forward(router_logits=list)`: FSDP2's
+    pre-forward of each sharded layer rebuilds its arguments once they hold a tensor that
+    requires grad (to register its post-backward hook), so from the second layer on the layers
+    appended to a copy of the list and only the first MoE layer's logits came back."""
+    logits: list[torch.Tensor] = []
+    if not enabled:
+        yield logits
+        return
+    hooks = [
+        module.gate.register_forward_hook(lambda _module, _args, output: logits.append(output))
+        for module in model.modules()
+        if isinstance(module, SparseMoeBlock)
+    ]
+    try:
+        yield logits
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _build_model(

@@ -12,6 +12,13 @@ base layer's plus `.lora_A.weight` / `.lora_B.weight`, so DCP checkpoints carry 
 Targets (the SDK's LoraConfig): train_attn -> q/k/v/o_proj, train_mlp -> gate/up/down_proj,
 train_unembed -> lm_head (a model with tied embeddings has no lm_head module: refused).
 
+On a Mixture-of-Experts model, train_mlp adapts what every token goes through: the router
+(`mlp.gate`), Qwen2-MoE's shared expert (`mlp.shared_expert.{gate,up,down}_proj`) and the dense
+layers' MLPs. The experts (`mlp.experts.E.{gate,up,down}_proj`, most of the model) stay frozen,
+which is what lets them be stored packed in a LoRA run; `train_experts` (not in the SDK's
+LoraConfig) adapts them too. The shared expert's 1-row gate (`mlp.shared_expert_gate`) stays
+frozen: a rank-r adapter of it would be larger than the weight.
+
 Merging for engines that serve plain weights: W' = W + scale * B A. On FSDP2 dim-0 shards the
 rows of W and B are cut alike, so each rank merges its own rows with the whole (small) A.
 
@@ -37,6 +44,9 @@ from weightsync.models import ModelConfig
 LORA_ALPHA = 32.0
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+ROUTER = "gate"
+"""A MoE layer's router: `model.layers.N.mlp.gate` (a dense MLP's `gate_proj` is another name)."""
+EXPERTS = "experts"
 SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
@@ -50,12 +60,15 @@ class LoraSettings:
     train_unembed: bool = True
     seed: int | None = None
     """Seed of the adapters' initial A (None: 0)."""
+    train_experts: bool = False
+    """MoE models: adapters on every expert's gate/up/down_proj too (train_mlp alone adapts the
+    router, the shared expert and dense MLPs; the experts stay frozen)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
-        if not (self.train_attn or self.train_mlp or self.train_unembed):
-            raise ConfigError("LoRA needs at least one of train_attn, train_mlp, train_unembed")
+        if not (self.train_attn or self.train_mlp or self.train_unembed or self.train_experts):
+            raise ConfigError("LoRA needs at least one of train_attn, train_mlp, train_unembed (or train_experts)")
 
     @property
     def scale(self) -> float:
@@ -68,20 +81,34 @@ def check_fits(config: ModelConfig, settings: LoraSettings) -> None:
         raise ConfigError(
             "train_unembed needs a separate lm_head, but this model ties its embeddings; set train_unembed=False"
         )
+    if settings.train_experts and not config.is_moe:
+        raise ConfigError(
+            f"train_experts needs a Mixture-of-Experts model, but this one is {config.model_type!r}; "
+            "set train_experts=False"
+        )
 
 
 def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
     """Module names (as in named_modules) of the linear layers that get adapters."""
     check_fits(model.config, settings)
-    wanted = (ATTN if settings.train_attn else ()) + (MLP if settings.train_mlp else ())
     names = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+        name for name, module in model.named_modules() if isinstance(module, nn.Linear) and _is_target(name, settings)
     ]
     if settings.train_unembed:
         names.append("lm_head")
     return names
+
+
+def _is_target(name: str, settings: LoraSettings) -> bool:
+    """Whether the linear layer `name` gets an adapter (the module docstring's rules)."""
+    parts = name.split(".")
+    if EXPERTS in parts[:-1]:  # mlp.experts.E.gate_proj: an expert (never the shared_expert)
+        return settings.train_experts and parts[-1] in MLP
+    if parts[-1] in ATTN:
+        return settings.train_attn
+    if parts[-1] in MLP or (parts[-1] == ROUTER and parts[-2:-1] == ["mlp"]):
+        return settings.train_mlp
+    return False
 
 
 def attach(model: nn.Module, settings: LoraSettings) -> list[str]:

@@ -27,6 +27,16 @@ per token of one datum, with the datum's named inputs:
 A custom loss (the SDK's `forward_backward_custom`) needs nothing here: the SDK runs the user's
 loss on the client and sends its gradient back as cross_entropy weights.
 
+MoE models add the router's load-balancing loss (the Switch loss of `models.moe`) to either
+front end's loss, in a form that splits over micro-batches and ranks (`router_load`, then
+`load_balancing_share` of each part; the engine sums the expert counts over the ranks between
+the two). Over R routed rows (real tokens x MoE layers), N experts, k slots:
+
+    aux = N * sum_e F_e * P_e,    F_e = (top-k picks of e) / R,    P_e = (sum_r p_re) / R
+
+F_e carries no gradient, so aux is a sum over rows of N * sum_e F_e * p_re / R: each part of a
+batch contributes its own rows' terms, with the F_e and R of the whole.
+
 Not here: the forward pass and backward (engine.py), checking a request's loss inputs (the
 Training API's front end, `weightsync.app.training.wire`), reduction across ranks.
 """
@@ -34,7 +44,7 @@ Training API's front end, `weightsync.app.training.wire`), reduction across rank
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -219,3 +229,46 @@ def sum_datum_losses(name: str, config: Mapping[str, float], logprobs: torch.Ten
         total = total + losses.sum()
         per_token.append(losses.detach())
     return LossSums(total, {}, tuple(per_token))
+
+
+# ------------------------------------------------------------ the MoE router's auxiliary loss
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterLoad:
+    """How one batch was routed, over every MoE layer; a row is a (real token, MoE layer) pair."""
+
+    prob_sums: torch.Tensor
+    """(experts,) the sum over rows of each expert's router probability (carries the graph)."""
+    picks: torch.Tensor
+    """(experts,) how many of the rows' top-k slots picked each expert (fp32, no graph)."""
+    rows: torch.Tensor
+    """() the number of rows (fp32)."""
+
+
+def router_load(
+    router_logits: Sequence[torch.Tensor], token_mask: torch.Tensor, *, num_experts: int, top_k: int
+) -> RouterLoad:
+    """The routing of a batch: `router_logits` has each MoE layer's (batch * tokens, experts)
+    logits (what `CausalLM.forward(..., router_logits=[])` collects), `token_mask` (batch, tokens)
+    is False on padding, which the loss ignores (as HF's attention mask does)."""
+    if not router_logits:
+        raise ValueError("router_load needs the router logits of at least one MoE layer")
+    keep = token_mask.reshape(-1).repeat(len(router_logits))
+    probs = torch.softmax(torch.cat([t.float() for t in router_logits])[keep], dim=-1)
+    with torch.no_grad():
+        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        picks = torch.bincount(chosen, minlength=num_experts).float()
+    return RouterLoad(probs.sum(dim=0), picks, torch.tensor(float(probs.shape[0]), device=probs.device))
+
+
+def load_balancing_share(
+    load: RouterLoad, picks: torch.Tensor, rows: torch.Tensor, total_rows: torch.Tensor | float
+) -> torch.Tensor:
+    """This batch's share of the load-balancing loss (see the module docstring): its rows' terms,
+    with F_e = picks / rows from the batch it is part of (`picks`, `rows`: summed over the ranks)
+    and divided by `total_rows`, the rows of everything the loss is a mean over. One batch on one
+    rank with picks = load.picks and rows = total_rows = load.rows: `models.moe.load_balancing_loss`."""
+    num_experts = load.prob_sums.shape[0]
+    fraction = picks / rows.clamp_min(1.0)
+    return num_experts * torch.sum(fraction * load.prob_sums) / torch.as_tensor(total_rows).clamp_min(1.0)

@@ -14,9 +14,11 @@ A step: the global batch (global_batch_size examples over all data-parallel rank
 into micro-batches per rank; gradients accumulate over them and are reduce-scattered only
 after the last. Losses are sums over weighted tokens divided by the weight of the whole global
 batch (one scalar all-reduce before the forward passes), so 1 rank and N ranks, 1 and k
-micro-batches, compute the same objective. Then: one all-reduce of the metric sums, gradient
-clipping (global norm), the guard's verdict, the optimizer step (or not), publish, checkpoint,
-and one JSON metrics line on rank 0.
+micro-batches, compute the same objective (an MoE model adds its router's load-balancing
+loss, a mean over the global batch's real tokens, logged as "moe/aux_loss": see
+TrainingEngine.forward_backward). Then: one all-reduce of the metric sums, gradient clipping
+(global norm), the guard's verdict, the optimizer step (or not), publish, checkpoint, and one
+JSON metrics line on rank 0.
 
 Not here: the model, forward/backward, the optimizer step and DCP save/load (engine.py), how
 shards are published (publish.py).
@@ -60,6 +62,11 @@ def load_initial_weights(spec: ModelSpec, *, rank: int) -> tuple[ModelConfig, di
     if rank != 0:
         return spec.architecture, None
     return spec.architecture, build_model(spec.architecture, seed=spec.init_seed).state_dict()
+
+
+def _real_tokens(mb: MicroBatch) -> int:
+    """Positions that are not padding (every position of a batch collated without a mask)."""
+    return mb.num_tokens if mb.token_mask is None else int(mb.token_mask.sum())
 
 
 class Trainer:
@@ -134,9 +141,16 @@ class Trainer:
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
         """Accumulates gradients of the global-token-mean loss; returns the reduced metrics."""
-        local_weight = torch.stack([mb.loss_weights.sum() for mb in micro_batches]).sum().to(self.device)
-        global_weight = local_weight.clone()
-        dist.all_reduce(global_weight)
+        # One all-reduce: the loss weight of the whole global batch, and its real tokens (an MoE
+        # router's load-balancing loss is a mean over them; engine.forward_backward).
+        totals = torch.stack(
+            [
+                torch.stack([mb.loss_weights.sum() for mb in micro_batches]).sum(),
+                torch.tensor(float(sum(_real_tokens(mb) for mb in micro_batches))),
+            ]
+        ).to(self.device)
+        dist.all_reduce(totals)
+        global_weight, step_tokens = totals[0], totals[1]
         # Each micro-batch's loss sum over the weight of the whole global batch: the accumulated
         # gradient is that of the global token mean, reduced across ranks after the last one.
         divisor = global_weight.clamp_min(torch.finfo(torch.float32).tiny)
@@ -150,6 +164,8 @@ class Trainer:
                 lambda logprobs, mb=mb: compute_loss(self.config.loss, logprobs, mb, self.reference_logprobs(mb)),
                 divisor=divisor,
                 sync_gradients=i == last,
+                token_mask=mb.token_mask,
+                step_tokens=step_tokens,
             )
             for name, value in {"loss": result.loss.detach(), **result.metrics}.items():
                 sums[name] = sums.get(name, 0.0) + value
