@@ -107,10 +107,15 @@ class _Servicer:
 
 
 def status_to_proto(status: dict) -> sync_pb2.StatusReply:
-    nested = ("ledger", "broken", "engine_state", "verification")
+    nested = ("ledger", "broken", "engine_state", "verification", "parity")
     reply = sync_pb2.StatusReply(**{k: v for k, v in status.items() if k not in nested})
     for entry in status["ledger"]:
-        reply.ledger.add(**entry)
+        parity = entry.get("parity")
+        reply.ledger.add(**{k: v for k, v in entry.items() if k != "parity"})
+        if parity:
+            reply.ledger[-1].parity.CopyFrom(sync_pb2.ParityReport(**parity))
+    if status.get("parity"):
+        reply.parity.CopyFrom(sync_pb2.ParityReport(**status["parity"]))
     for broken in status["broken"]:
         reply.broken.add(**broken)
     reply.engine_state.CopyFrom(sync_pb2.EngineState(**status["engine_state"]))

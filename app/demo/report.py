@@ -37,6 +37,7 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
                     "path": entry.path,
                     "bytes_fetched": entry.bytes_fetched,
                     "timings_s": dict(entry.timings_s),
+                    "parity": _parity(entry),
                 }
     rows = []
     for version in list_versions(store, config.model):
@@ -68,6 +69,10 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
                 # Each agent's ledger timings: drain (waiting for requests on the buffer to be
                 # rebuilt), push_wait, fetch, gather, apply, swap, total, since_offer.
                 "agent_timings_s": {name: a["timings_s"] for name, a in agents.items()},
+                # The parity probe per agent (agents/parity.py): the engine's log-probs for the
+                # version's probe prompts against the trainer's; None where it had not run yet.
+                "probe_bytes": len(json.dumps(manifest.producer["probe"])) if "probe" in manifest.producer else 0,
+                "parity": {name: a["parity"] for name, a in agents.items()},
             }
         )
     rewards = sorted(
@@ -95,6 +100,7 @@ def build_report(config, root: Path, store, statuses: dict, queue) -> dict[str, 
         "reward_last": last,
         "rollout_groups": counts,
         "staleness": _staleness(config, rows, metrics, rewards),
+        "parity": _parity_summary(rows),
     }
 
 
@@ -150,6 +156,37 @@ def _table(rows: list[dict], agents: list[str]) -> list[str]:
         "swap pause any agent's clients saw; stale: mean staleness in steps of the rollouts trained on)"
     )
     return lines
+
+
+def _parity_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over every version and agent: how many probes ran, the worst figures, the breaches."""
+    reports = [p for row in rows for p in row["parity"].values() if p is not None]
+    mismatch = [p["expert_mismatch"] for p in reports if p["expert_mismatch"] is not None]
+    return {
+        "probes": len(reports),
+        "max_abs_dlogprob": max((p["max_abs_dlogprob"] for p in reports), default=None),
+        "mean_kl_max": max((p["mean_kl"] for p in reports), default=None),
+        "expert_mismatch_max": max(mismatch, default=None),
+        "breaches": sum(p["action"] != "ok" for p in reports),
+        "probe_s_median": statistics.median(p["probe_s"] for p in reports) if reports else None,
+        "probe_bytes_max": max((row["probe_bytes"] for row in rows), default=0),
+    }
+
+
+def _parity(entry) -> dict[str, Any] | None:
+    """A ledger entry's parity report (status proto), as summary.json shows it."""
+    if not entry.HasField("parity"):
+        return None
+    p = entry.parity
+    return {
+        "engine": p.engine,
+        "max_abs_dlogprob": p.max_abs_dlogprob,
+        "mean_kl": p.mean_kl,
+        "expert_mismatch": p.expert_mismatch if p.HasField("expert_mismatch") else None,
+        "tokens": p.tokens,
+        "probe_s": p.probe_s,
+        "action": p.action,
+    }
 
 
 def write_plot(summary: dict, path: Path) -> Path | None:

@@ -9,6 +9,7 @@ Each torchrun launch costs seconds, so one launch runs a whole suite of small jo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -20,6 +21,10 @@ import pytest
 import torch
 
 from harness.bits import assert_bit_equal
+from weightsync.agents.parity import compare
+from weightsync.format.probe import probe_from_json
+from weightsync.models import ModelConfig, build_model
+from weightsync.models.probe import run_probe
 from weightsync.reader import Reader
 from weightsync.stores import LocalStore
 from weightsync.versions import list_versions, read_manifest
@@ -194,6 +199,31 @@ def test_published_versions_equal_gathered_bf16_state(two_ranks):
         step = read_manifest(store, "tiny", version).step
         assert step == version
         assert_bit_equal(state.state_dict(), results["published_states"][step])
+
+
+def test_every_version_carries_the_trainers_parity_probe(two_ranks):
+    """Each version's parity probe, computed by the 2-rank FSDP2 forward on the weights rounded as
+    published, equals what one plain model computes on the published tensors in float32: what
+    a correct float32 engine answers (agents/parity.py), to the last bits."""
+    out, results = two_ranks
+    store = LocalStore(out / "store")
+    spec = {k: v for k, v in _scenario_model().items() if k != "init_seed"}
+    model = build_model(ModelConfig(**spec))
+    for version in list_versions(store, "tiny"):
+        manifest = read_manifest(store, "tiny", version)
+        probe = probe_from_json(manifest.producer["probe"])
+        assert len(probe.prompts) == 4 and {len(p) for p in probe.prompts} == {32}
+        published = {n: t.float() for n, t in results["published_states"][manifest.step].items()}
+        run = run_probe(model, probe.prompts, weights=published)
+        max_abs, mean_kl, _, _ = compare(probe, run.logprobs, None)
+        assert max_abs <= 1e-6 and mean_kl <= 1e-9, (version, max_abs)
+
+
+def _scenario_model() -> dict:
+    spec = importlib.util.spec_from_file_location("trainer_scenarios", SCENARIOS)
+    scenarios = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scenarios)
+    return dict(scenarios.BASE["train"]["model"])
 
 
 def test_killed_rank_leaves_no_partial_version_and_restart_resumes(tmp_path):

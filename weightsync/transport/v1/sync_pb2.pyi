@@ -80,7 +80,7 @@ class StatusRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
-    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason", "applied_early")
+    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason", "applied_early", "parity")
     class TimingsSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class LedgerEntry(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     APPLIED_EARLY_FIELD_NUMBER: _ClassVar[int]
+    PARITY_FIELD_NUMBER: _ClassVar[int]
     version: int
     outcome: str
     path: str
@@ -116,7 +117,30 @@ class LedgerEntry(_message.Message):
     route: str
     route_reason: str
     applied_early: int
-    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ..., applied_early: _Optional[int] = ...) -> None: ...
+    parity: ParityReport
+    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ..., applied_early: _Optional[int] = ..., parity: _Optional[_Union[ParityReport, _Mapping]] = ...) -> None: ...
+
+class ParityReport(_message.Message):
+    __slots__ = ("version", "engine", "max_abs_dlogprob", "mean_kl", "expert_mismatch", "tokens", "probe_s", "breaches", "action")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_DLOGPROB_FIELD_NUMBER: _ClassVar[int]
+    MEAN_KL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_S_FIELD_NUMBER: _ClassVar[int]
+    BREACHES_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    engine: str
+    max_abs_dlogprob: float
+    mean_kl: float
+    expert_mismatch: float
+    tokens: int
+    probe_s: float
+    breaches: _containers.RepeatedScalarFieldContainer[str]
+    action: str
+    def __init__(self, version: _Optional[int] = ..., engine: _Optional[str] = ..., max_abs_dlogprob: _Optional[float] = ..., mean_kl: _Optional[float] = ..., expert_mismatch: _Optional[float] = ..., tokens: _Optional[int] = ..., probe_s: _Optional[float] = ..., breaches: _Optional[_Iterable[str]] = ..., action: _Optional[str] = ...) -> None: ...
 
 class BrokenVersion(_message.Message):
     __slots__ = ("version", "digest", "error", "failures", "first_failed_unix_ms", "retry_in_s")
@@ -169,7 +193,7 @@ class Verification(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., hashed: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken", "engine_state", "verification", "unhealthy")
+    __slots__ = ("agent", "region", "model", "current_version", "current_digest", "target_version", "ledger", "last_error", "engine", "peers", "started_unix_ms", "served_digest", "broken", "engine_state", "verification", "unhealthy", "parity", "refused")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +210,8 @@ class StatusReply(_message.Message):
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    PARITY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     agent: str
     region: str
     model: str
@@ -202,4 +228,6 @@ class StatusReply(_message.Message):
     engine_state: EngineState
     verification: Verification
     unhealthy: str
-    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., unhealthy: _Optional[str] = ...) -> None: ...
+    parity: ParityReport
+    refused: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent: _Optional[str] = ..., region: _Optional[str] = ..., model: _Optional[str] = ..., current_version: _Optional[int] = ..., current_digest: _Optional[str] = ..., target_version: _Optional[int] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., last_error: _Optional[str] = ..., engine: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., served_digest: _Optional[str] = ..., broken: _Optional[_Iterable[_Union[BrokenVersion, _Mapping]]] = ..., engine_state: _Optional[_Union[EngineState, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., unhealthy: _Optional[str] = ..., parity: _Optional[_Union[ParityReport, _Mapping]] = ..., refused: _Optional[_Iterable[int]] = ...) -> None: ...
