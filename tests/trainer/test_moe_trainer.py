@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from weightsync.models import ModelConfig, build_model, token_logprobs
 from weightsync.models.moe import load_balancing_loss
 from weightsync.trainer import lora
 from weightsync.trainer.config import load_job_config
+from weightsync.trainer.data import Datum, Example, collate, collate_datums
 from weightsync.trainer.losses import load_balancing_share, router_load
 
 SCENARIOS = Path(__file__).with_name("moe_scenarios.py")
@@ -74,6 +76,18 @@ def test_padding_is_not_routed_into_the_loss():
     load = router_load(logits, mask, num_experts=8, top_k=2)
     assert load.rows == 13 * 2 and load.picks.sum() == 13 * 2 * 2
     assert torch.allclose(load_balancing_share(load, load.picks, load.rows, load.rows), want)
+
+
+def test_batches_mark_their_padding():
+    examples = [
+        Example(tokens=[1, 2, 3, 4, 5], loss_weights=[0, 0, 1, 1, 1]),
+        Example(tokens=[1, 2], loss_weights=[0, 1]),
+    ]
+    mb = collate(examples, max_seq_len=16, pad_multiple=8)
+    assert mb.token_mask.tolist() == [[True] * 4 + [False] * 4, [True] + [False] * 7]
+    datums = [Datum(np.arange(3), {"target_tokens": np.arange(3), "weights": np.ones(3, dtype=np.float32)})]
+    assert collate_datums(datums, torch.device("cpu")).token_mask.tolist() == [[True] * 3]
+    assert collate_datums([], torch.device("cpu")).token_mask.tolist() == [[False]]  # a rank without datums
 
 
 # ------------------------------------------------------------------------------- LoRA
