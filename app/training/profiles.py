@@ -2,11 +2,12 @@
 
 A profile fixes, for one model: where its weights come from (an HF-style directory, or an
 architecture initialised from a seed), the parallel layout (ranks; torchrun starts that many),
-precision, optimizer-state CPU offload, activation checkpointing, and the sampler deployment
-(engine type: "reference" in the server, or "vllm" with the URL of a vLLM server the user runs,
-which `--vllm-url` may give instead; and whether it gets merged weights or adapter-only versions). They ship as TOML
-files in `app/training/profiles/`; `--profile NAME` (or `NAME@VERSION` to pin one) picks one,
-and a client may then pass the profile's name as `base_model`.
+precision, how a MoE's frozen experts are held, optimizer-state CPU offload, activation
+checkpointing, and the sampler deployment (engine type: "reference" in the server, or "vllm" with
+the URL of a vLLM server the user runs, which `--vllm-url` may give instead; and whether it gets
+merged weights or adapter-only versions). They ship as TOML files in `app/training/profiles/`;
+`--profile NAME` (or `NAME@VERSION` to pin one) picks one, and a client may then pass the
+profile's name as `base_model`.
 
 A change to a profile's meaning is a new version, never an edit of the old one: a run started
 on `demo-lm@1` keeps meaning the same thing.
@@ -49,6 +50,9 @@ class Profile:
     activation_checkpointing: bool
     sampler_engine: str
     sampler_weights: str
+    frozen_experts: str | None = None
+    """MoE models: the format their frozen routed experts are held in (`--frozen-experts`); None:
+    fp32 master weights that train like the rest."""
     sampler_url: str | None = None
     """The vLLM server's base URL for sampler engine "vllm" (a deployment detail: `--vllm-url`
     gives or overrides it)."""
@@ -95,6 +99,7 @@ def parse_profile(doc: dict[str, Any], *, where: str) -> Profile:
             mixed_precision=parallel.get("mixed_precision", "none"),
             cpu_offload=bool(parallel.get("cpu_offload")),
             activation_checkpointing=bool(parallel.get("activation_checkpointing")),
+            frozen_experts=parallel.get("frozen_experts"),
             sampler_engine=sampler.get("engine", "reference"),
             sampler_weights=sampler.get("weights", "merged"),
             sampler_url=sampler.get("url"),

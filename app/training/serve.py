@@ -89,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward"
     )
     parser.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
+    parser.add_argument(
+        "--frozen-experts",
+        default=None,
+        metavar="FORMAT",
+        help="Mixture-of-Experts models: hold the routed experts frozen in FORMAT (int4, int4:GROUP, "
+        "int8 or bf16; weightsync.models.packed), dequantized on the fly, so a LoRA run fits a large "
+        "MoE; full fine-tuning then trains all but the experts (default: experts are fp32 master "
+        "weights that train like the rest)",
+    )
     parser.add_argument("--long-poll-s", type=float, default=10.0, help="how long retrieve_future waits")
     parser.add_argument(
         "--gap-timeout-s",
@@ -145,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
         profile = resolve_profile(args.profile, model_dir=args.profile_model_dir)
         args.cpu_offload, args.activation_checkpointing = profile.cpu_offload, profile.activation_checkpointing
-        args.mixed_precision = profile.mixed_precision
+        args.mixed_precision, args.frozen_experts = profile.mixed_precision, profile.frozen_experts
         args.sampler_engine = args.sampler_engine or profile.sampler_engine
         args.vllm_url = args.vllm_url or profile.sampler_url
         args.sampler_weights = args.sampler_weights or profile.sampler_weights
@@ -159,10 +168,18 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "sampler engine vllm needs the vLLM server's URL: --vllm-url URL (or the profile's [sampler] url)"
         )
+    if args.frozen_experts is not None:  # every rank stops here, before the process group
+        from weightsync.models.packed import PackFormat
+
+        try:
+            PackFormat.parse(args.frozen_experts)
+        except ValueError as e:
+            raise SystemExit(f"--frozen-experts: {e}") from None
     parallel = ParallelConfig(
         cpu_offload=args.cpu_offload,
         activation_checkpointing=args.activation_checkpointing,
         mixed_precision=args.mixed_precision,
+        frozen_experts=args.frozen_experts,
     )
     runtime = init_runtime(parallel)
     mesh = build_mesh(parallel, runtime)

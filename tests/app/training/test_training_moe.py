@@ -1,7 +1,7 @@
 """A tiny Qwen3-MoE (8 experts, top-2) through the Training API and the unmodified `tinker` SDK:
 full fine-tuning (router and experts train, the sampler's weights are the trainer's bit for bit,
 its prompt log-probs those of the published weights), LoRA (the base never moves, merged weights
-bit-exact), and tinker-cookbook's math RL recipe (a GRPO-style loop) to completion with the
+bit-exact), a server that holds frozen experts in 4 bits (`--frozen-experts`), and tinker-cookbook's math RL recipe (a GRPO-style loop) to completion with the
 sampler's log-probs equal to the trainer's, so routing agrees on both sides.
 
 The dense counterparts: test_training_api.py, test_training_sampling.py, test_training_lora.py and
@@ -71,14 +71,14 @@ def service(server):
     client.close("success").result(timeout=60)  # else its heartbeat outlives the server, warning
 
 
-def sft_step(client, lr: float) -> float:
+def sft_step(client, lr: float) -> dict[str, float]:
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(TOKENS[:-1]),
         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
     )
     out = client.forward_backward([datum], "cross_entropy")
     client.optim_step(types.AdamParams(learning_rate=lr)).result()
-    return out.result().metrics["loss:sum"]
+    return out.result().metrics
 
 
 def trainer_state(server, client, name: str, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -104,8 +104,11 @@ def test_full_fine_tuning_trains_router_and_experts_and_samples_the_published_we
 ):
     config, base = load_pretrained(model_dir, dtype=torch.float32)
     client = service.create_lora_training_client(base_model=model_dir, rank=0).result()
-    losses = [sft_step(client, lr=1e-2) for _ in range(10)]
+    metrics = [sft_step(client, lr=1e-2) for _ in range(10)]
+    losses, aux = [m["loss:sum"] for m in metrics], [m["moe/aux_loss:mean"] for m in metrics]
     print("MoE full fine-tuning loss:sum per step:", [round(x, 3) for x in losses])
+    print("MoE full fine-tuning moe/aux_loss:mean per step:", [round(x, 4) for x in aux])
+    assert all(0 < x < 2 * EXPERTS for x in aux), aux  # top_k (2) when balanced; k * num_experts bounds it
     assert losses[-1] < losses[0] / 2, losses
     path = client.save_weights_for_sampler("sft").result().path
     sampler = service.create_sampling_client(model_path=path).result()
@@ -141,8 +144,8 @@ def test_full_fine_tuning_trains_router_and_experts_and_samples_the_published_we
 
 def test_lora_on_moe_leaves_the_base_and_publishes_bit_exact_merged_weights(server, service, model_dir, tmp_path):
     _, base = load_pretrained(model_dir, dtype=torch.float32)
-    client = service.create_lora_training_client(base_model=model_dir, rank=2).result()
-    losses = [sft_step(client, lr=1e-2) for _ in range(6)]
+    client = service.create_lora_training_client(base_model=model_dir, rank=2, seed=0).result()
+    losses = [sft_step(client, lr=1e-2)["loss:sum"] for _ in range(6)]
     print("MoE LoRA loss:sum per step:", [round(x, 3) for x in losses])
     assert losses[-1] < losses[0], losses
     path = client.save_weights_for_sampler("lora").result().path
@@ -150,9 +153,11 @@ def test_lora_on_moe_leaves_the_base_and_publishes_bit_exact_merged_weights(serv
     state = trainer_state(server, client, "lora", tmp_path)
 
     adapted = sorted(k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight"))
+    # Attention and the routers adapt; the experts (most of a MoE) stay frozen, as trainer/lora.py says.
     for layer in range(LAYERS):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            assert f"model.layers.{layer}.self_attn.{proj}" in adapted, adapted
+        for target in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate"):
+            assert f"model.layers.{layer}.{target}" in adapted, adapted
+    assert not [name for name in adapted if ".experts." in name], adapted
     for name, tensor in base.items():
         assert torch.equal(state[name], tensor), name  # the base weights never move
     scale = LORA_ALPHA / 2
@@ -165,6 +170,40 @@ def test_lora_on_moe_leaves_the_base_and_publishes_bit_exact_merged_weights(serv
         assert torch.equal(served[name], tensor.to(torch.bfloat16)), name
     tokens = sampler.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=3)).result()
     assert len(tokens.sequences[0].tokens) >= 1
+
+
+def test_a_server_with_frozen_experts_holds_them_packed_and_samples_what_it_computes(model_dir, tmp_path):
+    """`--frozen-experts int4:32`: every model on the server holds its routed experts in 4 bits
+    (models/packed.py). A LoRA run trains (attention and routers adapt), a full fine-tuning run
+    trains all but the experts, and both publish the experts as the trainer computes with them
+    (the int4 values in bf16, not the base weights), bit for bit."""
+    from weightsync.models.packed import PackFormat, dequantize, pack
+
+    fmt = PackFormat.parse("int4:32")
+    _, base = load_pretrained(model_dir, dtype=torch.float32)
+    experts = {name: dequantize(pack(w, fmt), fmt) for name, w in base.items() if ".experts." in name}
+    assert len(experts) == LAYERS * EXPERTS * 3 and any(not torch.equal(w, base[n]) for n, w in experts.items())
+    with TrainingServer(tmp_path / "state", extra_args=("--frozen-experts", str(fmt))) as server:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        try:
+            lora = service.create_lora_training_client(base_model=model_dir, rank=2, seed=0).result()
+            full = service.create_lora_training_client(base_model=model_dir, rank=0).result()
+            for client in (lora, full):
+                losses = [sft_step(client, lr=1e-2)["loss:sum"] for _ in range(6)]
+                print("MoE int4-experts loss:sum per step:", [round(x, 3) for x in losses])
+                assert losses[-1] < losses[0], losses
+                path = client.save_weights_for_sampler("packed").result().path
+                served = published(server, client, 1)
+                for name, want in experts.items():
+                    assert torch.equal(served[name], want), name
+                assert moved(base, served, "model.layers.0.self_attn.q_proj.weight")
+                sampler = service.create_sampling_client(model_path=path).result()
+                result = sampler.sample(
+                    types.ModelInput.from_ints(TOKENS[:6]), 1, types.SamplingParams(max_tokens=2)
+                ).result()
+                assert len(result.sequences[0].tokens) >= 1
+        finally:
+            service.close("success").result(timeout=60)
 
 
 def test_math_rl_recipe_runs_unmodified_on_the_moe(server, model_dir, tmp_path):
