@@ -14,6 +14,8 @@ swings hit every format alike:
 - step time: forward/backward, clip and AdamW of each step, mean and median over the steps after
   `--warmup`, and their ratios to bf16 experts (on a shared machine the median is the figure to
   read: other tenants' bursts land in a few steps and swing the mean);
+- published experts: whether what each packed engine publishes for its experts after the last
+  step is, bit for bit, the dequantized packing of the initial weights (frozen: no delta bytes);
 - loss: each format's loss at every step (data: sequences that follow a fixed random permutation
   of the vocabulary, which the adapters learn), max |loss - bf16's loss| over the steps and the
   final losses.
@@ -61,7 +63,9 @@ def main() -> None:
 
     import torch
 
+    from harness.bits import bits_equal
     from weightsync.models import ModelConfig, build_model
+    from weightsync.models.packed import PackFormat, dequantize, pack
     from weightsync.trainer.config import ParallelConfig
     from weightsync.trainer.engine import TrainingEngine
     from weightsync.trainer.lora import LoraSettings
@@ -103,6 +107,16 @@ def main() -> None:
         engines[name] = TrainingEngine.build(
             config, initial, mesh=mesh, parallel=parallel, device=runtime.device, lora=lora
         )
+
+    # What each engine publishes for its experts: the bf16 values of the packed weights (checked
+    # against packing the initial weights here on the CPU), and the same bits after every step.
+    def published_experts(engine) -> dict:
+        return {k: v.full_tensor().cpu() for k, v in engine.weights("merged").items() if ".experts." in k}
+
+    expected = {}
+    for name in FORMATS[1:]:
+        fmt = PackFormat.parse(name if name == "bf16" else f"{name}:{args.group}")
+        expected[name] = {k: dequantize(pack(initial[k], fmt), fmt) for k in published_experts(engines[name])}
     del initial
 
     memory = {}
@@ -140,6 +154,14 @@ def main() -> None:
             if step >= args.warmup:
                 times[name].append(elapsed)
 
+    parity = {
+        name: {
+            "published_equal_packed_initial": all(
+                bits_equal(v, expected[name][k]) for k, v in published_experts(engines[name]).items()
+            )
+        }
+        for name in FORMATS[1:]
+    }
     step_time = {
         name: {"mean_s": statistics.mean(values), "median_s": statistics.median(values)}
         for name, values in times.items()
@@ -162,7 +184,7 @@ def main() -> None:
         "machine": describe_machine(),
         "load_before": load_before,
         "load_after": os.getloadavg(),
-        "results": {"memory": memory, "step_time": step_time, "loss": loss},
+        "results": {"memory": memory, "step_time": step_time, "loss": loss, "published_experts": parity},
     }
     print(json.dumps(record))
     close_runtime(runtime)

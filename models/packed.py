@@ -3,10 +3,18 @@
 A LoRA run on a large MoE must fit its frozen experts in memory. `PackedLinear` stands in for an
 expert's `nn.Linear` (gate/up/down_proj) and holds its weight W (out x in) as
 
-    int8   qweight int8  (out, in)        q in [-127, 127]
-    int4   qweight uint8 (out, in / 2)    q in [-7, 7], two per byte: column 2j in the low nibble,
+    int8   qweight (out, in) bytes        q in [-127, 127], one int8 per column
+    int4   qweight (out, in / 2) bytes    q in [-7, 7], two per byte: column 2j in the low nibble,
                                           2j+1 in the high one, each stored as q + 8
     both   scales  bf16  (out, in / G)    one scale s per row and group of G input columns
+
+The qweight bytes are held as a bf16 tensor of half as many columns (little-endian 16-bit words:
+`qweight.view(torch.uint8)` gives the bytes back). bf16 is a storage type only, never computed
+with: FSDP2 before torch 2.13 cannot hold an integer parameter (`fully_shard` fails with "only
+Tensors of floating point dtype can require gradients", seen on 2.11), and bf16 is the one
+floating dtype its MixedPrecisionPolicy never casts (param_dtype is bf16 or unset here), so
+the bytes travel through sharding, all-gathers and DCP untouched, on every torch the trainer
+supports.
 
 with W ~ q * s (symmetric, absmax: s >= max |w| / qmax over the group, q = round-half-even(w /
 s)). "bf16" is the same module holding W cast to bf16 (2x smaller than the fp32 master weights,
@@ -32,8 +40,8 @@ Function that saves the packed tensors, not the dequantized weight, and dequanti
 backward: otherwise every expert's full-precision weight would sit in the activation memory
 from forward to backward, undoing the packing. Gradients reach the input only (so adapters,
 attention and router upstream train as before, in full precision); the packed tensors are
-parameters with requires_grad=False, so FSDP2 shards them with their layer like any weight
-(integer parameters are never cast by its MixedPrecisionPolicy).
+parameters with requires_grad=False, so FSDP2 shards them by rows with their layer like any
+weight (buffers would be replicated: every rank would hold every expert).
 
 Not here: which experts get packed, when, and the sharded build (trainer/engine.py `_adapt`),
 the dense model (decoder.py), the MoE block (moe.py).
@@ -100,6 +108,9 @@ class PackFormat:
         return {"bf16": 16, "int8": 8, "int4": 4}[self.kind]
 
     def check_fits(self, in_features: int, what: str = "a weight") -> None:
+        words = {"int4": 4, "int8": 2}.get(self.kind, 1)  # columns per 16-bit word of qweight
+        if in_features % words:
+            raise ConfigError(f"{what} has {in_features} input columns; {self.kind} needs a multiple of {words}")
         if self.kind != "bf16" and in_features % self.group_size:
             raise ConfigError(
                 f"{what} has {in_features} input columns, not a multiple of the group size {self.group_size}; "
@@ -135,7 +146,8 @@ def pack(weight: torch.Tensor, fmt: PackFormat) -> dict[str, torch.Tensor]:
     if fmt.kind == "int4":
         nibbles = (q + 8).to(torch.uint8).reshape(rows, cols // 2, 2)
         q = nibbles[..., 0] | (nibbles[..., 1] << 4)
-    return {"qweight": q.contiguous(), "scales": scales.to(torch.bfloat16)}  # exact: <= 5 significant bits
+    # The scales convert exactly (<= 5 significant bits); the bytes are held as bf16 words.
+    return {"qweight": q.contiguous().view(torch.bfloat16), "scales": scales.to(torch.bfloat16)}
 
 
 def _round_up(x: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
@@ -153,12 +165,13 @@ def dequantize(
     every value is a bf16 number; fp16 only while within its range)."""
     if fmt.kind == "bf16":
         return tensors["weight"].to(dtype)
-    qweight, scales = tensors["qweight"], tensors["scales"]
+    scales = tensors["scales"]
     if fmt.kind == "int4":
+        qweight = tensors["qweight"].view(torch.uint8)
         rows = qweight.shape[0]
         q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(rows, -1).to(dtype) - 8
     else:
-        q = qweight.to(dtype)
+        q = tensors["qweight"].view(torch.int8).to(dtype)
     rows, cols = q.shape
     groups = q.reshape(rows, cols // fmt.group_size, fmt.group_size) * scales.to(dtype).unsqueeze(-1)
     return groups.reshape(rows, cols)
@@ -191,7 +204,7 @@ class _DequantLinear(torch.autograd.Function):
 
 
 def _in_features(fmt: PackFormat, first: torch.Tensor) -> int:
-    return first.shape[1] * (2 if fmt.kind == "int4" else 1)
+    return first.shape[1] * (4 if fmt.kind == "int4" else 2)
 
 
 class PackedLinear(nn.Module):
@@ -233,12 +246,11 @@ def _packed_shapes(
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if fmt.kind == "bf16":
         return {"weight": ((out_features, in_features), torch.bfloat16)}
-    qweight = (
-        ((out_features, in_features // 2), torch.uint8)
-        if fmt.kind == "int4"
-        else ((out_features, in_features), torch.int8)
-    )
-    return {"qweight": qweight, "scales": ((out_features, in_features // fmt.group_size), torch.bfloat16)}
+    words = in_features // (4 if fmt.kind == "int4" else 2)  # 16-bit words of packed bytes
+    return {
+        "qweight": ((out_features, words), torch.bfloat16),
+        "scales": ((out_features, in_features // fmt.group_size), torch.bfloat16),
+    }
 
 
 # ---------------------------------------------------------------------- experts of a whole model

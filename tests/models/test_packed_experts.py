@@ -15,6 +15,7 @@ import socket
 import pytest
 import torch
 
+from harness.bits import bits_equal
 from weightsync.errors import ConfigError
 from weightsync.models import ModelConfig, build_model, token_logprobs
 from weightsync.models.packed import (
@@ -67,15 +68,16 @@ def test_dequantized_weight_is_within_half_a_step_and_packs_back_to_the_same_bit
     # again gives the same tensors, bit for bit.
     assert torch.equal(dequantize(packed, fmt, torch.float32), got.float())
     again = pack(got, fmt)
-    assert all(torch.equal(again[k], packed[k]) for k in packed)
-    assert torch.equal(pack(w, fmt)["qweight"], packed["qweight"])  # deterministic
+    assert all(bits_equal(again[k], packed[k]) for k in packed)
+    assert bits_equal(pack(w, fmt)["qweight"], packed["qweight"])  # deterministic
 
 
 def test_int4_layout_two_per_byte_low_nibble_first():
     # absmax 0.7 / 7 = 0.1, rounded up to 5 significant bits: 0.1015625; q = 7, -3, 0, 1.
     packed = pack(torch.tensor([[0.7, -0.35, 0.0, 0.1]]), PackFormat("int4", group_size=4))
     assert packed["scales"].item() == 0.1015625
-    assert packed["qweight"].tolist() == [[0x5F, 0x98]]  # (7+8) | (-3+8) << 4, (0+8) | (1+8) << 4
+    assert packed["qweight"].dtype == torch.bfloat16  # a storage type for the bytes
+    assert packed["qweight"].view(torch.uint8).tolist() == [[0x5F, 0x98]]  # (7+8) | (-3+8) << 4, (0+8) | (1+8) << 4
     assert torch.equal(
         dequantize(packed, PackFormat("int4", group_size=4)).float(),
         torch.tensor([[7.0, -3.0, 0.0, 1.0]]) * 0.1015625,
@@ -225,7 +227,7 @@ def _engine_ranks(rank: int, world: int, port: int, out: str) -> None:
     fresh = build(parallel, lora.LoraSettings(rank=4, seed=1))
     fresh.load(os.path.join(out, "ckpt"))
     results["restored_equal"] = (
-        all(torch.equal(v, after_save[k]) for k, v in local(fresh.model.state_dict()).items())
+        all(bits_equal(v, after_save[k]) for k, v in local(fresh.model.state_dict()).items())
         and after_save.keys() == local(fresh.model.state_dict()).keys()
     )
     results["restored_loss"] = step(fresh)
@@ -259,7 +261,7 @@ def test_engine_on_two_ranks_shards_publishes_and_restores_packed_experts(tmp_pa
     fmt = PackFormat("int4", group_size=32)
     expert = "model.layers.1.mlp.experts.5.up_proj.weight"
     for rank, results in enumerate(ranks):
-        assert results["packed_params"] == ["Tensor:torch.bfloat16", "Tensor:torch.uint8"]
+        assert results["packed_params"] == ["Tensor:torch.bfloat16"]
         assert results["trainable_expert_params"] == []
         first, second = results["merged"]
         assert first.keys() == second.keys() and expert in first and not any(".qweight" in k for k in first)
