@@ -18,8 +18,9 @@ answer with it (`weightsync.agents.parity`), rounding the trainer's weights to w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -59,17 +60,27 @@ class ProbeRun:
 
 @torch.no_grad()
 def run_probe(
-    model: CausalLM, prompts: Sequence[Sequence[int]], *, weights: Mapping[str, torch.Tensor] | None = None
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    recording: Callable[[], contextlib.AbstractContextManager[list[torch.Tensor]]] | None = None,
 ) -> ProbeRun:
     """The probe's prompts through `model` (on `weights` instead of its own, if given), one
-    prompt per forward pass. Collective when `model` is sharded: every rank calls it alike."""
+    prompt per forward pass. Collective when `model` is sharded: every rank calls it alike.
+    `recording`: how a sharded model hands back its router logits (a context that collects them
+    in layer order); by default the forward's `router_logits` list."""
     device = _device_of(model, weights)
     logprobs, experts = [], []
     sparse = model.config.is_moe
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-        router_logits: list[torch.Tensor] | None = [] if sparse else None
-        logits = model(ids, weights=weights, router_logits=router_logits)
+        if recording is not None and sparse:
+            with recording() as router_logits:
+                logits = model(ids)
+        else:
+            router_logits = [] if sparse else None
+            logits = model(ids, weights=weights, router_logits=router_logits)
         logprobs.append(token_logprobs(logits[:, :-1], ids[:, 1:])[0].float().cpu())
         if router_logits:
             k = model.config.num_experts_per_tok

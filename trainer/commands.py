@@ -40,7 +40,7 @@ from weightsync.trainer.lora import LoraSettings
 from weightsync.trainer.losses import sum_datum_losses
 from weightsync.trainer.optim import AdamWParams
 from weightsync.trainer.parallel import Runtime, broadcast_object
-from weightsync.trainer.publish import WeightPublisher
+from weightsync.trainer.publish import WeightPublisher, version_probe
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,9 @@ class Worker:
             publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
             loaded.publishers[command.store_model] = publisher
         failures = publisher.failures
-        publisher.publish(loaded.engine.weights(command.kind), loaded.engine.optim_steps)
+        # Adapters alone compute nothing: their versions carry no probe (the merged ones do).
+        probe = version_probe(loaded.engine, publisher.config) if command.kind != "adapter" else None
+        publisher.publish(loaded.engine.weights(command.kind), loaded.engine.optim_steps, probe=probe)
         metrics = publisher.collect(wait=True)
         if publisher.failures != failures:
             raise RuntimeError(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -52,10 +52,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
 from weightsync.models import packed as packing
 from weightsync.models.moe import SparseMoeBlock
+from weightsync.models.probe import ProbeRun, run_probe
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
@@ -202,6 +204,26 @@ class TrainingEngine:
         """Per-token log-probs, without gradients (what the frozen reference model is for)."""
         with torch.no_grad():
             return token_logprobs(self.model(input_ids), targets)
+
+    def probe(self, prompts: Sequence[Sequence[int]], *, weights_dtype: torch.dtype = torch.bfloat16) -> ProbeRun:
+        """The parity probe's prompts through the training forward (`weightsync.models.probe`), on
+        the weights as they are published: each floating-point parameter rounded to
+        `weights_dtype` for the pass and put back bit for bit after it. An engine that serves the
+        published tensors correctly in float32 then computes exactly this. Costs a copy of this
+        rank's shards for the pass. Collective: every rank calls it with the same prompts."""
+        saved = []
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+                if local.is_floating_point() and local.dtype != weights_dtype:
+                    saved.append((local, local.clone()))
+                    local.copy_(local.to(weights_dtype))
+            try:
+                # Router logits through hooks, as forward_backward records them (FSDP2 and lists).
+                return run_probe(self.model, prompts, recording=lambda: _recording_router_logits(self.model, True))
+            finally:
+                for local, original in saved:
+                    local.copy_(original)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clips the gradients to a global norm of `max_norm` (0: no clipping); returns the norm

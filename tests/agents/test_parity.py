@@ -31,6 +31,7 @@ from weightsync.agents.sync import SyncAgent
 from weightsync.errors import ConfigError, FormatError
 from weightsync.format.manifest import parse_manifest
 from weightsync.format.probe import MAX_PROBE_BYTES, Probe, probe_from_json
+from weightsync.metrics import METRICS
 from weightsync.models import ModelConfig, build_model
 from weightsync.models.probe import default_prompts, run_probe, to_probe
 from weightsync.publisher import Publisher, PublisherConfig
@@ -57,7 +58,8 @@ CORRUPT = {"dense": "lm_head.weight", "moe": "model.layers.0.mlp.gate.weight"}
 
 
 class Recorder:
-    """Metrics that remember what was set and counted (weightsync.metrics.Metrics)."""
+    """Metrics that remember what was set and counted (weightsync.metrics.Metrics), refusing
+    names that are not declared, as the Prometheus exporter does."""
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
@@ -65,10 +67,12 @@ class Recorder:
         self.lock = threading.Lock()
 
     def inc(self, name, value=1.0, **labels):
+        assert name in METRICS, name
         with self.lock:
             self.counts[name] = self.counts.get(name, 0.0) + value
 
     def set(self, name, value, **labels):
+        assert name in METRICS, name
         with self.lock:
             self.values[name] = value
 

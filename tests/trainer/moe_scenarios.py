@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.models import ModelConfig, build_model
+from weightsync.models.probe import default_prompts
 from weightsync.trainer.config import ParallelConfig, load_job_config
 from weightsync.trainer.engine import TrainingEngine
 from weightsync.trainer.lora import LoraSettings
@@ -75,6 +76,11 @@ def run_full(out: Path, results: dict) -> None:
             )
             e.optimizer_step(AdamWParams(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0))
         results["dcp_saved_next"], results["dcp_loaded_next"] = engine.full_state_dict(), fresh.full_state_dict()
+        # The parity probe through the 2-rank FSDP2 forward, with each layer's expert choices.
+        prompts = default_prompts(architecture.vocab_size, count=3, length=16)
+        results["probe_prompts"], results["probe_run"] = prompts, engine.probe(prompts)
+        results["probe_architecture"] = architecture
+        results["probe_weights"] = engine.full_state_dict()  # put back bit for bit after the probe
     finally:
         trainer.close()
 
