@@ -15,8 +15,9 @@ from weightsync.app.demo.run import DEMO_ENGINES
 from weightsync.stores import store_uri_forms
 
 
-def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.app.demo import DemoConfig, run_demo
+def demo_config(args: argparse.Namespace):
+    """The DemoConfig that `weightsync demo` with these arguments runs."""
+    from weightsync.app.demo import DemoConfig
 
     overrides = {
         k: getattr(args, k)
@@ -36,11 +37,21 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
         )
         if getattr(args, k) is not None
     }
+    if args.moe:
+        from weightsync.app.demo.run import MOE_ARCHITECTURE
+
+        overrides["architecture"] = dict(MOE_ARCHITECTURE)
     if args.quick:  # what the CI test runs: enough SFT that some samples are right (else no group teaches
         # anything and the trainer waits for rollouts: after 30 steps, reward ~0.03, it sampled ~13
         # groups per group it used; after 60, reward ~0.07, ~3.5), then two GRPO steps
         overrides = {"warmup_steps": 60, "rl_steps": 2, "group_size": 4, "groups_per_step": 2, **overrides}
-    summary = run_demo(DemoConfig(**overrides), echo=(lambda _: None) if args.json else print)
+    return DemoConfig(**overrides)
+
+
+def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.app.demo import run_demo
+
+    summary = run_demo(demo_config(args), echo=(lambda _: None) if args.json else print)
     if not summary["all_bit_exact"]:
         raise Failed(summary, "some agents do not serve the last version bit for bit")
     return summary
@@ -116,6 +127,12 @@ def _add_demo(sub) -> None:
         "--rollout-tokens",
         type=int,
         help=f"tokens each completion generates (default {default.rollout_tokens}); more: long rollouts that swaps meet",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="train and serve a tiny Qwen3-MoE (8 experts, top-2; the default model's active size) "
+        "instead of the dense Qwen3",
     )
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)

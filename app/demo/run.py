@@ -45,6 +45,15 @@ _ARCH = {  # ~0.8M parameters: learns two-digit addition on two CPU cores in a f
     "num_key_value_heads": 2,
     "tie_word_embeddings": True,
 }
+MOE_ARCHITECTURE = {  # the same active size as _ARCH (top-2 of 8 experts of width 192: an MLP of 384
+    # per token), ~2.6M parameters in all; `weightsync demo --moe`
+    **_ARCH,
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 192,
+    "norm_topk_prob": True,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -323,8 +332,8 @@ def run_demo(
             leaders.append(downstream[0])
         echo(
             f"weightsync demo: {len(agents)} agents in {config.regions} regions serving {config.model} "
-            f"({config.engine} engines, swap policy {config.swap_policy}, rollouts of {config.rollout_tokens} "
-            f"tokens); store {config.store_uri}"
+            f"({config.architecture['model_type']}; {config.engine} engines, swap policy {config.swap_policy}, "
+            f"rollouts of {config.rollout_tokens} tokens); store {config.store_uri}"
         )
 
         # -- trainer
