@@ -2,7 +2,9 @@
 own, so every chunk (the unit of encoding, storage, push and early apply) lies inside one expert,
 and an expert whose bf16 bits did not change costs no stored byte, no pushed object, no pack
 member. Checked on a real tiny Qwen3-MoE (weightsync.models), published whole and sharded over 2
-ranks (threads here, as in test_sharded_publish.py; the FSDP2 test runs real gloo ranks).
+ranks (threads here, as in test_sharded_publish.py), and through the trainer's own engine and
+WeightPublisher on 2 real FSDP2 gloo ranks: full fine-tuning, experts frozen in bf16, and experts
+frozen packed in int4 (published dequantized, the same bits every version).
 """
 
 from __future__ import annotations
@@ -206,8 +208,10 @@ def test_sharded_over_two_ranks_frozen_experts_store_nothing(tmp_store):
 
 def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
     """One gloo rank: the trainer's engine on a tiny Qwen3-MoE sharded by FSDP2, published by the
-    trainer's WeightPublisher (each rank its own dim-0 shards): v1 the initial weights, v2 after a
-    full fine-tuning step, v3 after a step with every expert frozen."""
+    trainer's WeightPublisher (each rank its own dim-0 shards). Model "moe": v1 the initial
+    weights, v2 after a full fine-tuning step, v3 after a step with every expert frozen. Model
+    "moe-int4": experts frozen and packed in 4 bits (`parallel.frozen_experts`), v1 and v2 a
+    step apart."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -218,38 +222,37 @@ def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
     from weightsync.trainer.parallel import build_mesh, close_runtime, exit_worker, init_runtime
     from weightsync.trainer.publish import WeightPublisher, collect_local_shards
 
-    parallel = ParallelConfig(device="cpu")
-    runtime = init_runtime(parallel, timeout_s=120)
+    runtime = init_runtime(ParallelConfig(device="cpu"), timeout_s=120)
     initial = build_model(TINY_MOE, seed=1).state_dict() if rank == 0 else None
-    engine = TrainingEngine.build(
-        TINY_MOE, initial, mesh=build_mesh(parallel, runtime), parallel=parallel, device=runtime.device
-    )
-    publisher = WeightPublisher(
-        PublishConfig(store=f"file://{out}/store", model="moe", publisher=CONFIG, commit_timeout_s=60),
-        rank=rank,
-        world_size=world,
-    )
     tokens = torch.randint(0, TINY_MOE.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))[rank::world]
+    saved = {}
 
-    def step() -> None:
-        engine.forward_backward(tokens[:, :-1], tokens[:, 1:], lambda lp: LossSums(-lp.sum(), {}), divisor=64.0)
-        engine.optimizer_step(AdamWParams(lr=1e-3))
+    def run(model: str, parallel: ParallelConfig, versions: int, freeze_at: int | None) -> None:
+        mesh = build_mesh(parallel, runtime)
+        engine = TrainingEngine.build(TINY_MOE, initial, mesh=mesh, parallel=parallel, device=runtime.device)
+        publisher = WeightPublisher(
+            PublishConfig(store=f"file://{out}/store", model=model, publisher=CONFIG, commit_timeout_s=60),
+            rank=rank,
+            world_size=world,
+        )
+        saved[model] = {"placements": collect_local_shards(engine.weights(), rank=rank)[1], "gathered": []}
+        for version in range(1, versions + 1):
+            if version == freeze_at:
+                for name, p in engine.model.named_parameters():
+                    p.requires_grad_(not _is_expert(name))
+                engine.optimizer = build_optimizer(engine.model)
+            if version > 1:
+                engine.forward_backward(tokens[:, :-1], tokens[:, 1:], lambda lp: LossSums(-lp.sum(), {}), divisor=64.0)
+                engine.optimizer_step(AdamWParams(lr=1e-3))
+            publisher.publish(engine.weights(), step=version)
+            publisher.collect(wait=True)
+            state = engine.full_state_dict()
+            saved[model]["gathered"].append({k: v.bfloat16() for k, v in state.items()} if rank == 0 else None)
+        publisher.close()
 
-    _, placements = collect_local_shards(engine.weights(), rank=rank)
-    gathered = []
-    for version in (1, 2, 3):
-        if version == 2:
-            step()
-        if version == 3:
-            for name, p in engine.model.named_parameters():
-                p.requires_grad_(not _is_expert(name))
-            engine.optimizer = build_optimizer(engine.model)
-            step()
-        publisher.publish(engine.weights(), step=version)
-        publisher.collect(wait=True)
-        gathered.append({k: v.bfloat16() for k, v in engine.full_state_dict().items()})
-    publisher.close()
-    torch.save({"placements": placements, "gathered": gathered if rank == 0 else None}, f"{out}/rank-{rank}.pt")
+    run("moe", ParallelConfig(device="cpu"), versions=3, freeze_at=3)
+    run("moe-int4", ParallelConfig(device="cpu", frozen_experts="int4:32"), versions=2, freeze_at=None)
+    torch.save(saved, f"{out}/rank-{rank}.pt")
     close_runtime(runtime)
     exit_worker(0)
 
@@ -271,21 +274,24 @@ def test_fsdp2_ranks_publish_their_own_expert_rows_and_frozen_experts_store_noth
     mp.start_processes(_fsdp2_rank, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=False) for r in range(2)]
     # Every expert tensor is split by rows between the ranks: rank 0 publishes the first 32 rows
-    # (elements [0, 2048)), rank 1 the rest; both publish every expert.
+    # (elements [0, 2048)), rank 1 the rest; both publish every expert, packed ones too.
     for rank, got in enumerate(ranks):
-        experts = {n: p for n, p in got["placements"].items() if _is_expert(n)}
-        assert len(experts) == 2 * 8 * 3
-        assert all(p.global_shape == (64, 64) and p.start == rank * 2048 for p in experts.values())
+        for model in ("moe", "moe-int4"):
+            experts = {n: p for n, p in got[model]["placements"].items() if _is_expert(n)}
+            assert len(experts) == 2 * 8 * 3, model
+            assert all(p.global_shape == (64, 64) and p.start == rank * 2048 for p in experts.values()), model
 
     store = LocalStore(tmp_path / "store")
     manifests = [read_manifest(store, "moe", v) for v in (1, 2, 3)]
     assert [m.kind for m in manifests] == ["full", "delta", "delta"] and manifests[1].producer["ranks"] == 2
     full_step = _stored_bytes(manifests[1])
     assert all(full_step[n] > 0 for n in full_step if _is_expert(n)), "a full fine-tuning step moves every expert"
-    gathered = ranks[0]["gathered"]
-    changed = {n for n in gathered[1] if not torch.equal(gathered[1][n], gathered[2][n])}
-    assert changed and not any(_is_expert(n) for n in changed)
-    _assert_only_named_tensors_cost_bytes(manifests[2], changed)
-    reader = Reader(store, model="moe")
-    for version, want in zip((1, 2, 3), gathered, strict=True):
-        _assert_bit_equal(reader.read(version).state_dict(), want)
+    for model, frozen_step in (("moe", 3), ("moe-int4", 2)):
+        gathered = ranks[0][model]["gathered"]
+        before, after = gathered[frozen_step - 2], gathered[frozen_step - 1]
+        changed = {n for n in after if not torch.equal(before[n], after[n])}
+        assert changed and not any(_is_expert(n) for n in changed), model
+        _assert_only_named_tensors_cost_bytes(read_manifest(store, model, frozen_step), changed)
+        reader = Reader(store, model=model)
+        for version, want in enumerate(gathered, start=1):
+            _assert_bit_equal(reader.read(version).state_dict(), want)
