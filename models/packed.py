@@ -186,7 +186,7 @@ class _DequantLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, fmt: PackFormat, names: tuple[str, ...], *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.fmt, ctx.names = fmt, names
+        ctx.fmt, ctx.names, ctx.in_features = fmt, names, x.shape[-1]
         ctx.save_for_backward(*tensors)
         if x.numel() == 0:  # an expert no token picked: no weight to unpack
             return x.new_zeros(*x.shape[:-1], tensors[0].shape[0])
@@ -199,12 +199,8 @@ class _DequantLinear(torch.autograd.Function):
             weight = dequantize(dict(zip(ctx.names, ctx.saved_tensors, strict=True)), ctx.fmt, grad.dtype)
             grad_x = grad.matmul(weight)
         elif ctx.needs_input_grad[0]:
-            grad_x = grad.new_zeros(*grad.shape[:-1], _in_features(ctx.fmt, ctx.saved_tensors[0]))
+            grad_x = grad.new_zeros(*grad.shape[:-1], ctx.in_features)
         return (grad_x, None, None, *(None for _ in ctx.saved_tensors))
-
-
-def _in_features(fmt: PackFormat, first: torch.Tensor) -> int:
-    return first.shape[1] * (4 if fmt.kind == "int4" else 2)
 
 
 class PackedLinear(nn.Module):

@@ -160,7 +160,16 @@ def test_backward_reaches_the_adapters_and_router_but_never_the_packed_experts()
     want_x = x.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(want_x, layer.dequantize(torch.float32)).pow(2).sum().backward()
     assert torch.equal(x.grad, want_x.grad)
-    assert layer(torch.zeros(0, layer.in_features)).shape == (0, layer.out_features)  # an expert nobody picked
+
+
+@pytest.mark.parametrize("text", ["bf16", "int8:32", "int4:32"])
+def test_an_expert_no_token_picked_gives_empty_outputs_and_gradients(text):
+    layer = PackedLinear(64, 32, PackFormat.parse(text))
+    x = torch.zeros(0, 64, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert x.grad.shape == (0, 64)
 
 
 def test_adapters_on_experts_cannot_sit_on_packed_weights():
