@@ -364,7 +364,10 @@ def _split_to_hf(
         whole = tp_size == 1 and rows == param.shape[0]
         piece = param.narrow(0, 0, rows)
         return {name: [-1 if whole else 0, indices.org_vocab_start_index, rows, dtype, _tensor_hash(piece)]}
-    if tp_size > 1 and hasattr(param, "input_dim") and type(module).__name__.startswith("RowParallel"):
+    classes = {c.__name__ for c in type(module).__mro__}
+    if "ReplicatedLinear" in classes:  # every rank holds all of it (e.g. the MoE router), whatever its tp_size
+        return {name: [-1, 0, param.shape[0] if param.dim() else 1, dtype, _tensor_hash(param)]}
+    if tp_size > 1 and hasattr(param, "input_dim") and "RowParallelLinear" in classes:
         dim = int(param.input_dim)
         length = param.shape[dim]
         return {name: [dim, tp_rank * length, length, dtype, _tensor_hash(param)]}

