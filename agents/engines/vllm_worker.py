@@ -11,8 +11,8 @@ A swap, in each worker:
              the network per tensor) is hashed and compared with the hashes the agent sent; this
              touches nothing served (the engine runs it before pausing); a mismatch raises
     load     (server paused) vLLM's own in-place reload (`reload_weights`), which goes through the model's
-             `load_weights`: the model fuses (`qkv_proj`, `gate_up_proj`) and shards
-             (tensor parallel) the HF-named tensors itself
+             `load_weights`: the model fuses (`qkv_proj`, `gate_up_proj`, MoE experts into
+             `w13_weight`/`w2_weight`) and shards (tensor parallel) the HF-named tensors itself
     digest   what the worker now holds, split back into HF names: for each HF tensor the slice
              this worker holds (dim, start, length), its dtype and the xxh3-128 of its bytes. The
              agent hashes the same slices of the published tensors and compares.
@@ -20,8 +20,11 @@ A swap, in each worker:
 Where the digest is read: a parameter that still holds its data after loading is hashed as it is
 served. On CPU, vLLM repacks linear weights into a kernel format (oneDNN) after loading and frees
 the parameter; those are hashed inside the reload, right before the repack, the last point where
-they exist in checkpoint layout (after fusing and sharding). A parameter of neither kind cannot be
-verified, and the load says so rather than pass.
+they exist in checkpoint layout (after fusing and sharding). MoE experts are read from the tensors
+the kernel multiplies by: the CPU MoE kernel's repack is a permutation, undone here (section "MoE
+experts" below). A parameter of none of these kinds cannot be verified, and the load says so
+rather than pass. The load also runs a step vLLM 0.32 skips when it reloads MoE experts in place
+(`_process_experts_after_reload`): without it the CPU kernel would serve unpacked weights.
 
 This module is imported inside vLLM's workers, so it runs in an inference image that has only
 torch, xxhash and safetensors: it imports those and the standard library, of weightsync only
