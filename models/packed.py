@@ -168,13 +168,27 @@ def dequantize(
     scales = tensors["scales"]
     if fmt.kind == "int4":
         qweight = tensors["qweight"].view(torch.uint8)
-        rows = qweight.shape[0]
-        q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(rows, -1).to(dtype) - 8
+        # One table lookup per byte gives both columns' q: a third of the kernels (and of the time,
+        # on a CPU) of masking, shifting, interleaving and offsetting the nibbles one op at a time.
+        q = F.embedding(qweight.int(), _int4_table(dtype, qweight.device)).reshape(qweight.shape[0], -1)
     else:
         q = tensors["qweight"].view(torch.int8).to(dtype)
     rows, cols = q.shape
     groups = q.reshape(rows, cols // fmt.group_size, fmt.group_size) * scales.to(dtype).unsqueeze(-1)
     return groups.reshape(rows, cols)
+
+
+_INT4_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _int4_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(256, 2): a byte's (low nibble - 8, high nibble - 8) in `dtype`, made once per dtype and device."""
+    table = _INT4_TABLES.get((dtype, device))
+    if table is None:
+        byte = torch.arange(256)
+        table = (torch.stack((byte & 0x0F, byte >> 4), dim=-1) - 8).to(dtype=dtype, device=device)
+        _INT4_TABLES[(dtype, device)] = table
+    return table
 
 
 # --------------------------------------------------------------------------------- the module
