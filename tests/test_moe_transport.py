@@ -206,6 +206,56 @@ def test_sharded_over_two_ranks_frozen_experts_store_nothing(tmp_store):
     )
 
 
+@pytest.mark.parametrize(
+    ("chunk_bytes", "want"),
+    [
+        # an expert (48 x 64 bf16, 6 KiB) is larger than a chunk: two 3 KiB chunks each
+        (4096, [(e * 3072 + h * 1536, e * 3072 + (h + 1) * 1536) for e in range(8) for h in range(2)]),
+        # two whole experts fit a 16 KiB chunk: chunks of two experts, never one and a half
+        (16384, [(c * 6144, (c + 1) * 6144) for c in range(4)]),
+    ],
+)
+def test_fused_experts_are_chunked_at_expert_boundaries(tmp_store, chunk_bytes, want):
+    """Experts fused in one (experts, rows, cols) tensor (torchtitan's grouped experts,
+    transformers 5 in memory): no chunk spans two experts, so one changed expert stores only its
+    own chunks, whole and in each rank's dim-0 shard."""
+    g = torch.Generator().manual_seed(0)
+    state = {"mlp.experts.gate_up_proj": torch.randn(8, 48, 64, generator=g), "mlp.gate.weight": torch.randn(8, 64)}
+    stepped = {k: v.clone() for k, v in state.items()}
+    stepped["mlp.experts.gate_up_proj"][5, 40, 3] += 0.5
+    config = PublisherConfig(chunk_bytes=chunk_bytes, workers=2)
+    changed = {c for c, (lo, hi) in enumerate(want) if lo <= 5 * 3072 + 40 * 64 + 3 < hi}
+    for world in (1, 2):
+        model = f"fused-{world}"
+        publishers = [
+            Publisher(
+                tmp_store,
+                model=model,
+                config=config,
+                shard=ShardSpec(rank=r, world_size=world, session="s", commit_timeout_s=60) if world > 1 else None,
+            )
+            for r in range(world)
+        ]
+        try:
+            for step, sd in enumerate((state, stepped)):
+                if world == 1:
+                    futures = [publishers[0].publish(sd, step=step)]
+                else:
+                    shards = [_dim0_shard(sd, r, world) for r in range(world)]
+                    futures = [
+                        p.publish(t, step=step, placements=pl) for p, (t, pl) in zip(publishers, shards, strict=True)
+                    ]
+                manifest = [f.result(timeout=60).manifest for f in futures][0]
+        finally:
+            for p in publishers:
+                p.close()
+        (entry,) = [t for t in manifest.tensors if t.name == "mlp.experts.gate_up_proj"]
+        assert [(c.start, c.stop) for c in entry.chunks] == want
+        assert {i for i, c in enumerate(entry.chunks) if c.codec != CODEC_SAME} == changed
+        got = Reader(tmp_store, model=model).read(2).state_dict()
+        _assert_bit_equal(got, {k: v.bfloat16() for k, v in stepped.items()})
+
+
 def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
     """One gloo rank: the trainer's engine on a tiny Qwen3-MoE sharded by FSDP2, published by the
     trainer's WeightPublisher (each rank its own dim-0 shards). Model "moe": v1 the initial
