@@ -15,8 +15,8 @@ The MoE is a tiny Qwen3-MoE (`--experts` experts of width `--moe-intermediate`, 
 the dense model has the same hidden size, layers and attention, and an MLP of width top_k x
 moe_intermediate: what one token computes is the same in both. Step 1 runs on a fresh AdamW
 (its first update is +-lr on every weight with a gradient); the later steps on warm moments, as
-in a long run. Per expert it reports the tokens routed to it in the step and whether any of its
-bf16 elements changed.
+in a long run. Per expert it reports the tokens routed to it in the step (prompt positions
+included, which carry no loss) and how many of its bf16 elements changed.
 
 Writes bench/results/moe-delta-<cores>cpu-<arch>-<date>.{json,md} and prints the record as one
 JSON line. Takes about a minute on 2 cores. Not here: the codec itself (bench/codec.py).
