@@ -65,12 +65,15 @@ def run_probe(
     *,
     weights: Mapping[str, torch.Tensor] | None = None,
     recording: Callable[[], contextlib.AbstractContextManager[list[torch.Tensor]]] | None = None,
+    device: torch.device | None = None,
 ) -> ProbeRun:
     """The probe's prompts through `model` (on `weights` instead of its own, if given), one
     prompt per forward pass. Collective when `model` is sharded: every rank calls it alike.
     `recording`: how a sharded model hands back its router logits (a context that collects them
-    in layer order); by default the forward's `router_logits` list."""
-    device = _device_of(model, weights)
+    in layer order); by default the forward's `router_logits` list. `device`: where the prompts
+    go (a sharded model whose shards are offloaded to the CPU computes on its device); by default
+    where the weights are."""
+    device = device or _device_of(model, weights)
     logprobs, experts = [], []
     sparse = model.config.is_moe
     for prompt in prompts:

@@ -220,7 +220,12 @@ class TrainingEngine:
                     local.copy_(local.to(weights_dtype))
             try:
                 # Router logits through hooks, as forward_backward records them (FSDP2 and lists).
-                return run_probe(self.model, prompts, recording=lambda: _recording_router_logits(self.model, True))
+                return run_probe(
+                    self.model,
+                    prompts,
+                    recording=lambda: _recording_router_logits(self.model, True),
+                    device=self.device,
+                )
             finally:
                 for local, original in saved:
                     local.copy_(original)
