@@ -137,6 +137,16 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             print(f"last error: {reply.last_error}")
         for b in reply.broken:  # never served; retried while an older good version is served
             print(f"broken v{b.version}: {b.failures} failed attempts, next in {b.retry_in_s:.1f}s: {b.error}")
+        if reply.HasField("parity"):  # the newest parity probe (docs/agents.md, "Parity probe")
+            p = reply.parity
+            routing = f", expert mismatch {p.expert_mismatch:.3g}" if p.HasField("expert_mismatch") else ""
+            verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
+            print(
+                f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL "
+                f"{p.mean_kl:.3g}{routing} over {p.tokens} tokens, {1000 * p.probe_s:.0f} ms: {verdict}"
+            )
+        if reply.refused:
+            print(f"refused by the parity probe: {', '.join(f'v{v}' for v in reply.refused)}")
         print(
             f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
             f"{'pause':>8}  path / error"

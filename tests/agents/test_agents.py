@@ -38,6 +38,7 @@ from weightsync.errors import (
     SignatureError,
     StaleVersion,
 )
+from weightsync.models.probe import default_prompts, run_probe, to_probe
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.stores import LocalStore
 from weightsync.transport.push import PushConfig, Pusher
@@ -546,15 +547,25 @@ def test_status_command_reports_the_ledger(cluster, capsys):
 
     store, agents, publisher, _ = cluster
     trainer = FakeTrainer(8)
-    version = publisher.publish(trainer.state_dict()).result().version
-    assert agents["west-2"].agent.wait_for_version(version, WAIT_S)
+    prompts = default_prompts(ARCH.vocab_size, count=2, length=8)
+    rounded = {n: t.to(torch.bfloat16).float() for n, t in trainer.state_dict().items()}
+    probe = to_probe(prompts, run_probe(trainer.model, prompts, weights=rounded))
+    version = publisher.publish(trainer.state_dict(), probe=probe).result().version
+    agent = agents["west-2"].agent
+    assert agent.wait_for_version(version, WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while (agent.status()["parity"] or {}).get("version") != version:  # the probe runs after the swap
+        assert time.monotonic() < deadline, agent.status()
+        time.sleep(0.05)
     assert main(["status", "--agent", agents["west-2"].address, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["current_version"] == str(version) or row["current_version"] == version
     assert row["ledger"][0]["outcome"] == "served" and row["region"] == "west"
+    assert row["ledger"][0]["parity"]["action"] == "ok" and row["parity"]["tokens"] == 14
     assert main(["status", "--agent", agents["west-2"].address, "--verify"]) == 0
     out = capsys.readouterr().out
     assert f"v{version}" in out and "bit-exact" in out
+    assert f"parity v{version} on reference: max |dlogprob|" in out and out.rstrip().count(": ok") >= 1
 
 
 @pytest.mark.timeout(1500)  # should the kernels not be cached yet, a low-priority compile: minutes on a busy machine
