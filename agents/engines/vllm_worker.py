@@ -535,7 +535,8 @@ def _split_experts_to_hf(name: str, param: torch.Tensor, module: torch.nn.Module
             pieces = {f"{prefix}.{expert}.{down}.weight": weight[:hidden, :inter]}
             dim = 1
         for hf_name, piece in pieces.items():
-            out[hf_name] = [dim if tp_size > 1 else -1, tp_rank * inter, inter, dtype, _tensor_hash(piece)]
+            where = [dim, tp_rank * inter, inter] if tp_size > 1 else [-1, 0, piece.shape[0]]  # a slice, or whole
+            out[hf_name] = [*where, dtype, _tensor_hash(piece)]
     return out, ""
 
 

