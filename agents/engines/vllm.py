@@ -350,7 +350,8 @@ class VllmEngine:
         what = f"what the vllm engine's {len(self.workers)} worker(s) hold" + (
             f" of adapter {self.config.lora_name!r}"
             if adapter
-            else " (parameters the CPU kernels repack: as hashed when loaded)"
+            else " (MoE experts read back from the CPU kernel's packed layout; other parameters the CPU "
+            "kernels repack: as hashed when loaded)"
         )
         with self._lock:
             if not self._healthy or self._served != version:

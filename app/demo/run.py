@@ -397,6 +397,12 @@ def run_demo(
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not reach v{latest}")
                 time.sleep(0.2)
+            # The parity probe runs after the swap: its report of the last version, for the summary.
+            probe_deadline = min(deadline, time.monotonic() + 60)
+            while "probe" in final.producer and client.status().parity.version < latest:
+                if time.monotonic() > probe_deadline:
+                    break  # an engine that does not answer probes: the summary says None
+                time.sleep(0.2)
             statuses[name] = client.status(verify=True)
         bit_exact = {name: s.served_digest == s.current_digest == final.digest for name, s in statuses.items()}
         report = build_report(config, root, store, statuses, queue)
@@ -416,6 +422,18 @@ def run_demo(
         for line in summary["table"]:
             echo(line)
         echo(summary["headline"])
+        parity = summary["parity"]
+        if parity["probes"]:
+            echo(
+                f"parity probe: {parity['probes']} probes, engine vs trainer max |dlogprob| "
+                f"{parity['max_abs_dlogprob']:.3g}, mean KL at most {parity['mean_kl_max']:.3g}"
+                + (
+                    f", expert mismatch at most {parity['expert_mismatch_max']:.3g}"
+                    if parity["expert_mismatch_max"] is not None
+                    else ""
+                )
+                + f", {parity['breaches']} breaches"
+            )
         echo(
             f"every agent serves v{latest} bit for bit: {'yes' if summary['all_bit_exact'] else 'NO'} "
             f"(each re-hashed the weights it serves). Summary: {root / 'summary.json'}"

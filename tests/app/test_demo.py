@@ -65,6 +65,12 @@ def test_the_demo_loop_runs_and_every_agent_ends_bit_exact(tmp_path):
     for name in summary["agents"]:  # the agents log each version they serve at the default level
         assert "serving v" in (tmp_path / "demo" / "logs" / f"{name}.log").read_text(), name
 
+    # Each version carries a parity probe; the agents' reference engines (bf16) answered the last one.
+    assert all(r["probe_bytes"] > 0 for r in rows)
+    assert all(p is not None and p["action"] == "ok" for p in rows[-1]["parity"].values()), rows[-1]["parity"]
+    assert summary["parity"]["breaches"] == 0 and summary["parity"]["max_abs_dlogprob"] < 0.5
+    assert any(line.startswith("parity probe: ") for line in lines)
+
     written = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert written["last_version"] == last
     assert (tmp_path / "demo" / "summary.png").stat().st_size > 0
