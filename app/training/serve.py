@@ -220,6 +220,7 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         sampler_engine=args.sampler_engine,
         vllm_url=args.vllm_url,
         sampler_weights=args.sampler_weights,
+        frozen_experts=args.frozen_experts,
     )
     service = TrainingService(config, Commander(worker))
     server = TrainingHTTPServer(

@@ -90,6 +90,10 @@ class ServiceConfig:
     "vllm" (the vLLM server at `vllm_url`, kept in sync by an agent this server attaches)."""
     vllm_url: str | None = None
     """The vLLM server's base URL for sampler_engine "vllm" (its API key: $VLLM_API_KEY)."""
+    frozen_experts: str | None = None
+    """How the trainer holds MoE models' routed experts (`--frozen-experts`, parallel.frozen_experts;
+    None: fp32 master weights). Each MoE run's run.json records it, and a checkpoint is loaded only
+    on a server that holds the experts the same way (its DCP tensors are the packed ones)."""
     sampler_weights: str = "merged"
     """What a LoRA run's sampling clients run on: "merged" (W + scale·B·A, a delta of the whole
     model each save) or "adapter" (adapter-only versions, which vLLM serves as a LoRA adapter on the
@@ -306,8 +310,27 @@ class TrainingService:
                 "base_model": record.base_model,
                 "base_dir": record.base_dir,
                 "lora": dataclasses.asdict(record.lora) if record.lora else None,
+                "frozen_experts": self._frozen_experts(record.base_dir),
             },
         )
+
+    def _frozen_experts(self, base_dir: str) -> str | None:
+        """How this server holds the routed experts of a model of `base_dir` (None: dense, or fp32)."""
+        return self.config.frozen_experts if load_config(base_dir).is_moe else None
+
+    def _check_experts_held_alike(self, run: Mapping[str, Any], path: str) -> None:
+        """A MoE checkpoint holds its experts as the server that saved it did (packed or not):
+        refuse, with the fix, to load it on a server that holds them otherwise."""
+        saved = run.get("frozen_experts")
+        if saved is None and self.config.frozen_experts is None:
+            return
+        here = self._frozen_experts(run["base_dir"])
+        if saved != here:
+            raise UserInputError(
+                f"{path} was saved by a server that holds the MoE experts as {saved or 'fp32 master weights'}, "
+                f"this one holds them as {here or 'fp32 master weights'}: load it on a server started "
+                + (f"with --frozen-experts {saved}" if saved else "without --frozen-experts")
+            )
 
     def _run_dir(self, model_id: str) -> Path:
         if "/" in model_id or model_id in ("", ".", ".."):
@@ -424,6 +447,7 @@ class TrainingService:
             self._check_open(session_id)
             model_id = f"{session_id}:train:{_field(body, 'model_seq_id', int)}"
             run = json.loads((self._run_dir(source_run) / "run.json").read_text())
+            self._check_experts_held_alike(run, path)
             base_model = body.get("base_model") or run["base_model"]
             if base_model != run["base_model"]:
                 raise UserInputError(f"base_model {base_model!r} differs from the checkpoint's {run['base_model']!r}")
@@ -442,6 +466,7 @@ class TrainingService:
         request_id = self.futures.create("load")
 
         def load() -> Outcome:
+            self._check_experts_held_alike(json.loads((self._run_dir(source_run) / "run.json").read_text()), path)
             self.commander.run(commands.LoadState(record.model_id, str(directory), with_optimizer))
             return Outcome(json={"type": "load_weights", "path": path, "model_id": record.model_id})
 

@@ -202,6 +202,19 @@ def test_a_server_with_frozen_experts_holds_them_packed_and_samples_what_it_comp
                     types.ModelInput.from_ints(TOKENS[:6]), 1, types.SamplingParams(max_tokens=2)
                 ).result()
                 assert len(result.sequences[0].tokens) >= 1
+            # A saved state (packed experts in DCP) resumes bit-identically on this server ...
+            state = lora.save_state("packed").result().path
+            want = sft_step(lora, lr=1e-2)["loss:sum"]
+            resumed = service.create_training_client_from_state_with_optimizer(state).result()
+            assert sft_step(resumed, lr=1e-2)["loss:sum"] == want
+        finally:
+            service.close("success").result(timeout=60)
+    # ... and a server that holds experts otherwise refuses it, saying how to load it.
+    with TrainingServer(tmp_path / "state") as server:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        try:
+            with pytest.raises(Exception, match="load it on a server started with --frozen-experts int4:32"):
+                service.create_training_client_from_state(state).result()
         finally:
             service.close("success").result(timeout=60)
 
