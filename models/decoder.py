@@ -342,7 +342,9 @@ class CausalLM(nn.Module):
         """Logits (batch, tokens, vocab) in fp32. `weights`: run on these tensors instead of the
         module's own (names as in `state_dict()`); the module's parameters are not touched.
         `router_logits`: a list that gets each MoE layer's router logits, in layer order (for
-        `models.moe.load_balancing_loss`)."""
+        `models.moe.load_balancing_loss`). Not through FSDP2 with gradients on: its pre-forward
+        rebuilds each sharded layer's arguments, so only the first MoE layer appends to the
+        caller's list; hook the routers there instead (trainer/engine.py)."""
         if weights is not None:
             kwargs = {"cache": cache, "router_logits": router_logits}
             return torch.func.functional_call(self, dict(weights), (input_ids,), kwargs, strict=False)
