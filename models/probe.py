@@ -8,8 +8,12 @@ the last bits, and any difference the probe reports comes from the weights or th
 from batching. For MoE models it also records the experts each sparse layer's router chose at
 every position (top-k of the router logits, sorted ids).
 
-`default_prompts` are the fixed prompts a trainer probes with when it is given none: seeded
-random token ids, the same for every version of a run, so that figures compare across versions.
+What a trainer probes with (`default_prompts` + `greedy_extend`): each prompt is one seeded random
+start token, the same for every version of a run, continued by the model's own greedy tokens. So
+every scored token is one the model finds likely, as the tokens RL samples are: a random token
+that the model gives 1e-9 is never sampled, yet its log-prob is where bf16 rounding shows most,
+and a probe of random tokens would report that noise rather than the gap that skews importance
+ratios.
 
 Not here: the probe's format in the manifest (`weightsync.format.probe`), comparing an engine's
 answer with it (`weightsync.agents.parity`), rounding the trainer's weights to what it publishes
@@ -40,9 +44,9 @@ def default_prompts(
     seed: int = DEFAULT_PROMPT_SEED,
 ) -> list[list[int]]:
     """`count` prompts of `length` token ids in [0, vocab_size), the same for the same arguments."""
-    if count < 1 or length < 2 or vocab_size < 1:
+    if count < 1 or length < 1 or vocab_size < 1:
         raise ValueError(
-            f"probe prompts need count >= 1, length >= 2, vocab_size >= 1; got {count}, {length}, {vocab_size}"
+            f"probe prompts need count >= 1, length >= 1, vocab_size >= 1; got {count}, {length}, {vocab_size}"
         )
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (count, length), generator=generator).tolist()
@@ -56,6 +60,23 @@ class ProbeRun:
     """Per prompt: float32 log p(token i | tokens < i) for i = 1..n-1."""
     experts: list[torch.Tensor] | None
     """Per prompt: int64 [tokens, sparse layers, top_k], sorted expert ids; None for dense models."""
+    prompts: list[list[int]] | None = None
+    """The token ids scored (`run_probe` records what it was given)."""
+
+
+@torch.no_grad()
+def greedy_extend(
+    model: CausalLM, prompts: Sequence[Sequence[int]], length: int, *, device: torch.device | None = None
+) -> list[list[int]]:
+    """`prompts` (all of one length) continued with `model`'s greedy tokens up to `length` tokens,
+    all prompts as one batch, the whole prefix each step (no cache: it must run through a sharded
+    model as it is). Collective when `model` is sharded: every rank calls it alike."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("greedy_extend continues prompts of one length")
+    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device or _device_of(model, None))
+    while ids.shape[1] < length:
+        ids = torch.cat([ids, model(ids)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return ids.tolist()
 
 
 @torch.no_grad()
@@ -92,7 +113,9 @@ def run_probe(
                 for logit in router_logits
             ]
             experts.append(torch.stack(chosen, dim=1).cpu())
-    return ProbeRun(logprobs=logprobs, experts=experts if sparse and experts else None)
+    return ProbeRun(
+        logprobs=logprobs, experts=experts if sparse and experts else None, prompts=[list(p) for p in prompts]
+    )
 
 
 def _device_of(model: CausalLM, weights: Mapping[str, torch.Tensor] | None) -> torch.device:

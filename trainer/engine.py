@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
 from weightsync.models import packed as packing
 from weightsync.models.moe import SparseMoeBlock
-from weightsync.models.probe import ProbeRun, run_probe
+from weightsync.models.probe import ProbeRun, greedy_extend, run_probe
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
@@ -205,12 +205,19 @@ class TrainingEngine:
         with torch.no_grad():
             return token_logprobs(self.model(input_ids), targets)
 
-    def probe(self, prompts: Sequence[Sequence[int]], *, weights_dtype: torch.dtype = torch.bfloat16) -> ProbeRun:
+    def probe(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        weights_dtype: torch.dtype = torch.bfloat16,
+        extend_to: int | None = None,
+    ) -> ProbeRun:
         """The parity probe's prompts through the training forward (`weightsync.models.probe`), on
         the weights as they are published: each floating-point parameter rounded to
         `weights_dtype` for the pass and put back bit for bit after it. An engine that serves the
-        published tensors correctly in float32 then computes exactly this. Costs a copy of this
-        rank's shards for the pass. Collective: every rank calls it with the same prompts."""
+        published tensors correctly in float32 then computes exactly this. `extend_to`: first
+        continue the prompts with the model's greedy tokens to this length (`greedy_extend`).
+        Costs a copy of this rank's shards for the pass. Collective: every rank calls it alike."""
         saved = []
         with torch.no_grad():
             for parameter in self.model.parameters():
@@ -219,6 +226,8 @@ class TrainingEngine:
                     saved.append((local, local.clone()))
                     local.copy_(local.to(weights_dtype))
             try:
+                if extend_to is not None:
+                    prompts = greedy_extend(self.model, prompts, extend_to, device=self.device)
                 # Router logits through hooks, as forward_backward records them (FSDP2 and lists).
                 return run_probe(
                     self.model,

@@ -120,14 +120,16 @@ def _owns(tensor: DTensor) -> bool:
 
 def version_probe(engine: Any, config: PublishConfig, *, compute_dtype: str = "float32") -> Probe | None:
     """The numerical-parity probe of the version about to be published (None when
-    `probe_prompts` is 0): the fixed prompts through `engine`'s training forward on the weights
-    rounded as the publisher casts them (`TrainingEngine.probe`). Collective: every rank calls it."""
+    `probe_prompts` is 0): seeded start tokens (the same every version) continued greedily to
+    `probe_tokens`, through `engine`'s training forward on the weights rounded as the publisher
+    casts them (`TrainingEngine.probe`). Collective: every rank calls it."""
     if config.probe_prompts == 0:
         return None
-    prompts = default_prompts(engine.config.vocab_size, count=config.probe_prompts, length=config.probe_tokens)
+    starts = default_prompts(engine.config.vocab_size, count=config.probe_prompts, length=1)
     cast = config.publisher.cast_floats_to
-    run = engine.probe(prompts, weights_dtype=getattr(torch, cast) if cast else torch.float32)
-    return to_probe(prompts, run, compute_dtype=compute_dtype)
+    weights_dtype = getattr(torch, cast) if cast else torch.float32
+    run = engine.probe(starts, weights_dtype=weights_dtype, extend_to=config.probe_tokens)
+    return to_probe(run.prompts, run, compute_dtype=compute_dtype)
 
 
 def make_session_id() -> str:

@@ -33,7 +33,7 @@ from weightsync.format.manifest import parse_manifest
 from weightsync.format.probe import MAX_PROBE_BYTES, Probe, probe_from_json
 from weightsync.metrics import METRICS
 from weightsync.models import ModelConfig, build_model
-from weightsync.models.probe import default_prompts, run_probe, to_probe
+from weightsync.models.probe import default_prompts, greedy_extend, run_probe, to_probe
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.stores import LocalStore
 from weightsync.versions import read_manifest_bytes
@@ -186,6 +186,17 @@ def test_expert_choices_of_a_large_moe_are_cut_to_the_bound():
     run = type("Run", (), {"logprobs": [-torch.rand(31) for _ in prompts], "experts": run_experts})()
     doc = to_probe(prompts, run).to_json()
     assert 0 < doc["expert_positions"] < 128 and len(repr(doc)) <= MAX_PROBE_BYTES + 1024
+
+
+def test_trainer_prompts_continue_greedily_from_seeded_start_tokens():
+    model = build_model(TINY, seed=3)
+    starts = default_prompts(TINY.vocab_size, count=3, length=1)
+    assert starts == default_prompts(TINY.vocab_size, count=3, length=1)  # the same every version
+    prompts = greedy_extend(model, starts, 10)
+    assert [p[:1] for p in prompts] == starts and {len(p) for p in prompts} == {10}
+    with torch.no_grad():
+        logits = model(torch.tensor(prompts))
+    assert torch.equal(logits[:, :-1].argmax(-1), torch.tensor(prompts)[:, 1:])  # each the model's own choice
 
 
 def test_the_figures():
