@@ -187,6 +187,7 @@ class VllmEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._served: int | None = None
+        self._swaps_begun = self._swaps_ended = 0  # a probe's answer counts only if no swap overlapped it
         self._healthy = True
         self._last_error: str | None = None
         self._slices: dict[int, dict[str, tuple]] = {}  # per worker: what it held at the last swap
@@ -242,6 +243,7 @@ class VllmEngine:
                     self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
                     expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
                 t_pause = time.perf_counter()
+                self._swaps_begun += 1  # from here until _swaps_ended catches up, weights may change
                 self._post(f"/pause?mode={mode}", timeout_s=self.config.drain_timeout_s)
                 paused = time.perf_counter()
                 try:
@@ -267,6 +269,7 @@ class VllmEngine:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
+                self._swaps_ended = self._swaps_begun
             self._served, self._healthy, self._last_error = version, True, None
             self._layout = None if adapter else layout_of(weights)
         timings = reports[0].get("timings_s", {})
@@ -285,13 +288,13 @@ class VllmEngine:
         """The parity probe's question (`agents/parity.py`): per prompt, vLLM's log-prob of each
         prompt token after the first (POST /v1/completions with the token ids, prompt_logprobs 0,
         one generated token), on whatever the server serves. vLLM does not expose its routing:
-        no expert choices. The version is the one served before and after the calls (a swap in
-        between makes the answer unusable: the agent drops it)."""
+        no expert choices. The version is the one served around the calls; an answer during which
+        a swap began or ran may mix versions, and is reported as version -1 (the agent drops it)."""
         if self.weights_kinds == ("adapter",):
             raise WeightsyncError(
                 "an adapter-serving vLLM engine answers no parity probe (versions of adapters carry none)"
             )
-        before = self._served
+        before = (self._served, self._swaps_begun, self._swaps_ended)
         model = self._served_model_name()
         logprobs = []
         for prompt in prompts:
@@ -307,7 +310,8 @@ class VllmEngine:
                     raise WeightsyncError(f"vLLM's prompt logprobs lack probe token {i}")
                 values.append(float(candidate["logprob"]))
             logprobs.append(torch.tensor(values, dtype=torch.float32))
-        version = before if self._served == before else -1
+        settled = before[1] == before[2] and (self._served, self._swaps_begun, self._swaps_ended) == before
+        version = before[0] if settled and before[0] is not None else -1
         return PromptLogprobs(version=version, logprobs=logprobs)
 
     def _served_model_name(self) -> str:

@@ -38,7 +38,7 @@ def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path):
     assert summary["rollout_groups"]["claimed"] > 0, "the trainer trained on rollouts sampled by vLLM"
     versions = [row["version"] for row in summary["rewards"]]
     assert versions and all(1 <= v <= last for v in versions)
-    assert any("(vllm engines," in line for line in lines)
+    assert any("; vllm engines," in line for line in lines)
     # Every agent probed what its vLLM computes against the trainer's log-probs (agents/parity.py).
     parity = summary["parity"]
     assert parity["probes"] >= 2 and parity["breaches"] == 0, parity
