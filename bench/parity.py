@@ -113,6 +113,7 @@ def run(arch: ModelConfig, versions: int) -> dict:
     step_s, probe_s, probe_bytes = [], [], []
     served = {False: [], True: []}
     reports = []
+    prompts = None
     with tempfile.TemporaryDirectory(prefix="bench-parity-") as tmp:
         root = Path(tmp)
         stores = {p: LocalStore(root / f"store-{p}") for p in (False, True)}
@@ -126,7 +127,8 @@ def run(arch: ModelConfig, versions: int) -> dict:
                 engine.optimizer_step(AdamWParams(lr=1e-5))
                 step_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                probe = version_probe(engine, publish_config)
+                probe = version_probe(engine, publish_config, prompts=prompts)
+                prompts = probe.prompts  # the first version's greedy tokens, for every later one
                 probe_s.append(time.perf_counter() - t0)
                 probe_bytes.append(len(json.dumps(probe.to_json())))
                 # A world of one: each DTensor's local shard is the whole tensor.
@@ -158,6 +160,7 @@ def run(arch: ModelConfig, versions: int) -> dict:
         "trainer": {
             "step_s": _stats(step_s[steady]),
             "probe_s": _stats(probe_s[steady]),
+            "first_probe_s": probe_s[0],  # the run's prompts: greedy tokens generated once
             "probe_over_step": statistics.median(probe_s[steady]) / statistics.median(step_s[steady]),
             "probe_bytes": probe_bytes,
         },

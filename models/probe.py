@@ -1,19 +1,19 @@
 """probe: running a parity probe's prompts through a model — the trainer's side and the reference
 engine's side of the same computation.
 
-Both sides call `run_probe` with the same prompts, one prompt per forward pass (batch 1, the
-prompt's own length), so that where they hold the same weights in the same compute dtype they run
-the very same kernels on the very same shapes: the reference engine then matches the trainer to
+Both sides call `run_probe` with the same prompts, one forward pass per prompt length (the
+prompts of a length as one batch, in a fixed order), so that where they hold the same weights in
+the same compute dtype they run the very same kernels on the very same shapes: the reference engine then matches the trainer to
 the last bits, and any difference the probe reports comes from the weights or the engine, not
 from batching. For MoE models it also records the experts each sparse layer's router chose at
 every position (top-k of the router logits, sorted ids).
 
 What a trainer probes with (`default_prompts` + `greedy_extend`): each prompt is one seeded random
-start token, the same for every version of a run, continued by the model's own greedy tokens. So
-every scored token is one the model finds likely, as the tokens RL samples are: a random token
-that the model gives 1e-9 is never sampled, yet its log-prob is where bf16 rounding shows most,
-and a probe of random tokens would report that noise rather than the gap that skews importance
-ratios.
+start token continued by the model's own greedy tokens, once per run (the first version's model);
+every later version is probed on the same tokens, so figures compare across versions. So every
+scored token is one the model finds likely, as the tokens RL samples are: a random token that the
+model gives 1e-9 is never sampled, yet its log-prob is where bf16 rounding shows most, and a
+probe of random tokens would report that noise rather than the gap that skews importance ratios.
 
 Not here: the probe's format in the manifest (`weightsync.format.probe`), comparing an engine's
 answer with it (`weightsync.agents.parity`), rounding the trainer's weights to what it publishes
@@ -89,32 +89,38 @@ def run_probe(
     device: torch.device | None = None,
 ) -> ProbeRun:
     """The probe's prompts through `model` (on `weights` instead of its own, if given), one
-    prompt per forward pass. Collective when `model` is sharded: every rank calls it alike.
+    forward pass per prompt length. Collective when `model` is sharded: every rank calls it alike.
     `recording`: how a sharded model hands back its router logits (a context that collects them
     in layer order); by default the forward's `router_logits` list. `device`: where the prompts
     go (a sharded model whose shards are offloaded to the CPU computes on its device); by default
     where the weights are."""
     device = device or _device_of(model, weights)
-    logprobs, experts = [], []
     sparse = model.config.is_moe
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    logprobs: list[torch.Tensor | None] = [None] * len(prompts)
+    experts: list[torch.Tensor | None] = [None] * len(prompts)
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    for length, group in sorted(by_length.items()):  # one pass per prompt length, in a fixed order
+        ids = torch.tensor([list(prompts[i]) for i in group], dtype=torch.long, device=device)
         if recording is not None and sparse:
             with recording() as router_logits:
                 logits = model(ids)
         else:
             router_logits = [] if sparse else None
             logits = model(ids, weights=weights, router_logits=router_logits)
-        logprobs.append(token_logprobs(logits[:, :-1], ids[:, 1:])[0].float().cpu())
+        for row, lp in zip(group, token_logprobs(logits[:, :-1], ids[:, 1:]).float().cpu(), strict=True):
+            logprobs[row] = lp
         if router_logits:
             k = model.config.num_experts_per_tok
             chosen = [
-                logit.reshape(len(prompt), -1).float().topk(k, dim=-1).indices.sort(dim=-1).values
+                logit.reshape(len(group), length, -1).float().topk(k, dim=-1).indices.sort(dim=-1).values
                 for logit in router_logits
             ]
-            experts.append(torch.stack(chosen, dim=1).cpu())
+            for row, choice in zip(group, torch.stack(chosen, dim=2).cpu(), strict=True):
+                experts[row] = choice
     return ProbeRun(
-        logprobs=logprobs, experts=experts if sparse and experts else None, prompts=[list(p) for p in prompts]
+        logprobs=logprobs, experts=experts if sparse and router_logits else None, prompts=[list(p) for p in prompts]
     )
 
 

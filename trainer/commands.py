@@ -40,7 +40,7 @@ from weightsync.trainer.lora import LoraSettings
 from weightsync.trainer.losses import sum_datum_losses
 from weightsync.trainer.optim import AdamWParams
 from weightsync.trainer.parallel import Runtime, broadcast_object
-from weightsync.trainer.publish import WeightPublisher, version_probe
+from weightsync.trainer.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class Worker:
             loaded.publishers[command.store_model] = publisher
         failures = publisher.failures
         # Adapters alone compute nothing: their versions carry no probe (the merged ones do).
-        probe = version_probe(loaded.engine, publisher.config) if command.kind != "adapter" else None
+        probe = publisher.probe(loaded.engine) if command.kind != "adapter" else None
         publisher.publish(loaded.engine.weights(command.kind), loaded.engine.optim_steps, probe=probe)
         metrics = publisher.collect(wait=True)
         if publisher.failures != failures:

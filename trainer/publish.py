@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -118,17 +118,27 @@ def _owns(tensor: DTensor) -> bool:
     return True
 
 
-def version_probe(engine: Any, config: PublishConfig, *, compute_dtype: str = "float32") -> Probe | None:
+def version_probe(
+    engine: Any,
+    config: PublishConfig,
+    *,
+    prompts: Sequence[Sequence[int]] | None = None,
+    compute_dtype: str = "float32",
+) -> Probe | None:
     """The numerical-parity probe of the version about to be published (None when
-    `probe_prompts` is 0): seeded start tokens (the same every version) continued greedily to
-    `probe_tokens`, through `engine`'s training forward on the weights rounded as the publisher
-    casts them (`TrainingEngine.probe`). Collective: every rank calls it."""
+    `probe_prompts` is 0): `prompts` through `engine`'s training forward on the weights rounded as
+    the publisher casts them (`TrainingEngine.probe`). Without `prompts`, the run's first: seeded
+    start tokens continued greedily to `probe_tokens` by this model; the caller keeps the probe's
+    `prompts` for the next versions (`WeightPublisher.probe`). Collective: every rank calls it."""
     if config.probe_prompts == 0:
         return None
-    starts = default_prompts(engine.config.vocab_size, count=config.probe_prompts, length=1)
     cast = config.publisher.cast_floats_to
     weights_dtype = getattr(torch, cast) if cast else torch.float32
-    run = engine.probe(starts, weights_dtype=weights_dtype, extend_to=config.probe_tokens)
+    if prompts is None:
+        starts = default_prompts(engine.config.vocab_size, count=config.probe_prompts, length=1)
+        run = engine.probe(starts, weights_dtype=weights_dtype, extend_to=config.probe_tokens)
+    else:
+        run = engine.probe(prompts, weights_dtype=weights_dtype)
     return to_probe(run.prompts, run, compute_dtype=compute_dtype)
 
 
@@ -184,6 +194,7 @@ class WeightPublisher:
             metrics=self.metrics,
         )
         self._pending: collections.deque[tuple[int, cf.Future, int]] = collections.deque()  # step, future, called at
+        self._probe_prompts: list[list[int]] | None = None  # the run's, set by the first probe
         self.last_version: int | None = None
         self.last_committed_step: int | None = None
         self.failures = 0
@@ -193,6 +204,14 @@ class WeightPublisher:
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.config.every_steps == 0 or step == last_step
+
+    def probe(self, engine: Any, *, compute_dtype: str = "float32") -> Probe | None:
+        """The parity probe of the version about to be published (`version_probe`), on the prompts
+        of this publisher's first probe. Collective: every rank calls it."""
+        probe = version_probe(engine, self.config, prompts=self._probe_prompts, compute_dtype=compute_dtype)
+        if probe is not None:
+            self._probe_prompts = [list(p) for p in probe.prompts]
+        return probe
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], step: int, *, probe: Probe | None = None) -> float:
         """Hands this rank's shards of `state_dict` (and the version's parity probe, which rank 0

@@ -50,7 +50,7 @@ from weightsync.trainer.guard import SpikeGuard, Verdict
 from weightsync.trainer.losses import compute_loss
 from weightsync.trainer.optim import AdamWParams, lr_at
 from weightsync.trainer.parallel import build_mesh, close_runtime, dp_rank_and_size, exit_worker, init_runtime
-from weightsync.trainer.publish import WeightPublisher, version_probe
+from weightsync.trainer.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class Trainer:
         if self.publisher.due(self.step, self.config.steps):
             t0 = time.perf_counter()
             compute_dtype = "bfloat16" if self.job.parallel.mixed_precision == "bf16" else "float32"
-            probe = version_probe(self.engine, self.config.publish, compute_dtype=compute_dtype)
+            probe = self.publisher.probe(self.engine, compute_dtype=compute_dtype)
             metrics["publish/probe_s"] = time.perf_counter() - t0
             metrics["publish/wait_s"] = self.publisher.publish(self.engine.weights(), self.step, probe=probe)
         metrics.update(self.publisher.collect())
