@@ -45,6 +45,7 @@ from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.stores import LocalStore
 from weightsync.trainer.config import ParallelConfig, PublishConfig
 from weightsync.trainer.engine import TrainingEngine
+from weightsync.trainer.losses import LossSums
 from weightsync.trainer.optim import AdamWParams
 from weightsync.trainer.parallel import build_mesh, init_runtime
 from weightsync.trainer.publish import version_probe
@@ -123,7 +124,7 @@ def run(arch: ModelConfig, versions: int) -> dict:
             for version in range(1, versions + 1):
                 ids = torch.randint(0, arch.vocab_size, (8, 129), generator=generator)
                 t0 = time.perf_counter()
-                engine.forward_backward(ids[:, :-1], ids[:, 1:], lambda lp: _Mean(-lp.mean()))
+                engine.forward_backward(ids[:, :-1], ids[:, 1:], lambda lp: LossSums(-lp.mean(), {}))
                 engine.optimizer_step(AdamWParams(lr=1e-5))
                 step_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
@@ -174,13 +175,6 @@ def run(arch: ModelConfig, versions: int) -> dict:
             "actions": sorted({r["action"] for r in reports}),
         },
     }
-
-
-class _Mean:
-    """What forward_backward's loss_fn returns: a loss (the engine reads `.loss`)."""
-
-    def __init__(self, loss: torch.Tensor) -> None:
-        self.loss = loss
 
 
 def main(argv: list[str] | None = None) -> int:
