@@ -143,7 +143,10 @@ class Monitor:
         return False
 
     def _sample_rss(self) -> None:
-        processes = [("agent", a.name, a.incarnation, a.pid) for a in self.run.agents.values()]
+        # Only agents that are up: a restarted agent has its new pid from the moment it is spawned,
+        # but its new incarnation only from its ready line; sampled in between, the new process
+        # (still importing) would be measured against the old incarnation's baseline.
+        processes = [("agent", a.name, a.incarnation, a.pid) for a in self.run.agents.values() if a.up.is_set()]
         publisher = self.run.publisher
         processes.append(("publisher", "publisher", publisher.incarnation, publisher.pid))
         processes.append(("driver", "driver", 0, os.getpid()))
