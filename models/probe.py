@@ -119,9 +119,8 @@ def run_probe(
             ]
             for row, choice in zip(group, torch.stack(chosen, dim=2).cpu(), strict=True):
                 experts[row] = choice
-    return ProbeRun(
-        logprobs=logprobs, experts=experts if sparse and router_logits else None, prompts=[list(p) for p in prompts]
-    )
+    recorded = sparse and all(e is not None for e in experts)
+    return ProbeRun(logprobs=logprobs, experts=experts if recorded else None, prompts=[list(p) for p in prompts])
 
 
 def _device_of(model: CausalLM, weights: Mapping[str, torch.Tensor] | None) -> torch.device:

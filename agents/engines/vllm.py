@@ -187,6 +187,7 @@ class VllmEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._served: int | None = None
+        self._model_name: str | None = None  # --served-model-name, read on the first parity probe
         self._swaps_begun = self._swaps_ended = 0  # a probe's answer counts only if no swap overlapped it
         self._healthy = True
         self._last_error: str | None = None
@@ -315,12 +316,15 @@ class VllmEngine:
         return PromptLogprobs(version=version, logprobs=logprobs)
 
     def _served_model_name(self) -> str:
-        """The model name requests must give (the first of GET /v1/models: --served-model-name)."""
-        cards = self._get("/v1/models").get("data") or []
-        bases = [c.get("id") for c in cards if not c.get("parent")]
-        if not bases:
-            raise WeightsyncError(f"vLLM at {self.config.url} lists no model in /v1/models")
-        return bases[0]
+        """The model name requests must give (the first of GET /v1/models: --served-model-name),
+        asked once: a server keeps its name for its life."""
+        if self._model_name is None:
+            cards = self._get("/v1/models").get("data") or []
+            bases = [c.get("id") for c in cards if not c.get("parent")]
+            if not bases:
+                raise WeightsyncError(f"vLLM at {self.config.url} lists no model in /v1/models")
+            self._model_name = bases[0]
+        return self._model_name
 
     def served_version(self) -> int | None:
         return self._served if self._healthy else None
