@@ -93,7 +93,11 @@ def _add_demo(sub) -> None:
     )
     add_common_flags(p, store=False, model=False)
     p.add_argument("--store", help=f"store URI (default: file://OUT_DIR/store); any of {store_uri_forms()}")
-    p.add_argument("--out-dir", help=f"working directory, recreated on each run (default {default.out_dir})")
+    p.add_argument(
+        "--out-dir",
+        help=f"working directory (default {default.out_dir}): made if missing, cleared if a previous demo made it, "
+        "refused if it holds anything else",
+    )
     p.add_argument("--warmup-steps", type=int, help=f"SFT warm-start steps (default {default.warmup_steps})")
     p.add_argument("--rl-steps", type=int, help=f"GRPO steps (default {default.rl_steps})")
     p.add_argument(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,43 @@ class _Children:
             self.stop(name)
 
 
+OUT_DIR_MARKER = ".weightsync-demo"
+"""Written first into every out_dir the demo makes: only a directory holding it is cleared."""
+
+_OUT_DIR_ENTRIES = (
+    OUT_DIR_MARKER, "logs", "trainer", "rollouts", "agents", "trainer.toml", "vllm-initial",
+    "summary.json", "summary.png",
+)  # fmt: skip
+"""Everything the demo writes into out_dir, the default store ("store") aside."""
+
+
+def prepare_out_dir(config: DemoConfig) -> Path:
+    """out_dir, made ready for a run: created if missing, refused if it holds anything and is not
+    a previous demo's output, else cleared of what the previous run wrote (stale caches,
+    checkpoints and rollouts) and of nothing else: a file the user put there stays, and a store
+    given with --store is never deleted. Raises ConfigError (exit 2) on a directory it may not use."""
+    root = Path(config.out_dir).resolve()
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--out-dir {root} is a file; give a directory the demo may create or reuse")
+    if root.exists() and any(root.iterdir()) and not (root / OUT_DIR_MARKER).is_file():
+        raise ConfigError(
+            f"--out-dir {root} is not empty and is not a previous demo's output (no {OUT_DIR_MARKER} in it); "
+            "the demo deletes nothing it did not make: give a new or empty directory"
+        )
+    ours = _OUT_DIR_ENTRIES + (() if config.store else ("store",))
+    for name in ours:
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / OUT_DIR_MARKER).write_text("written by `weightsync demo`: the demo may clear this directory\n")
+    for sub in ("logs", "trainer", "rollouts", "agents"):
+        (root / sub).mkdir()
+    return root
+
+
 def _agent_toml(
     config: DemoConfig, root: Path, name: str, region: str, peers: list[str], vllm_url: str | None = None
 ) -> Path:
@@ -298,12 +336,12 @@ def run_demo(
     from weightsync.transport.rpc import AgentClient
     from weightsync.versions import latest_version, read_manifest
 
-    root = Path(config.out_dir).resolve()
-    if root.exists():
-        shutil.rmtree(root)  # a demo run starts clean: no stale caches, checkpoints or rollouts
-    for sub in ("logs", "trainer", "rollouts", "agents"):
-        (root / sub).mkdir(parents=True)
+    # Every argument is checked before the disk is touched: a bad store URI or a missing vLLM
+    # must not cost the user a previous run's output (opening a store reads nothing and writes
+    # nothing).
     store = open_store(config.store_uri)
+    vllm_python = _find_vllm_python(config) if config.engine == "vllm" else None
+    root = prepare_out_dir(config)
     children = _Children(root / "logs")
     deadline = time.monotonic() + config.timeout_s
     python = sys.executable
@@ -312,7 +350,7 @@ def run_demo(
         # install) and caches them on disk: once here, not in the trainer and every agent at once
         # when the first delta comes.
         codecs.warm_up(["bfloat16", "float32"])
-        vllm_urls = _start_vllm_servers(config, root, children) if config.engine == "vllm" else {}
+        vllm_urls = _start_vllm_servers(config, root, children, vllm_python) if vllm_python else {}
         # -- agents: per region, followers first so the leader knows where to relay
         agents: dict[str, dict] = {}
         leaders = []
@@ -452,18 +490,24 @@ def _agent_names(config: DemoConfig) -> list[str]:
     ]
 
 
-def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children) -> dict[str, str]:
-    """One vLLM server per agent, all starting at once on the initial weights of the architecture
-    (the agents swap the published versions in); {agent name: server URL}."""
-    from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
-    from weightsync.models import ModelConfig, build_model, save_pretrained
+def _find_vllm_python(config: DemoConfig) -> str:
+    from weightsync.app.demo.vllm import find_vllm_python
 
     python = find_vllm_python(config.vllm_python)
     if python is None:
-        raise RuntimeError(
+        raise ConfigError(
             "--engine vllm needs vLLM: run `bash scripts/setup_vllm.sh` (makes .venv-vllm) or give "
             "--vllm-python / $WEIGHTSYNC_VLLM_PYTHON, an interpreter with vLLM and weightsync"
         )
+    return python
+
+
+def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children, python: str) -> dict[str, str]:
+    """One vLLM server per agent, all starting at once on the initial weights of the architecture
+    (the agents swap the published versions in); {agent name: server URL}."""
+    from weightsync.app.demo.vllm import free_port, vllm_server_command
+    from weightsync.models import ModelConfig, build_model, save_pretrained
+
     model_config = ModelConfig(**config.model_architecture)
     model_dir = root / "vllm-initial"
     save_pretrained(model_dir, model_config, build_model(model_config, seed=config.seed).state_dict())  # bf16

@@ -19,8 +19,12 @@ SERVED_MODEL_NAME = "m"
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
     """The interpreter that runs vLLM: `explicit`, else $WEIGHTSYNC_VLLM_PYTHON, else
-    ./.venv-vllm/bin/python (the working directory, then the source checkout), else None."""
-    candidates = [explicit, os.environ.get("WEIGHTSYNC_VLLM_PYTHON")]
+    ./.venv-vllm/bin/python (the working directory, then the source checkout), else None. An
+    interpreter named explicitly is the only candidate: one that does not exist is None, never
+    silently replaced by another."""
+    if explicit:
+        return explicit if Path(explicit).exists() else None
+    candidates = [os.environ.get("WEIGHTSYNC_VLLM_PYTHON")]
     candidates += [
         str(base / ".venv-vllm" / "bin" / "python") for base in (Path.cwd(), Path(__file__).resolve().parents[2])
     ]
