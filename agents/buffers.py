@@ -6,13 +6,13 @@ longest request decides when, under in_flight and abort the next token step) and
 places at the swap; while idle, the spare is brought up to the served version so the next version costs one
 delta. Copying engines keep their own copy, so one buffer is rewritten in place (under
 `rewrite_lock`, which `status --verify` waits for; a failed sync puts the served version back:
-sync.py). Either way about one or two models, never a copy per version of a chain.
+apply.py). Either way about one or two models, never a copy per version of a chain.
 
 States of the spare (zero-copy): none (before the second swap) -> behind (it was served as an
 older version) -> caught up (a copy of the served version, made while idle) -> staging (rewritten
 for the next version) -> served (swapped in; the old served buffer becomes the spare).
 
-Not here: applying versions (the Reader), deciding what to build (`sync.py`), the engine.
+Not here: applying versions (`apply.py`, the Reader), deciding what to build (`plan.py`), the engine.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ STALL_LOG_S = 5.0  # a wait for requests longer than this is logged as it happen
 
 
 class Buffers:
-    """The served buffer and (zero-copy engines) the spare; `lock` guards the hand-over."""
+    """The served buffer and (zero-copy engines) the spare. The hand-over (`swapped`) happens under
+    the agent state's lock, so that the served version and its buffer are read together."""
 
-    def __init__(self, engine: Engine, lock: threading.Condition) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock = lock
         self.served: WeightsState | None = None
         self.spare: WeightsState | None = None
         # The version the spare's memory was last served as: what the engine must have stopped
@@ -79,7 +79,7 @@ class Buffers:
         return spare, time.monotonic() - started
 
     def swapped(self, staging: WeightsState, previous_version: int) -> None:
-        """After the engine swapped `staging` in (call under the lock): it is the served buffer."""
+        """After the engine swapped `staging` in (call under the agent state's lock): it is the served buffer."""
         if self.engine.zero_copy:
             self.spare, self.served = self.served, staging
             self.spare_served_as = previous_version

@@ -1,54 +1,43 @@
-"""intake: what pushers send a sync agent (a publisher, or the agent upstream of it in a relay).
+"""intake: the "offered" stage. Every way a version and its objects come into a sync agent.
 
-Runs on gRPC threads and only records: an offered manifest goes to the agent's `accept` (parsed,
-signature checked, version checked against what is served) and is relayed to the peers once this
-agent holds the version's objects; a pushed object is checked against its content address and the
-pending-bytes quota, relayed, handed to the early apply (`early_apply.py`) and written to the
-cache. The sync thread asks it whether pushes are expected and waits while they make progress
-before it fetches the rest from the store.
+    offer           (gRPC) a publisher or the agent upstream offers a manifest: parsed, its
+                    signature and version checked (`accept`), recorded in the state's `known`,
+                    and relayed to the peers once this agent holds the version's objects
+    receive_object  (gRPC) a pushed object: checked against its content address and the
+                    pending-bytes quota, relayed, handed to the early apply (`early_apply.py`)
+                    and written to the cache
+    poll_store      (sync thread) the store's newest version, when nobody pushed it
+    fall_back       (sync thread) while every newer version it knows is broken: the store's
+                    newest other one, so the agent serves the newest version it can verify
 
-Not here: choosing, verifying and applying versions (`sync.py`), the gRPC plumbing (`server.py`).
+The store is the source of truth: a manifest read from it replaces a different one offered under
+the same version number (an offer that never committed, or a forgery on an agent that does not
+require signatures). Two different offers of one version are refused.
+
+Not here: what happens to a version once known (`sync.py` and its stages), the gRPC plumbing
+(`server.py`), waiting for pushed objects during a sync (`gather.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
+import logging
 import time
-from collections.abc import Callable
 
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
-from weightsync.errors import FormatError, IntegrityError, ResourceExhausted
+from weightsync.agents.early_apply import EarlyApply
+from weightsync.agents.state import AgentState, HeldOffer, Known
+from weightsync.errors import FormatError, IntegrityError, ResourceExhausted, StaleVersion, WeightsyncError
 from weightsync.format.chunk import MAX_CHUNK_BYTES, max_object_bytes, object_hash
 from weightsync.format.hashing import is_hash_hex
-from weightsync.format.manifest import ChunkPlacement, ChunkRef
+from weightsync.format.manifest import ChunkPlacement, parse_manifest
 from weightsync.metrics import Metrics
+from weightsync.stores import Store
 from weightsync.transport.push import Pusher
+from weightsync.transport.signing import Verifier
+from weightsync.versions import latest_version, list_versions, read_manifest_bytes, read_signature
 
-
-@dataclasses.dataclass
-class _HeldOffer:
-    """An offer to relay once the objects it still waits for have come (and gone on to the peers).
-
-    A pusher offers a commit while the version's last objects may still be in flight (it does not
-    wait for its stream's reply), so an offer can come before them. Relayed at once, it would
-    reach the peers before the objects this agent relays as they arrive, and a peer's pusher that
-    is done with a version drops its later objects: the peers would wait for pushes that never
-    come, then fetch from the store. Held until its objects have come by push, or until the sync
-    has fetched the rest (`PushIntake.objects_gathered`)."""
-
-    version: int
-    manifest: bytes
-    signature: bytes | None
-    hops: int
-    waiting: set[str]
-
-
-def _arrived(offer: _HeldOffer, address: str) -> bool:
-    """Marks `address` as here; whether `offer` waits for nothing more."""
-    offer.waiting.discard(address)
-    return not offer.waiting
+log = logging.getLogger(__name__)
 
 
 def check_model(serves: str, model: str) -> None:
@@ -56,35 +45,32 @@ def check_model(serves: str, model: str) -> None:
         raise FormatError(f"this agent serves {serves!r}, not {model!r}")
 
 
-class PushIntake:
-    """Offers and objects pushed to one agent; `cond` is the agent's (progress is announced on it)."""
+class Intake:
+    """Offers and objects for one agent, pushed or found in the store (see the module docstring)."""
 
     def __init__(
         self,
         config: AgentConfig,
+        state: AgentState,
         cache: AgentCache,
         *,
-        accept: Callable,
-        served_version: Callable[[], int],
-        relay: Pusher | None,
+        upstream: Store | None = None,
+        verifier: Verifier | None = None,
+        relay: Pusher | None = None,
+        early: EarlyApply | None = None,
         metrics: Metrics,
-        cond: threading.Condition,
-        apply_early: Callable[[int, str, memoryview | bytes, ChunkPlacement | None], None] | None = None,
     ) -> None:
         self.config = config
-        self._apply_early = apply_early  # EarlyApply.submit: before the cache, so an offer that
-        # finds an object cached finds its early apply started (the sync waits for it)
         self.model = config.model
+        self.state = state
         self.cache = cache
-        self._accept = accept
-        self._served_version = served_version
+        self.upstream = upstream
+        self.verifier = verifier
         self.relay = relay
+        self.early = early
         self.metrics = metrics
-        self._cond = cond
-        self.pending_bytes = 0  # pushed since the last swap: bounded by config.max_pending_bytes
-        self.progress = 0  # objects received so far; the sync thread watches it to see pushes advance
-        self.last_offer = float("-inf")  # monotonic time of the last offer that came by push
-        self._held: dict[int, _HeldOffer] = {}  # offers to relay, by version, until their objects are here
+
+    # ------------------------------------------------------------------------ gRPC threads
 
     def offer(
         self, *, model: str, version: int, manifest: bytes, signature: bytes, objects: list[str], origin: str, hops: int
@@ -93,41 +79,28 @@ class PushIntake:
         check_model(self.model, model)
         if hops > self.config.max_hops:
             raise FormatError(f"offer of v{version} relayed {hops} times (max {self.config.max_hops}): a relay loop?")
+        state = self.state
         if not manifest:  # objects-only: a version still being published
             if any(not is_hash_hex(a) for a in objects):
                 raise FormatError("objects must be 32-character lowercase hex content addresses")
-            if version <= self._served_version():
+            if version <= state.served_version:
                 return False, []
             return True, [a for a in objects if not self.cache.has_object(a)]
-        known = self._accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
-        self.last_offer = time.monotonic()
+        known = self.accept(bytes(manifest), bytes(signature) or None, origin, pushed=True, expect_version=version)
         objects = {c.object for t in known.manifest.tensors for c in t.chunks if c.object}
-        with self._cond:
-            if version <= self._served_version():
+        with state.cond:
+            state.last_push_offer = time.monotonic()
+            if version <= state.served_version:
                 return False, []
             # Looked for under the lock that receive_object takes after caching an object, so
-            # none can land unseen between this look and the offer being held (_HeldOffer).
+            # none can land unseen between this look and the offer being held (HeldOffer).
             missing = sorted(a for a in objects if not self.cache.has_object(a))
             hold = self.relay is not None and bool(missing)
             if hold:
-                self._held[version] = _HeldOffer(version, known.data, known.signature, hops + 1, set(missing))
+                state.held_offers[version] = HeldOffer(version, known.data, known.signature, hops + 1, set(missing))
         if self.relay is not None and not hold:
             self.relay.offer(version, known.data, known.signature, hops=hops + 1)
         return True, missing
-
-    def _release(self, ready: Callable[[_HeldOffer], bool]) -> None:
-        with self._cond:
-            released = [offer for offer in self._held.values() if ready(offer)]
-            for offer in released:
-                del self._held[offer.version]
-        for offer in sorted(released, key=lambda o: o.version):
-            self.relay.offer(offer.version, offer.manifest, offer.signature, hops=offer.hops)
-
-    def objects_gathered(self, version: int) -> None:
-        """The sync holds every object up to `version` (pushed or fetched and relayed): held offers
-        up to it go to the peers."""
-        if self._held:
-            self._release(lambda offer: offer.version <= version)
 
     def receive_object(
         self,
@@ -138,7 +111,8 @@ class PushIntake:
         data: memoryview | bytes,
         placement: ChunkPlacement | None = None,
     ) -> bool:
-        """One pushed object: kept (True) if new, verified against its address first."""
+        """One pushed object: kept (True) if new, verified against its address first; applied
+        into the spare at once when its placement allows (`early_apply.py`)."""
         check_model(self.model, model)
         if not is_hash_hex(address):
             raise FormatError(f"object address {address!r} is not 32 lowercase hex characters")
@@ -149,60 +123,137 @@ class PushIntake:
             raise IntegrityError(
                 f"object {address} of v{version} does not match its content address (corrupt in flight)"
             )
-        if version <= self._served_version():
+        state = self.state
+        if version <= state.served_version:
             return False  # stale: nothing can use it any more
         if self.cache.has_object(address):
             return False
-        with self._cond:
-            if self.pending_bytes + len(data) > self.config.max_pending_bytes:
+        with state.cond:
+            if state.pending_bytes + len(data) > self.config.max_pending_bytes:
                 self.metrics.inc("agent/objects_rejected", reason="quota")
                 raise ResourceExhausted(
-                    f"{self.pending_bytes} pushed bytes await a version; limit {self.config.max_pending_bytes}"
+                    f"{state.pending_bytes} pushed bytes await a version; limit {self.config.max_pending_bytes}"
                 )
-            self.pending_bytes += len(data)
+            state.pending_bytes += len(data)
         if self.relay is not None:  # before the cache: an object an offer finds cached is relayed already
             self.relay.on_object(version, address, data, placement)
-        if self._apply_early is not None:
-            self._apply_early(version, address, data, placement)
+        if self.early is not None:  # before the cache, so an offer that finds an object cached
+            # finds its early apply started (the sync waits for it)
+            self.early.submit(version, address, data, placement, state.served_version)
         self.cache.put_object(address, data)
         self.metrics.inc("agent/bytes_received", len(data), source="push")
-        if self.relay is not None:  # under the lock (in _release): an offer held just now is seen
-            self._release(lambda offer: _arrived(offer, address))
-        with self._cond:
-            self.progress += 1
-            self._cond.notify_all()
+        if self.relay is not None:  # under the lock: an offer held just now is seen
+            for offer in self.state.take_held_offers(lambda offer: _arrived(offer, address)):
+                self.relay.offer(offer.version, offer.manifest, offer.signature, hops=offer.hops)
+        with state.cond:
+            state.pushed[address] = (version, len(data))
+            state.pushed_objects += 1
+            state.cond.notify_all()
         return True
 
-    def expected(self, pushed: bool) -> bool:
-        """Whether to wait for pushes before fetching: the version was offered by push, or pushes
-        arrived lately (a store poll can see a commit before the push of it lands)."""
-        return pushed or time.monotonic() - self.last_offer < 10 * self.config.poll_interval_s + 60
+    # ------------------------------------------------------------------------- sync thread
 
-    def wait(self, missing: dict[str, ChunkRef], closed: Callable[[], bool]) -> dict[str, ChunkRef]:
-        """Waits while pushes bring objects of `missing` (up to push_wait_s for each next one);
-        what is still missing. Objects of other versions do not count: while versions come
-        faster than a follower gets the ones it lacks, they arrive all the time, and counting
-        them kept a follower waiting for objects nobody would push (issue 16)."""
-        deadline = time.monotonic() + self.config.push_wait_s
-        with self._cond:
-            seen = self.progress
-        # Objects cached before `seen` was read announce no more progress: look for them once
-        # first, or an offer that overtook its last objects (they land while the sync starts)
-        # would wait push_wait_s for progress that already happened.
-        missing = self.cache.missing(missing)
-        while missing and not closed():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            with self._cond:
-                self._cond.wait_for(lambda seen=seen: self.progress != seen or closed(), timeout=remaining)
-                seen = self.progress
-            still = self.cache.missing(missing)
-            if len(still) < len(missing):
-                deadline = time.monotonic() + self.config.push_wait_s
-            missing = still
-        return missing
+    def poll_store(self) -> None:
+        """Accepts the store's newest version when it is new here (and relays its offer)."""
+        state = self.state
+        try:
+            latest = latest_version(self.upstream, self.model)
+            if latest is None or latest <= state.served_version:
+                return
+            with state.cond:
+                newest = max(state.known, default=0)
+                known = state.known.get(latest)
+            # Nothing new, unless what we hold for the store's latest did not come from the store:
+            # then read the store's (one GET) so that a bogus or uncommitted offer cannot hide it.
+            if latest < newest or (known is not None and known.source == "store"):
+                return
+            _, data = read_manifest_bytes(self.upstream, self.model, latest)
+            if known is not None and data == known.data:
+                return
+            known = self.accept(data, read_signature(self.upstream, self.model, latest, data), "store", pushed=False)
+            if self.relay is not None:  # the peers get it from us, objects included, as we fetch them
+                self.relay.offer(latest, known.data, known.signature, hops=1)
+        except WeightsyncError as e:
+            state.last_error = f"store poll: {e}"
+            log.warning("%s: polling %s failed: %s", self.config.name, self.upstream.uri, e)
 
-    def swapped(self) -> None:
-        """A version was served: what was pushed for it no longer counts against the quota."""
-        self.pending_bytes = 0
+    def fall_back(self) -> None:
+        """While every newer version the agent knows is broken: the newest other version in the
+        store above the served one becomes a target, so that the agent serves the newest version
+        it can verify (an older base and its deltas) while the broken ones wait for their retry."""
+        if self.upstream is None:
+            return
+        state = self.state
+        version = None
+        try:
+            with state.cond:
+                skip = set(state.known) | {state.served_version}
+                served, refused = state.served_version, set(state.refused)
+            now = time.monotonic()
+            candidates = [
+                v
+                for v in list_versions(self.upstream, self.model)
+                if v > served and v not in skip and v not in refused and not state.broken.waiting(v, None, now)
+            ]
+            if not candidates:
+                return
+            version = max(candidates)
+            _, data = read_manifest_bytes(self.upstream, self.model, version)
+            self.accept(data, read_signature(self.upstream, self.model, version, data), "store", pushed=False)
+            log.info("%s: falling back to v%d while newer versions are broken", self.config.name, version)
+        except WeightsyncError as e:
+            log.warning("%s: no fallback version from %s: %s", self.config.name, self.upstream.uri, e)
+            if version is not None:  # its manifest does not read: broken too, so the next try goes lower
+                state.broken.fail(version, "", f"{type(e).__name__}: {e}", time.monotonic())
+
+    # ------------------------------------------------------------------------------ accept
+
+    def accept(
+        self, data: bytes, signature: bytes | None, source: str, *, pushed: bool, expect_version: int | None = None
+    ) -> Known:
+        """Parses and checks a manifest (signature, model, weights kind, not older than served);
+        records it in the state's `known` (see the module docstring for which copy wins)."""
+        manifest = parse_manifest(data)
+        check_model(self.model, manifest.model)
+        kind = manifest.producer.get("weights_kind", "model")
+        if kind != self.config.weights_kind:
+            raise FormatError(
+                f"v{manifest.version} of {manifest.model} holds {kind!r} weights, but this agent's engine "
+                f"serves {self.config.weights_kind!r} weights (agent weights_kind); point the agent at "
+                "the store model of the right kind (LoRA runs publish merged weights and adapters apart)"
+            )
+        if expect_version is not None and manifest.version != expect_version:
+            raise FormatError(f"offer says v{expect_version} but its manifest is v{manifest.version}")
+        if self.verifier is not None and (signature or self.config.require_signatures):
+            self.verifier.verify(data, signature)
+        state = self.state
+        with state.cond:
+            if manifest.version < state.served_version:
+                raise StaleVersion(f"v{manifest.version} is older than the served v{state.served_version}")
+            if manifest.version == state.served_version and manifest.digest != state.served_digest:
+                raise IntegrityError(f"v{manifest.version} differs from the one served (digest mismatch): a replay?")
+            known = state.known.get(manifest.version)
+            if known is not None and known.manifest.digest == manifest.digest:
+                known.pushed = known.pushed or pushed
+                return known
+            if known is not None and source != "store":
+                raise IntegrityError(f"two different manifests offered as v{manifest.version}")
+            if known is not None:
+                log.warning(
+                    "%s: v%d in the store differs from the one offered by %s; the store's wins",
+                    self.config.name,
+                    manifest.version,
+                    known.source,
+                )
+            known = Known(manifest, data, signature, source, int(time.time() * 1000), time.monotonic(), pushed)
+            if manifest.version > state.served_version:
+                state.known[manifest.version] = known
+                state.ledger.entry(manifest.version, source=source, offered_unix_ms=known.offered_unix_ms)
+                state.cond.notify_all()
+            return known
+
+
+def _arrived(offer: HeldOffer, address: str) -> bool:
+    """Marks `address` as here; whether `offer` waits for nothing more."""
+    offer.waiting.discard(address)
+    return not offer.waiting

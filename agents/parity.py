@@ -28,7 +28,7 @@ report) and in the metrics agent/parity_max_abs_dlogprob, agent/parity_mean_kl,
 agent/parity_expert_mismatch and agent/parity_probe_s.
 
 Not here: the probe's format (`weightsync.format.probe`), computing it on the trainer
-(`weightsync.models.probe`, `trainer/engine.py`), the rollback itself (`sync.py`).
+(`weightsync.models.probe`, `trainer/engine.py`), the rollback itself (`swap.py`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from weightsync.agents.state import AgentState
 from weightsync.errors import FormatError, WeightsyncError
 from weightsync.format.manifest import Manifest
 from weightsync.format.probe import Probe, probe_from_json
@@ -160,18 +160,16 @@ class ParityChecker:
         self,
         config: ParityConfig,
         engine: Any,
+        state: AgentState,
         *,
         name: str,
         metrics: Metrics,
-        record: Callable[[ParityReport], None],
-        served_version: Callable[[], int],
     ) -> None:
         self.config = config
         self.engine = engine
+        self.state = state
         self.name = name
         self.metrics = metrics
-        self._record = record
-        self._served_version = served_version
         self.available = config.enabled and callable(getattr(engine, "prompt_logprobs", None))
         """Whether probes run at all: enabled, and the engine can answer one."""
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ws-agent-parity-{name}") if self.available else None
@@ -213,7 +211,7 @@ class ParityChecker:
 
     def _run(self, version: int, probe: Probe) -> ParityReport | None:
         started = time.monotonic()
-        if self._served_version() > version:
+        if self.state.served_version > version:
             log.info("%s: parity probe of v%d skipped: a newer version is served", self.name, version)
             return None
         try:
@@ -263,7 +261,8 @@ class ParityChecker:
         if report.expert_mismatch is not None:
             m.set("agent/parity_expert_mismatch", report.expert_mismatch)
         m.observe("agent/parity_probe_s", report.probe_s)
-        self._record(report)
+        with self.state.cond:  # the figures go into the version's ledger entry (status shows the newest too)
+            self.state.ledger.entry(report.version).parity = report.to_json()
         figures = (
             f"max |dlogprob| {report.max_abs_dlogprob:.3g}, mean KL {report.mean_kl:.3g}"
             + (f", expert mismatch {report.expert_mismatch:.3g}" if report.expert_mismatch is not None else "")

@@ -59,14 +59,15 @@ log = logging.getLogger(__name__)
 
 
 class _Servicer:
-    """SyncAgent RPCs -> SyncAgent calls; weightsync errors -> status codes."""
+    """SyncAgent RPCs -> calls on the agent's intake (offers, objects) and status; weightsync
+    errors -> status codes."""
 
     def __init__(self, agent: SyncAgent) -> None:
         self.agent = agent
 
     def offer(self, request: sync_pb2.OfferRequest, context: grpc.ServicerContext) -> sync_pb2.OfferReply:
         try:
-            wanted, missing = self.agent.offer(
+            wanted, missing = self.agent.intake.offer(
                 model=request.model,
                 version=request.version,
                 manifest=request.manifest,
@@ -84,7 +85,7 @@ class _Servicer:
         kept = size = duplicates = 0
         try:
             for frame in frames:
-                if self.agent.receive_object(
+                if self.agent.intake.receive_object(
                     model=frame.model,
                     version=frame.version,
                     address=frame.object,

@@ -1,6 +1,6 @@
 """signals: what a sync agent tells its operator about what it serves, and how each is made true.
 
-    verify(agent)        `status --verify`: the agent's copy of the served version re-hashed
+    verify(...)          `status --verify`: the agent's copy of the served version re-hashed
                          against its digest and, where the engine can report a digest of what it
                          holds (`Engine.verify_held`), the engine's own check against that copy;
                          says in words what was hashed
@@ -25,9 +25,12 @@ from weightsync.errors import WeightsyncError
 from weightsync.versions import latest_version, list_models
 
 if TYPE_CHECKING:
+    from weightsync.agents.buffers import Buffers
     from weightsync.agents.engines.base import Engine
-    from weightsync.agents.sync import SyncAgent
+    from weightsync.agents.state import AgentState
+    from weightsync.metrics import Metrics
     from weightsync.reader import WeightsState
+    from weightsync.stores import Store
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +38,27 @@ NOTHING_SERVED_WARN_S = 60.0
 """While an agent serves nothing and waiting cannot change that, it says why this often."""
 
 
-def verify(agent: SyncAgent, timeout_s: float = 5.0) -> dict[str, Any]:
+def served_copy(state: AgentState, buffers: Buffers) -> tuple[int, str, WeightsState | None]:
+    """(version, digest, the agent's buffer of it) of what is served now, read together."""
+    with state.cond:
+        return state.served_version, state.served_digest, buffers.served
+
+
+def verify(state: AgentState, buffers: Buffers, engine: Engine, timeout_s: float = 5.0) -> dict[str, Any]:
     """{"ok", "hashed" (what was hashed, in words), "error", "digest" (the version digest the
     agent's copy re-hashes to; "" when there was none to hash)}. A copying engine's one buffer is
     rewritten during a sync: this waits up to `timeout_s` for the sync to end."""
-    copying = not agent.engine.zero_copy
-    lock = agent.buffers.rewrite_lock
+    copying = not engine.zero_copy
+    lock = buffers.rewrite_lock
     if copying and not lock.acquire(timeout=max(0.0, timeout_s)):
-        version = agent.served()[0]
+        version = state.served_version
         error = f"a sync is rewriting the agent's copy of v{version}; ask again once it is done"
         return {"ok": False, "hashed": "nothing", "error": error, "digest": ""}
     try:
         for _attempt in range(2):  # zero-copy: a swap between the reads moves the served version on
-            version, digest, state = agent.served()
-            result = _verify_copy(agent, version, digest, state)
-            if agent.served()[0] == version:
+            version, digest, copy = served_copy(state, buffers)
+            result = _verify_copy(buffers, engine, version, digest, copy)
+            if state.served_version == version:
                 break
         return result
     finally:
@@ -57,21 +66,23 @@ def verify(agent: SyncAgent, timeout_s: float = 5.0) -> dict[str, Any]:
             lock.release()
 
 
-def _verify_copy(agent: SyncAgent, version: int, digest: str, state: WeightsState | None) -> dict[str, Any]:
+def _verify_copy(
+    buffers: Buffers, engine: Engine, version: int, digest: str, copy: WeightsState | None
+) -> dict[str, Any]:
     if version == 0:
         return {"ok": False, "hashed": "nothing", "error": "no version is served yet", "digest": ""}
-    copy = f"the agent's copy of v{version}"
-    rehashed = agent.buffers.digest_of(state)
+    named = f"the agent's copy of v{version}"
+    rehashed = buffers.digest_of(copy)
     if not rehashed:
-        error = f"{copy} is not available: a failed sync left it invalid and it could not be read again"
+        error = f"{named} is not available: a failed sync left it invalid and it could not be read again"
         return {"ok": False, "hashed": "nothing", "error": error, "digest": ""}
-    held = agent.engine.verify_held(version, state.state_dict())
+    held = engine.verify_held(version, copy.state_dict())
     if held is None:
-        hashed = f"{copy} (the {agent.engine.name} engine cannot report what it holds)"
+        hashed = f"{named} (the {engine.name} engine cannot report what it holds)"
     else:
-        hashed = f"{held.hashed}, compared with {copy}"
+        hashed = f"{held.hashed}, compared with {named}"
     if rehashed != digest:
-        error = f"{copy} hashes to {rehashed}, v{version} is {digest}"
+        error = f"{named} hashes to {rehashed}, v{version} is {digest}"
         return {"ok": False, "hashed": hashed, "error": error, "digest": rehashed}
     if held is not None and not held.ok:
         return {"ok": False, "hashed": hashed, "error": held.error, "digest": rehashed}
@@ -87,45 +98,53 @@ def engine_state(engine: Engine) -> dict[str, Any]:
 class HealthCheck:
     """Why an agent is not healthy, logged (rate-limited) when waiting cannot help."""
 
-    def __init__(self, agent: SyncAgent) -> None:
-        self.agent = agent
+    def __init__(
+        self, state: AgentState, engine: Engine, *, upstream: Store | None, model: str, name: str, metrics: Metrics
+    ) -> None:
+        self.state = state
+        self.engine = engine
+        self.upstream = upstream
+        self.model = model
+        self.name = name
+        self.metrics = metrics
         self._next_warning = 0.0  # monotonic
 
     def check(self) -> str:
         """The reason the agent is not healthy, "" when it is; sets `agent/serving` and warns."""
         reason, warn = self.reason()
-        self.agent.metrics.set("agent/serving", 0 if reason else 1)
+        self.metrics.set("agent/serving", 0 if reason else 1)
         now = time.monotonic()
         if not reason:
             self._next_warning = 0.0  # a later spell of serving nothing is warned about at once
         elif warn and now >= self._next_warning:
             self._next_warning = now + NOTHING_SERVED_WARN_S
-            log.warning("%s: serving nothing: %s", self.agent.config.name, reason)
+            log.warning("%s: serving nothing: %s", self.name, reason)
         return reason
 
     def reason(self) -> tuple[str, bool]:
         """(why the agent is not healthy or "", whether to warn about it: not while a first
         version is on its way)."""
-        agent = self.agent
-        version, engine = agent.served()[0], agent.engine
+        state, engine = self.state, self.engine
+        version = state.served_version
         if version:
-            state = engine.state()
-            if state.serving and state.version == version:
+            engine_state = engine.state()
+            if engine_state.serving and engine_state.version == version:
                 return "", False
-            if state.serving:
-                return f"the {engine.name} engine serves v{state.version}, the agent v{version}", True
-            return f"the {engine.name} engine is {state.state}: {state.reason}", True
-        broken = agent.broken.to_json(time.monotonic())
+            if engine_state.serving:
+                return f"the {engine.name} engine serves v{engine_state.version}, the agent v{version}", True
+            return f"the {engine.name} engine is {engine_state.state}: {engine_state.reason}", True
+        broken = state.broken.to_json(time.monotonic())
         if broken:
             newest = broken[0]
             return f"v{newest['version']} failed {newest['failures']} time(s), the last with {newest['error']}", True
-        if agent.newest_known():
-            return f"no version served yet: syncing v{agent.newest_known()}", False
-        store = agent.upstream
+        newest = state.newest_known()
+        if newest:
+            return f"no version served yet: syncing v{newest}", False
+        store = self.upstream
         if store is None:
             return "no version has been pushed yet and no store is configured (store) to fetch one from", True
         try:
-            latest = latest_version(store, agent.model)
+            latest = latest_version(store, self.model)
             models = [] if latest is not None else list_models(store)
         except WeightsyncError as e:
             return f"the store {store.uri} cannot be read: {e}", True
@@ -134,7 +153,7 @@ class HealthCheck:
         if models:
             shown = ", ".join(models[:10]) + (", ..." if len(models) > 10 else "")
             return (
-                f"the store {store.uri} has no versions of model {agent.model!r}; it holds {shown} "
+                f"the store {store.uri} has no versions of model {self.model!r}; it holds {shown} "
                 "(the agent's model must name one of them, or the trainer has not published yet)"
             ), True
         return (

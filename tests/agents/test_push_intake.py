@@ -1,5 +1,5 @@
-"""The agent's push intake (agents/intake.py) on a real cache directory: how long the sync thread
-waits for pushes before it fetches what is missing from the store.
+"""The agent's push intake (agents/intake.py) on a real cache directory, and how long the gather
+(agents/gather.py) waits for pushes before it fetches what is missing from the store.
 
 Found by the demo (issue 16): during the warm start versions come every half second; a follower
 needed the objects of a base its leader never relayed (superseded before it was sent), and waited
@@ -13,7 +13,9 @@ import pytest
 
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
-from weightsync.agents.intake import PushIntake
+from weightsync.agents.gather import wait_for_pushes
+from weightsync.agents.intake import Intake
+from weightsync.agents.state import AgentState
 from weightsync.format import layout
 from weightsync.format.chunk import object_hash
 from weightsync.format.manifest import ChunkRef
@@ -22,18 +24,11 @@ from weightsync.metrics import NULL_METRICS
 MODEL = "intake-test-lm"
 
 
-def _intake(tmp_path, push_wait_s: float) -> PushIntake:
-    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"), push_wait_s=push_wait_s)
+def _intake(tmp_path) -> tuple[Intake, AgentState, AgentCache]:
+    config = AgentConfig(model=MODEL, cache_dir=str(tmp_path / "agent"))
     cache = AgentCache(config.cache_path, model=MODEL, name="a")
-    return PushIntake(
-        config,
-        cache,
-        accept=None,
-        served_version=lambda: 0,
-        relay=None,
-        metrics=NULL_METRICS,
-        cond=threading.Condition(),
-    )
+    state = AgentState(ledger_size=8)
+    return Intake(config, state, cache, metrics=NULL_METRICS), state, cache
 
 
 def _ref(data: bytes) -> tuple[str, ChunkRef]:
@@ -44,7 +39,7 @@ def _ref(data: bytes) -> tuple[str, ChunkRef]:
 
 @pytest.mark.timeout(120)
 def test_pushes_of_other_objects_do_not_hold_back_a_fetch(tmp_path):
-    intake = _intake(tmp_path, push_wait_s=1.0)
+    intake, state, cache = _intake(tmp_path)
     key, ref = _ref(b"the base object nobody will push")
     others_done = threading.Event()
     stop = threading.Event()
@@ -60,7 +55,7 @@ def test_pushes_of_other_objects_do_not_hold_back_a_fetch(tmp_path):
     pusher = threading.Thread(target=push_other_objects)
     pusher.start()
     try:
-        still_missing = intake.wait({key: ref}, closed=lambda: False)
+        still_missing = wait_for_pushes(state, cache, {key: ref}, push_wait_s=1.0)
         assert still_missing == {key: ref}
         assert not others_done.is_set(), "the wait lasted as long as unrelated pushes went on"
     finally:
@@ -69,7 +64,7 @@ def test_pushes_of_other_objects_do_not_hold_back_a_fetch(tmp_path):
 
 
 def test_pushes_of_missing_objects_keep_the_wait_going(tmp_path):
-    intake = _intake(tmp_path, push_wait_s=30.0)
+    intake, state, cache = _intake(tmp_path)
     objects = [f"object {i} of the version".encode() for i in range(5)]
     refs = dict(_ref(data) for data in objects)
 
@@ -79,5 +74,5 @@ def test_pushes_of_missing_objects_keep_the_wait_going(tmp_path):
 
     pusher = threading.Thread(target=push)
     pusher.start()
-    assert intake.wait(refs, closed=lambda: False) == {}
+    assert wait_for_pushes(state, cache, refs, push_wait_s=30.0) == {}
     pusher.join()
