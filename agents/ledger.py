@@ -84,6 +84,8 @@ class BrokenVersion:
     failures: int = 0
     first_failed_unix_ms: int = 0
     retry_at: float = 0.0  # monotonic
+    repeated: bool = False
+    """The last failure had the same error as the one before: news to nobody."""
 
 
 class BrokenVersions:
@@ -103,6 +105,7 @@ class BrokenVersions:
                 broken = self._versions[version] = BrokenVersion(
                     version, digest, error, first_failed_unix_ms=int(time.time() * 1000)
                 )
+            broken.repeated = broken.failures > 0 and broken.error == error
             broken.error = error
             broken.failures += 1
             broken.retry_at = now + min(self._retry_s[0] * 2 ** (broken.failures - 1), self._retry_s[1])

@@ -67,6 +67,9 @@ from weightsync.transport.signing import Verifier
 
 log = logging.getLogger(__name__)
 
+STUCK_WARN_S = 60.0
+"""While versions keep failing with the errors already logged, the agent says it is stuck this often."""
+
 
 class SyncAgent:
     """Receives, verifies and serves versions of one model (see the module docstring)."""
@@ -110,6 +113,7 @@ class SyncAgent:
         )
         self.started_unix_ms = int(time.time() * 1000)
         self._thread: threading.Thread | None = None
+        self._next_stuck_warning = 0.0  # monotonic
         self.warm_up: codecs.BackgroundWarmUp | None = None  # the kernels' warm-up, started by start()
 
     # ------------------------------------------------------------------------- lifecycle
@@ -294,14 +298,34 @@ class SyncAgent:
         self.metrics.inc("agent/errors")
         self.metrics.set("agent/broken_versions", len(state.broken))
         self.metrics.set("agent/newest_broken_version", state.broken.newest())
-        log.warning(
-            "%s: v%d failed (%d times; next try in %.1f s): %s",
-            self.config.name,
-            version,
-            broken.failures,
-            broken.retry_at - time.monotonic(),
-            entry.error,
-        )
+        retry_s = broken.retry_at - time.monotonic()
+        if not broken.repeated:
+            log.warning(
+                "%s: v%d failed (%d times; next try in %.1f s): %s",
+                self.config.name,
+                version,
+                broken.failures,
+                retry_s,
+                entry.error,
+            )
+            return
+        # The same error again (a layout that can never fit the engine, a store that lost an
+        # object): said once above; now only that the agent is stuck, at a bounded rate.
+        log.debug("%s: v%d failed again (%d times): %s", self.config.name, version, broken.failures, entry.error)
+        now = time.monotonic()
+        if now >= self._next_stuck_warning:
+            self._next_stuck_warning = now + STUCK_WARN_S
+            log.warning(
+                "%s: stuck on v%d: %d newer version(s) fail to sync; v%d failed %d times with the same error "
+                "(next try in %.1f s; `weightsync status` lists them): %s",
+                self.config.name,
+                state.served_version,
+                len(state.broken),
+                version,
+                broken.failures,
+                retry_s,
+                entry.error,
+            )
 
     # ----------------------------------------------------------------------- signals
 

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness.bits import assert_bit_equal
 from harness.fake_trainer import TINY, FakeTrainer
 from harness.sglang_contract_server import SGLangContractServer
-from weightsync.agents import signals
+from weightsync.agents import signals, sync
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.app.cli import main
@@ -155,6 +155,32 @@ def test_a_version_refused_for_its_layout_leaves_what_is_served_and_verified_unt
         assert_bit_equal(server.agent.buffers.served.state_dict(), good)  # the agent's copy too
     finally:
         server.stop(0)
+
+
+def test_a_version_that_can_never_fit_is_logged_once_then_the_agent_says_it_is_stuck(tmp_path, caplog, monkeypatch):
+    """Found by a new user (issue 42): a version whose layout can never fit the engine was retried
+    with one WARNING per retry, forever. Now its error is said once; while it keeps failing the
+    same way, the agent says it is stuck, at most once per STUCK_WARN_S."""
+    monkeypatch.setattr(sync, "STUCK_WARN_S", 3600.0)  # once in this test however slow the machine
+    store = LocalStore(tmp_path / "store")
+    server = _start(tmp_path, store, ReferenceKit(tmp_path).engine)
+    caplog.set_level(logging.WARNING, logger="weightsync.agents.sync")
+    try:
+        with Publisher(store, model=MODEL, config=PUBLISH) as publisher:
+            publisher.publish(FakeTrainer(1).state_dict(), step=1).result()
+            assert server.agent.wait_for_version(1, WAIT_S)
+            publisher.publish(FakeTrainer(2, config=WIDER).state_dict(), step=2).result()
+        _wait(
+            "v2 to fail four times",
+            lambda: any(b["version"] == 2 and b["failures"] >= 4 for b in server.agent.status()["broken"]),
+        )
+    finally:
+        server.stop(0)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    failed = [line for line in lines if "v2 failed (" in line]
+    stuck = [line for line in lines if "stuck on v1" in line]
+    assert len(failed) == 1 and "LayoutError" in failed[0], lines
+    assert len(stuck) == 1 and "v2 failed 2 times with the same error" in stuck[0], lines
 
 
 def test_a_swap_the_server_refuses_gives_the_agent_its_copy_of_the_served_version_back(tmp_path, capsys):

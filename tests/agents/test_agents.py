@@ -205,6 +205,28 @@ def test_an_idle_agent_brings_its_spare_buffer_forward(tmp_path):
     agent.stop(0)
 
 
+def test_the_ledger_counts_as_pushed_only_what_came_by_push(tmp_path):
+    """Found by a new user (issue 42): the ledger counted every object of a version's path that it
+    did not fetch as pushed, cache hits included. An agent nobody pushes to serves v2 as its base
+    v1 (cached since v1 was served) plus the delta: it fetched v2's objects, pushed nothing."""
+    store = LocalStore(tmp_path / "store")
+    agent = _agent(tmp_path, "a", store)
+    trainer = FakeTrainer(3)
+    try:
+        with Publisher(store, model=MODEL, config=PUBLISH) as publisher:
+            for step in range(2):
+                version = publisher.publish(trainer.state_dict(), step=step).result().version
+                _assert_serves(agent, version, trainer.published())
+                trainer.step()
+        manifest, _ = read_manifest_bytes(store, MODEL, 2)
+        v2_bytes = sum(c.size for t in manifest.tensors for c in t.chunks if c.object)
+        entry = next(e for e in agent.agent.status()["ledger"] if e["version"] == 2)
+        assert entry["path"] == "base 1 + 1 deltas"  # v1's objects were cache hits
+        assert (entry["bytes_pushed"], entry["bytes_fetched"]) == (0, v2_bytes)
+    finally:
+        agent.stop(0)
+
+
 def test_an_object_corrupted_in_flight_is_refused_and_fetched_from_the_store(tmp_path):
     store = LocalStore(tmp_path / "store")
     agent = _agent(tmp_path, "a", store)
