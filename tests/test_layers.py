@@ -79,13 +79,17 @@ SOURCE_FOLDERS = ("weightsync", "models", "agents", "trainer", "app")
 APP_TRAINING_FRONT_END = {
     "__init__",
     "errors",
+    "executor",
     "futures",
     "http",
     "ordering",
     "profiles",
+    "runs",
+    "sampler_weights",
     "sampling",
     "serve",
     "service",
+    "sessions",
     "vllm_sampling",
     "wire",
 }

@@ -1,44 +1,44 @@
-"""service: what each Tinker route does: sessions, models, ordered training requests, checkpoints.
+"""service: what each Tinker route does. The facade over sessions, runs, the executor and sampling.
 
 Routes that start work (create_model, forward_backward, optim_step, save_weights,
 load_weights, save_weights_for_sampler, asample) answer at once with a request id and run
 later; the result is fetched through `retrieve_future` (futures.py). Training requests of one
-model run in seq_id order (ordering.py) on one executor thread, which sends each as a command to
-every rank (`weightsync.trainer.commands`). A request is validated before it is queued: a bad one fails its future
-as a *user* error, consumes its seq_id, and never reaches the model.
+model run in seq_id order (ordering.py) on one executor thread (executor.py), which sends each as
+a command to every rank (`weightsync.trainer.commands`). A request is validated before it is
+queued: a bad one fails its future as a *user* error, consumes its seq_id, and never reaches the
+model.
 
-Checkpoints are named `tinker://<model_id>/weights/<name>` (save_state: a DCP checkpoint of
-model and optimizer) and live under `<state_dir>/runs/<model_id>/weights/<name>/`, with a
-`run.json` beside them that says how to rebuild the model (base model, LoRA settings). So a
-restarted server can recreate a model from any saved state (`load_weights` with a session id:
-the SDK's `create_training_client_from_state[_with_optimizer]`).
+Checkpoints (save_state: a DCP checkpoint of model and optimizer) live under the model's run
+directory with a `run.json` that says how to rebuild the model (runs.py), so a restarted server
+can recreate a model from any saved state (`load_weights` with a session id: the SDK's
+`create_training_client_from_state[_with_optimizer]`).
 
-Not here: HTTP and status codes (http.py), the bodies' encoding and checks (wire.py), the model
-and its training (`weightsync.trainer`: commands.py runs each request on the training engine).
+Not here: sessions and their expiry (sessions.py), the run directory (runs.py), the executor
+(executor.py), saving sampler weights and sampling sessions (sampler_weights.py), HTTP and status
+codes (http.py), the bodies' encoding and checks (wire.py), the model and its training
+(`weightsync.trainer`: commands.py runs each request on the training engine).
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import dataclasses
-import json
 import logging
 import math
-import os
-import queue
-import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from weightsync.app.training.errors import NotFound, NotSupported, SessionFinished, UserInputError
+from weightsync.app.training.executor import Executor
 from weightsync.app.training.futures import FutureTable, Outcome
 from weightsync.app.training.ordering import SeqIdOrder
-from weightsync.app.training.sampling import SamplerHub, SamplingSession, parse_sampling_params
+from weightsync.app.training.runs import ModelRecord, Runs, check_name
+from weightsync.app.training.sampler_weights import SamplerWeights, SamplingSessions
+from weightsync.app.training.sampling import SamplerHub, parse_sampling_params
+from weightsync.app.training.sessions import Sessions, session_of
 from weightsync.app.training.wire import (
     ForwardBackwardBatch,
     check_inputs,
@@ -55,9 +55,6 @@ from weightsync.trainer.lora import LoraSettings
 from weightsync.trainer.optim import AdamWParams
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_TINKER_PATH = re.compile(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,17 +118,6 @@ class ServiceConfig:
             )
 
 
-@dataclasses.dataclass
-class ModelRecord:
-    model_id: str
-    base_model: str
-    base_dir: str
-    lora: LoraSettings | None
-    vocab_size: int
-    model_type: str
-    order: SeqIdOrder
-
-
 class TrainingService:
     """The domain side of the routes; thread-safe (HTTP handler threads call it concurrently)."""
 
@@ -142,20 +128,25 @@ class TrainingService:
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self.finished: dict[str, dict[str, Any]] = {}  # session id -> its finish reason (the first one)
-        self._last_seen: dict[str, float] = {}  # open session id -> monotonic time of its last heartbeat or request
-        self._busy: collections.Counter[str] = collections.Counter()  # session id -> its jobs queued or running
         self.models: dict[str, ModelRecord] = {}
-        self._jobs: queue.Queue[tuple[str, Callable[[], Outcome], str | None] | None] = queue.Queue()
-        self._executor = threading.Thread(target=self._run_jobs, name="training-executor", daemon=True)
-        self._executor.start()
+        self.sessions = Sessions()
+        self.runs = Runs(self.state_dir)
+        self.executor = Executor(self.futures, self.sessions)
         self.samplers = SamplerHub(
             store_uri=config.store_uri,
             cache_root=self.state_dir / "sampler-agents",
             engine=config.sampler_engine,
             vllm_url=config.vllm_url,
         )
-        self.sampling_sessions: dict[str, SamplingSession] = {}
+        self.sampling_sessions = SamplingSessions()
+        self.sampler_weights = SamplerWeights(
+            commander,
+            self.samplers,
+            self.sampling_sessions,
+            self.runs,
+            store_uri=config.store_uri,
+            serve_adapters=config.sampler_weights == "adapter",
+        )
         self._sampling_pool = cf.ThreadPoolExecutor(config.sampling_threads, thread_name_prefix="sampling")
         self._closed = threading.Event()
         threading.Thread(target=self._expire, name="expiry", daemon=True).start()
@@ -164,12 +155,12 @@ class TrainingService:
 
     def create_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
         session_id = f"s{uuid.uuid4().hex[:16]}"
-        self._check_open(session_id)  # marks it seen: its expiry counts from now
+        self.sessions.check_open(session_id)  # marks it seen: its expiry counts from now
         return {"type": "create_session", "session_id": session_id}
 
     def heartbeat(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(body.get("session_id"), str):
-            self._check_open(body["session_id"])
+            self.sessions.check_open(body["session_id"])
         return {"type": "session_heartbeat"}
 
     def finish_session(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -187,19 +178,16 @@ class TrainingService:
         return {"type": "finish_session", "session_id": session_id}
 
     def _finish(self, session_id: str, status: str, detail: Any) -> bool:
-        """Marks the session finished (the first reason stays) and, the first time, queues the
-        unload of its models; whether this was the first time."""
-        with self._lock:
-            first = session_id not in self.finished
-            self.finished.setdefault(session_id, {"type": status, "detail": detail})
-            self._last_seen.pop(session_id, None)
+        """Finishes the session and, the first time, queues the unload of its models; whether this
+        was the first time."""
+        first = self.sessions.finish(session_id, status, detail)
         if first:  # on the executor, after every job queued so far (a last save_state, say)
-            self._enqueue(self.futures.create("unload"), lambda: self._unload_session(session_id))
+            self.executor.enqueue(self.futures.create("unload"), lambda: self._unload_session(session_id))
         return first
 
     def _unload_session(self, session_id: str) -> Outcome:
         with self._lock:
-            records = [r for model_id, r in self.models.items() if _session_of(model_id) == session_id]
+            records = [r for model_id, r in self.models.items() if session_of(model_id) == session_id]
         for record in records:
             self.commander.run(commands.Unload(record.model_id))
             with self._lock:
@@ -207,17 +195,6 @@ class TrainingService:
             record.order.fail_all(SessionFinished(f"session {session_id} was finished before this request's turn came"))
             log.info("model %s unloaded: its session finished", record.model_id)
         return Outcome(json={"type": "unload", "session_id": session_id, "model_ids": [r.model_id for r in records]})
-
-    def _check_open(self, session_id: str) -> None:
-        """Refuses a finished session; an open one (known or not: a restarted server forgot its
-        sessions) counts as seen now, for its expiry."""
-        with self._lock:
-            finished = self.finished.get(session_id)
-            if finished is None:
-                self._last_seen[session_id] = time.monotonic()
-        if finished is not None:
-            by = "by its client" if finished["type"] != "expired" else f"({finished['detail']})"
-            raise SessionFinished(f"session {session_id} was finished ({finished['type']}) {by}")
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -255,7 +232,7 @@ class TrainingService:
 
     def create_model(self, body: Mapping[str, Any]) -> dict[str, Any]:
         session_id = _field(body, "session_id", str)
-        self._check_open(session_id)
+        self.sessions.check_open(session_id)
         model_seq_id = _field(body, "model_seq_id", int)
         base_model = _field(body, "base_model", str)
         base_dir = self._resolve_base_model(base_model)
@@ -265,7 +242,7 @@ class TrainingService:
             raise NotSupported(f"optimizer {optimizer!r} is not supported; this server trains with AdamW ('adamw')")
         model_id = f"{session_id}:train:{model_seq_id}"
         request_id = self.futures.create("create_model")
-        self._enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora), session_id)
+        self.executor.enqueue(request_id, lambda: self._create_model(model_id, base_model, base_dir, lora), session_id)
         return {"request_id": request_id, "model_id": model_id}
 
     def _resolve_base_model(self, base_model: str) -> str:
@@ -281,7 +258,7 @@ class TrainingService:
     def _create_model(self, model_id: str, base_model: str, base_dir: str, lora: LoraSettings | None) -> Outcome:
         # Checked again on the executor: a finish accepted after the request was queued has
         # unloaded the session's models already, and would not see this one.
-        self._check_open(_session_of(model_id))
+        self.sessions.check_open(session_of(model_id))
         with self._lock:
             if model_id in self.models:
                 raise UserInputError(f"model {model_id} already exists (model_seq_id reused in this session)")
@@ -297,22 +274,8 @@ class TrainingService:
         )
         with self._lock:
             self.models[model_id] = record
-        self._write_run(record)
+        self.runs.write_run(record, frozen_experts=self._frozen_experts(base_dir))
         return Outcome(json={"type": "create_model", "model_id": model_id})
-
-    def _write_run(self, record: ModelRecord) -> None:
-        run_dir = self._run_dir(record.model_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(
-            run_dir / "run.json",
-            {
-                "model_id": record.model_id,
-                "base_model": record.base_model,
-                "base_dir": record.base_dir,
-                "lora": dataclasses.asdict(record.lora) if record.lora else None,
-                "frozen_experts": self._frozen_experts(record.base_dir),
-            },
-        )
 
     def _frozen_experts(self, base_dir: str) -> str | None:
         """How this server holds the routed experts of a model of `base_dir` (None: dense, or fp32)."""
@@ -332,13 +295,8 @@ class TrainingService:
                 + (f"with --frozen-experts {saved}" if saved else "without --frozen-experts")
             )
 
-    def _run_dir(self, model_id: str) -> Path:
-        if "/" in model_id or model_id in ("", ".", ".."):
-            raise UserInputError(f"invalid model id {model_id!r}")
-        return self.state_dir / "runs" / model_id
-
     def _model(self, model_id: str) -> ModelRecord:
-        self._check_open(_session_of(model_id))
+        self.sessions.check_open(session_of(model_id))
         with self._lock:
             record = self.models.get(model_id)
         if record is None:
@@ -419,16 +377,14 @@ class TrainingService:
     def save_state(self, body: Mapping[str, Any]) -> dict[str, Any]:
         record = self._model(_field(body, "model_id", str))
         seq_id = _field(body, "seq_id", int)
-        name = body.get("path") or f"state-{seq_id:06d}"
         request_id = self.futures.create("save")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            error = UserInputError(
-                f"checkpoint name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-' (no '/')"
-            )
+        try:
+            name = check_name(body.get("path") or f"state-{seq_id:06d}", "checkpoint")
+        except UserInputError as e:
+            error = e
             request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
             return {"request_id": request_id, "model_id": record.model_id}
-        directory = self._run_dir(record.model_id) / "weights" / name
-        path = f"tinker://{record.model_id}/weights/{name}"
+        path, directory = self.runs.checkpoint(record.model_id, name)
 
         def save() -> Outcome:
             self.commander.run(commands.SaveState(record.model_id, str(directory)))
@@ -440,13 +396,13 @@ class TrainingService:
     def load_state(self, body: Mapping[str, Any]) -> dict[str, Any]:
         path = _field(body, "path", str)
         with_optimizer = bool(body.get("optimizer", False))
-        source_run, directory = self._checkpoint_dir(path)
+        source_run, directory = self.runs.saved_checkpoint(path)
         if body.get("session_id") is not None:
             # Create-via-load: this request creates the model (the SDK's create_training_client_from_state*).
             session_id = _field(body, "session_id", str)
-            self._check_open(session_id)
+            self.sessions.check_open(session_id)
             model_id = f"{session_id}:train:{_field(body, 'model_seq_id', int)}"
-            run = json.loads((self._run_dir(source_run) / "run.json").read_text())
+            run = self.runs.read_run(source_run)
             self._check_experts_held_alike(run, path)
             base_model = body.get("base_model") or run["base_model"]
             if base_model != run["base_model"]:
@@ -459,50 +415,22 @@ class TrainingService:
                 self.commander.run(commands.LoadState(model_id, str(directory), with_optimizer))
                 return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
 
-            self._enqueue(request_id, create_and_load, session_id)
+            self.executor.enqueue(request_id, create_and_load, session_id)
             return {"request_id": request_id, "model_id": model_id}
         record = self._model(_field(body, "model_id", str))
         seq_id = _field(body, "seq_id", int)
         request_id = self.futures.create("load")
 
         def load() -> Outcome:
-            self._check_experts_held_alike(json.loads((self._run_dir(source_run) / "run.json").read_text()), path)
+            self._check_experts_held_alike(self.runs.read_run(source_run), path)
             self.commander.run(commands.LoadState(record.model_id, str(directory), with_optimizer))
             return Outcome(json={"type": "load_weights", "path": path, "model_id": record.model_id})
 
         request_id = self._submit_ordered(record, seq_id, request_id, load)
         return {"request_id": request_id, "model_id": record.model_id}
 
-    def _checkpoint_dir(self, path: str) -> tuple[str, Path]:
-        match = _TINKER_PATH.fullmatch(path)
-        if not match or match.group(2) != "weights":
-            raise UserInputError(
-                f"{path!r} is not a training-state path; expected tinker://<model_id>/weights/<name> "
-                "as returned by save_state"
-            )
-        model_id, _, name = match.groups()
-        directory = self._run_dir(model_id) / "weights" / name
-        if not (directory / ".metadata").is_file():
-            raise NotFound(f"no saved state at {path} (nothing under {directory})")
-        return model_id, directory
-
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
-        self._run_dir(model_id)
-        found = []
-        for kind, checkpoint_type in (("weights", "training"), ("sampler_weights", "sampler")):
-            root = self._run_dir(model_id) / kind
-            for directory in sorted(root.iterdir()) if root.is_dir() else []:
-                if directory.name.startswith("."):
-                    continue
-                found.append(
-                    {
-                        "checkpoint_id": f"{kind}/{directory.name}",
-                        "checkpoint_type": checkpoint_type,
-                        "time": _iso_time(directory.stat().st_mtime),
-                        "tinker_path": f"tinker://{model_id}/{kind}/{directory.name}",
-                    }
-                )
-        return {"checkpoints": found}
+        return {"checkpoints": self.runs.list_checkpoints(model_id)}
 
     # ------------------------------------------------------------------ sampler weights, sampling
 
@@ -511,125 +439,27 @@ class TrainingService:
         seq_id = _field(body, "seq_id", int)
         name = body.get("path")
         request_id = self.futures.create("save_sampler")
-        if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
-            error = UserInputError(
-                f"sampler weights name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-' (no '/')"
-            )
+        try:
+            name = None if name is None else check_name(name, "sampler weights")
+        except UserInputError as e:
+            error = e
             request_id = self._submit_ordered(record, seq_id, request_id, lambda: _raise(error))
             return {"request_id": request_id, "model_id": record.model_id}
-        store_model = _store_model_name(record.model_id)
-
-        def publish() -> Outcome:
-            # A LoRA run sampled as an adapter pushes the adapter-only versions to its agent; the
-            # merged ones are published too (any other engine or reader can use them).
-            serve_adapter = record.lora is not None and self.config.sampler_weights == "adapter"
-            adapter_model = store_model + "-adapter"
-            address = self.samplers.ensure_agent(
-                adapter_model if serve_adapter else store_model, record.base_dir, adapter=serve_adapter
-            )
-            kind = "full" if record.lora is None else "merged"
-            result = self.commander.run(
-                commands.PublishWeights(
-                    record.model_id, self.config.store_uri, store_model, () if serve_adapter else (address,), kind
-                )
-            )
-            version = int(result["version"])
-            extra = {}
-            if record.lora is not None:
-                # Engines that serve adapters sync this store model instead: adapter-only versions.
-                adapter = self.commander.run(
-                    commands.PublishWeights(
-                        record.model_id,
-                        self.config.store_uri,
-                        adapter_model,
-                        (address,) if serve_adapter else (),
-                        "adapter",
-                    )
-                )
-                extra = {
-                    "adapter_store_model": adapter_model,
-                    "adapter_version": adapter["version"],
-                    "serves": "adapter" if serve_adapter else "merged",
-                }
-            label = name or f"sampler-v{version:06d}"
-            path = f"tinker://{record.model_id}/sampler_weights/{label}"
-            directory = self._run_dir(record.model_id) / "sampler_weights" / label
-            directory.mkdir(parents=True, exist_ok=True)
-            _write_json(
-                directory / "sampler.json",
-                {
-                    "store": self.config.store_uri,
-                    "store_model": store_model,
-                    "version": version,
-                    "base_model": record.base_model,
-                    "kind": kind,
-                    **extra,
-                },
-            )
-            if name is not None:
-                return Outcome(json={"type": "save_weights_for_sampler", "path": path})
-            if serve_adapter:
-                session = self._add_sampling_session(
-                    record.base_model, record.base_dir, adapter_model, int(adapter["version"]), path, adapter=True
-                )
-            else:
-                session = self._add_sampling_session(record.base_model, record.base_dir, store_model, version, path)
-            return Outcome(json={"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session})
-
-        request_id = self._submit_ordered(record, seq_id, request_id, publish)
+        request_id = self._submit_ordered(record, seq_id, request_id, lambda: self.sampler_weights.save(record, name))
         return {"request_id": request_id, "model_id": record.model_id}
 
     def create_sampling_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
         model_path = body.get("model_path")
         if model_path is not None:
-            match = _TINKER_PATH.fullmatch(model_path) if isinstance(model_path, str) else None
-            if not match or match.group(2) != "sampler_weights":
-                raise UserInputError(
-                    f"model_path {model_path!r} is not sampler weights; expected "
-                    "tinker://<model_id>/sampler_weights/<name> from save_weights_for_sampler"
-                )
-            meta_path = self._run_dir(match.group(1)) / "sampler_weights" / match.group(3) / "sampler.json"
-            if not meta_path.is_file():
-                raise NotFound(f"no sampler weights at {model_path}")
-            meta = json.loads(meta_path.read_text())
-            run = json.loads((self._run_dir(match.group(1)) / "run.json").read_text())
-            if meta.get("serves") == "adapter":
-                session = self._add_sampling_session(
-                    meta["base_model"],
-                    run["base_dir"],
-                    meta["adapter_store_model"],
-                    int(meta["adapter_version"]),
-                    model_path,
-                    adapter=True,
-                )
-            else:
-                session = self._add_sampling_session(
-                    meta["base_model"], run["base_dir"], meta["store_model"], int(meta["version"]), model_path
-                )
+            model_id, meta = self.runs.read_sampler(model_path)
+            session = self.sampling_sessions.open_saved(meta, self.runs.read_run(model_id)["base_dir"], model_path)
         else:
             base_model = _field(body, "base_model", str)
-            session = self._add_sampling_session(base_model, self._resolve_base_model(base_model), None, 0, None)
+            session = self.sampling_sessions.open(base_model, self._resolve_base_model(base_model), None, 0, None)
         return {"type": "create_sampling_session", "sampling_session_id": session}
 
-    def _add_sampling_session(
-        self,
-        base_model: str,
-        base_dir: str,
-        store_model: str | None,
-        version: int,
-        model_path: str | None,
-        *,
-        adapter: bool = False,
-    ) -> str:
-        session_id = f"sampler-{uuid.uuid4().hex[:16]}"
-        with self._lock:
-            self.sampling_sessions[session_id] = SamplingSession(
-                session_id, base_model, base_dir, store_model, version, model_path, adapter
-            )
-        return session_id
-
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:
-        session = self._sampling_session(sampler_id)
+        session = self.sampling_sessions.get(sampler_id)
         return {
             "sampler_id": session.session_id,
             "base_model": session.base_model,
@@ -637,17 +467,10 @@ class TrainingService:
             "weight_version": session.version,
         }
 
-    def _sampling_session(self, sampler_id: str) -> SamplingSession:
-        with self._lock:
-            session = self.sampling_sessions.get(sampler_id)
-        if session is None:
-            raise NotFound(f"unknown sampling session {sampler_id!r}")
-        return session
-
     def sample(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if body.get("sampling_session_id") is None:
             raise UserInputError("asample needs a sampling_session_id (create a sampling client first)")
-        session = self._sampling_session(_field(body, "sampling_session_id", str))
+        session = self.sampling_sessions.get(_field(body, "sampling_session_id", str))
         num_samples = body.get("num_samples", 1)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= 128:
             raise UserInputError(f"num_samples must be an integer in [1, 128], got {num_samples!r}")
@@ -705,18 +528,15 @@ class TrainingService:
         return outcome
 
     def _submit_ordered(self, record: ModelRecord, seq_id: int, request_id: str, job: Callable[[], Outcome]) -> str:
-        """The request id to answer with: `request_id`, or for a retried seq_id the first
-        request's (the new future is then dropped unused)."""
-        kind = request_id.rsplit("-", 1)[0]
-
-        def release() -> None:
-            self._enqueue(request_id, self._while_loaded(record, job), _session_of(record.model_id))
-
-        answered = record.order.submit(seq_id, request_id, release, kind=kind)
-        if answered != request_id:
-            log.info("seq_id %d of %s retried: answering with %s", seq_id, record.model_id, answered)
-            self.futures.discard(request_id)
-        return answered
+        """Queues `job` in its model's seq_id order; the request id to answer with."""
+        return self.executor.submit_ordered(
+            record.order,
+            seq_id,
+            request_id,
+            self._while_loaded(record, job),
+            session_id=session_of(record.model_id),
+            model_id=record.model_id,
+        )
 
     def _while_loaded(self, record: ModelRecord, job: Callable[[], Outcome]) -> Callable[[], Outcome]:
         """`job`, refused if its model was unloaded before it ran: a request accepted just before
@@ -726,7 +546,7 @@ class TrainingService:
             with self._lock:
                 loaded = self.models.get(record.model_id) is record
             if not loaded:
-                self._check_open(_session_of(record.model_id))
+                self.sessions.check_open(session_of(record.model_id))
                 raise NotFound(f"model {record.model_id} is no longer loaded")
             return job()
 
@@ -743,50 +563,16 @@ class TrainingService:
         while not self._closed.wait(every):
             with self._lock:
                 records = list(self.models.values())
-                cutoff = time.monotonic() - self.config.session_timeout_s
-                silent = [s for s, seen in self._last_seen.items() if seen < cutoff and s not in self._busy]
             for record in records:
                 record.order.expire()
-            for session_id in silent:
+            for session_id in self.sessions.silent(self.config.session_timeout_s):
                 detail = f"no heartbeat or request for {self.config.session_timeout_s:g} s"
                 if self._finish(session_id, "expired", detail):
                     log.warning("session %s expired: %s; its models are unloaded", session_id, detail)
 
-    def _enqueue(self, request_id: str, job: Callable[[], Outcome], session_id: str | None = None) -> None:
-        """Queues `job` for the executor; a session with jobs queued or running does not expire."""
-        if session_id is not None:
-            with self._lock:
-                self._busy[session_id] += 1
-        self._jobs.put((request_id, job, session_id))
-
-    def _run_jobs(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            request_id, job, session_id = item
-            try:
-                outcome = job()
-            except Exception as e:  # every failure goes to the caller's future, with its category
-                if not isinstance(e, (UserInputError, NotFound)):
-                    log.exception("request %s failed", request_id)
-                self.futures.fail(request_id, e)
-            else:
-                self.futures.resolve(request_id, outcome)
-            finally:
-                if session_id is not None:
-                    self._done_for(session_id)
-
-    def _done_for(self, session_id: str) -> None:
-        """One of the session's jobs ended: its silence counts from now."""
-        with self._lock:
-            self._busy[session_id] -= 1
-            if not self._busy[session_id]:
-                del self._busy[session_id]
-            if session_id in self._last_seen:
-                self._last_seen[session_id] = time.monotonic()
-
     def close(self) -> None:
         self._closed.set()
-        self._jobs.put(None)
-        self._executor.join(timeout=60)
+        self.executor.close()
         self._sampling_pool.shutdown(wait=True, cancel_futures=True)
         self.commander.close()
         self.samplers.close()
@@ -812,25 +598,3 @@ def _number(params: Mapping[str, Any], name: str, default: float, *, low: float,
         bound = f"in [{low}, {below})" if below is not None else f">= {low}"
         raise UserInputError(f"adam_params.{name} must be {bound}, got {value}")
     return value
-
-
-def _session_of(model_id: str) -> str:
-    """The session a model belongs to: model ids are "<session id>:train:<seq id>"."""
-    return model_id.split(":", 1)[0]
-
-
-def _store_model_name(model_id: str) -> str:
-    """The store's name for a training run's sampler versions (store names allow no ':')."""
-    return "tinker-" + model_id.replace(":", "-")
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def _iso_time(timestamp: float) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc).isoformat()
