@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import prometheus_client as prom
@@ -38,6 +37,7 @@ from weightsync.agents.engines.reference import (
 )
 from weightsync.errors import WeightsyncError
 from weightsync.models import ModelConfig
+from weightsync.transport.json_http import BodyError, JsonHandler, JsonHttpServer
 
 __all__ = [
     "BadRequest",
@@ -99,7 +99,7 @@ class ReferenceServer(ReferenceEngine):
 
     def __init__(self, config: ReferenceServerConfig) -> None:
         super().__init__(config)
-        self._http: ThreadingHTTPServer | None = None
+        self._http: JsonHttpServer | None = None
         self._thread: threading.Thread | None = None
 
     def close(self) -> None:
@@ -118,13 +118,11 @@ class ReferenceServer(ReferenceEngine):
             raise WeightsyncError("the reference server is closed; build a new one")
         if self._http is not None:
             return self
-        self._http = ThreadingHTTPServer((self.config.host, self.config.port), _Handler)
-        self._http.daemon_threads = True
-        self._http.engine = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, args=(0.1,), name="reference-server", daemon=True
+        self._http = JsonHttpServer(
+            (self.config.host, self.config.port), _Handler, max_body_bytes=self.config.max_body_bytes
         )
-        self._thread.start()
+        self._http.engine = self  # type: ignore[attr-defined]
+        self._thread = self._http.serve_in_thread("reference-server")
         logger.info("reference server listening on %s (compute %s)", self.url, self.config.compute_dtype)
         return self
 
@@ -133,8 +131,7 @@ class ReferenceServer(ReferenceEngine):
         """Base URL, e.g. http://127.0.0.1:PORT (after `start`)."""
         if self._http is None:
             raise WeightsyncError("the reference server is not started; call start()")
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._http.url
 
     def __enter__(self) -> ReferenceServer:
         return self.start()
@@ -255,29 +252,16 @@ def _list(value: Any, what: str, max_len: int) -> list:
     return value
 
 
-class _UnreadableBody(Exception):
-    """A request body that cannot be read; `status` is the HTTP answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     """HTTP/JSON front of a ReferenceServer (`self.server.engine`); holds no logic of its own."""
 
-    protocol_version = "HTTP/1.1"
     server_version = "weightsync-reference/1"
-    timeout = 120  # socket timeout: an idle or trickling client cannot hold a thread forever
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        logger.debug("%s %s", self.address_string(), fmt % args)
 
     def do_GET(self) -> None:
         engine: ReferenceServer = self.server.engine  # type: ignore[attr-defined]
         path = self.path.split("?", 1)[0]
         if path == "/health":
-            self._send(
+            self.send_json(
                 200,
                 {
                     "status": "ok",
@@ -286,27 +270,27 @@ class _Handler(BaseHTTPRequestHandler):
                 },
             )
         elif path == "/v1/version":
-            self._send(200, engine.version_info())
+            self.send_json(200, engine.version_info())
         elif path == "/metrics":
-            self._send_raw(200, prom.generate_latest(engine.metrics.registry), prom.CONTENT_TYPE_LATEST)
+            self.send_bytes(200, prom.generate_latest(engine.metrics.registry), prom.CONTENT_TYPE_LATEST)
         elif path == "/v1/generate":
-            self._send(405, {"error": "use POST for /v1/generate"}, [("Allow", "POST")])
+            self.send_json(405, {"error": "use POST for /v1/generate"}, [("Allow", "POST")])
         else:
-            self._send(404, {"error": f"no such path {path!r}; see /v1/generate, /v1/version, /health, /metrics"})
+            self.send_json(404, {"error": f"no such path {path!r}; see /v1/generate, /v1/version, /health, /metrics"})
 
     def do_POST(self) -> None:
         engine: ReferenceServer = self.server.engine  # type: ignore[attr-defined]
         if self.path.split("?", 1)[0] != "/v1/generate":
             self.close_connection = True  # the body was not read
-            self._send(404, {"error": f"no such path {self.path!r}; POST /v1/generate"})
+            self.send_json(404, {"error": f"no such path {self.path!r}; POST /v1/generate"})
             return
         started = time.perf_counter()
         outcome, status, error, headers = "ok", 200, "", []  # an error's status and message, or the answer's body
         try:
-            answer = engine.handle_generate(self._read_body(engine.config.max_body_bytes))
+            answer = engine.handle_generate(self.read_body())
             body = json.dumps(answer, allow_nan=False).encode()  # here: an answer that cannot be sent is a 500
             headers = [("X-Weight-Version", str(answer["weight_version"]))]
-        except _UnreadableBody as e:
+        except BodyError as e:
             outcome, status, error = "bad_request", e.status, str(e)
         except BadRequest as e:
             outcome, status, error = "bad_request", 400, str(e)
@@ -321,49 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
         # request there (counted after the send, a quick /metrics could miss it).
         engine.metrics.requests.labels(outcome).inc()
         engine.metrics.request_seconds.observe(time.perf_counter() - started)
-        self._send_raw(status, body, "application/json", headers)
-
-    def handle_expect_100(self) -> bool:
-        # A client that asks before sending (Expect: 100-continue) learns of an oversized body
-        # without sending it.
-        length = self.headers.get("Content-Length", "")
-        limit = self.server.engine.config.max_body_bytes  # type: ignore[attr-defined]
-        if length.isdigit() and int(length) > limit:
-            self.close_connection = True
-            self._send(413, {"error": f"body of {int(length)} bytes exceeds the limit of {limit} bytes"})
-            return False
-        return super().handle_expect_100()
-
-    def _read_body(self, max_bytes: int) -> bytes:
-        """The request body; raises _UnreadableBody (the connection then closes) for one that
-        cannot be read."""
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length is None:
-            self.close_connection = True
-            raise _UnreadableBody(411, "send the JSON body with a Content-Length (chunked bodies are not supported)")
-        if not length.isdigit():
-            self.close_connection = True
-            raise _UnreadableBody(400, f"bad Content-Length {length!r}")
-        if int(length) > max_bytes:
-            if int(length) <= 8 * max_bytes:  # read and dropped, so the client gets the 413, not a reset
-                remaining = int(length)
-                while remaining > 0 and (chunk := self.rfile.read(min(1 << 16, remaining))):
-                    remaining -= len(chunk)
-            self.close_connection = True
-            raise _UnreadableBody(413, f"body of {int(length)} bytes exceeds the limit of {max_bytes} bytes")
-        return self.rfile.read(int(length))
-
-    def _send(self, status: int, doc: Any, headers: Sequence[tuple[str, str]] = ()) -> None:
-        self._send_raw(status, json.dumps(doc, allow_nan=False).encode(), "application/json", headers)
-
-    def _send_raw(self, status: int, body: bytes, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in headers:
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_bytes(status, body, "application/json", headers)
 
 
 def serve(argv: Sequence[str] | None = None) -> int:

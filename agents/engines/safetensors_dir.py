@@ -28,7 +28,6 @@ inference server does that), the swap checks every engine shares (`base.py`).
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import logging
 import os
@@ -37,8 +36,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -67,11 +64,12 @@ from weightsync.agents.engines.snapshot_dir import (
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, write_safetensors
 from weightsync.errors import WeightsyncError
+from weightsync.retry import Backoff, GaveUp, retry_call
+from weightsync.transport.json_http import HttpClient, HttpError, Reply
 
 logger = logging.getLogger(__name__)
 
 _PLACEHOLDERS = ("{path}", "{version}", "{digest}")
-_REPLY_BYTES = 64 * 1024  # enough of the server's reply to quote in an error
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,40 +279,39 @@ class SafetensorsDirEngine:
         if self.config.reload_url is None:
             return 0.0
         values = {"{path}": str(path), "{version}": str(version), "{digest}": digest}
-        body = self.config.reload_body
-        data = None if body is None else json.dumps(_fill(body, values)).encode()
-        headers = {"Content-Type": "application/json", **self.config.reload_headers}
+        body = None if self.config.reload_body is None else _fill(self.config.reload_body, values)
+        client = HttpClient(
+            self.config.reload_url, headers=self.config.reload_headers, timeout_s=self.config.reload_timeout_s
+        )
         spent = 0.0
-        attempts = self.config.reload_retries + 1
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.config.reload_backoff_s * 2 ** (attempt - 1))
+
+        def attempt() -> Reply:
+            nonlocal spent
             started = time.perf_counter()
-            request = urllib.request.Request(
-                self.config.reload_url, data=data, headers=headers, method=self.config.reload_method
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.config.reload_timeout_s) as reply:
-                    text = reply.read(_REPLY_BYTES).decode("utf-8", "replace")
-                    status = reply.status
-            except urllib.error.HTTPError as e:
+                return client.request(self.config.reload_method, body=body)
+            except HttpError as e:
+                if not e.transient:  # the server understood and refused: a retry would only repeat it
+                    raise WeightsyncError(f"reload of version {version} refused: {e}") from None
+                raise
+            finally:
                 spent += time.perf_counter() - started
-                text = e.read(_REPLY_BYTES).decode("utf-8", "replace")
-                problem = f"{self.config.reload_url} answered {e.code}: {text[:500]}"
-                if e.code < 500 and e.code not in (408, 429):  # the server understood and refused
-                    raise WeightsyncError(f"reload of version {version} refused: {problem}") from None
-            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
-                spent += time.perf_counter() - started
-                problem = f"{self.config.reload_url}: {type(e).__name__}: {e}"
-            else:
-                spent += time.perf_counter() - started
-                if not 200 <= status < 300:
-                    raise WeightsyncError(f"reload of version {version}: {self.config.reload_url} answered {status}")
-                if _reports_failure(text):  # SGLang says {"success": false, "message": ...} on failure
-                    raise WeightsyncError(f"reload of version {version} failed: {text[:500]}")
-                return spent
-            logger.warning("reload of version %d, attempt %d/%d: %s", version, attempt + 1, attempts, problem)
-        raise WeightsyncError(f"reload of version {version} failed after {attempts} attempts: {problem}")
+
+        retries = self.config.reload_retries
+        try:
+            reply = retry_call(
+                f"reload version {version}",
+                attempt,
+                attempts=retries + 1,
+                backoff=Backoff(first_s=self.config.reload_backoff_s, max_s=self.config.reload_backoff_s * 2**retries),
+                retry_on=(HttpError,),
+                log=logger,
+            )
+        except GaveUp as e:
+            raise WeightsyncError(f"reload of version {version} failed after {e.attempts} attempts: {e.last}") from None
+        if _reports_failure(reply.text):  # SGLang says {"success": false, "message": ...} on failure
+            raise WeightsyncError(f"reload of version {version} failed: {reply.text[:500]}")
+        return spent
 
     # ------------------------------------------------------------------ open
 

@@ -24,12 +24,11 @@ import statistics
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 from weightsync.app.demo.rollout_queue import Rollout, RolloutQueue
 from weightsync.app.demo.task import AdditionTask
 from weightsync.models import ByteTokenizer
+from weightsync.transport.json_http import HttpClient, HttpError
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +145,9 @@ class RolloutWorker:
         if self.config.max_new_tokens > ANSWER_TOKENS:
             body["stop"] = None  # a long rollout: generate all of them
         try:
-            return _post(server + "/v1/generate", body, self.config.request_timeout_s)
-        except urllib.error.HTTPError as e:
-            if e.code == 503:  # no weights yet, or busy: come back later
+            return HttpClient(server, timeout_s=self.config.request_timeout_s).post_json("/v1/generate", body)
+        except HttpError as e:
+            if e.status == 503:  # no weights yet, or busy: come back later
                 return None
             raise
 
@@ -158,12 +157,13 @@ class RolloutWorker:
         logprobs of prompt + completion, which at temperature 1 are the sampling distribution's),
         and kept only if the server's weight version was the same before and after both calls —
         with the drain swap policy both then ran on that one version."""
-        before = _get(server + "/weight_info").get("weight_version")
+        client = HttpClient(server, timeout_s=60.0)
+        before = client.get_json("/weight_info").get("weight_version")
         if before in (None, "", "None"):
             return None  # no version swapped in yet
         ids = self.tokenizer.encode(prompt)
-        sampled = _post(
-            server + "/v1/completions",
+        sampled = client.post_json(
+            "/v1/completions",
             {
                 "model": "m",
                 "prompt": ids,
@@ -176,8 +176,8 @@ class RolloutWorker:
             },
         )
         completions = [list(c["token_ids"]) for c in sampled["choices"]]
-        scored = _post(
-            server + "/v1/completions",
+        scored = client.post_json(
+            "/v1/completions",
             {
                 "model": "m",
                 "prompt": [ids + c for c in completions],
@@ -186,7 +186,7 @@ class RolloutWorker:
                 "prompt_logprobs": 1,
             },
         )
-        if _get(server + "/weight_info").get("weight_version") != before:
+        if client.get_json("/weight_info").get("weight_version") != before:
             return None  # a swap came between the calls: sample again
         out = []
         for tokens, choice in zip(completions, scored["choices"], strict=True):
@@ -208,7 +208,7 @@ class RolloutWorker:
             while not stop.is_set():
                 try:
                     row = self.sample_group()
-                except (OSError, ValueError, KeyError) as e:  # a server restarting: try the next one
+                except (HttpError, OSError, ValueError, KeyError) as e:  # a server restarting: try the next one
                     log.warning("%s: sampling failed: %s", self.config.worker, e)
                     stop.wait(0.5)
                     continue
@@ -230,17 +230,6 @@ def _answer_part(completion: dict) -> dict:
     end = min(end, ANSWER_TOKENS)
     versions = [{**r, "stop": min(r["stop"], end)} for r in completion["versions"] if r["start"] < end]
     return {"token_ids": tokens[:end], "logprobs": completion["logprobs"][:end], "versions": versions}
-
-
-def _post(url: str, body: dict, timeout_s: float = 60.0) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def main(argv: list[str] | None = None) -> int:

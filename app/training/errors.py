@@ -55,7 +55,3 @@ class SessionFinished(UserInputError):
     block): 410, on which the SDK stops that session's heartbeat."""
 
     http_status = 410
-
-
-class PayloadTooLarge(UserInputError):
-    http_status = 413

@@ -15,15 +15,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from weightsync.app.training.errors import AuthError, NotSupported, PayloadTooLarge, TrainingError, UserInputError
+from weightsync.app.training.errors import AuthError, NotSupported, TrainingError, UserInputError
 from weightsync.app.training.futures import Outcome
 from weightsync.app.training.service import TrainingService
 from weightsync.app.training.wire import decode_forward_backward
+from weightsync.transport.json_http import BodyError, JsonHandler, JsonHttpServer
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +43,7 @@ CLIENT_CONFIG = {
 DYNAMIC_CONFIG = {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
-class TrainingHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class TrainingHTTPServer(JsonHttpServer):
     def __init__(
         self,
         address: tuple[str, int],
@@ -56,20 +53,10 @@ class TrainingHTTPServer(ThreadingHTTPServer):
         max_body_bytes: int = 64 * 1024 * 1024,
         fwdbwd_max_chunk_len: int = 1024,
     ) -> None:
-        self.service, self.api_key, self.max_body_bytes = service, api_key, max_body_bytes
+        self.service, self.api_key = service, api_key
         client_config = {**CLIENT_CONFIG, "fwdbwd_max_chunk_len": fwdbwd_max_chunk_len}
         self.routes = _routes(service, client_config)
-        super().__init__(address, _Handler)
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def serve_in_thread(self) -> threading.Thread:
-        thread = threading.Thread(target=self.serve_forever, name="training-http", daemon=True)
-        thread.start()
-        return thread
+        super().__init__(address, _Handler, max_body_bytes=max_body_bytes, body_hint="send fewer datums per request")
 
 
 def _routes(service: TrainingService, client_config: dict[str, Any]) -> dict[tuple[str, str], Callable[[bytes], Any]]:
@@ -97,8 +84,7 @@ def _routes(service: TrainingService, client_config: dict[str, Any]) -> dict[tup
     }
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(JsonHandler):
     server: TrainingHTTPServer
 
     def do_GET(self) -> None:
@@ -112,9 +98,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._dispatch("DELETE")
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
 
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
@@ -146,23 +129,16 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(result, Outcome):
             extra = [] if result.weight_version is None else [("X-Weight-Version", str(result.weight_version))]
             if result.proto is not None:
-                self._send(200, result.proto, PROTO, extra)
+                self.send_bytes(200, result.proto, PROTO, extra)
             elif result.error is not None:
-                self._send_json(200, {"error": result.error, "category": result.category})
+                self.send_json(200, {"error": result.error, "category": result.category})
             else:
-                self._send_json(200, result.json)
+                self.send_json(200, result.json)
         else:
-            self._send_json(200, result)
+            self.send_json(200, result)
 
     def _read_body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > self.server.max_body_bytes:
-            self.close_connection = True  # the unread body would otherwise be parsed as the next request
-            raise PayloadTooLarge(
-                f"request body of {length} bytes is over this server's limit of "
-                f"{self.server.max_body_bytes} bytes; send fewer datums per request"
-            )
-        body = self.rfile.read(length) if length else b""
+        body = self.read_body(required=False)
         if self.headers.get("Content-Encoding", "").lower() == "zstd":
             import zstandard
 
@@ -182,24 +158,14 @@ class _Handler(BaseHTTPRequestHandler):
         if status >= 500:
             log.exception("%s %s failed", self.command, self.path, exc_info=error)
         message = str(error) or type(error).__name__
-        self._send_json(status, {"error": message, "detail": message, "category": category})
-
-    def _send_json(self, status: int, doc: Any) -> None:
-        self._send(status, json.dumps(doc).encode(), "application/json")
-
-    def _send(self, status: int, payload: bytes, content_type: str, headers: list[tuple[str, str]] = ()) -> None:
-        self.send_response(status)
-        for key, value in headers:
-            self.send_header(key, value)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        self.send_json(status, {"error": message, "detail": message, "category": category})
 
 
 def _status_of(error: Exception) -> tuple[int, str]:
     if isinstance(error, TrainingError):
         return error.http_status, error.category
+    if isinstance(error, BodyError):
+        return error.status, UserInputError.category
     return 500, "server"
 
 

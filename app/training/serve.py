@@ -233,7 +233,7 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.serve_in_thread()
+    server.serve_in_thread("training-http")
     print(
         json.dumps(
             {

@@ -32,11 +32,7 @@ Not here: the agent (weightsync.agents), the reference engine's generation (samp
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,9 +41,9 @@ import numpy as np
 from weightsync.app.training.errors import TrainingError, UserInputError
 from weightsync.app.training.sampling import stop_string_at
 from weightsync.app.training.wire import SampledSequence
+from weightsync.transport.json_http import HttpClient, HttpError
 
 GENERATE_ROUTE = "/inference/v1/generate"
-_REPLY_BYTES = 256 * 1024 * 1024
 
 
 class VllmSamplingError(TrainingError):
@@ -58,8 +54,9 @@ class VllmSampler:
     """Sends one request per sample call to the vLLM server at `url`."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self.api_key = api_key or os.environ.get("VLLM_API_KEY")  # as the VllmEngine does
+        self.url = url.rstrip("/")
+        api_key = api_key or os.environ.get("VLLM_API_KEY")  # as the VllmEngine does
+        self._client = HttpClient(self.url, api_key=api_key, timeout_s=timeout_s)
 
     def sample(
         self,
@@ -105,22 +102,12 @@ class VllmSampler:
         return version, sequences, prompt_lp
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(
-            self.url + GENERATE_ROUTE, data=json.dumps(body).encode(), headers=headers, method="POST"
-        )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                return json.loads(reply.read(_REPLY_BYTES))
-        except urllib.error.HTTPError as e:
-            detail = _error_text(e.read(64 * 1024).decode("utf-8", "replace"))
-            if e.code in (400, 422):  # vLLM refused the request itself (n above --max-num-seqs, ...)
-                raise UserInputError(f"vLLM refused the sample request: {detail}") from None
-            raise VllmSamplingError(f"POST {self.url}{GENERATE_ROUTE} answered {e.code}: {detail}") from None
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            raise VllmSamplingError(f"POST {self.url}{GENERATE_ROUTE}: {type(e).__name__}: {e}") from None
+            return self._client.post_json(GENERATE_ROUTE, body)
+        except HttpError as e:
+            if e.status in (400, 422):  # vLLM refused the request itself (n above --max-num-seqs, ...)
+                raise UserInputError(f"vLLM refused the sample request: {e.detail}") from None
+            raise VllmSamplingError(str(e)) from None
 
 
 def _one_version(choices: list[dict[str, Any]], url: str) -> int:
@@ -181,16 +168,3 @@ def _prompt_logprobs(reply: dict[str, Any], prompt: list[int]) -> np.ndarray:
             raise VllmSamplingError(f"vLLM's prompt logprobs lack prompt token {i}")
         out[i] = float(candidate["logprob"])
     return out
-
-
-def _error_text(detail: str) -> str:
-    try:
-        doc = json.loads(detail)
-    except ValueError:
-        return detail[:1000]
-    if isinstance(doc, dict):
-        for key in ("error", "detail", "message"):
-            if key in doc:
-                value = doc[key]
-                return str(value.get("message") if isinstance(value, dict) else value)[:2000]
-    return detail[:1000]

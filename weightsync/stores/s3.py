@@ -50,7 +50,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -68,6 +67,7 @@ from weightsync.errors import (
     StoreUriError,
     UnsafeCommitError,
 )
+from weightsync.retry import Backoff, GaveUp, retry_call
 from weightsync.stores.base import ObjectInfo, check_key, check_range
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ _S3_MAX_PUT_BYTES = 5 * 1024 * MiB  # S3's largest single PUT
 _READ_PIECE_BYTES = 8 * MiB  # a body is read in pieces so a trickling server meets the deadline
 _MD5_ETAG = re.compile(r'"?([0-9a-fA-F]{32})(-\d+)?"?')
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_TRANSFER_BACKOFF = Backoff(first_s=0.1, max_s=2.0, jitter=True)  # corruption is rarely load: short waits
 T = TypeVar("T")
 
 
@@ -660,19 +661,19 @@ class S3Store:
     ) -> T:
         """Runs `attempt(deadline)` until it succeeds, at most transfer_attempts times and no new
         attempt after the deadline, backing off with jitter; then a StoreError."""
-        t0 = time.monotonic()
-        deadline = t0 + self.config.transfer_deadline_s if deadline is None else deadline
-        for n in range(1, self.config.transfer_attempts + 1):
-            try:
-                return attempt(deadline)
-            except retry_on as e:
-                error = e
-            pause = min(2.0, 0.05 * 2**n) * random.uniform(0.5, 1.0)  # corruption is rarely load: short waits
-            if n == self.config.transfer_attempts or time.monotonic() + pause > deadline:
-                break
-            log.warning("%s: attempt %d failed (%s); retrying", what, n, error)
-            time.sleep(pause)
-        raise StoreError(f"cannot {what} (gave up after {n} attempts in {time.monotonic() - t0:.1f} s): {error}")
+        deadline = time.monotonic() + self.config.transfer_deadline_s if deadline is None else deadline
+        try:
+            return retry_call(
+                what,
+                lambda: attempt(deadline),
+                attempts=self.config.transfer_attempts,
+                backoff=_TRANSFER_BACKOFF,
+                retry_on=retry_on,
+                deadline_s=deadline - time.monotonic(),
+                log=log,
+            )
+        except GaveUp as e:
+            raise StoreError(str(e)) from e.last
 
     def _parallel(self, fn: Callable[[T], object], items: list[T]) -> list:
         """fn over items on the store's transfer pool; the first failure cancels the rest and is
