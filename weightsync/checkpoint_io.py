@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -55,12 +55,24 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         return sorted(set(self._files.values()))
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
     "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
     "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
 }  # fmt: skip
+"""safetensors' dtype names -> torch dtypes (None: one this torch build lacks); the one table."""
+
+
+def safetensors_layout(files: Iterable[str | os.PathLike]) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in safetensors files, from their headers alone."""
+    layout = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                piece = f.get_slice(name)
+                layout[name] = (SAFETENSORS_DTYPES.get(piece.get_dtype()), tuple(piece.get_shape()))
+    return layout
 
 
 def checkpoint_dtypes(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.dtype | None]:
@@ -72,7 +84,7 @@ def checkpoint_dtypes(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     if name in checkpoint:
-                        out[name] = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                        out[name] = SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
         return out
     dtypes = getattr(checkpoint, "dtypes", None)  # a lazy mapping that knows them (a DCP checkpoint)
     if callable(dtypes):

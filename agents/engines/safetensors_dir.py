@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from weightsync.agents.engines.base import (
     EngineState,
@@ -62,7 +61,7 @@ from weightsync.agents.engines.snapshot_dir import (
     snapshot_name,
 )
 from weightsync.agents.engines.swap_policy import SwapPolicy
-from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, write_safetensors
+from weightsync.checkpoint_io import DEFAULT_MAX_SHARD_BYTES, safetensors_layout, write_safetensors
 from weightsync.errors import WeightsyncError
 from weightsync.retry import Backoff, GaveUp, retry_call
 from weightsync.transport.json_http import HttpClient, HttpError, Reply
@@ -323,30 +322,8 @@ class SafetensorsDirEngine:
         for directory in sources:
             files = sorted(directory.glob("*.safetensors"))
             if files:
-                layout = {}
-                for file in files:
-                    with safe_open(str(file), framework="pt") as f:
-                        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                            sl = f.get_slice(name)
-                            layout[name] = (_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape()))
-                return layout
+                return safetensors_layout(files)
         return None
-
-
-_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 def _as_config_source(value: Any) -> Any:

@@ -79,7 +79,7 @@ from weightsync.agents.engines.base import (
     check_swap_args,
     layout_of,
 )
-from weightsync.agents.engines.safetensors_dir import _DTYPES, _as_config_source, _config_json
+from weightsync.agents.engines.safetensors_dir import _as_config_source, _config_json
 from weightsync.agents.engines.snapshot_dir import (
     CONFIG_NAME,
     SNAPSHOT_META,
@@ -90,7 +90,7 @@ from weightsync.agents.engines.snapshot_dir import (
     snapshot_name,
 )
 from weightsync.agents.engines.swap_policy import SwapPolicy
-from weightsync.checkpoint_io import INDEX_NAME
+from weightsync.checkpoint_io import INDEX_NAME, SAFETENSORS_DTYPES
 from weightsync.errors import WeightsyncError
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.tensors import raw_bytes
@@ -581,7 +581,7 @@ def _read_plan(snapshot: Path) -> tuple[list[tuple[str, list[str]]] | None, dict
                 names = list(f.keys())  # the file's own order, as written
                 for name in names:
                     sl = f.get_slice(name)
-                    layout[name] = (_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
+                    layout[name] = (SAFETENSORS_DTYPES[sl.get_dtype()], tuple(sl.get_shape()))
             plan.append((file, names))
         return plan, layout
     except (OSError, ValueError, KeyError, TypeError) as e:
