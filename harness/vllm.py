@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from weightsync.app.demo.processes import group_shared_memory, release_shared_memory, stop_process_group
 from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
 
 _WRITE_MODEL = r"""
@@ -135,26 +136,19 @@ class VllmServer:
         return data[-nbytes:].decode("utf-8", "replace")
 
     def kill(self) -> None:
-        """SIGKILL to the whole process group (the server dies mid-whatever)."""
-        self._signal(signal.SIGKILL)
-        self.process.wait(timeout=60)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.process.wait(timeout=30)
-        self._signal(signal.SIGKILL)  # stragglers of the group (engine core, workers)
-        self._log.close()
-
-    def _signal(self, sig: int) -> None:
+        """SIGKILL to the whole process group (the server dies mid-whatever); what it held in
+        /dev/shm is released."""
+        held = group_shared_memory(self.process.pid)
         try:
-            os.killpg(self.process.pid, sig)
+            os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.process.wait(timeout=60)
+        release_shared_memory(held)
+
+    def stop(self) -> None:
+        stop_process_group(self.process, timeout_s=30)
+        self._log.close()
 
     def __enter__(self) -> VllmServer:
         return self

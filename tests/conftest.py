@@ -32,6 +32,7 @@ def pytest_configure(config):
     fixture set up lazily inside a test body (`request.getfixturevalue("s3_endpoint")`) runs on the
     session node, so its server took the test's mark and was stopped with the test."""
     config.pluginmanager.import_plugin("harness.pytest_reaper")
+    config.pluginmanager.import_plugin("harness.pytest_shm")  # and nothing is left in /dev/shm
 
 
 @pytest.fixture(scope="session", autouse=True)

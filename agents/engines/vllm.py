@@ -385,6 +385,8 @@ class VllmEngine:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+        if self.config.lora_name:  # the adapter's fixed directory: tmpfs memory until the host reboots
+            shutil.rmtree(self._handoff_dir / f"weightsync-lora-{self.config.lora_name}", ignore_errors=True)
 
     # ------------------------------------------------------------------ inspection
 

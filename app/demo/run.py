@@ -18,9 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.app.demo.processes import stop_process_group
 from weightsync.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -159,17 +158,8 @@ class _Children:
 
     def stop(self, name: str, timeout_s: float = 15.0) -> None:
         proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun's ranks are in the group too
-            proc.wait(timeout=timeout_s)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        if proc is not None:
+            stop_process_group(proc, timeout_s)  # torchrun's ranks and vLLM's workers are in the group too
 
     def stop_all(self) -> None:
         for name in list(self.procs):

@@ -80,3 +80,4 @@ def vllm_server_command(
 
         argv += ["--worker-extension-cls", EXTENSION]
     return argv, env
+

@@ -1,0 +1,98 @@
+"""processes: stopping what the demo (and the test harness) starts, and nothing of anyone else's.
+
+A child runs in a process group of its own (torchrun's ranks, vLLM's engine core and workers
+share their parent's), so it is stopped as a group: SIGTERM, a grace period, SIGKILL to what is
+left, by process group id, never by name. What the group held in /dev/shm is read before the stop
+and released after: a vLLM server stopped by signal leaves its message queues (psm_*), CPU
+tensor-parallel buffers and semaphores behind, because the resource tracker that would unlink
+them dies with the group. Only entries no live process holds are removed.
+
+Not here: starting them (`run.py`, `vllm.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """Stops `proc` and every process of its group (see the module docstring)."""
+    held = group_shared_memory(proc.pid)
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc.pid, signal.SIGKILL)  # what is left of the group (engine core, workers, ranks)
+    proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while any(_pgid(pid) == proc.pid for pid in _pids()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # killed, not yet reaped by init: their mappings go with them
+    release_shared_memory(held)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_shared_memory(pgid: int) -> set[Path]:
+    """The /dev/shm entries that the live processes of process group `pgid` map or hold open:
+    vLLM's message queues (psm_*), its CPU tensor-parallel buffers (vllm_*cpushm*) and semaphores.
+    A server stopped by signal leaves them behind when its resource tracker dies with it; read
+    them before the stop, release them after (`release_shared_memory`)."""
+    return _shared_memory(pid for pid in _pids() if _pgid(pid) == pgid)
+
+
+def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
+    """Unlinks each of `paths` that still exists and that no live process maps or holds open (one
+    still in use is never touched); the ones it removed."""
+    left = {p for p in paths if p.exists()}
+    if not left:
+        return []
+    in_use = _shared_memory(_pids())
+    removed = []
+    for path in sorted(left - in_use):
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return removed
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _shared_memory(pids: Iterable[int]) -> set[Path]:
+    found: set[Path] = set()
+    for pid in pids:
+        proc = Path("/proc") / str(pid)
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                where = line.find("/dev/shm/")
+                if where >= 0:
+                    found.add(Path(line[where:].removesuffix(" (deleted)")))
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    found.add(Path(target.removesuffix(" (deleted)")))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found

@@ -1,0 +1,67 @@
+"""pytest_shm: the test run leaves nothing in /dev/shm.
+
+Shared memory outlives the processes that made it: a vLLM server stopped by signal left its
+message queues (psm_*, ~400 MiB a server) and CPU tensor-parallel buffers behind, and an engine
+left its LoRA adapter directory; each run of the suite took more of the machine's memory until
+a reboot. At the end of the run (the controller, under xdist), every /dev/shm entry of the kinds
+this stack makes (SHM_PREFIXES) that appeared during the run and that no live process still holds
+fails the run, named, and is removed so that the next run starts clean.
+
+tests/conftest.py registers it beside the reaper.
+
+Not here: releasing a stopped server's shared memory (weightsync.app.demo.processes), stopping
+processes (`reaper.py`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from weightsync.app.demo.processes import release_shared_memory
+
+SHM = Path("/dev/shm")
+SHM_PREFIXES = ("psm_", "sem.mp-", "vllm", "weightsync-", "torch_")
+"""What vLLM, Python's multiprocessing, torch and weightsync name their /dev/shm entries."""
+
+_started = time.time()
+
+
+def _ours_since(started: float) -> set[Path]:
+    if not SHM.is_dir():
+        return set()
+    found = set()
+    for entry in SHM.iterdir():
+        try:
+            if entry.name.startswith(SHM_PREFIXES) and entry.lstat().st_ctime >= started:
+                found.add(entry)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _remove(entry: Path) -> bool:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+        return not entry.exists()
+    return bool(release_shared_memory([entry]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once for all
+        return
+    left = sorted(_ours_since(_started))
+    removed = [entry for entry in left if _remove(entry)]
+    if not removed:
+        return
+    names = "\n".join(f"  {entry}" for entry in removed)
+    session.config.get_terminal_writer().line(
+        f"the tests left {len(removed)} entries in /dev/shm (removed now; fix the test that made them):\n{names}",
+        red=True,
+    )
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
