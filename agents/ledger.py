@@ -18,6 +18,8 @@ import threading
 import time
 from collections import deque
 
+from weightsync.retry import Backoff
+
 
 @dataclasses.dataclass
 class LedgerEntry:
@@ -90,11 +92,10 @@ class BrokenVersion:
 
 class BrokenVersions:
     """The versions newer than the served one that failed, each retried with its own backoff
-    (doubling from `retry_s[0]` up to `retry_s[1]`) while the agent serves the newest version
-    it can verify. Thread-safe."""
+    while the agent serves the newest version it can verify. Thread-safe."""
 
-    def __init__(self, retry_s: tuple[float, float]) -> None:
-        self._retry_s = retry_s
+    def __init__(self, backoff: Backoff) -> None:
+        self._backoff = backoff
         self._lock = threading.Lock()
         self._versions: dict[int, BrokenVersion] = {}
 
@@ -108,7 +109,7 @@ class BrokenVersions:
             broken.repeated = broken.failures > 0 and broken.error == error
             broken.error = error
             broken.failures += 1
-            broken.retry_at = now + min(self._retry_s[0] * 2 ** (broken.failures - 1), self._retry_s[1])
+            broken.retry_at = now + self._backoff.pause_s(broken.failures)
             return broken
 
     def waiting(self, version: int, digest: str | None, now: float) -> bool:

@@ -32,9 +32,10 @@ from collections.abc import Callable
 
 from weightsync.agents.ledger import BrokenVersions, Ledger
 from weightsync.format.manifest import Manifest
+from weightsync.retry import Backoff
 
-RETRY_S = (0.5, 10.0)
-"""A broken version's retry backoff: the first wait, doubling up to the second."""
+RETRY_BACKOFF = Backoff(first_s=0.5, max_s=10.0)
+"""A broken version's retries: 0.5 s after its first failure, doubling up to 10 s."""
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ class AgentState:
         """Accepted manifests newer than the served version, by version."""
         self.refused: dict[int, str] = {}
         """Versions the parity probe refused (version -> manifest digest): never served again."""
-        self.broken = BrokenVersions(RETRY_S)
+        self.broken = BrokenVersions(RETRY_BACKOFF)
         self.ledger = Ledger(ledger_size)
         self.last_error = ""
         self.closed = False

@@ -80,4 +80,3 @@ def vllm_server_command(
 
         argv += ["--worker-extension-cls", EXTENSION]
     return argv, env
-

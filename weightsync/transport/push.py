@@ -30,9 +30,10 @@ import queue
 import threading
 import time
 
-from weightsync.errors import AccessDenied, SignatureError, StaleVersion, WeightsyncError
+from weightsync.errors import StaleVersion, WeightsyncError
 from weightsync.format.manifest import ChunkPlacement, Manifest
 from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.retry import FINAL_ERRORS, Backoff
 from weightsync.transport.rpc import AgentClient, ObjectFrame, TlsConfig, error_from_rpc, read_token
 from weightsync.transport.v1 import sync_pb2
 
@@ -156,7 +157,8 @@ class _Target:
     # -- worker
 
     def _run(self) -> None:
-        backoff = self.config.retry_backoff_s[0]
+        backoff = Backoff(first_s=self.config.retry_backoff_s[0], max_s=self.config.retry_backoff_s[1])
+        failures = 0
         while True:
             with self._cond:
                 while not self._closed and not self._ready():
@@ -166,11 +168,11 @@ class _Target:
                 state = self._versions[min(self._versions)]
             try:
                 self._work(state)
-                backoff = self.config.retry_backoff_s[0]
+                failures = 0
             except StaleVersion as e:  # the agent is past this version (it caught up elsewhere): next one
                 log.info("push to %s: v%d is stale there (%s); moving on", self.address, state.version, e)
                 self._finish(state)
-            except (AccessDenied, SignatureError) as e:  # a retry cannot fix a wrong token or a refused signature
+            except FINAL_ERRORS as e:  # a retry cannot fix a wrong token or a refused signature
                 self.last_error = str(e) or type(e).__name__
                 self.metrics.inc("push/errors", target=self.address)
                 log.error(
@@ -197,9 +199,10 @@ class _Target:
                     )
                     self._finish(state)
                 else:
-                    log.info("push to %s failed (%s); retrying in %.1f s", self.address, e, backoff)
-                    time.sleep(backoff)
-                    backoff = min(2 * backoff, self.config.retry_backoff_s[1])
+                    failures += 1
+                    pause = backoff.pause_s(failures)
+                    log.info("push to %s failed (%s); retrying in %.1f s", self.address, e, pause)
+                    time.sleep(pause)
 
     def _ready(self) -> bool:
         if not self._versions:
