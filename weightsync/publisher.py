@@ -81,6 +81,7 @@ from weightsync.format.probe import Probe
 from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
 from weightsync.format.write_format import WriteFormat
 from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.model_files import put_model_file_copies, put_model_file_objects
 from weightsync.shards import (
     PartHeader,
     Placement,
@@ -337,7 +338,11 @@ class Publisher:
         signer: Signer | None = None,
         listeners: Sequence[PublishListener] = (),
         metrics: Metrics = NULL_METRICS,
+        model_files: Mapping[str, bytes] | None = None,
     ) -> None:
+        """`model_files`: the files an engine loads beside the weights ({"config.json": bytes, ...};
+        weightsync.model_files), stored once by the committer and named by every version it
+        commits, or kept as older readers find them (`WriteFormat.model_files`)."""
         self.store = store
         self.model = layout.check_model_name(model)
         self.config = config or PublisherConfig()
@@ -369,6 +374,12 @@ class Publisher:
         # different readers share no setting.
         self._codec_choice = CodecChoice(highest_codec=self.config.write_format.highest_codec)
         self.warm_up: BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
+        self._files_doc: dict | None = None  # producer.files of every version committed here
+        if model_files and (shard is None or shard.is_committer):
+            if self.config.write_format.model_files:
+                self._files_doc = put_model_file_objects(store, model, model_files)
+            else:
+                put_model_file_copies(store, model, model_files)
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -742,6 +753,8 @@ class Publisher:
             producer["probe"] = probe
         if self.config.weights_kind != "model":  # absent means "model": manifests before the field stay as they were
             producer["weights_kind"] = self.config.weights_kind
+        if self._files_doc is not None:
+            producer["files"] = self._files_doc
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
         packed = any(c.packed for t in tensors for c in t.chunks)
@@ -950,7 +963,8 @@ def publish_once(
     config: PublisherConfig | None = None,
     progress: Callable[[int], None] | None = None,
     signer: Signer | None = None,
+    model_files: Mapping[str, bytes] | None = None,
 ) -> PublishResult:
     """Publishes one version and waits for its commit (what the CLI does)."""
-    with Publisher(store, model=model, config=config, signer=signer) as publisher:
+    with Publisher(store, model=model, config=config, signer=signer, model_files=model_files) as publisher:
         return publisher.publish(state_dict, step=step, progress=progress).result()

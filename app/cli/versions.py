@@ -54,15 +54,22 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
     config = PublisherConfig(**config_kwargs)
     _note_dtype_cast(checkpoint_dtypes(checkpoint), config.cast_floats_to)
     _warn_if_step_does_not_advance(store, args.model, args.step)
+    model_files = _model_files_of(args.checkpoint)
     progress = Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
         with on_first_kernel_compile(_say_kernels_compile):  # a delta on a machine without them
             result = publish_once(
-                store, checkpoint, model=args.model, step=args.step, config=config, signer=signer, progress=progress
+                store,
+                checkpoint,
+                model=args.model,
+                step=args.step,
+                config=config,
+                signer=signer,
+                progress=progress,
+                model_files=model_files,
             )
     finally:
         progress.close()
-    model_files = _store_model_files(store, args.model, args.checkpoint)
     row = manifest_row(result.manifest)
     row.update(
         model=args.model,
@@ -98,19 +105,18 @@ def _open_checkpoint(paths: list[str]):
     return open_checkpoint(paths)
 
 
-def _store_model_files(store, model: str, checkpoint_paths: list[str]) -> list[str]:
-    """An HF-style directory's config and tokenizer files go to the store beside the weights, so
-    that `pull --out` writes a directory an engine loads."""
+def _model_files_of(checkpoint_paths: list[str]) -> dict[str, bytes]:
+    """An HF-style directory's config and tokenizer files: they travel with the version, so that
+    `pull --out` writes a directory an engine loads."""
     from pathlib import Path
 
-    from weightsync.model_files import put_model_files, read_model_files
+    from weightsync.model_files import read_model_files
 
     files: dict[str, bytes] = {}
     for path in checkpoint_paths:
         if Path(path).is_dir():
             files.update(read_model_files(path))
-    put_model_files(store, model, files)
-    return sorted(files)
+    return files
 
 
 def _note_dtype_cast(dtypes: dict[str, Any], cast_floats_to: str | None) -> None:
@@ -171,7 +177,9 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     version = reader.resolve(args.version)
     manifest = read_manifest(reader.store, args.model, version)
     # The engine's files (config, tokenizer): from --template, else as the store keeps them.
-    model_files = read_model_files(args.template) if args.template else get_model_files(reader.store, args.model)
+    model_files = (
+        read_model_files(args.template) if args.template else get_model_files(reader.store, args.model, manifest)
+    )
     if args.template and "config.json" not in model_files:
         from weightsync.errors import ConfigError
 
@@ -206,7 +214,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
         )
         if "config.json" not in model_files:
             print(
-                "weightsync: note: no config.json was published with this model; an engine needs one beside the "
+                f"weightsync: note: no config.json was published with v{version}; an engine needs one beside the "
                 "weights: pull with --template MODEL_DIR, or publish the model's HF directory",
                 file=sys.stderr,
             )
