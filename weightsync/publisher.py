@@ -314,7 +314,7 @@ class _Job:
     progress: Callable[[int], None] | None = None
     changes: dict = dataclasses.field(default_factory=dict)  # {name: {chunk start: ctx changes}}, device_diff
     probe: dict | None = None  # the parity probe's manifest form (producer["probe"])
-    future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
+    future: PublishFuture = dataclasses.field(init=False)  # the caller's
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once this job and every earlier one has finished, committed or failed."""
     copy_done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -323,6 +323,19 @@ class _Job:
     copied: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     """Names of the tensors copied into `snapshot` so far, in copy order, then None when all
     are (or the exception that stopped the copy): what the encoders start on."""
+
+    def __post_init__(self) -> None:
+        self.future = PublishFuture(self.version)
+
+
+class PublishFuture(cf.Future):
+    """What `Publisher.publish` returns: the future of a version numbered when it was accepted, so
+    the caller can say which version its call becomes before it commits (a failed one burns its
+    number)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__()
+        self.version = version
 
 
 class Publisher:
@@ -392,8 +405,9 @@ class Publisher:
         progress: Callable[[int], None] | None = None,
         placements: Mapping[str, Placement] | None = None,
         probe: Probe | None = None,
-    ) -> cf.Future[PublishResult]:
-        """Snapshots `state_dict` now; returns a Future of the committed version.
+    ) -> PublishFuture:
+        """Snapshots `state_dict` now; returns a Future of the committed version (its `version` is
+        the number it commits as).
 
         `probe`: the version's numerical-parity probe (`weightsync.format.probe`), written into
         its manifest's producer object; a sharded publisher's committer (rank 0) writes its own.
