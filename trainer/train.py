@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import logs
+from weightsync.errors import ConfigError
 from weightsync.models import CausalLM, ModelConfig, build_model
 from weightsync.trainer.checkpoint import CheckpointManager
 from weightsync.trainer.config import JobConfig, ModelSpec, load_job_config
@@ -352,7 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    job = load_job_config(args.config, args.overrides)
+    try:
+        job = load_job_config(args.config, args.overrides)
+    except ConfigError as e:  # a setting to fix: one line, exit 2 (not a traceback per rank)
+        print(f"weightsync: error: {e}", file=sys.stderr)
+        return 2
     trainer = Trainer(job)
     # What setup made (modules, the model, the optimizer, compiled kernels) lives as long as the
     # process: frozen, the collector's full passes no longer walk it, so one that a step's
