@@ -398,6 +398,20 @@ class JobConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     train: TrainConfig
 
+    def __post_init__(self) -> None:
+        architecture = self.train.model.architecture
+        if self.parallel.frozen_experts is None or architecture is None or not architecture.is_moe:
+            return
+        fmt = PackFormat.parse(self.parallel.frozen_experts)  # checked here, not in every rank's first step
+        for name, columns in (
+            ("hidden_size", architecture.hidden_size),
+            ("moe_intermediate_size", architecture.moe_intermediate_size),
+        ):
+            try:
+                fmt.check_fits(columns, f"[train.model] {name}")
+            except ValueError as e:
+                raise ValueError(f"[parallel] frozen_experts = {self.parallel.frozen_experts!r}: {e}") from None
+
 
 # ------------------------------------------------------------------------------- loading
 

@@ -66,7 +66,7 @@ def build_table(
     try:
         return cls(**built)
     except ValueError as e:
-        raise ConfigError(f"{where}: {section} {e}") from None
+        raise ConfigError(f"{where}: {f'{section} ' if section else ''}{e}") from None
 
 
 def subsection(section: str, key: str) -> str:

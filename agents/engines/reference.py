@@ -606,16 +606,26 @@ def default_stop_token(config: ReferenceEngineConfig, model: ModelConfig) -> int
 def _eos_in(path: Path) -> int | None:
     """The eos_token_id an HF config file names (the first of a list), or None."""
     try:
-        doc = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise LayoutError(f"cannot read {path}: {e}") from None
+    return eos_token_in(data, what=str(path))
+
+
+def eos_token_in(data: bytes, *, what: str) -> int | None:
+    """The eos_token_id an HF config file's bytes name (the first of a list), or None; `what` names
+    the file in errors."""
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise LayoutError(f"cannot read {what}: {e}") from None
     eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
-        raise LayoutError(f"{path}: eos_token_id must be a token id, got {eos!r}")
+        raise LayoutError(f"{what}: eos_token_id must be a token id, got {eos!r}")
     return eos
 
 

@@ -14,6 +14,7 @@ from weightsync.app.cli.common import (
     Progress,
     add_common_flags,
     check_model_flag,
+    check_model_in_store,
     format_size,
     manifest_row,
     open_store_flag,
@@ -173,7 +174,9 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.versions import read_manifest
 
     check_model_flag(args)
-    reader = Reader(open_store_flag(args), model=args.model, workers=args.workers)
+    store = open_store_flag(args, existing=True)
+    check_model_in_store(store, args.model)
+    reader = Reader(store, model=args.model, workers=args.workers)
     version = reader.resolve(args.version)
     manifest = read_manifest(reader.store, args.model, version)
     # The engine's files (config, tokenizer): from --template, else as the store keeps them.
@@ -224,7 +227,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.versions import list_models
 
-    store = open_store_flag(args)
+    store = open_store_flag(args, existing=True)
     if args.model is None:
         models = list_models(store)
         if not args.json:
@@ -233,6 +236,8 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.errors import WeightsyncError
     from weightsync.versions import list_versions, read_manifest
 
+    check_model_flag(args)
+    check_model_in_store(store, args.model)
     rows = []
     for version in list_versions(store, args.model):
         try:
@@ -240,9 +245,7 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
         except WeightsyncError as e:  # one bad manifest must not hide the others
             rows.append({"version": version, "error": f"{type(e).__name__}: {e}"})
     if not args.json:
-        if not rows:
-            print(f"{args.model} has no versions in {store.uri}")
-        else:
+        if rows:
             print(
                 f"{'version':>7} {'kind':>5} {'parent':>6} {'base':>5} {'step':>7} {'created':>25} "
                 f"{'raw':>12} {'stored':>12} {'ratio':>7}  digest"
@@ -261,14 +264,15 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.errors import VersionNotFound, WeightsyncError
+    from weightsync.errors import WeightsyncError
     from weightsync.reader import Reader
     from weightsync.versions import list_versions, read_manifest
 
-    reader = Reader(open_store_flag(args), model=args.model, workers=args.workers)
+    check_model_flag(args)
+    store = open_store_flag(args, existing=True)
+    check_model_in_store(store, args.model)
+    reader = Reader(store, model=args.model, workers=args.workers)
     versions = list_versions(reader.store, args.model) if args.all else [reader.resolve(args.version)]
-    if not versions:
-        raise VersionNotFound(f"{args.model} has no versions in {args.store}")
     results = []
     for version in versions:
         try:
@@ -293,8 +297,11 @@ def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.stores.retention import collect_garbage
 
+    check_model_flag(args)
+    store = open_store_flag(args, existing=True)
+    check_model_in_store(store, args.model)
     plan = collect_garbage(
-        open_store_flag(args),
+        store,
         args.model,
         keep=args.keep,
         protect=set(args.protect),
