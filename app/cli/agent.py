@@ -141,13 +141,7 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         for b in reply.broken:  # never served; retried while an older good version is served
             print(f"broken v{b.version}: {b.failures} failed attempts, next in {b.retry_in_s:.1f}s: {b.error}")
         if reply.HasField("parity"):  # the newest parity probe (docs/agents.md, "Parity probe")
-            p = reply.parity
-            routing = f", expert mismatch {p.expert_mismatch:.3g}" if p.HasField("expert_mismatch") else ""
-            verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
-            print(
-                f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL "
-                f"{p.mean_kl:.3g}{routing} over {p.tokens} tokens, {1000 * p.probe_s:.0f} ms: {verdict}"
-            )
+            print(parity_line(reply.parity))
         if reply.refused:
             print(f"refused by the parity probe: {', '.join(f'v{v}' for v in reply.refused)}")
         print(
@@ -175,6 +169,21 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         if not reply.verification.ok:
             raise Failed(row, f"v{reply.current_version} does not verify: {reply.verification.error}")
     return row
+
+
+def parity_line(p) -> str:
+    """A ParityReport as `status` prints it. Each figure names what it is over: the log-prob figures
+    the tokens compared, the expert mismatch the positions whose routing was recorded (every prompt
+    token: more than the tokens; the line once said "124 tokens" of a fraction over 128 positions)."""
+    routing = ""
+    if p.HasField("expert_mismatch"):
+        over = f" over {p.expert_positions} positions" if p.expert_positions else ""
+        routing = f"; expert mismatch {p.expert_mismatch:.3g}{over}"
+    verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
+    return (
+        f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL {p.mean_kl:.3g} "
+        f"over {p.tokens} tokens{routing}, {1000 * p.probe_s:.0f} ms: {verdict}"
+    )
 
 
 def _message_json(message) -> dict[str, Any]:

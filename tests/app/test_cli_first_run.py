@@ -142,3 +142,17 @@ def test_pull_of_bare_weights_still_says_where_a_config_comes_from(tmp_path, cap
     capsys.readouterr()
     code, _, err = _run(capsys, "pull", "--store", store, "--model", "m", "--out", str(tmp_path / "out"))
     assert code == 0 and "no config.json was published with v1" in err
+
+
+def test_the_expert_mismatch_names_the_positions_it_is_a_fraction_of():
+    """The status line said "expert mismatch 0.0156 over 124 tokens" of a fraction over 128 positions
+    (4 prompts of 32 tokens: 124 log-probs, 128 routed positions)."""
+    from weightsync.app.cli.agent import parity_line
+    from weightsync.transport.v1 import sync_pb2
+
+    report = dict(version=3, engine="reference", max_abs_dlogprob=0.00467, mean_kl=1.09e-6, tokens=124, action="ok")
+    line = parity_line(sync_pb2.ParityReport(**report, expert_mismatch=2 / 128, expert_positions=128))
+    assert "mean KL 1.09e-06 over 124 tokens; expert mismatch 0.0156 over 128 positions" in line, line
+    older = parity_line(sync_pb2.ParityReport(**report, expert_mismatch=2 / 128))  # an agent that reports no count
+    assert "over 124 tokens; expert mismatch 0.0156," in older, older
+    assert "expert" not in parity_line(sync_pb2.ParityReport(**report))  # a dense model
