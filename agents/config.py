@@ -33,7 +33,7 @@ against the engine's own config class (`engines.parse_engine_config`): unknown k
 settings, wrong types and bad sub-tables raise ConfigError naming the key and the fix
 (weightsync/settings.py), and the swap policy becomes a `SwapPolicy` here, once. A reference
 engine given neither `model` nor `model_dir` takes the architecture from the config.json that
-the model's latest version carries in `store` (`reference_model_from_store`): an agent can
+the model's latest version carries in `store` (`engines.complete_from_store`): an agent can
 start from the store alone.
 
 Not here: what the agent does with it (`sync.py`, `server.py`), what an engine's options mean
@@ -43,7 +43,6 @@ Not here: what the agent does with it (`sync.py`, `server.py`), what an engine's
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import sys
@@ -52,7 +51,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from weightsync.agents.engines import engine_config_class, parse_engine_config
+from weightsync.agents.engines import complete_from_store, engine_config_class, parse_engine_config
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.parity import ParityConfig
 from weightsync.cpus import usable_cpus
@@ -282,66 +281,15 @@ def parse_agent_config(doc: dict[str, Any], *, where: str = "agent settings") ->
         config = AgentConfig(**doc)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
-    engine = config.engine
-    if engine.get("type") == "reference" and "model" not in engine and "model_dir" not in engine and config.store:
-        # A typo (model_dri) is reported as one, not answered by reading the store.
-        options = {f.name for f in dataclasses.fields(engine_config_class("reference"))} | {"type"}
-        check_known_keys(engine, options, where=where, section="[agent.engine]")
-        engine = {**engine, **reference_model_from_store(config.store, config.model, where=where)}
-        config = dataclasses.replace(config, engine=engine)
+    if (
+        config.store is not None
+    ):  # what the engine leaves out and the store can tell (the reference engine's architecture)
+        engine = complete_from_store(config.engine, store=config.store, model=config.model, where=where)
+        if engine != config.engine:
+            config = dataclasses.replace(config, engine=engine)
     # Last: the engine's module imports torch (seconds), worth it only for an otherwise good file.
-    parse_engine_config(engine, where=where)
+    parse_engine_config(config.engine, where=where)
     return config
-
-
-def reference_model_from_store(store_uri: str, model: str, *, where: str) -> dict[str, Any]:
-    """The reference engine's architecture (and stop token) from the config.json that the model's
-    latest version carries (weightsync.model_files): an agent given a store needs nothing else.
-    ConfigError when the store cannot tell: no versions of the model (naming the models it holds),
-    or versions published without a config.json."""
-    from weightsync.agents.engines.reference import eos_token_in
-    from weightsync.errors import WeightsyncError
-    from weightsync.model_files import get_model_files
-    from weightsync.models import ModelConfig
-    from weightsync.stores import open_store
-    from weightsync.versions import latest_version, list_models, read_manifest
-
-    give = "give the engine its architecture: --model-dir DIR (an HF directory), or [agent.engine] model = {...}"
-    try:
-        store = open_store(store_uri)
-        latest = latest_version(store, model)
-        if latest is None:
-            models = list_models(store)
-            holds = f"it holds {', '.join(models[:10])}" if models else "it holds no models yet"
-            raise ConfigError(
-                f"{where}: the reference engine reads its architecture from the store, and {store.uri} has no "
-                f"versions of {model!r}; {holds}. Name one of them (model), wait for the trainer's first version, "
-                f"or {give}"
-            )
-        files = get_model_files(store, model, read_manifest(store, model, latest))
-    except ConfigError:
-        raise
-    except WeightsyncError as e:
-        raise ConfigError(
-            f"{where}: cannot read the architecture of {model!r} from {store_uri}: {e}; or {give}"
-        ) from None
-    if "config.json" not in files:
-        raise ConfigError(
-            f"{where}: {model} v{latest} in {store.uri} was published without a config.json, so the reference engine "
-            f"cannot know its architecture: {give} (`weightsync train`, and `weightsync publish` of an HF "
-            "directory, publish one)"
-        )
-    what = f"config.json of {model} v{latest}"
-    try:
-        architecture = ModelConfig.from_hf(json.loads(files["config.json"]))
-        eos = None
-        for name in ("generation_config.json", "config.json"):  # as the engine reads a model directory
-            eos = eos_token_in(files[name], what=f"{name} of {model} v{latest}") if name in files else None
-            if eos is not None:
-                break
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: the {what} in {store.uri} is not one the reference engine runs: {e}") from None
-    return {"model": architecture} | ({"eos_token_id": eos} if eos is not None else {})
 
 
 def _check_engine_table(where: str, table: Any) -> dict[str, Any]:
