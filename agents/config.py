@@ -31,7 +31,10 @@
 Every key is checked when the file is loaded (`load_agent_config`), those of [agent.engine]
 against the engine's own config class (`engines.parse_engine_config`): unknown keys, missing
 settings, wrong types and bad sub-tables raise ConfigError naming the key and the fix
-(weightsync/settings.py), and the swap policy becomes a `SwapPolicy` here, once.
+(weightsync/settings.py), and the swap policy becomes a `SwapPolicy` here, once. A reference
+engine given neither `model` nor `model_dir` takes the architecture from the config.json that
+the model's latest version carries in `store` (`engines.complete_from_store`): an agent can
+start from the store alone.
 
 Not here: what the agent does with it (`sync.py`, `server.py`), what an engine's options mean
 (its module in agents/engines/).
@@ -48,7 +51,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from weightsync.agents.engines import engine_config_class, parse_engine_config
+from weightsync.agents.engines import complete_from_store, engine_config_class, parse_engine_config
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.parity import ParityConfig
 from weightsync.cpus import usable_cpus
@@ -278,6 +281,12 @@ def parse_agent_config(doc: dict[str, Any], *, where: str = "agent settings") ->
         config = AgentConfig(**doc)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+    if (
+        config.store is not None
+    ):  # what the engine leaves out and the store can tell (the reference engine's architecture)
+        engine = complete_from_store(config.engine, store=config.store, model=config.model, where=where)
+        if engine != config.engine:
+            config = dataclasses.replace(config, engine=engine)
     # Last: the engine's module imports torch (seconds), worth it only for an otherwise good file.
     parse_engine_config(config.engine, where=where)
     return config

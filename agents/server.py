@@ -131,11 +131,10 @@ class AgentServer:
     def __init__(self, config: AgentConfig, *, engine: Engine | None = None) -> None:
         self.config = config
         token = read_token(config.token, config.token_file)
-        self.metrics = (
-            PrometheusMetrics(agent=config.name, region=config.region)
-            if config.metrics_port is not None
-            else NULL_METRICS
-        )
+        self.metrics = NULL_METRICS
+        if config.metrics_port is not None:
+            self.metrics = PrometheusMetrics(agent=config.name, region=config.region)
+            self.metrics.start_counters("agent")  # at 0 from the first scrape, not from the first event
         self.engine: Engine | None = None
         self._health = health.HealthServicer()
         self._health_server: grpc.Server | None = None

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,14 @@ class ModelConfig:
     """Qwen2-MoE's shared expert, which every token goes through (0: none, as in Qwen3-MoE)."""
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing loss the trainer adds (models.moe.load_balancing_loss)."""
+
+    KEY_NOTES: ClassVar[dict[str, str]] = {
+        key: f"{key} is the trainer's setting ([train.model]: {what}), not the architecture's; remove it here "
+        "(an engine's weights come from its agent: the store or pushes)"
+        for key, what in (("init_seed", "the seed of its first weights"), ("init_dir", "where its first weights are"))
+    }
+    """Keys a config table of the architecture often carries by mistake (a pasted [train.model]):
+    what weightsync.settings says of them instead of "unknown key"."""
 
     def __post_init__(self) -> None:
         if self.model_type not in _ARCHITECTURES:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs weightsync into it with the given extras.
-# torch is pinned to the CPU build first so that weightsync's `torch>=2.4` never pulls a CUDA
+# torch is pinned to the CPU build first so that weightsync's `torch>=2.7` never pulls a CUDA
 # build; set WEIGHTSYNC_TORCH to install another (e.g. "torch==2.13.0" on a GPU box with CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."

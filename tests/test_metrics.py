@@ -16,21 +16,32 @@ import pytest
 from harness.fake_trainer import TINY
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
-from weightsync.metrics import METRICS, PrometheusMetrics, prometheus_name
+from weightsync.metrics import COUNTERS, METRICS, PrometheusMetrics, prometheus_name
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = re.compile(r"""\.(?:inc|set|observe)\(\s*["']([a-z][a-z0-9_]*(?:/[a-z][a-z0-9_]*)+)["']""")
 
 
+def _source_files() -> list[Path]:
+    """The source files that record metrics (weightsync/metrics.py's docstring examples aside)."""
+    return [
+        path
+        for folder in ("weightsync", "agents", "app", "trainer")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if not (path.name == "metrics.py" and path.parent.name == "weightsync")
+    ]
+
+
+def _sources() -> list[str]:
+    return [path.read_text() for path in _source_files()]
+
+
 def _recorded_names() -> dict[str, list[str]]:
     """Every metric name a source file records, with where."""
     names: dict[str, list[str]] = {}
-    for folder in ("weightsync", "agents", "app", "trainer"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            if path.name == "metrics.py" and path.parent.name == "weightsync":
-                continue  # its docstring's examples
-            for name in RECORDED.findall(path.read_text()):
-                names.setdefault(name, []).append(str(path.relative_to(REPO)))
+    for path in _source_files():
+        for name in RECORDED.findall(path.read_text()):
+            names.setdefault(name, []).append(str(path.relative_to(REPO)))
     return names
 
 
@@ -73,8 +84,28 @@ def test_an_agent_binds_metrics_on_metrics_host_and_says_whether_it_serves(tmp_p
         assert server.metrics._server.server_address[0] == host
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
         assert re.search(r"^weightsync_agent_serving\{.*\} 0\.0$", text, re.M), text  # nothing served yet
+        # Counters are there at 0 before their first event (they were missing until it).
+        assert re.search(r"^weightsync_agent_errors_total\{.*\} 0\.0$", text, re.M), text
+        assert re.search(r'^weightsync_agent_bytes_received_total\{.*source="store".*\} 0\.0$', text, re.M), text
     finally:
         server.stop(0)
+
+
+def test_every_counter_is_declared_with_its_labels_and_starts_at_zero():
+    """A counter used to appear in /metrics only at its first increment: an alert on errors read
+    "no data" until the first error."""
+    recorded = set(re.findall(r"""\.inc\(\s*["']([a-z][a-z0-9_/]+)["']""", "".join(_sources())))
+    assert recorded == set(COUNTERS), "declare every counter in weightsync.metrics.COUNTERS, with its labels' values"
+    metrics = PrometheusMetrics(model="m")
+    metrics.start_counters("publish")
+    text = metrics.exposition().decode()
+    for line in (
+        'weightsync_publish_versions_total{kind="delta",model="m"} 0.0',
+        'weightsync_publish_versions_total{kind="full",model="m"} 0.0',
+        'weightsync_publish_failures_total{model="m"} 0.0',
+    ):
+        assert line in text.splitlines(), text
+    assert "weightsync_agent_" not in text
 
 
 @pytest.mark.parametrize("value", ["0.0.0.0:9400", "", "host name"])

@@ -11,8 +11,11 @@ publishing). A file looks like `trainer/configs/sft_tiny.toml`:
     [train.optimizer] [train.schedule] [train.data] [train.loss]
     [train.guard] [train.checkpoint] [train.publish] [train.publish.publisher]
 
-Unknown keys are errors (a typo must not silently fall back to a default). `--set a.b=v`
-overrides apply to the parsed document before validation, with TOML value syntax.
+Every key is checked by weightsync.settings, the reader of every TOML config: an unknown key is an
+error with "did you mean" (a typo must not silently fall back to a default), a value of the wrong
+TOML type or one a class refuses is a ConfigError naming the setting and the value (`weightsync
+train` exits 2 on it, before any rank starts). `--set a.b=v` overrides apply to the parsed
+document before validation, with TOML value syntax.
 
 Not here: anything that needs torch.distributed or a device (that is `parallel.py`), and
 checks that need the world size (the trainer makes those when it builds the mesh).
@@ -24,16 +27,17 @@ import dataclasses
 import math
 import os
 import sys
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from weightsync.errors import ConfigError
 from weightsync.listen import is_host
 from weightsync.models import ModelConfig
 from weightsync.models.packed import PackFormat
 from weightsync.publisher import PublisherConfig
+from weightsync.settings import build_table, check_known_keys, check_required, check_type
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -82,22 +86,20 @@ class ParallelConfig:
     are fp32 master weights like the rest. Dense models ignore it."""
 
     def __post_init__(self) -> None:
-        _check_choice("parallel.backend", self.backend, BACKENDS)
-        _check_choice("parallel.device", self.device, DEVICES)
-        _check_choice("parallel.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         if self.frozen_experts is not None:
             try:
                 PackFormat.parse(self.frozen_experts)
             except ValueError as e:
-                raise ValueError(f"parallel.frozen_experts: {e}") from None
+                raise ValueError(f"frozen_experts: {e}") from None
         if self.dp_replicate < 1:
-            raise ValueError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
+            raise ValueError(f"dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.dp_shard != -1 and self.dp_shard < 1:
-            raise ValueError(f"parallel.dp_shard must be >= 1, or -1 for all remaining ranks; got {self.dp_shard}")
+            raise ValueError(f"dp_shard must be >= 1, or -1 for all remaining ranks; got {self.dp_shard}")
         if self.backend == "nccl" and self.device == "cpu":
-            raise ValueError(
-                "parallel.backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') with device 'cpu'"
-            )
+            raise ValueError("backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') with device 'cpu'")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for `world_size` ranks; raises ValueError if they do not fit."""
@@ -145,11 +147,13 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"train.optimizer.lr must be a positive number, got {self.lr}")
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"train.optimizer.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError("train.optimizer: eps must be > 0, weight_decay and max_grad_norm >= 0")
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        _at_least("weight_decay", self.weight_decay, 0)
+        _at_least("max_grad_norm", self.max_grad_norm, 0, meaning="0 disables clipping")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,11 +167,11 @@ class ScheduleConfig:
     """Final learning rate as a fraction of the peak (for linear and cosine decay)."""
 
     def __post_init__(self) -> None:
-        _check_choice("train.schedule.decay", self.decay, DECAYS)
+        _check_choice("decay", self.decay, DECAYS)
         if self.warmup_steps < 0:
-            raise ValueError(f"train.schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,18 +199,18 @@ class DataConfig:
     """JSONL: visit lines in a fresh seeded permutation each epoch."""
 
     def __post_init__(self) -> None:
-        _check_choice("train.data.source", self.source, SOURCE_TYPES)
+        _check_choice("source", self.source, SOURCE_TYPES)
         if self.source == "jsonl" and not self.path:
-            raise ValueError('train.data.source = "jsonl" needs train.data.path')
-        if self.global_batch_size < 1 or self.micro_batch_size < 1:
-            raise ValueError("train.data.global_batch_size and micro_batch_size must be >= 1")
+            raise ValueError('source = "jsonl" needs path, the JSONL file: path = "data/train.jsonl"')
+        _at_least("global_batch_size", self.global_batch_size, 1)
+        _at_least("micro_batch_size", self.micro_batch_size, 1)
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
-                f"train.data.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"
             )
-        if self.max_seq_len < 2 or self.pad_multiple < 1:
-            raise ValueError("train.data.max_seq_len must be >= 2 and pad_multiple >= 1")
+        _at_least("max_seq_len", self.max_seq_len, 2)
+        _at_least("pad_multiple", self.pad_multiple, 1)
 
     def grad_accum_steps(self, dp_size: int) -> int:
         """Micro-batches per step on each rank; raises ValueError if the batch does not split evenly."""
@@ -238,15 +242,16 @@ class LossConfig:
     reference model is built."""
 
     def __post_init__(self) -> None:
-        _check_choice("train.loss.kind", self.kind, LOSS_KINDS)
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ValueError("train.loss.clip_low must be in [0, 1) and clip_high >= 0")
+        _check_choice("kind", self.kind, LOSS_KINDS)
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        _at_least("clip_high", self.clip_high, 0)
         if self.dual_clip and self.dual_clip <= 1:
-            raise ValueError(f"train.loss.dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
+            raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
         if self.kl_coef < 0:
-            raise ValueError(f"train.loss.kl_coef must be >= 0, got {self.kl_coef}")
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.kind == "sft" and self.kl_coef:
-            raise ValueError('train.loss.kl_coef applies to kind = "grpo" only; remove it or set kind = "grpo"')
+            raise ValueError(f'kl_coef ({self.kl_coef}) applies to kind = "grpo" only; remove it or set kind = "grpo"')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -269,12 +274,12 @@ class GuardConfig:
     sampled tokens; a policy-gradient loss hovers around 0), or "grad_norm"."""
 
     def __post_init__(self) -> None:
-        _check_choice("train.guard.action", self.action, GUARD_ACTIONS)
-        _check_choice("train.guard.watch", self.watch, GUARD_WATCH)
+        _check_choice("action", self.action, GUARD_ACTIONS)
+        _check_choice("watch", self.watch, GUARD_WATCH)
         if self.spike_factor <= 1:
-            raise ValueError(f"train.guard.spike_factor must be > 1, got {self.spike_factor}")
-        if self.window < 1 or self.min_history < 1 or self.rollback_after < 1:
-            raise ValueError("train.guard.window, min_history and rollback_after must be >= 1")
+            raise ValueError(f"spike_factor must be > 1, got {self.spike_factor}")
+        for name in ("window", "min_history", "rollback_after"):
+            _at_least(name, getattr(self, name), 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,8 +296,8 @@ class CheckpointConfig:
     """Start from the newest complete checkpoint in `dir` when there is one."""
 
     def __post_init__(self) -> None:
-        if self.every_steps < 1 or self.keep_last < 1:
-            raise ValueError("train.checkpoint.every_steps and keep_last must be >= 1")
+        _at_least("every_steps", self.every_steps, 1)
+        _at_least("keep_last", self.keep_last, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -336,17 +341,17 @@ class PublishConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "push", tuple(self.push))
         if self.every_steps < 1:
-            raise ValueError(f"train.publish.every_steps must be >= 1, got {self.every_steps}")
+            raise ValueError(f"every_steps must be >= 1, got {self.every_steps}")
         if not self.commit_timeout_s > 0:
-            raise ValueError(f"train.publish.commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+            raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         if self.probe_prompts < 0 or self.probe_tokens < 2:
             raise ValueError(
-                f"train.publish.probe_prompts must be >= 0 (0: no probe) and probe_tokens >= 2, "
+                f"probe_prompts must be >= 0 (0: no probe) and probe_tokens >= 2, "
                 f"got {self.probe_prompts} and {self.probe_tokens}"
             )
         if not is_host(self.metrics_host):
             raise ValueError(
-                f"train.publish.metrics_host must be an address or host name without a port, got "
+                f"metrics_host must be an address or host name without a port, got "
                 f'{self.metrics_host!r}: e.g. metrics_host = "0.0.0.0" with metrics_port = 9401'
             )
 
@@ -373,12 +378,11 @@ class TrainConfig:
     publish: PublishConfig = dataclasses.field(default_factory=PublishConfig)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.log_every < 1:
-            raise ValueError("train.steps and train.log_every must be >= 1")
+        _at_least("steps", self.steps, 1)
+        _at_least("log_every", self.log_every, 1)
         if self.schedule.warmup_steps > self.steps:
             raise ValueError(
-                f"train.schedule.warmup_steps ({self.schedule.warmup_steps}) is longer than the run "
-                f"(train.steps = {self.steps})"
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) is longer than the run (steps = {self.steps})"
             )
         if self.data.source in ("arithmetic", "reverse") and self.loss.kind != "sft":
             raise ValueError(
@@ -394,27 +398,48 @@ class JobConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     train: TrainConfig
 
+    def __post_init__(self) -> None:
+        architecture = self.train.model.architecture
+        if self.parallel.frozen_experts is None or architecture is None or not architecture.is_moe:
+            return
+        fmt = PackFormat.parse(self.parallel.frozen_experts)  # checked here, not in every rank's first step
+        for name, columns in (
+            ("hidden_size", architecture.hidden_size),
+            ("moe_intermediate_size", architecture.moe_intermediate_size),
+        ):
+            try:
+                fmt.check_fits(columns, f"[train.model] {name}")
+            except ValueError as e:
+                raise ValueError(f"[parallel] frozen_experts = {self.parallel.frozen_experts!r}: {e}") from None
+
 
 # ------------------------------------------------------------------------------- loading
 
+_HOWTO = {
+    "train": 'add a [train] table, and a [train.model] table: init_dir = "HF dir" or architecture fields',
+    "model": 'add a [train.model] table: init_dir = "HF dir", or architecture fields (hidden_size, '
+    "num_hidden_layers, ...)",
+}
+
 
 def load_job_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> JobConfig:
-    """Reads a TOML file, applies `--set key.path=value` overrides, validates."""
+    """Reads a TOML file, applies `--set key.path=value` overrides, validates; ConfigError naming
+    the setting and the fix for anything wrong."""
     path = Path(path)
     try:
         doc = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"cannot read trainer config {path}: {e}") from e
+        raise ConfigError(f"cannot read trainer config {path}: {e}") from None
     for override in overrides:
         apply_override(doc, override)
-    return parse_job_config(doc)
+    return parse_job_config(doc, where=f"trainer config {path}")
 
 
 def apply_override(doc: dict, override: str) -> None:
     """Sets `a.b.c=value` in a parsed TOML document; value in TOML syntax (bare words are strings)."""
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"override {override!r} must look like section.key=value, e.g. train.steps=10")
+        raise ConfigError(f"--set {override!r} must look like section.key=value, e.g. --set train.steps=10")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -424,99 +449,45 @@ def apply_override(doc: dict, override: str) -> None:
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ValueError(f"override {override!r}: {part!r} is not a table")
+            raise ConfigError(f"--set {override!r}: {part!r} is not a table")
     node[leaf] = value
 
 
-def parse_job_config(doc: Mapping[str, Any]) -> JobConfig:
-    """Builds a JobConfig from a parsed TOML document. Relative paths in it (init_dir, data
-    path, checkpoint dir, metrics path, store) are relative to the working directory."""
+def parse_job_config(doc: Mapping[str, Any], *, where: str = "trainer settings") -> JobConfig:
+    """Builds a JobConfig from a parsed TOML document, every key checked (weightsync.settings:
+    unknown keys with "did you mean", TOML types, each class's own checks); ConfigError naming
+    the setting. Relative paths in it (init_dir, data path, checkpoint dir, metrics path, store)
+    are relative to the working directory."""
     doc = dict(doc)
-    _refuse_unknown("the config file", doc, {"parallel", "train"})
-    if "train" not in doc:
-        raise ValueError("the config needs a [train] table (and [train.model])")
-    train = dict(doc["train"])
-    sections = {
-        "optimizer": OptimizerConfig,
-        "schedule": ScheduleConfig,
-        "data": DataConfig,
-        "loss": LossConfig,
-        "guard": GuardConfig,
-        "checkpoint": CheckpointConfig,
-    }
-    kwargs: dict[str, Any] = {}
-    for name, cls in sections.items():
-        if name in train:
-            kwargs[name] = _build(f"[train.{name}]", cls, train.pop(name))
-    if "model" not in train:
-        raise ValueError('the config needs a [train.model] table: init_dir = "HF dir" or architecture fields')
-    kwargs["model"] = _build_model_spec(train.pop("model"))
-    if "publish" in train:
-        publish = dict(train.pop("publish"))
-        publisher = _build("[train.publish.publisher]", PublisherConfig, publish.pop("publisher", {}))
-        kwargs["publish"] = _build("[train.publish]", PublishConfig, {**publish, "publisher": publisher})
-    return JobConfig(
-        parallel=_build("[parallel]", ParallelConfig, doc.get("parallel", {})),
-        train=_build("[train]", TrainConfig, {**train, **kwargs}),
-    )
+    check_known_keys(doc, {"parallel", "train"}, where=where, section="")
+    check_required(doc, ["train"], where=where, section="", howto=_HOWTO)
+    train = doc["train"]
+    if isinstance(train, Mapping):
+        check_required(train, ["model"], where=where, section="[train]", howto=_HOWTO)
+        if isinstance(train["model"], Mapping):
+            doc["train"] = {**train, "model": parse_model_spec(train["model"], where=where)}
+    return build_table(JobConfig, doc, where=where, section="")
 
 
-def _build_model_spec(table: Mapping[str, Any]) -> ModelSpec:
-    table = dict(table)
-    init_dir = table.pop("init_dir", None)
-    init_seed = table.pop("init_seed", 0)
-    architecture = None
-    if table:
-        names = {f.name for f in dataclasses.fields(ModelConfig)}
-        _refuse_unknown("[train.model]", table, names | {"init_dir", "init_seed"})
-        try:
-            architecture = ModelConfig(**table)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"[train.model]: {e}") from e
-    return ModelSpec(init_dir=init_dir, architecture=architecture, init_seed=init_seed)
-
-
-def _build(where: str, cls: type, table: Any) -> Any:
-    if isinstance(table, cls):
-        return table
-    if not isinstance(table, Mapping):
-        raise ValueError(f"{where} must be a table, got {type(table).__name__}")
-    _refuse_unknown(where, table, {f.name for f in dataclasses.fields(cls)})
-    hints = typing.get_type_hints(cls)
-    for key, value in table.items():
-        _check_type(f"{where} {key}", value, hints[key])
+def parse_model_spec(table: Mapping[str, Any], *, where: str = "trainer settings") -> ModelSpec:
+    """[train.model]: init_dir and init_seed beside the fields of ModelConfig (the architecture)."""
+    section = "[train.model]"
+    own = {"init_dir", "init_seed"}
+    check_known_keys(table, own | {f.name for f in dataclasses.fields(ModelConfig)}, where=where, section=section)
+    hints = typing.get_type_hints(ModelSpec)
+    for key in own & set(table):
+        check_type(table[key], hints[key], where=where, name=f"{section} {key}")
+    fields = {k: v for k, v in table.items() if k not in own}
+    architecture = build_table(ModelConfig, fields, where=where, section=section) if fields else None
     try:
-        return cls(**table)
+        return ModelSpec(init_dir=table.get("init_dir"), architecture=architecture, init_seed=table.get("init_seed", 0))
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
+        raise ConfigError(f"{where}: {e}") from None
 
 
-def _check_type(where: str, value: Any, hint: Any) -> None:
-    """TOML gives ints, floats, strings, bools, lists, tables; catch a string where a number
-    belongs here instead of as a TypeError deep in the trainer."""
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for kind in allowed:
-        origin = typing.get_origin(kind) or kind
-        if kind is type(None) and value is None:
-            return
-        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if origin is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if origin is tuple and isinstance(value, (list, tuple)):
-            return
-        if origin in (bool, str) and type(value) is origin:
-            return
-        if origin not in (float, int, tuple, bool, str, type(None)):
-            return  # nested dataclasses were built already
-    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
-    raise ValueError(f"{where} must be {names}, got {value!r}")
-
-
-def _refuse_unknown(where: str, table: Mapping[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+def _at_least(name: str, value: float, lowest: float, *, meaning: str = "") -> None:
+    if not value >= lowest:
+        raise ValueError(f"{name} must be >= {lowest}{f' ({meaning})' if meaning else ''}, got {value}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

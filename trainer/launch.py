@@ -5,7 +5,9 @@ With --nproc N > 1 (and not already under torchrun) it starts `torchrun --standa
 Ctrl-C reaches every rank, and no rank outlives the command) and returns its exit code; otherwise it runs the trainer in this process (a world of one, or this rank of a job
 that torchrun started). Multi-node jobs call torchrun directly with their rendezvous flags.
 
-Imports nothing heavy at module level, so `weightsync train --help` stays instant.
+The config is checked before any rank starts: a setting to fix is one ConfigError line and exit
+code 2, as for every command. Imports nothing heavy at module level, so `weightsync train --help`
+stays instant.
 
 Not here: the trainer itself (`train.py`).
 """
@@ -48,9 +50,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(
     config: str | os.PathLike, *, nproc: int | None = None, overrides: Sequence[str] = (), log_level: str = "INFO"
 ) -> int:
-    """Runs a training job; returns its exit code (0 only if every rank finished)."""
+    """Runs a training job; returns its exit code (0 only if every rank finished). The config is
+    read and checked here first: a setting to fix is a ConfigError before any rank starts (exit 2),
+    not a traceback from each of N ranks."""
+    from weightsync.errors import ConfigError
+    from weightsync.trainer.config import load_job_config
+
     if nproc is not None and nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    load_job_config(config, overrides)
     argv = ["--config", os.fspath(config), "--log-level", log_level]
     for override in overrides:
         argv += ["--set", override]

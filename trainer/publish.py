@@ -8,7 +8,9 @@ axis (HSDP replicas, plain buffers) are published by the ranks at coordinate 0 o
 only. The publisher commits the version once every rank's part is durable.
 
 `publish()` blocks only for the publisher's bf16 snapshot copy of the local shards; encode and
-upload overlap the following steps. With `push` targets, every rank also streams its objects to
+upload overlap the following steps. Every version carries the model's files (config.json, and an
+init directory's generation config and tokenizer: `model_files_of`), so that the store alone
+is enough to serve it. With `push` targets, every rank also streams its objects to
 the agents as they are encoded and offers each committed version (weightsync.transport.push), and rank 0
 signs the manifests when a signing key is configured. Finished versions are collected without blocking and
 reported as metrics; a failed version is logged and counted, training goes on (the next
@@ -37,10 +39,12 @@ from weightsync.errors import LayoutError, PublishError
 from weightsync.format.probe import Probe
 from weightsync.listen import listen_error
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
+from weightsync.model_files import read_model_files
+from weightsync.models import ModelConfig
 from weightsync.models.probe import default_prompts, to_probe
 from weightsync.publisher import Placement, Publisher, ShardSpec
 from weightsync.stores import open_store
-from weightsync.trainer.config import PublishConfig
+from weightsync.trainer.config import ModelSpec, PublishConfig
 from weightsync.transport.push import PushConfig, Pusher
 from weightsync.transport.rpc import TlsConfig, read_token
 from weightsync.transport.signing import Signer
@@ -142,6 +146,17 @@ def version_probe(
     return to_probe(run.prompts, run, compute_dtype=compute_dtype)
 
 
+def model_files_of(spec: ModelSpec, architecture: ModelConfig, config: PublishConfig) -> dict[str, bytes]:
+    """The files an engine loads beside the published weights: the init directory's (config.json,
+    generation config, tokenizer), or the config.json of a freshly initialised architecture, its
+    dtype the one the publisher writes (weightsync.model_files)."""
+    if spec.init_dir is not None:
+        return read_model_files(spec.init_dir)
+    doc = architecture.to_hf()
+    doc["torch_dtype"] = config.publisher.cast_floats_to or "float32"
+    return {"config.json": json.dumps(doc, indent=2, sort_keys=True).encode()}
+
+
 def make_session_id() -> str:
     """One id for every rank of this job run (rank 0 draws it; a collective call)."""
     box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
@@ -152,7 +167,10 @@ def make_session_id() -> str:
 class WeightPublisher:
     """Publishes the model every `config.every_steps` steps, each rank its own shards."""
 
-    def __init__(self, config: PublishConfig, *, rank: int, world_size: int) -> None:
+    def __init__(
+        self, config: PublishConfig, *, rank: int, world_size: int, model_files: Mapping[str, bytes] | None = None
+    ) -> None:
+        """`model_files`: what every version carries beside the weights (`model_files_of`)."""
         if config.store is None:
             raise ValueError("WeightPublisher needs train.publish.store")
         self.config = config
@@ -165,6 +183,7 @@ class WeightPublisher:
         self.metrics = NULL_METRICS
         if config.metrics_port is not None and rank == 0:
             self.metrics = PrometheusMetrics(model=config.model)
+            self.metrics.start_counters("publish")  # at 0 from the first scrape, not from the first version
             address = f"{config.metrics_host}:{config.metrics_port}"
             try:
                 port = self.metrics.serve(config.metrics_port, config.metrics_host)
@@ -192,6 +211,7 @@ class WeightPublisher:
             signer=signer,
             listeners=[self._pusher] if self._pusher is not None else [],
             metrics=self.metrics,
+            model_files=model_files,
         )
         self._pending: collections.deque[tuple[int, cf.Future, int]] = collections.deque()  # step, future, called at
         self._probe_prompts: list[list[int]] | None = None  # the run's, set by the first probe
@@ -213,19 +233,25 @@ class WeightPublisher:
             self._probe_prompts = [list(p) for p in probe.prompts]
         return probe
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], step: int, *, probe: Probe | None = None) -> float:
+    def publish(
+        self, state_dict: Mapping[str, torch.Tensor], step: int, *, probe: Probe | None = None
+    ) -> dict[str, float]:
         """Hands this rank's shards of `state_dict` (and the version's parity probe, which rank 0
-        writes) to the publisher; returns the seconds it blocked (the snapshot copy, plus any
-        wait for a free in-flight slot)."""
+        writes) to the publisher; returns the step's metrics: "publish/version", the version
+        these weights become once committed (numbered now: the step's own, not the last commit),
+        and "publish/wait_s", the seconds it blocked (the snapshot copy, plus any wait for a free
+        in-flight slot)."""
         t0 = time.perf_counter()
         called_unix_ms = int(time.time() * 1000)
         tensors, placements = collect_local_shards(state_dict, rank=self.rank)
         future = self._publisher.publish(tensors, step=step, placements=placements, probe=probe)
         self._pending.append((step, future, called_unix_ms))
-        return time.perf_counter() - t0
+        return {"publish/version": future.version, "publish/wait_s": time.perf_counter() - t0}
 
     def collect(self, *, wait: bool = False) -> dict[str, float]:
-        """Settles the versions that finished (all of them with wait); returns their metrics."""
+        """Settles the versions that finished (all of them with wait); returns their metrics, the
+        newest one's under "publish/committed_version" and "publish/committed_step" (a version
+        commits while later steps run)."""
         metrics: dict[str, float] = {}
         while self._pending and (wait or self._pending[0][1].done()):
             step, future, called_unix_ms = self._pending.popleft()
@@ -239,7 +265,8 @@ class WeightPublisher:
             self._log(result, step, called_unix_ms)
             metrics.update(
                 {
-                    "publish/version": result.version,
+                    "publish/committed_version": result.version,
+                    "publish/committed_step": step,
                     "publish/latency_s": result.total_s,
                     "publish/encode_s": result.encode_s,
                     "publish/ratio": result.ratio,

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import logs
+from weightsync.errors import ConfigError
 from weightsync.models import CausalLM, ModelConfig, build_model
 from weightsync.trainer.checkpoint import CheckpointManager
 from weightsync.trainer.config import JobConfig, ModelSpec, load_job_config
@@ -50,7 +52,7 @@ from weightsync.trainer.guard import SpikeGuard, Verdict
 from weightsync.trainer.losses import compute_loss
 from weightsync.trainer.optim import AdamWParams, lr_at
 from weightsync.trainer.parallel import build_mesh, close_runtime, dp_rank_and_size, exit_worker, init_runtime
-from weightsync.trainer.publish import WeightPublisher
+from weightsync.trainer.publish import WeightPublisher, model_files_of
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,12 @@ class Trainer:
                 self._resume()
         self.publisher = None
         if self.config.publish.store is not None:
-            self.publisher = WeightPublisher(self.config.publish, rank=self.rank, world_size=self.runtime.world_size)
+            self.publisher = WeightPublisher(
+                self.config.publish,
+                rank=self.rank,
+                world_size=self.runtime.world_size,
+                model_files=model_files_of(self.config.model, architecture, self.config.publish),
+            )
         log.info(
             "trainer ready: %s, %d ranks (mesh %s), %d micro-batch(es) of %d per rank per step, step %d/%d",
             architecture.model_type,
@@ -226,7 +233,7 @@ class Trainer:
             compute_dtype = "bfloat16" if self.job.parallel.mixed_precision == "bf16" else "float32"
             probe = self.publisher.probe(self.engine, compute_dtype=compute_dtype)
             metrics["publish/probe_s"] = time.perf_counter() - t0
-            metrics["publish/wait_s"] = self.publisher.publish(self.engine.weights(), self.step, probe=probe)
+            metrics.update(self.publisher.publish(self.engine.weights(), self.step, probe=probe))
         metrics.update(self.publisher.collect())
         return metrics
 
@@ -318,9 +325,9 @@ class Trainer:
     def close(self) -> None:
         """Waits for versions in flight, then leaves the process group if it created it."""
         if self.publisher is not None:
-            metrics = self.publisher.close()
+            self.publisher.close()
             log.info(
-                "publisher closed: last version %s, %d failed", metrics.get("publish/version"), self.publisher.failures
+                "publisher closed: last version %s, %d failed", self.publisher.last_version, self.publisher.failures
             )
             self.publisher = None
         close_runtime(self.runtime)
@@ -347,7 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    job = load_job_config(args.config, args.overrides)
+    try:
+        job = load_job_config(args.config, args.overrides)
+    except ConfigError as e:  # a setting to fix: one line, exit 2 (not a traceback per rank)
+        print(f"weightsync: error: {e}", file=sys.stderr)
+        return 2
     trainer = Trainer(job)
     # What setup made (modules, the model, the optimizer, compiled kernels) lives as long as the
     # process: frozen, the collector's full passes no longer walk it, so one that a step's

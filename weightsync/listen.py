@@ -3,6 +3,8 @@ that names the setting.
 
     split_listen(value, setting)        (host, port) of "host:port" (IPv6 in brackets), or
                                         ValueError saying how to write it
+    agent_target(value)                 "host:port" to dial an agent at; AGENT_PORT when the
+                                        address gives none (gRPC would dial 443)
     is_host(value)                      whether a setting is an address or host name (no port)
     check_bindable(host, port, setting) ListenError naming the setting when the port is taken,
                                         the host is not this machine's, or the port is privileged
@@ -23,6 +25,11 @@ import re
 import socket
 
 from weightsync.errors import ListenError
+
+AGENT_PORT = 7070
+"""The port agents listen on in every example and deployment (README, deploy/): what an agent
+address without a port means. (An agent's own `listen` default is any free port on loopback; its
+ready line says which.)"""
 
 _WHY = {
     errno.EADDRINUSE: "the port is taken (another process listens there)",
@@ -48,6 +55,17 @@ def split_listen(value: str, setting: str) -> tuple[str, int]:
             f'{setting} must be host:port with a port in 0..65535 (0: any free port), got {value!r}; e.g. "0.0.0.0:7070"'
         )
     return host.strip("[]"), int(port)
+
+
+def agent_target(value: str) -> str:
+    """An agent address to dial: `value` when it names a port, else `value:AGENT_PORT`. gRPC
+    reads a bare host name as port 443 (its HTTPS default), which is never an agent."""
+    text = str(value).strip()
+    if text.startswith("["):  # [IPv6] or [IPv6]:port
+        return text if "]:" in text else f"{text}:{AGENT_PORT}"
+    if text.count(":") > 1:  # a bare IPv6 address
+        return f"[{text}]:{AGENT_PORT}"
+    return text if ":" in text else f"{text}:{AGENT_PORT}"
 
 
 def listen_error(setting: str, address: str, error: OSError, *, flag: str | None = None) -> ListenError:

@@ -85,6 +85,26 @@ METRICS: dict[str, str] = {
 }
 """Every metric weightsync records: name -> its Prometheus HELP string (what it measures, its labels)."""
 
+COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "agent/versions_served": {"path": ("deltas", "base")},
+    "agent/bytes_received": {"source": ("push", "store")},
+    "agent/objects_rejected": {"reason": ("hash", "quota")},
+    "agent/errors": {},
+    "agent/parity_breaches": {"action": ("warn", "alert", "refuse")},
+    "agent/parity_alerts": {},
+    "agent/parity_rollbacks": {},
+    "agent/parity_errors": {},
+    "push/bytes_sent": {"target": ()},
+    "push/errors": {"target": ()},
+    "publish/versions": {"kind": ("full", "delta")},
+    "publish/failures": {},
+    "publish/stored_bytes": {},
+}
+"""Every counter, with the values each of its labels takes: `start_counters` shows them at 0
+before their first increment, so that a rate() has a first sample and an alert on errors reads 0,
+not "no data". A label whose values are known only at run time (a pusher's targets) lists none:
+the code that knows them starts those series (`metrics.inc(name, 0, target=...)`)."""
+
 
 class Metrics(Protocol):
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None: ...
@@ -157,6 +177,18 @@ class PrometheusMetrics:
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self._get("counter", name, labels).inc(value)
+
+    def start_counters(self, namespace: str) -> None:
+        """Every counter of `namespace` ("agent", "publish") at 0, with each value of its labels
+        (COUNTERS); those whose label values are known only at run time are left to their code."""
+        for name, labels in COUNTERS.items():
+            if name.split("/")[0] != namespace or any(not values for values in labels.values()):
+                continue
+            combos: list[dict[str, str]] = [{}]
+            for label, values in labels.items():
+                combos = [{**combo, label: value} for combo in combos for value in values]
+            for combo in combos:
+                self.inc(name, 0, **combo)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         self._get("gauge", name, labels).set(value)

@@ -81,6 +81,7 @@ from weightsync.format.probe import Probe
 from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
 from weightsync.format.write_format import WriteFormat
 from weightsync.metrics import NULL_METRICS, Metrics
+from weightsync.model_files import put_model_file_copies, put_model_file_objects
 from weightsync.shards import (
     PartHeader,
     Placement,
@@ -313,7 +314,7 @@ class _Job:
     progress: Callable[[int], None] | None = None
     changes: dict = dataclasses.field(default_factory=dict)  # {name: {chunk start: ctx changes}}, device_diff
     probe: dict | None = None  # the parity probe's manifest form (producer["probe"])
-    future: cf.Future = dataclasses.field(default_factory=cf.Future)  # the caller's
+    future: PublishFuture = dataclasses.field(init=False)  # the caller's
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once this job and every earlier one has finished, committed or failed."""
     copy_done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -322,6 +323,19 @@ class _Job:
     copied: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     """Names of the tensors copied into `snapshot` so far, in copy order, then None when all
     are (or the exception that stopped the copy): what the encoders start on."""
+
+    def __post_init__(self) -> None:
+        self.future = PublishFuture(self.version)
+
+
+class PublishFuture(cf.Future):
+    """What `Publisher.publish` returns: the future of a version numbered when it was accepted, so
+    the caller can say which version its call becomes before it commits (a failed one burns its
+    number)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__()
+        self.version = version
 
 
 class Publisher:
@@ -337,7 +351,11 @@ class Publisher:
         signer: Signer | None = None,
         listeners: Sequence[PublishListener] = (),
         metrics: Metrics = NULL_METRICS,
+        model_files: Mapping[str, bytes] | None = None,
     ) -> None:
+        """`model_files`: the files an engine loads beside the weights ({"config.json": bytes, ...};
+        weightsync.model_files), stored once by the committer and named by every version it
+        commits, or kept as older readers find them (`WriteFormat.model_files`)."""
         self.store = store
         self.model = layout.check_model_name(model)
         self.config = config or PublisherConfig()
@@ -369,6 +387,12 @@ class Publisher:
         # different readers share no setting.
         self._codec_choice = CodecChoice(highest_codec=self.config.write_format.highest_codec)
         self.warm_up: BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
+        self._files_doc: dict | None = None  # producer.files of every version committed here
+        if model_files and (shard is None or shard.is_committer):
+            if self.config.write_format.model_files:
+                self._files_doc = put_model_file_objects(store, model, model_files)
+            else:
+                put_model_file_copies(store, model, model_files)
         self._closed = False
 
     # ------------------------------------------------------------------------------ public
@@ -381,8 +405,9 @@ class Publisher:
         progress: Callable[[int], None] | None = None,
         placements: Mapping[str, Placement] | None = None,
         probe: Probe | None = None,
-    ) -> cf.Future[PublishResult]:
-        """Snapshots `state_dict` now; returns a Future of the committed version.
+    ) -> PublishFuture:
+        """Snapshots `state_dict` now; returns a Future of the committed version (its `version` is
+        the number it commits as).
 
         `probe`: the version's numerical-parity probe (`weightsync.format.probe`), written into
         its manifest's producer object; a sharded publisher's committer (rank 0) writes its own.
@@ -742,6 +767,8 @@ class Publisher:
             producer["probe"] = probe
         if self.config.weights_kind != "model":  # absent means "model": manifests before the field stay as they were
             producer["weights_kind"] = self.config.weights_kind
+        if self._files_doc is not None:
+            producer["files"] = self._files_doc
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
         packed = any(c.packed for t in tensors for c in t.chunks)
@@ -950,7 +977,8 @@ def publish_once(
     config: PublisherConfig | None = None,
     progress: Callable[[int], None] | None = None,
     signer: Signer | None = None,
+    model_files: Mapping[str, bytes] | None = None,
 ) -> PublishResult:
     """Publishes one version and waits for its commit (what the CLI does)."""
-    with Publisher(store, model=model, config=config, signer=signer) as publisher:
+    with Publisher(store, model=model, config=config, signer=signer, model_files=model_files) as publisher:
         return publisher.publish(state_dict, step=step, progress=progress).result()

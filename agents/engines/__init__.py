@@ -10,6 +10,9 @@ the contract suite (tests/agents/engines/test_engines.py) all read the table.
     parse_engine_config(table)  the table checked into the engine's config (ConfigError naming
                                 the key: an unknown type or option, a missing setting, a bad value)
     open_engine(table)          parse_engine_config(table).open(), checked against the Engine shape
+    complete_from_store(table)  the table with what its engine takes from the agent's store when the
+                                table leaves it out: a config class's `options_from_store` (the
+                                reference engine's architecture, from the config.json a version carries)
 
 Not here: the Engine protocol and the checks every engine shares (`base.py`), swap policies
 (`swap_policy.py`), the agent that drives an engine (agents/sync.py).
@@ -25,12 +28,19 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import ConfigError
-from weightsync.settings import build_table, required_fields
+from weightsync.settings import build_table, check_known_keys, required_fields
 
 if TYPE_CHECKING:
     from weightsync.agents.engines.base import Engine
 
-__all__ = ["ENGINES", "engine_config_class", "engine_types", "open_engine", "parse_engine_config"]
+__all__ = [
+    "ENGINES",
+    "complete_from_store",
+    "engine_config_class",
+    "engine_types",
+    "open_engine",
+    "parse_engine_config",
+]
 
 ENGINES: dict[str, str] = {
     "reference": "weightsync.agents.engines.reference_server:ReferenceServerConfig",
@@ -82,6 +92,27 @@ def parse_engine_config(table: Mapping[str, Any], *, where: str = "engine settin
         raise ConfigError(f"{where}: {e}") from None
     howto = {key: f"the {type_name} engine needs it; add {key} = ... to {_SECTION}" for key in required_fields(cls)}
     return build_table(cls, options, where=where, section=_SECTION, howto=howto)
+
+
+def complete_from_store(
+    table: Mapping[str, Any], *, store: str, model: str, where: str = "engine settings"
+) -> dict[str, Any]:
+    """The `[agent.engine]` table with the options its engine's config class takes from the agent's
+    `store` for `model` when the table leaves them out (`options_from_store(table, store=, model=,
+    where=)`, a classmethod returning the options to add); the table as it is for an engine
+    without one, or a table `parse_engine_config` will refuse anyway (no type, an unknown one)."""
+    options = dict(table)
+    try:
+        cls = engine_config_class(options.get("type"))
+    except ConfigError:
+        return options
+    from_store = getattr(cls, "options_from_store", None)
+    if from_store is None:
+        return options
+    # A typo (model_dri) is reported as one, not answered by reading the store.
+    known = {f.name for f in dataclasses.fields(cls)} | {"type"}
+    check_known_keys(options, known, where=where, section=_SECTION)
+    return {**options, **from_store(options, store=store, model=model, where=where)}
 
 
 def open_engine(table: Mapping[str, Any], *, where: str = "engine settings") -> Engine:

@@ -64,7 +64,7 @@ from weightsync.agents.engines.base import (
     layout_of,
 )
 from weightsync.agents.engines.swap_policy import SwapPolicy
-from weightsync.errors import LayoutError, WeightsyncError
+from weightsync.errors import ConfigError, LayoutError, WeightsyncError
 from weightsync.models import (
     ByteTokenizer,
     CausalLM,
@@ -127,6 +127,54 @@ class ReferenceEngineConfig:
         eos = self.eos_token_id
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
             raise ValueError(f"eos_token_id must be a token id (an int >= 0) or None, got {eos!r}")
+
+    @classmethod
+    def options_from_store(cls, table: Mapping[str, Any], *, store: str, model: str, where: str) -> dict[str, Any]:
+        """With neither `model` nor `model_dir` in `table`: the architecture (and stop token) of the
+        config.json that `model`'s latest version carries in `store` (weightsync.model_files), so that
+        an agent given a store needs nothing else (engines.complete_from_store). ConfigError when the
+        store cannot tell: no versions of the model (naming the models it holds), or versions
+        published without a config.json."""
+        if "model" in table or "model_dir" in table:
+            return {}
+        from weightsync.model_files import get_model_files
+        from weightsync.stores import open_store
+        from weightsync.versions import latest_version, list_models, read_manifest
+
+        give = "give the engine its architecture: --model-dir DIR (an HF directory), or [agent.engine] model = {...}"
+        try:
+            opened = open_store(store)
+            latest = latest_version(opened, model)
+            if latest is None:
+                models = list_models(opened)
+                holds = f"it holds {', '.join(models[:10])}" if models else "it holds no models yet"
+                raise ConfigError(
+                    f"{where}: the reference engine reads its architecture from the store, and {opened.uri} has no "
+                    f"versions of {model!r}; {holds}. Name one of them (model), wait for the trainer's first "
+                    f"version, or {give}"
+                )
+            files = get_model_files(opened, model, read_manifest(opened, model, latest))
+        except ConfigError:
+            raise
+        except WeightsyncError as e:
+            raise ConfigError(f"{where}: cannot read the architecture of {model!r} from {store}: {e}; {give}") from None
+        if "config.json" not in files:
+            raise ConfigError(
+                f"{where}: {model} v{latest} in {opened.uri} was published without a config.json, so the reference "
+                f"engine cannot know its architecture; {give} (`weightsync train`, and `weightsync publish` of an "
+                "HF directory, publish one)"
+            )
+        what = f"{model} v{latest}"
+        try:
+            architecture = ModelConfig.from_hf(json.loads(files["config.json"]))
+            eos = None
+            for name in ("generation_config.json", "config.json"):  # as default_stop_token reads a model_dir
+                eos = eos_token_in(files[name], what=f"{name} of {what}") if name in files else None
+                if eos is not None:
+                    break
+        except (ValueError, TypeError) as e:  # LayoutError is a ValueError
+            raise ConfigError(f"{where}: the config.json of {what} is not one the reference engine runs: {e}") from None
+        return {"model": architecture} | ({"eos_token_id": eos} if eos is not None else {})
 
 
 class Served(NamedTuple):
@@ -606,16 +654,26 @@ def default_stop_token(config: ReferenceEngineConfig, model: ModelConfig) -> int
 def _eos_in(path: Path) -> int | None:
     """The eos_token_id an HF config file names (the first of a list), or None."""
     try:
-        doc = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise LayoutError(f"cannot read {path}: {e}") from None
+    return eos_token_in(data, what=str(path))
+
+
+def eos_token_in(data: bytes, *, what: str) -> int | None:
+    """The eos_token_id an HF config file's bytes name (the first of a list), or None; `what` names
+    the file in errors."""
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise LayoutError(f"cannot read {what}: {e}") from None
     eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
-        raise LayoutError(f"{path}: eos_token_id must be a token id, got {eos!r}")
+        raise LayoutError(f"{what}: eos_token_id must be a token id, got {eos!r}")
     return eos
 
 

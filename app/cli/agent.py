@@ -15,6 +15,7 @@ from typing import Any
 from weightsync.agents.engines import engine_types
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.app.cli.common import Failed, add_common_flags, add_log_format_flag, format_size
+from weightsync.listen import AGENT_PORT
 from weightsync.stores import store_uri_forms
 
 
@@ -53,11 +54,12 @@ def agent_config(args: argparse.Namespace):
     from weightsync.errors import ConfigError
 
     engine_flags = {flag: (option, getattr(args, dest)) for flag, (dest, option) in _ENGINE_FLAGS.items()}
-    if args.config is None and all(value is None for _, value in engine_flags.values()):
+    if args.config is None and args.store is None and all(value is None for _, value in engine_flags.values()):
         raise ConfigError(
-            "weightsync agent needs an engine: give --model-dir DIR (the reference engine serving that HF "
-            "directory), --engine TYPE with its settings (e.g. --engine vllm --engine-url http://127.0.0.1:8000), "
-            "or --config FILE with an [agent.engine] table"
+            "weightsync agent needs an engine: give --store URI (the reference engine, its architecture read from "
+            "the store), --model-dir DIR (the reference engine serving that HF directory), --engine TYPE with its "
+            "settings (e.g. --engine vllm --engine-url http://127.0.0.1:8000), or --config FILE with an "
+            "[agent.engine] table"
         )
     return load_agent_config(
         args.config,
@@ -92,11 +94,12 @@ _ENGINE_FLAGS = {  # flag -> (argparse dest, the [agent.engine] option it sets)
 
 
 def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.listen import agent_target
     from weightsync.transport.rpc import AgentClient, TlsConfig, read_token
     from weightsync.transport.v1 import sync_pb2
 
     tls = TlsConfig(ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name) if args.ca else None
-    client = AgentClient(args.agent, tls=tls, token=read_token(token_file=args.token_file))
+    client = AgentClient(agent_target(args.agent), tls=tls, token=read_token(token_file=args.token_file))
     try:
         reply = client.status(timeout_s=args.timeout_s, verify=args.verify)
     finally:
@@ -138,13 +141,7 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         for b in reply.broken:  # never served; retried while an older good version is served
             print(f"broken v{b.version}: {b.failures} failed attempts, next in {b.retry_in_s:.1f}s: {b.error}")
         if reply.HasField("parity"):  # the newest parity probe (docs/agents.md, "Parity probe")
-            p = reply.parity
-            routing = f", expert mismatch {p.expert_mismatch:.3g}" if p.HasField("expert_mismatch") else ""
-            verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
-            print(
-                f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL "
-                f"{p.mean_kl:.3g}{routing} over {p.tokens} tokens, {1000 * p.probe_s:.0f} ms: {verdict}"
-            )
+            print(parity_line(reply.parity))
         if reply.refused:
             print(f"refused by the parity probe: {', '.join(f'v{v}' for v in reply.refused)}")
         print(
@@ -172,6 +169,21 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         if not reply.verification.ok:
             raise Failed(row, f"v{reply.current_version} does not verify: {reply.verification.error}")
     return row
+
+
+def parity_line(p) -> str:
+    """A ParityReport as `status` prints it. Each figure names what it is over: the log-prob figures
+    the tokens compared, the expert mismatch the positions whose routing was recorded (every prompt
+    token: more than the tokens; the line once said "124 tokens" of a fraction over 128 positions)."""
+    routing = ""
+    if p.HasField("expert_mismatch"):
+        over = f" over {p.expert_positions} positions" if p.expert_positions else ""
+        routing = f"; expert mismatch {p.expert_mismatch:.3g}{over}"
+    verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
+    return (
+        f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL {p.mean_kl:.3g} "
+        f"over {p.tokens} tokens{routing}, {1000 * p.probe_s:.0f} ms: {verdict}"
+    )
 
 
 def _message_json(message) -> dict[str, Any]:
@@ -256,7 +268,9 @@ def _add_agent(sub) -> None:
         help="engine type (default: the --config file's, else reference); must agree with the --config file's",
     )
     engine.add_argument(
-        "--model-dir", help="reference: HF-style directory giving the engine its architecture and first weights"
+        "--model-dir",
+        help="reference: HF-style directory giving the engine its architecture and first weights (default, with "
+        "--store: the architecture from the config.json the model's versions carry, the weights from the store)",
     )
     engine.add_argument("--engine-port", type=int, help="reference: its HTTP port (default: any free port)")
     engine.add_argument("--engine-url", help="vllm, sglang: the server's base URL, e.g. http://127.0.0.1:8000")
@@ -292,7 +306,11 @@ def _add_status(sub) -> None:
         "and fetched, timings) and its last error.",
     )
     add_common_flags(p, store=False, model=False)
-    p.add_argument("--agent", required=True, help="agent gRPC address host:port")
+    p.add_argument(
+        "--agent",
+        required=True,
+        help=f"agent gRPC address host:port (a host alone: port {AGENT_PORT}, the one the examples and deploy/ use)",
+    )
     p.add_argument("--token-file", help="bearer token file (or $WEIGHTSYNC_TOKEN)")
     p.add_argument("--ca", help="CA certificate (PEM) to verify a TLS agent")
     p.add_argument("--cert", help="client certificate (PEM) for mTLS")

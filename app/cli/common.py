@@ -45,12 +45,44 @@ def check_model_flag(args: argparse.Namespace) -> str:
         raise ConfigError(f"--model: {e}") from None
 
 
-def open_store_flag(args: argparse.Namespace):
-    from weightsync.stores import open_store
+def open_store_flag(args: argparse.Namespace, *, existing: bool = False):
+    """The store --store names. `existing`: for a command that reads, a directory that does not
+    exist is a --store to fix (exit 2), not a store that holds nothing."""
+    from weightsync.errors import ConfigError
+    from weightsync.stores import LocalStore, open_store
 
     if getattr(args, "endpoint_url", None) and str(args.store).startswith("s3://"):
-        return open_store(args.store, endpoint_url=args.endpoint_url)
-    return open_store(args.store)
+        store = open_store(args.store, endpoint_url=args.endpoint_url)
+    else:
+        store = open_store(args.store)
+    if existing and isinstance(store, LocalStore) and not store.root.is_dir():
+        raise ConfigError(
+            f"--store {args.store}: {store.root} is not a directory, so it holds no store; check the path "
+            "(a store directory is made by its first publish: weightsync publish, or the trainer's train.publish.store)"
+        )
+    return store
+
+
+def check_model_in_store(store, model: str) -> None:
+    """A --model the store has no versions of is a flag to fix (exit 2), naming the models the
+    store holds: a mistyped name must not read as a model with no versions yet."""
+    import difflib
+
+    from weightsync.errors import ConfigError
+    from weightsync.versions import latest_version, list_models
+
+    if latest_version(store, model) is not None:
+        return
+    models = list_models(store)
+    if not models:
+        raise ConfigError(f"--model {model}: the store {store.uri} holds no models yet (is --store the right one?)")
+    close = difflib.get_close_matches(model, models, n=1)
+    shown = ", ".join(models[:10]) + (f" and {len(models) - 10} more" if len(models) > 10 else "")
+    raise ConfigError(
+        f"--model {model}: the store {store.uri} has no versions of {model!r}"
+        + (f"; did you mean {close[0]!r}?" if close else ";")
+        + f" it holds {shown}"
+    )
 
 
 def manifest_row(manifest) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from weightsync.app.cli.common import (
     Progress,
     add_common_flags,
     check_model_flag,
+    check_model_in_store,
     format_size,
     manifest_row,
     open_store_flag,
@@ -54,15 +55,22 @@ def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
     config = PublisherConfig(**config_kwargs)
     _note_dtype_cast(checkpoint_dtypes(checkpoint), config.cast_floats_to)
     _warn_if_step_does_not_advance(store, args.model, args.step)
+    model_files = _model_files_of(args.checkpoint)
     progress = Progress(args, None, f"publish {args.model}")  # bytes after the bf16 cast: unknown up front
     try:
         with on_first_kernel_compile(_say_kernels_compile):  # a delta on a machine without them
             result = publish_once(
-                store, checkpoint, model=args.model, step=args.step, config=config, signer=signer, progress=progress
+                store,
+                checkpoint,
+                model=args.model,
+                step=args.step,
+                config=config,
+                signer=signer,
+                progress=progress,
+                model_files=model_files,
             )
     finally:
         progress.close()
-    model_files = _store_model_files(store, args.model, args.checkpoint)
     row = manifest_row(result.manifest)
     row.update(
         model=args.model,
@@ -98,19 +106,18 @@ def _open_checkpoint(paths: list[str]):
     return open_checkpoint(paths)
 
 
-def _store_model_files(store, model: str, checkpoint_paths: list[str]) -> list[str]:
-    """An HF-style directory's config and tokenizer files go to the store beside the weights, so
-    that `pull --out` writes a directory an engine loads."""
+def _model_files_of(checkpoint_paths: list[str]) -> dict[str, bytes]:
+    """An HF-style directory's config and tokenizer files: they travel with the version, so that
+    `pull --out` writes a directory an engine loads."""
     from pathlib import Path
 
-    from weightsync.model_files import put_model_files, read_model_files
+    from weightsync.model_files import read_model_files
 
     files: dict[str, bytes] = {}
     for path in checkpoint_paths:
         if Path(path).is_dir():
             files.update(read_model_files(path))
-    put_model_files(store, model, files)
-    return sorted(files)
+    return files
 
 
 def _note_dtype_cast(dtypes: dict[str, Any], cast_floats_to: str | None) -> None:
@@ -167,11 +174,15 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.versions import read_manifest
 
     check_model_flag(args)
-    reader = Reader(open_store_flag(args), model=args.model, workers=args.workers)
+    store = open_store_flag(args, existing=True)
+    check_model_in_store(store, args.model)
+    reader = Reader(store, model=args.model, workers=args.workers)
     version = reader.resolve(args.version)
     manifest = read_manifest(reader.store, args.model, version)
     # The engine's files (config, tokenizer): from --template, else as the store keeps them.
-    model_files = read_model_files(args.template) if args.template else get_model_files(reader.store, args.model)
+    model_files = (
+        read_model_files(args.template) if args.template else get_model_files(reader.store, args.model, manifest)
+    )
     if args.template and "config.json" not in model_files:
         from weightsync.errors import ConfigError
 
@@ -206,7 +217,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
         )
         if "config.json" not in model_files:
             print(
-                "weightsync: note: no config.json was published with this model; an engine needs one beside the "
+                f"weightsync: note: no config.json was published with v{version}; an engine needs one beside the "
                 "weights: pull with --template MODEL_DIR, or publish the model's HF directory",
                 file=sys.stderr,
             )
@@ -216,7 +227,7 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.versions import list_models
 
-    store = open_store_flag(args)
+    store = open_store_flag(args, existing=True)
     if args.model is None:
         models = list_models(store)
         if not args.json:
@@ -225,6 +236,8 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.errors import WeightsyncError
     from weightsync.versions import list_versions, read_manifest
 
+    check_model_flag(args)
+    check_model_in_store(store, args.model)
     rows = []
     for version in list_versions(store, args.model):
         try:
@@ -232,9 +245,7 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
         except WeightsyncError as e:  # one bad manifest must not hide the others
             rows.append({"version": version, "error": f"{type(e).__name__}: {e}"})
     if not args.json:
-        if not rows:
-            print(f"{args.model} has no versions in {store.uri}")
-        else:
+        if rows:
             print(
                 f"{'version':>7} {'kind':>5} {'parent':>6} {'base':>5} {'step':>7} {'created':>25} "
                 f"{'raw':>12} {'stored':>12} {'ratio':>7}  digest"
@@ -253,14 +264,15 @@ def _cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.errors import VersionNotFound, WeightsyncError
+    from weightsync.errors import WeightsyncError
     from weightsync.reader import Reader
     from weightsync.versions import list_versions, read_manifest
 
-    reader = Reader(open_store_flag(args), model=args.model, workers=args.workers)
+    check_model_flag(args)
+    store = open_store_flag(args, existing=True)
+    check_model_in_store(store, args.model)
+    reader = Reader(store, model=args.model, workers=args.workers)
     versions = list_versions(reader.store, args.model) if args.all else [reader.resolve(args.version)]
-    if not versions:
-        raise VersionNotFound(f"{args.model} has no versions in {args.store}")
     results = []
     for version in versions:
         try:
@@ -285,8 +297,11 @@ def _cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.stores.retention import collect_garbage
 
+    check_model_flag(args)
+    store = open_store_flag(args, existing=True)
+    check_model_in_store(store, args.model)
     plan = collect_garbage(
-        open_store_flag(args),
+        store,
         args.model,
         keep=args.keep,
         protect=set(args.protect),

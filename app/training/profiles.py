@@ -10,7 +10,9 @@ merged weights or adapter-only versions). They ship as TOML files in `app/traini
 profile's name as `base_model`.
 
 A change to a profile's meaning is a new version, never an edit of the old one: a run started
-on `demo-lm@1` keeps meaning the same thing.
+on `demo-lm@1` keeps meaning the same thing. Every key of a profile file is checked when it loads
+(weightsync.settings): a typo is a ConfigError naming the key, never a setting silently left at
+its default.
 
 Not here: applying the layout (serve.py, `weightsync.trainer.engine`).
 """
@@ -20,10 +22,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 from weightsync.app.training.errors import NotFound
+from weightsync.errors import ConfigError
+from weightsync.models import ModelConfig
+from weightsync.models.packed import PackFormat
+from weightsync.settings import build_table, check_known_keys, check_required, check_type, toml_kind
+from weightsync.trainer.config import MIXED_PRECISION
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,8 +68,20 @@ class Profile:
     def __post_init__(self) -> None:
         if self.model_dir is None and self.architecture is None:
             raise ValueError(f"profile {self.name}: [model] needs model_dir or architecture")
-        if self.ranks < 1 or self.version < 1:
-            raise ValueError(f"profile {self.name}: ranks and version must be >= 1")
+        if self.version < 1:
+            raise ValueError(f"profile {self.name}: version must be >= 1, got {self.version}")
+        if self.ranks < 1:
+            raise ValueError(f"profile {self.name}: [parallel] ranks must be >= 1, got {self.ranks}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"profile {self.name}: [parallel] mixed_precision must be one of {list(MIXED_PRECISION)}, "
+                f"got {self.mixed_precision!r}"
+            )
+        if self.frozen_experts is not None:
+            try:
+                PackFormat.parse(self.frozen_experts)
+            except ValueError as e:
+                raise ValueError(f"profile {self.name}: [parallel] frozen_experts: {e}") from None
         if self.sampler_engine not in ENGINES or self.sampler_weights not in SAMPLER_WEIGHTS:
             raise ValueError(
                 f"profile {self.name}: [sampler] engine must be one of {ENGINES}, weights one of {SAMPLER_WEIGHTS}"
@@ -85,39 +105,79 @@ class Profile:
         return str(directory)
 
 
+_TABLES: dict[str, dict[str, str]] = {
+    "model": {"model_dir": "model_dir", "architecture": "architecture", "init_seed": "init_seed"},
+    "parallel": {
+        "ranks": "ranks",
+        "mixed_precision": "mixed_precision",
+        "cpu_offload": "cpu_offload",
+        "activation_checkpointing": "activation_checkpointing",
+        "frozen_experts": "frozen_experts",
+    },
+    "sampler": {"engine": "sampler_engine", "weights": "sampler_weights", "url": "sampler_url"},
+}
+"""A profile file's tables: {table: {key: the Profile field it sets}}."""
+_DEFAULTS = {
+    "description": "",
+    "model_dir": None,
+    "architecture": None,
+    "init_seed": 0,
+    "ranks": 1,
+    "mixed_precision": "none",
+    "cpu_offload": False,
+    "activation_checkpointing": False,
+    "sampler_engine": "reference",
+    "sampler_weights": "merged",
+}
+_HOWTO = {
+    "name": 'the profile\'s name, e.g. name = "demo-lm"',
+    "version": "the profile's version, e.g. version = 1 (a change of meaning is a new version)",
+}
+
+
 def parse_profile(doc: dict[str, Any], *, where: str) -> Profile:
-    model, parallel, sampler = doc.get("model", {}), doc.get("parallel", {}), doc.get("sampler", {})
+    """A Profile from a profile file's document; ConfigError naming the key for an unknown key (with
+    "did you mean"), a missing name or version, a value of the wrong type or one Profile refuses
+    (weightsync.settings, the reader of every TOML config)."""
+    check_known_keys(doc, {"name", "version", "description", *_TABLES}, where=where, section="")
+    check_required(doc, ["name", "version"], where=where, section="", howto=_HOWTO)
+    hints = typing.get_type_hints(Profile)
+    fields: dict[str, Any] = {**_DEFAULTS}
+    for key in ("name", "version", "description"):
+        if key in doc:
+            check_type(doc[key], hints[key], where=where, name=key)
+            fields[key] = doc[key]
+    for table, keys in _TABLES.items():
+        section = f"[{table}]"
+        values = doc.get(table, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: {section} must be a table, got {values!r} ({toml_kind(values)})")
+        check_known_keys(values, keys, where=where, section=section)
+        for key, value in values.items():
+            check_type(value, hints[keys[key]], where=where, name=f"{section} {key}")
+            fields[keys[key]] = value
+    if fields["architecture"] is not None:  # checked now, not when a run first builds the model
+        build_table(ModelConfig, fields["architecture"], where=where, section="[model] architecture")
     try:
-        return Profile(
-            name=doc["name"],
-            version=int(doc["version"]),
-            description=doc.get("description", ""),
-            model_dir=model.get("model_dir"),
-            architecture=model.get("architecture"),
-            init_seed=int(model.get("init_seed", 0)),
-            ranks=int(parallel.get("ranks", 1)),
-            mixed_precision=parallel.get("mixed_precision", "none"),
-            cpu_offload=bool(parallel.get("cpu_offload")),
-            activation_checkpointing=bool(parallel.get("activation_checkpointing")),
-            frozen_experts=parallel.get("frozen_experts"),
-            sampler_engine=sampler.get("engine", "reference"),
-            sampler_weights=sampler.get("weights", "merged"),
-            sampler_url=sampler.get("url"),
-        )
-    except KeyError as e:
-        raise ValueError(f"{where}: missing {e}") from None
+        return Profile(**fields)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
-def load_profiles(directory: str | Path = PROFILE_DIR) -> dict[str, Profile]:
-    """Every profile in `directory`, by `name@version`."""
+def load_profiles(directory: str | Path | None = None) -> dict[str, Profile]:
+    """Every profile in `directory` (default: the shipped ones, PROFILE_DIR), by `name@version`."""
     profiles = {}
-    for path in sorted(Path(directory).glob("*.toml")):
-        profile = parse_profile(tomllib.loads(path.read_text()), where=str(path))
+    for path in sorted(Path(directory or PROFILE_DIR).glob("*.toml")):
+        try:
+            doc = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read training profile {path}: {e}") from None
+        profile = parse_profile(doc, where=f"training profile {path}")
         profiles[profile.key] = profile
     return profiles
 
 
-def resolve_profile(spec: str, *, model_dir: str | None = None, directory: str | Path = PROFILE_DIR) -> Profile:
+def resolve_profile(spec: str, *, model_dir: str | None = None, directory: str | Path | None = None) -> Profile:
     """`name` (its newest version) or `name@version`; `model_dir` overrides where the weights are."""
     profiles = load_profiles(directory)
     name, _, version = spec.partition("@")

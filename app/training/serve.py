@@ -262,12 +262,17 @@ def launch(argv: Sequence[str], nproc: int | None) -> int:
     """`weightsync serve-training`: this process (one rank) or `torchrun --nproc-per-node N` of
     it; N defaults to the profile's ranks. Returns the exit code."""
     argv = list(argv)
-    if nproc is None:
-        args = _parser().parse_args(argv)
-        if args.profile:
-            from weightsync.app.training.profiles import resolve_profile
+    args = _parser().parse_args(argv)
+    if args.profile:  # here, before any rank starts: a bad profile is one error line (exit 2), not one per rank
+        from weightsync.app.training.errors import NotFound
+        from weightsync.app.training.profiles import resolve_profile
+        from weightsync.errors import ConfigError
 
-            nproc = resolve_profile(args.profile).ranks
+        try:
+            ranks = resolve_profile(args.profile).ranks
+        except NotFound as e:
+            raise ConfigError(f"--profile {args.profile}: {e.args[0]}") from None
+        nproc = ranks if nproc is None else nproc
     if nproc is None or nproc == 1 or "LOCAL_RANK" in os.environ:
         return main(argv)
     from weightsync.trainer.launch import run_torchrun

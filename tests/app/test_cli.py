@@ -144,7 +144,12 @@ def test_gc_dry_run_then_real(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message, exit_code",
     [  # 2: a setting to fix (usage, config); 1: the command ran and failed
-        (["pull", "--store", "nowhere", "--model", "m", "--out", "o"], "has no versions", 1),
+        (["pull", "--store", "nowhere", "--model", "m", "--out", "o"], "is not a directory, so it holds no store", 2),
+        (
+            ["pull", "--store", "STORE", "--model", "mx", "--out", "o"],
+            "has no versions of 'mx'; did you mean 'm'? it holds m",
+            2,
+        ),
         (["pull", "--store", "STORE", "--model", "m", "--version", "9", "--out", "o"], "version 9 is not in", 1),
         (["publish", "--store", "STORE", "--model", "../evil", "CKPT"], "--model: invalid model name", 2),
         (["publish", "--store", "STORE", "--model", "m", "missing.safetensors"], "does not exist", 1),

@@ -282,6 +282,7 @@ def test_train_entry_point_runs_the_example_config_on_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3] and all(m["verdict"] == "accept" for m in lines)
+    assert [m["publish/version"] for m in lines] == [1, 2, 3]  # the step's own version, not the last commit
     assert [json.loads(line)["step"] for line in proc.stdout.splitlines() if line.startswith("{")] == [1, 2, 3]
     assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2, 3]
     assert list_versions(LocalStore(tmp_path / "store"), "sft-tiny") == [1, 2, 3]

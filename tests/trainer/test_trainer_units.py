@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.errors import LayoutError
+from weightsync.errors import ConfigError, LayoutError
 from weightsync.trainer.checkpoint import list_checkpoints
 from weightsync.trainer.config import (
     DataConfig,
@@ -78,8 +78,8 @@ def test_overrides_use_toml_values():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"parallel": {"dp_shards": 2}}, r"unknown key\(s\) \['dp_shards'\]"),
-        ({"train": {"optimizer": {"lr": "fast"}}}, r"lr must be float, got 'fast'"),
+        ({"parallel": {"dp_shards": 2}}, r"unknown key \[parallel\] 'dp_shards'; did you mean 'dp_shard'\?"),
+        ({"train": {"optimizer": {"lr": "fast"}}}, r"\[train.optimizer\] lr must be a number, got 'fast'"),
         ({"train": {"optimizer": {"lr": -1.0}}}, "positive"),
         ({"parallel": {"mixed_precision": "fp8"}}, r"must be one of \['none', 'bf16'\]"),
         ({"train": {"data": {"global_batch_size": 6, "micro_batch_size": 4}}}, "multiple of micro_batch_size"),
@@ -88,10 +88,16 @@ def test_overrides_use_toml_values():
         ({"train": {"model": {"init_dir": "/some/dir"}}}, "exactly one of"),
         ({"train": {"model": {"hidden_sise": 32}}}, "hidden_sise"),
         ({"train": {"steps": 3, "schedule": {"warmup_steps": 5}}}, "longer than the run"),
-        ({"train": {"data": {"source": "jsonl"}}}, "needs train.data.path"),
+        ({"train": {"data": {"source": "jsonl"}}}, r'\[train.data\] source = "jsonl" needs path'),
+        ({"train": {"steps": -1}}, r"\[train\] steps must be >= 1, got -1"),
+        ({"train": {"log_every": 0}}, r"\[train\] log_every must be >= 1, got 0"),
+        ({"train": {"model": {"mlp_only_layers": ["1"]}}}, r"mlp_only_layers must be an array of integers"),
+        ({"trian": {"steps": 1}}, r"unknown key 'trian'; did you mean 'train'\?"),
     ],
 )
 def test_invalid_configs_say_how_to_fix(patch, message):
+    """Each a ConfigError (`weightsync train` exits 2) naming the setting, its value and the fix;
+    `steps = -1` said "train.steps and train.log_every must be >= 1", naming neither which nor the value."""
     doc = json.loads(json.dumps(TINY))
     for section, table in patch.items():
         for key, value in table.items():
@@ -100,7 +106,7 @@ def test_invalid_configs_say_how_to_fix(patch, message):
                 target.setdefault(key, {}).update(value)
             else:
                 target[key] = value
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         parse_job_config(doc)
 
 

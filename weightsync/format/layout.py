@@ -6,9 +6,12 @@
     models/<model>/packs/<2 hex>/<32 hex>              content-addressed packs of chunk objects
     models/<model>/parts/<version>/<session>/<rank>.json  a sharded publish's per-rank parts,
                                                         before the one manifest commits
-    models/<model>/files/<name>                         the files beside the weights an engine
-                                                        loads (config.json, tokenizer...), as of the
-                                                        latest publish that carried them
+    models/<model>/model-files/<2 hex>/<32 hex>        content-addressed files beside the weights an
+                                                        engine loads (config.json, tokenizer...),
+                                                        named by manifests' producer.files
+    models/<model>/files/<name>                         the same files as publishers before
+                                                        producer.files kept them: as of the latest
+                                                        publish that carried them
 
 Zero-padded versions make lexicographic order numeric order. Keys are relative to the store's
 root (a directory or an S3 prefix). Not here: reading or writing them (`store.py`).
@@ -26,6 +29,7 @@ _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0
 _VERSION_FILE = re.compile(rf"(\d{{{VERSION_DIGITS}}})\.json")
 _CHUNK_KEY = re.compile(r"chunks/([0-9a-f]{2})/([0-9a-f]{32})")
 _PACK_KEY = re.compile(r"packs/([0-9a-f]{2})/([0-9a-f]{32})")
+_MODEL_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_PACK_BYTES = 1 << 32  # 4 GiB: far above what a publisher writes (PublisherConfig.pack_bytes)
 
 
@@ -43,12 +47,26 @@ def model_prefix(model: str) -> str:
     return f"models/{check_model_name(model)}/"
 
 
+def check_model_file_name(name: object) -> str:
+    """A file beside the weights: a plain file name, no path (a reader writes it into a directory)."""
+    if not isinstance(name, str) or not _MODEL_FILE_NAME.fullmatch(name):
+        raise FormatError(f"invalid model file name {name!r}: a plain file name of [A-Za-z0-9._-], at most 128")
+    return name
+
+
 def model_file_key(model: str, name: str) -> str:
-    """Where a file beside the weights (config.json, tokenizer.json...) is kept; `name` is a
-    plain file name."""
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name):
-        raise FormatError(f"invalid model file name {name!r}")
-    return f"{model_prefix(model)}files/{name}"
+    """Where publishers before producer.files kept a file beside the weights (config.json,
+    tokenizer.json...), one mutable copy per model; `name` is a plain file name."""
+    return f"{model_prefix(model)}files/{check_model_file_name(name)}"
+
+
+def model_files_prefix(model: str) -> str:
+    return f"{model_prefix(model)}model-files/"
+
+
+def model_file_object_key(object_xxh3: str) -> str:
+    """The key of a model file's object relative to its model's prefix (docs/format.md, "Model files")."""
+    return f"model-files/{object_xxh3[:2]}/{object_xxh3}"
 
 
 def versions_prefix(model: str) -> str:

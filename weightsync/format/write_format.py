@@ -5,8 +5,9 @@ the chunk header's format version (1, the only one), the codec ids (1-5; a reade
 ids it knows), and the manifest's format version (1, or 2 with packs). A reader built at some
 point supports what existed then; a publisher that must serve older readers says so with a
 `WriteFormat` on its `PublisherConfig`: the highest manifest format and the highest codec id it
-may use. The default writes everything this build can. There is no setting for the chunk header:
-it has one version.
+may use, and where the model's files go (in each version, or where older `pull`s look for them).
+The default writes everything this build can. There is no setting for the chunk header: it has
+one version.
 
 `WriteFormat` is the one place compatibility is chosen. How the codec choice is tuned within
 what it allows is `weightsync.format.codecs.choice.CodecChoice` (not a compatibility matter), and
@@ -40,6 +41,12 @@ class WriteFormat:
     highest_codec: int = CODEC_RANS
     """Highest codec id a chunk may use: 3 = `full`, `xor`, `sparse` (readers before codec 4),
     4 adds `ctx`, 5 adds `rans` (docs/format.md, "Codec ids")."""
+
+    model_files: bool = True
+    """Where the model's files (config.json, tokenizer) go: True, into each version (content-addressed
+    objects its manifest's producer.files names; readers before it ignore the field); False, one
+    mutable copy per model under files/<name>, where `pull`s before producer.files find them
+    (docs/format.md, "Model files")."""
 
     def __post_init__(self) -> None:
         if self.manifest_format not in SUPPORTED_FORMATS:

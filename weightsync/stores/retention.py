@@ -2,9 +2,9 @@
 
 Kept: the newest `keep` versions, any version a caller protects (an agent still needs it),
 and every version on their delta chains back to the base. Kept objects: everything a kept
-manifest names (chunk objects, and packs: a pack is kept whole while any kept version names one
+manifest names (chunk objects; packs: a pack is kept whole while any kept version names one
 of its members; an agent's cache, which keeps packed objects unpacked, keeps them under their own
-addresses), and the signatures of kept versions. An object no kept manifest names is
+addresses; the model files of its producer.files), and the signatures of kept versions. An object no kept manifest names is
 deleted only if it is older than the grace period: a publisher writes (or touches) its chunks
 before committing the manifest that names them, and the grace period is what keeps those
 chunks alive until that commit. Signatures of deleted versions go with them; sharded-publish
@@ -24,6 +24,7 @@ import time
 
 from weightsync.errors import FormatError, IntegrityError, VersionNotFound
 from weightsync.format import layout
+from weightsync.model_files import model_files_index
 from weightsync.stores import LocalStore, Store
 from weightsync.versions import list_versions, read_manifest
 
@@ -71,7 +72,7 @@ def plan_gc(
     now = time.time() if now_unix_s is None else now_unix_s
     prefix = layout.model_prefix(model)
     # Before manifests: see module doc.
-    objects = [*store.list(layout.chunks_prefix(model)), *store.list(layout.packs_prefix(model))]
+    objects = [info for content in _content_prefixes(model) for info in store.list(content)]
     signatures = list(store.list(layout.signatures_prefix(model)))
     parts = list(store.list(layout.parts_prefix(model)))
     versions = list_versions(store, model)
@@ -95,6 +96,12 @@ def plan_gc(
     referenced = {prefix + key for v in keep_set for key in manifests[v].objects()}
     # The same objects under their own addresses: where a cache (agents) keeps packed ones.
     referenced |= {prefix + c.address_key for v in keep_set for t in manifests[v].tensors for c in t.chunks if c.packed}
+    for version in keep_set:  # the model's files the kept versions name (docs/format.md, "Model files")
+        try:
+            index = model_files_index(manifests[version]) or {}
+        except FormatError as e:
+            raise FormatError(f"gc stopped, nothing deleted: {e}") from None
+        referenced |= {prefix + ref.key for ref in index.values()}
     delete_objects, delete_bytes, young = [], 0, 0
     for info in objects:
         if info.key in referenced:
@@ -134,7 +141,7 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
     """
     for version in plan.delete_versions:
         store.delete(layout.manifest_key(plan.model, version))
-    content = (layout.chunks_prefix(plan.model), layout.packs_prefix(plan.model))
+    content = _content_prefixes(plan.model)
     modified = {info.key: info.modified_unix_s for prefix in content for info in store.list(prefix)}
     now = time.time()
     for key in plan.delete_objects:
@@ -158,6 +165,12 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
         plan.delete_bytes / 1e6,
         list(plan.keep_versions),
     )
+
+
+def _content_prefixes(model: str) -> tuple[str, ...]:
+    """Where the content-addressed objects that manifests name live: chunks, packs, model files.
+    (The older per-model files/<name> copies are not among them: gc never deletes those.)"""
+    return (layout.chunks_prefix(model), layout.packs_prefix(model), layout.model_files_prefix(model))
 
 
 def collect_garbage(

@@ -92,6 +92,8 @@ class _Target:
         self.address = address
         self.config = config
         self.metrics = metrics
+        for counter in ("push/bytes_sent", "push/errors"):  # this target's series, at 0 before its first push
+            metrics.inc(counter, 0, target=address)
         self.client = AgentClient(address, tls=config.tls, token=read_token(config.token))
         self._cond = threading.Condition()
         self._versions: dict[int, _Version] = {}

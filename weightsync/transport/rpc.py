@@ -89,11 +89,20 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def error_from_rpc(e: grpc.RpcError, what: str) -> errors.WeightsyncError:
-    """A client-side weightsync error for a failed call (transport failures: RpcUnavailable)."""
+def error_from_rpc(e: grpc.RpcError, what: str, *, deadline_s: float | None = None) -> errors.WeightsyncError:
+    """A client-side weightsync error for a failed call (transport failures: RpcUnavailable). A
+    call past its deadline (`deadline_s`) says what that can mean: gRPC's own word is only
+    "Deadline Exceeded"."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     detail = e.details() if hasattr(e, "details") else str(e)
     error_type = _ERROR_BY_STATUS.get(code, errors.RpcUnavailable)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline_s is not None:
+        detail = (
+            f"{detail}: no answer within {deadline_s:g} s. The agent may be busy (a status with --verify waits for "
+            "a sync under way) or starting; or the address is not a weightsync agent (a port that accepts "
+            "connections and never answers), or TLS is expected where plaintext was sent: check the address, "
+            "and retry with a longer deadline (weightsync status --timeout-s)"
+        )
     return error_type(f"{what}: {code.name if code else 'UNKNOWN'}: {detail}")
 
 
@@ -354,7 +363,7 @@ class AgentClient:
             reply = self._status(sync_pb2.StatusRequest(verify=verify), timeout=timeout_s, metadata=self._metadata)
             return _replied(reply, "status", self.target)
         except grpc.RpcError as e:
-            raise error_from_rpc(e, f"status of {self.target}") from None
+            raise error_from_rpc(e, f"status of {self.target}", deadline_s=timeout_s) from None
 
     def close(self) -> None:
         self.channel.close()

@@ -140,3 +140,59 @@ def test_a_server_from_the_demo_profile_trains_the_profile_model_on_two_ranks(tm
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
+
+
+def _profile_dir(tmp_path, text: str):
+    directory = tmp_path / "profiles"
+    directory.mkdir(parents=True)
+    (directory / "mine.toml").write_text(text)
+    return directory
+
+
+GOOD = """name = "mine"
+version = 1
+[model]
+model_dir = "/models/m"
+[parallel]
+ranks = 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (GOOD.replace("ranks = 1", "rank = 2"), r"unknown key \[parallel\] 'rank'; did you mean 'ranks'\?"),
+        (GOOD + "[sampler]\nengin = 'vllm'\n", r"unknown key \[sampler\] 'engin'; did you mean 'engine'\?"),
+        (GOOD.replace("ranks = 1", 'ranks = "2"'), r"\[parallel\] ranks must be an integer, got '2'"),
+        (GOOD.replace("version = 1\n", ""), r"version is missing"),
+        (
+            GOOD.replace('model_dir = "/models/m"', "architecture = { hidden_sise = 8 }"),
+            r"unknown key \[model\] architecture 'hidden_sise'; did you mean 'hidden_size'\?",
+        ),
+        (GOOD.replace("ranks = 1", 'mixed_precision = "fp8"'), r"mixed_precision must be one of"),
+    ],
+)
+def test_a_typo_in_a_profile_is_an_error_naming_the_key(tmp_path, text, message):
+    """A profile was mapped by hand: `rank = 2` under [parallel] was silently ignored (1 rank ran)."""
+    from weightsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_profiles(_profile_dir(tmp_path, text))
+
+
+def test_serve_training_with_a_mistyped_profile_exits_2_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("tinker")
+    from weightsync.app.cli import main
+    from weightsync.app.training import profiles
+
+    def serve(profile: str) -> tuple[int, str]:
+        code = main(["serve-training", "--state-dir", str(tmp_path / "state"), "--profile", profile, "--api-key", "k"])
+        return code, capsys.readouterr().err
+
+    monkeypatch.setattr(profiles, "PROFILE_DIR", _profile_dir(tmp_path / "typo", GOOD.replace("ranks = 1", "rank = 2")))
+    code, err = serve("mine")
+    assert code == 2 and err.count("\n") == 1 and "'rank'; did you mean 'ranks'?" in err, err
+    monkeypatch.setattr(profiles, "PROFILE_DIR", _profile_dir(tmp_path / "good", GOOD))
+    code, err = serve("nope")
+    assert code == 2 and "--profile nope: no training profile 'nope'; known: ['mine@1']" in err, err
+    assert not (tmp_path / "state").exists()
