@@ -6,10 +6,8 @@ overlap per tensor and chunk: a tensor's chunks are encoded as soon as it is cop
 publish() copies the next), each object goes to the listeners (the push) and to its upload as
 soon as it is encoded, and a delta's objects are packed (`pack.py`) with each full pack uploaded
 while encoding goes on; publish() to commit is then close to the slowest stage, not their sum. Each
-version is a delta against the previous snapshot, or a full version (a rebase) when there is no
-parent, the tensor layout changed, the chain reached `rebase_every` versions, or the chain's
-deltas add up to more than `rebase_chain_ratio` times the base (a long chain costs a catching-up
-reader more than a fresh base would).
+version is a delta against the previous snapshot, or a full version (a rebase) when `chain.py`
+says so; each tensor is cut into chunks by `format/chunking.py`.
 
 Lifecycle of one version (states in order; any failure ends it):
     snapshot   -> caller's thread, under the in-flight bound (blocks while max_in_flight run);
@@ -36,7 +34,8 @@ thread, so that on a machine whose numba cache is empty the first delta does not
 
 Listeners (the gRPC push client) see each encoded object as soon as it exists, concurrently
 with its upload, and the manifest once committed; they must queue, not block.
-Not here: reading versions back (`reader.py`), deleting them (`stores/retention.py`).
+Not here: reading versions back (`reader.py`), deleting them (`stores/retention.py`), the delta
+chain and its rebase policy (`chain.py`), where chunks are cut (`format/chunking.py`).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
-import math
 import queue
 import socket
 import threading
@@ -53,10 +51,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from weightsync import __version__
+from weightsync.chain import Chain, ChainTotals, chain_from_store, planning_horizon, rebase_reason
 from weightsync.cpus import usable_cpus
-from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
+from weightsync.errors import ObjectNotFound, PublishError, VersionConflict
 from weightsync.format import layout
 from weightsync.format.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
+from weightsync.format.chunking import chunk_ranges
 from weightsync.format.codecs import CODEC_IDS, CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.format.codecs.changes import Changes
 from weightsync.format.codecs.choice import CodecChoice
@@ -78,7 +78,7 @@ from weightsync.format.manifest import (
 )
 from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.format.probe import Probe
-from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
+from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, snapshot_layout
 from weightsync.format.write_format import WriteFormat
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.shards import (
@@ -87,6 +87,7 @@ from weightsync.shards import (
     ShardSpec,
     delete_parts,
     merge_parts,
+    placements_for,
     wait_for_commit,
     wait_for_parts,
     write_abort,
@@ -94,7 +95,7 @@ from weightsync.shards import (
 )
 from weightsync.stores import Store
 from weightsync.transport.signing import Signer
-from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature, resolve_chain
+from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature
 
 log = logging.getLogger(__name__)
 
@@ -183,31 +184,6 @@ class PublisherConfig:
         return DEFAULT_PACK_BYTES if self.write_format.packs else 0
 
 
-def describe_layout_change(
-    old: Mapping[str, tuple[str, tuple[int, ...]]], new: Mapping[str, tuple[str, tuple[int, ...]]], *, most: int = 3
-) -> str:
-    """What changed between two layouts (name -> (dtype, shape)), naming up to `most` tensors per
-    kind of change: why a version cannot be a delta of the one before."""
-
-    def names(found: list[str]) -> str:
-        return ", ".join(found[:most]) + (f" and {len(found) - most} more" if len(found) > most else "")
-
-    added = sorted(set(new) - set(old))
-    removed = sorted(set(old) - set(new))
-    retyped = [f"{n} {old[n][0]} -> {new[n][0]}" for n in sorted(set(old) & set(new)) if old[n][0] != new[n][0]]
-    reshaped = [
-        f"{n} {tuple(old[n][1])} -> {tuple(new[n][1])}"
-        for n in sorted(set(old) & set(new))
-        if tuple(old[n][1]) != tuple(new[n][1])
-    ]
-    parts = [
-        f"{label} {names(found)}"
-        for label, found in (("new tensors", added), ("tensors gone", removed), ("dtype", retyped), ("shape", reshaped))
-        if found
-    ]
-    return "layout changed: " + "; ".join(parts) if parts else "layout changed"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PublishResult:
     """What one publish committed, and what it cost."""
@@ -265,34 +241,6 @@ class PublishListener(Protocol):
         """`version` will never commit."""
 
 
-@dataclasses.dataclass
-class _ChainTotals:
-    """Stored bytes of one delta chain's versions, filled in as they commit (under the lock)."""
-
-    by_version: dict[int, int] = dataclasses.field(default_factory=dict)
-    base: int = 0  # the chain's full version
-
-    def known(self, horizon: int | None) -> tuple[int, int]:
-        """(base bytes, delta bytes) counting only versions <= `horizon` (None: all committed)."""
-        counted = {v: b for v, b in self.by_version.items() if horizon is None or v <= horizon}
-        base = counted.pop(self.base, 0)
-        return base, sum(counted.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chain:
-    """The delta parent the next publish diffs against."""
-
-    version: int
-    base: int
-    snapshot: Snapshot
-    layout: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape): what a delta must keep
-    placements: dict[str, Placement]
-    length: int  # deltas since the base
-    totals: _ChainTotals
-    copied: threading.Event  # set once `snapshot` is complete (copied by its publish() call)
-
-
 @dataclasses.dataclass(kw_only=True, eq=False)
 class _Job:
     """One accepted publish, from `publish` (planned under the lock) to its settled future; it
@@ -306,7 +254,7 @@ class _Job:
     placements: dict[str, Placement]
     snapshot: Snapshot  # filled by the caller's thread while the encoders start on what is there
     parent_snapshot: Snapshot | None  # what the delta is taken against; None for a full version
-    totals: _ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
+    totals: ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
     t0: float = 0.0  # perf_counter at publish()
     snapshot_s: float = 0.0
     previous: _Job | None = None  # the job accepted just before: commits wait for it
@@ -357,7 +305,7 @@ class Publisher:
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
         self._lock = threading.Lock()
         self._next_version: int | None = None
-        self._chain: _Chain | None = None
+        self._chain: Chain | None = None
         # A sharded job never diffs against the store: each rank would need its own ranges of a
         # version that other ranks wrote. Its first version is a full one.
         self._loaded_parent = not self.config.parent_from_store or shard is not None
@@ -407,7 +355,7 @@ class Publisher:
             # Checked and planned before any byte is copied; the version worker then encodes
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
-            where = _placements(planned, placements or {})
+            where = placements_for(planned, placements or {})
             if self.warm_up is None and self.config.warm_up_kernels:  # the next version is likely a delta
                 self.warm_up = BackgroundWarmUp(
                     {dtype.name for dtype, _ in planned.values()},
@@ -481,18 +429,26 @@ class Publisher:
             self._next_version = (latest or 0) + 1
         if not self._loaded_parent:
             self._loaded_parent = True
-            self._chain = self._chain_from_store()
+            self._chain = chain_from_store(self.store, self.model, self._next_version - 1, workers=self.config.workers)
         version = self._next_version
         self._next_version += 1
         chain = self._chain
-        reason = self._rebase_reason(chain, tensor_layout, placements, self._horizon(version))
+        reason = rebase_reason(
+            chain,
+            tensor_layout,
+            placements,
+            failed=self._failed,
+            horizon=planning_horizon(version, max_in_flight=self.config.max_in_flight, sharded=self.shard is not None),
+            rebase_every=self.config.rebase_every,
+            rebase_chain_ratio=self.config.rebase_chain_ratio,
+        )
         if reason:
             log.info("%s v%d: full version (%s)", self.model, version, reason)
             parent_snapshot, base, length, parent_copied = None, version, 0, None
         else:
             parent_snapshot, base, length, parent_copied = chain.snapshot, chain.base, chain.length + 1, chain.copied
         parent = None if reason else chain.version
-        totals = _ChainTotals(base=version) if reason else chain.totals
+        totals = ChainTotals(base=version) if reason else chain.totals
         job = _Job(
             version=version,
             parent=parent,
@@ -505,72 +461,9 @@ class Publisher:
             totals=totals,
             parent_copied=parent_copied,
         )
-        self._chain = _Chain(version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done)
+        self._chain = Chain(version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done)
         self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
         return job
-
-    def _horizon(self, version: int) -> int | None:
-        """The newest version whose outcome every rank knows when planning `version` (sharded).
-
-        Ranks learn commits and failures at different moments, so a plan that used everything a
-        rank knows could make one rank write a delta and another a full version of the same
-        version. But a rank plans `version` only after its publish slot frees, i.e. after the
-        version `max_in_flight` before it finished on that rank, commit or failure: every rank
-        knows that far, and sharded plans use nothing newer. None (unsharded): use everything.
-        """
-        return None if self.shard is None else version - self.config.max_in_flight
-
-    def _rebase_reason(
-        self,
-        chain: _Chain | None,
-        tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
-        placements: dict[str, Placement],
-        horizon: int | None,
-    ) -> str | None:
-        if chain is None:
-            return "no parent"
-        failed = [v for v in self._failed if (horizon is None or v <= horizon) and chain.base <= v <= chain.version]
-        if failed:
-            return f"v{min(failed)} of the chain failed"
-        if chain.layout != tensor_layout:
-            return describe_layout_change(chain.layout, tensor_layout)
-        if chain.placements != placements:
-            return "the shards' placements changed"
-        if chain.length + 1 > self.config.rebase_every:
-            return f"chain reached {self.config.rebase_every} deltas"
-        base_bytes, delta_bytes = chain.totals.known(horizon)
-        if base_bytes and delta_bytes > self.config.rebase_chain_ratio * base_bytes:
-            return f"chain holds {delta_bytes} bytes of deltas, over {self.config.rebase_chain_ratio}x its base"
-        return None
-
-    def _chain_from_store(self) -> _Chain | None:
-        """The store's latest version as the first delta parent (None if the store has none)."""
-        latest = self._next_version - 1
-        if latest < 1:
-            return None
-        from weightsync.reader import Reader  # reading back is the reader's job
-
-        try:
-            manifests = resolve_chain(self.store, self.model, latest)
-            state = Reader(self.store, model=self.model, workers=self.config.workers).read(latest)
-        except WeightsyncError as e:  # an unreadable latest version must not stop publishing
-            log.warning("%s: cannot read v%d as delta parent (%s); publishing a full version", self.model, latest, e)
-            return None
-        snapshot = {
-            t.name: SnapshotTensor(dtype_by_name(t.dtype), t.shape, state.buffers[t.name])
-            for t in state.manifest.tensors
-        }
-        log.info("%s: delta parent is v%d from %s", self.model, latest, self.store.uri)
-        return _Chain(
-            version=latest,
-            base=manifests[0].version,
-            snapshot=snapshot,
-            layout=layout_of(snapshot),
-            placements=_placements({n: (t.dtype, t.shape) for n, t in snapshot.items()}, {}),
-            length=len(manifests) - 1,
-            totals=_ChainTotals(by_version={m.version: m.stored_bytes for m in manifests}, base=manifests[0].version),
-            copied=_SET,
-        )
 
     # ---------------------------------------------------------------------------- execution
 
@@ -601,7 +494,7 @@ class Publisher:
     def _fail(self, job: _Job, e: BaseException) -> BaseException:
         with self._lock:
             # Anything planned on top of this version is doomed; a later publish rebases. Unsharded:
-            # the very next one. Sharded: the first one planned past the horizon (see _horizon),
+            # the very next one. Sharded: the first one planned past the horizon (see chain.planning_horizon),
             # so that every rank rebases the same version.
             self._failed.add(job.version)
             if self.shard is None and self._chain is not None and self._chain.version >= job.version:
@@ -651,7 +544,7 @@ class Publisher:
                         packer,
                         job.changes.get(name, {}).get(start),
                     )
-                    for start, stop in self._chunk_ranges(tensor)
+                    for start, stop in self._ranges_of(tensor.dtype, tensor.shape)
                 ]
             encoded = {}
             for name in sorted(futures):
@@ -824,32 +717,8 @@ class Publisher:
             ) from error
         # A full version does not need its predecessor; commit order is all we waited for.
 
-    def _chunk_ranges(self, tensor: SnapshotTensor) -> list[tuple[int, int]]:
-        return self._ranges_of(tensor.dtype, tensor.shape)
-
     def _ranges_of(self, dtype: DType, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-        """The [start, stop) element ranges of a tensor's chunks, at most `chunk_bytes` each.
-
-        A tensor of 3 or more dims is cut at its dim-0 slices too: fused MoE experts (experts x
-        rows x cols, as torchtitan's grouped experts and transformers 5 hold them in memory) then
-        get chunks that each lie in one expert, so an expert that did not change is `same` chunks
-        and costs nothing, as a per-expert tensor does (docs/format.md, note 11). Slices smaller
-        than a chunk are grouped whole; larger ones are cut into near-equal parts. A dim-0 shard
-        starts at a slice boundary, so the same holds for each rank's part."""
-        count = math.prod(shape)
-        per_chunk = max(1, self.config.chunk_bytes // dtype.itemsize)
-        if len(shape) < 3 or shape[0] < 2 or count == 0:
-            return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
-        per_slice = count // shape[0]
-        if per_slice <= per_chunk:
-            step = per_chunk // per_slice * per_slice
-            return [(start, min(start + step, count)) for start in range(0, count, step)]
-        parts = -(-per_slice // per_chunk)
-        return [
-            (first + per_slice * i // parts, first + per_slice * (i + 1) // parts)
-            for first in range(0, count, per_slice)
-            for i in range(parts)
-        ]
+        return chunk_ranges(dtype.itemsize, shape, self.config.chunk_bytes)
 
     def _encode_one(
         self,
@@ -919,26 +788,6 @@ class Publisher:
             self.store.touch(key)
         except ObjectNotFound:
             self.store.put(key, obj)
-
-
-_SET = threading.Event()  # a snapshot that is complete from the start (read back from the store)
-_SET.set()
-
-
-def _placements(
-    planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
-) -> dict[str, Placement]:
-    """Every tensor's placement (`planned`: name -> (dtype, local shape)): the given one
-    (checked to fit), else the whole tensor."""
-    out = {}
-    for name, (_, shape) in planned.items():
-        placement = given.get(name)
-        numel = math.prod(shape)
-        if placement is None:
-            placement = Placement(global_shape=shape, start=0)
-        placement.check_fits(name, numel)
-        out[name] = placement
-    return out
 
 
 def publish_once(

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 
 from weightsync.errors import ObjectExists, ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.format import layout
@@ -91,6 +92,21 @@ class Placement:
                 f"{name!r}: local shard of {local_numel} elements at offset {self.start} does not fit "
                 f"the global shape {self.global_shape} ({total} elements)"
             )
+
+
+def placements_for(
+    planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
+) -> dict[str, Placement]:
+    """Every tensor's placement (`planned`: name -> (dtype, local shape)): the given one
+    (checked to fit), else the whole tensor."""
+    out = {}
+    for name, (_, shape) in planned.items():
+        placement = given.get(name)
+        if placement is None:
+            placement = Placement(global_shape=shape, start=0)
+        placement.check_fits(name, math.prod(shape))
+        out[name] = placement
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

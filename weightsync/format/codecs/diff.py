@@ -14,7 +14,7 @@ an H100).
 Written with device-agnostic torch, so the very same code runs (and is tested) on CPU tensors;
 its result is identical, field for field, to the host scan's of each chunk.
 
-Not here: the coding itself (`ctx.py`, `rans.py`), which chunks a tensor has (`publisher.py`).
+Not here: the coding itself (`ctx.py`, `rans.py`), which chunks a tensor has (`format/chunking.py`).
 """
 
 from __future__ import annotations
