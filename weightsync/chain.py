@@ -4,7 +4,10 @@ Each version is a delta against the previous snapshot, or a full version (a reba
 - there is no parent (the first version, or a parent that failed or cannot be read),
 - a version of the chain failed (nothing may be built on top of it),
 - the tensor layout changed (a name, dtype or shape: a delta never changes the layout),
-- the shards' placements changed (a rank's delta is against its own previous piece),
+- the job's layout changed (`layout_key`: the same on every rank, so all of them rebase together),
+  or this rank's placements did (its delta is against its own previous piece; the other ranks may
+  then write deltas, and the commit fails on the disagreement: a failed version, never a wrong
+  delta, and every rank's next one is full),
 - the chain reached `rebase_every` deltas,
 - or the chain's deltas add up to more than `rebase_chain_ratio` times the base: a long chain
   costs a catching-up reader more than a fresh base would.
@@ -62,6 +65,7 @@ class Chain:
     length: int  # deltas since the base
     totals: ChainTotals
     copied: threading.Event  # set once `snapshot` is complete (copied by its publish() call)
+    layout_key: str | None = None  # the caller's name of the job's layout (Publisher.publish)
 
 
 def planning_horizon(version: int, *, max_in_flight: int, sharded: bool) -> int | None:
@@ -80,6 +84,7 @@ def rebase_reason(
     chain: Chain | None,
     tensor_layout: TensorLayout,
     placements: Mapping[str, Placement],
+    layout_key: str | None = None,
     *,
     failed: Collection[int],
     horizon: int | None,
@@ -95,6 +100,8 @@ def rebase_reason(
         return f"v{min(failures)} of the chain failed"
     if chain.layout != tensor_layout:
         return describe_layout_change(chain.layout, tensor_layout)
+    if chain.layout_key != layout_key:
+        return "the job's layout changed (mesh or placements)"
     if chain.placements != placements:
         return "the shards' placements changed"
     if chain.length + 1 > rebase_every:

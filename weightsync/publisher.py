@@ -21,8 +21,9 @@ Lifecycle of one version (states in order; any failure ends it):
                   the one manifest while the others wait for it; see `shards.py`)
 
 A sharded publisher (`shard=ShardSpec(...)`) is one of N trainer ranks: it publishes only its
-local shards, each with a `Placement` (global shape, flat element offset), and the version
-commits once every rank's part is durable. It never reads a parent from the store: a new job
+local shards, each with a `Placement` (global shape and a flat element offset, or boxes: a
+tensor-parallel shard on any dim, `format/boxes.py`), and the version commits once every rank's
+part is durable and rank 0 checked that the parts cover every tensor exactly once. It never reads a parent from the store: a new job
 session starts with a full version.
 
 What the versions may use (manifest format, highest codec id) is `PublisherConfig.write_format`,
@@ -55,8 +56,9 @@ from weightsync.chain import Chain, ChainTotals, chain_from_store, planning_hori
 from weightsync.cpus import usable_cpus
 from weightsync.errors import ObjectNotFound, PublishError, VersionConflict
 from weightsync.format import layout
+from weightsync.format.boxes import Box
 from weightsync.format.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
-from weightsync.format.chunking import chunk_ranges
+from weightsync.format.chunking import box_chunks, chunk_ranges
 from weightsync.format.codecs import CODEC_IDS, CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.format.codecs.changes import Changes
 from weightsync.format.codecs.choice import CodecChoice
@@ -65,8 +67,7 @@ from weightsync.format.codecs.warmup import BackgroundWarmUp
 from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.format.manifest import (
     CODEC_SAME,
-    FORMAT_PACKS,
-    FORMAT_VERSION,
+    FORMAT_BOXES,
     KIND_DELTA,
     KIND_FULL,
     ChunkPlacement,
@@ -74,6 +75,7 @@ from weightsync.format.manifest import (
     Manifest,
     TensorEntry,
     compute_digest,
+    lowest_format,
     parse_manifest,
 )
 from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
@@ -230,9 +232,9 @@ class PublishListener(Protocol):
     """Sees a version's bytes as they are made (the gRPC push client is one). Called from the
     publisher's threads: implementations queue the work and return at once."""
 
-    def on_object(self, version: int, object_xxh3: str, obj: bytes, placement: ChunkPlacement) -> None:
+    def on_object(self, version: int, object_xxh3: str, obj: bytes, placement: ChunkPlacement | None) -> None:
         """An encoded chunk object of `version`, before its upload is durable, and where it goes
-        (for receivers that apply objects as they arrive)."""
+        (for receivers that apply objects as they arrive; None for a box chunk)."""
 
     def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
         """The version committed (on a sharded publish: called on every rank)."""
@@ -252,6 +254,8 @@ class _Job:
     step: int | None
     full_reason: str | None  # why the version is full (None: a delta)
     placements: dict[str, Placement]
+    chunks: dict[str, list[tuple[int, int, int | Box]]]
+    """Each tensor's chunks: (local start, local stop, global flat start or global box)."""
     snapshot: Snapshot  # filled by the caller's thread while the encoders start on what is there
     parent_snapshot: Snapshot | None  # what the delta is taken against; None for a full version
     totals: ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
@@ -329,6 +333,7 @@ class Publisher:
         progress: Callable[[int], None] | None = None,
         placements: Mapping[str, Placement] | None = None,
         probe: Probe | None = None,
+        layout_key: str | None = None,
     ) -> cf.Future[PublishResult]:
         """Snapshots `state_dict` now; returns a Future of the committed version.
 
@@ -338,6 +343,9 @@ class Publisher:
         `progress`, if given, is called from a background thread with the raw bytes of each
         chunk as it is encoded and stored. `placements` (sharded publishers only) says where
         each local shard sits in its global tensor; tensors without one are whole tensors.
+        `layout_key` (sharded): a name of the whole job's layout, the same on every rank (the
+        trainer's digest of every rank's pieces); when it changes, every rank's next version is
+        full at once, not only those of the ranks whose own pieces moved.
         """
         if self._closed:
             raise PublishError("publisher is closed")
@@ -349,6 +357,13 @@ class Publisher:
         unknown = sorted(set(placements or ()) - set(state_dict))
         if unknown:
             raise ValueError(f"placements name tensors that are not in the state dict: {unknown[:5]}")
+        boxed = sorted(n for n, p in (placements or {}).items() if p.boxes is not None)
+        if boxed and self.config.write_format.manifest_format < FORMAT_BOXES:
+            raise ValueError(
+                f"{boxed[0]!r} is placed as boxes (a shard that is not one flat range), which needs manifest "
+                f"format {FORMAT_BOXES}; this publisher writes at most {self.config.write_format}: raise its "
+                "manifest_format, or hand in dim-0 shards"
+            )
         t0 = time.perf_counter()
         self._slots.acquire()
         try:
@@ -356,6 +371,7 @@ class Publisher:
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
             where = placements_for(planned, placements or {})
+            chunks = {name: self._chunks_of(dtype, shape, where[name]) for name, (dtype, shape) in planned.items()}
             if self.warm_up is None and self.config.warm_up_kernels:  # the next version is likely a delta
                 self.warm_up = BackgroundWarmUp(
                     {dtype.name for dtype, _ in planned.values()},
@@ -364,11 +380,12 @@ class Publisher:
                 )
             with self._lock:
                 spare, self._spare = self._spare, None
-                job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
+                tensor_layout = {n: (d.name, shape) for n, (d, shape) in planned.items()}
+                job = self._plan({}, tensor_layout, where, chunks, step, layout_key)
                 job.t0, job.previous, job.progress, job.probe = t0, self._last_job, progress, probe_doc
                 if self._device_parent is not None:  # on the tensors' device, before the host copy
                     job.changes = self._device_parent.diff(
-                        state_dict, planned, job.version, job.parent, self._ranges_of
+                        state_dict, planned, job.version, job.parent, lambda n: [(a, b) for a, b, _ in chunks[n]]
                     )
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
@@ -420,7 +437,9 @@ class Publisher:
         snapshot: Snapshot,
         tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
         placements: dict[str, Placement],
+        chunks: dict[str, list[tuple[int, int, int | Box]]],
         step: int | None,
+        layout_key: str | None = None,
     ) -> _Job:
         """Numbers the version and picks its parent from the layout the snapshot will have (the
         snapshot is filled later); called under the lock, in publish order."""
@@ -437,6 +456,7 @@ class Publisher:
             chain,
             tensor_layout,
             placements,
+            layout_key,
             failed=self._failed,
             horizon=planning_horizon(version, max_in_flight=self.config.max_in_flight, sharded=self.shard is not None),
             rebase_every=self.config.rebase_every,
@@ -456,12 +476,15 @@ class Publisher:
             step=step,
             full_reason=reason,
             placements=placements,
+            chunks=chunks,
             snapshot=snapshot,
             parent_snapshot=parent_snapshot,
             totals=totals,
             parent_copied=parent_copied,
         )
-        self._chain = Chain(version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done)
+        self._chain = Chain(
+            version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done, layout_key
+        )
         self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
         return job
 
@@ -540,11 +563,11 @@ class Publisher:
                         name,
                         start,
                         stop,
-                        placements[name].start,
+                        where,
                         packer,
                         job.changes.get(name, {}).get(start),
                     )
-                    for start, stop in self._ranges_of(tensor.dtype, tensor.shape)
+                    for start, stop, where in job.chunks[name]
                 ]
             encoded = {}
             for name in sorted(futures):
@@ -555,7 +578,7 @@ class Publisher:
                     if upload is not None:
                         upload.result()
                     if job.progress is not None:
-                        job.progress((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
+                        job.progress(ref.count * snapshot[name].dtype.itemsize)
                     encoded[name].append((ref, slot))
                     changed += n_changed
             for upload in packer.finish() if packer is not None else ():
@@ -637,7 +660,6 @@ class Publisher:
             producer["weights_kind"] = self.config.weights_kind
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
-        packed = any(c.packed for t in tensors for c in t.chunks)
         manifest = Manifest(
             model=self.model,
             version=header.version,
@@ -650,7 +672,7 @@ class Publisher:
             digest=compute_digest(tensors),
             producer=producer,
             stats=stats,
-            format=FORMAT_PACKS if packed else FORMAT_VERSION,  # format-1 readers still read unpacked versions
+            format=lowest_format(tensors),  # older readers still read what needs nothing newer
         )
         data = manifest.to_bytes()
         parse_manifest(data)  # never commit a manifest a reader would refuse
@@ -717,8 +739,15 @@ class Publisher:
             ) from error
         # A full version does not need its predecessor; commit order is all we waited for.
 
-    def _ranges_of(self, dtype: DType, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-        return chunk_ranges(dtype.itemsize, shape, self.config.chunk_bytes)
+    def _chunks_of(
+        self, dtype: DType, shape: tuple[int, ...], placement: Placement
+    ) -> list[tuple[int, int, int | Box]]:
+        """A local tensor's chunks (`format/chunking.py`): (local start, local stop, where the
+        chunk sits in the global tensor: its flat start, or its box)."""
+        if placement.boxes is not None:
+            return box_chunks(placement.boxes, dtype.itemsize, self.config.chunk_bytes)
+        ranges = chunk_ranges(dtype.itemsize, shape, self.config.chunk_bytes)
+        return [(start, stop, placement.start + start) for start, stop in ranges]
 
     def _encode_one(
         self,
@@ -729,11 +758,11 @@ class Publisher:
         name: str,
         start: int,
         stop: int,
-        offset: int,
+        where: int | Box,
         packer: PackWriter | None,
         changes: Changes | None = None,
     ) -> tuple[ChunkRef, int, cf.Future | None, PackSlot | None]:
-        """Encodes local elements [start, stop) (global: + offset) against `parent` (version
+        """Encodes local elements [start, stop) (global: from flat `where` on, or box `where`) against `parent` (version
         `parent_version`; None and 0 for a full version) and queues the upload, or adds the object
         to the version's pack; returns (ref, changed elements, upload, pack slot).
         A packed ref gets its key and offset once its pack is sealed. `changes`: found on the
@@ -749,15 +778,16 @@ class Publisher:
             changes=None if old is None else changes,
             choice=self._codec_choice,
         )
-        start, stop = start + offset, stop + offset
+        region = {"box": where} if isinstance(where, Box) else {"start": where, "stop": where + stop - start}
         if obj is None:
-            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None, None
+            return ChunkRef(codec=CODEC_SAME, raw=raw_hex, **region), 0, None, None
         obj_hash = object_hash(obj)
         key = layout.chunk_key(obj_hash)
-        ref = ChunkRef(
-            start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
-        )
-        self._notify("on_object", version, obj_hash, obj, ChunkPlacement(name, start, stop, parent_version))
+        ref = ChunkRef(codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj), **region)
+        # A box chunk goes without a placement: an agent applies it after the offer (the push's
+        # placement frame holds a flat range only; docs/format.md, "Boxes").
+        placement = None if ref.box is not None else ChunkPlacement(name, ref.start, ref.stop, parent_version)
+        self._notify("on_object", version, obj_hash, obj, placement)
         if packer is not None:
             return ref, changed, None, packer.add(obj)
         self._pending_uploads.acquire()
