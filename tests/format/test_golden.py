@@ -403,19 +403,9 @@ def _box_manifest() -> Manifest:
             chunks=(half(0, "8" * 32, "9" * 32), half(2, "a" * 32, "b" * 32)),
         ),
     )
-    return Manifest(
-        model="org/tiny",
-        version=1,
-        parent=None,
-        base=1,
-        kind="full",
-        step=None,
-        created_unix_ms=1764000000000,
-        tensors=tensors,
-        digest=GOLDEN_BOX_DIGEST,
-        producer={"name": "weightsync", "version": "0.1.0"},
-        stats={},
-        format=3,
+    producer = {"name": "weightsync", "version": "0.1.0"}
+    return dataclasses.replace(
+        _full_manifest(), tensors=tensors, digest=GOLDEN_BOX_DIGEST, producer=producer, stats={}, format=3
     )
 
 

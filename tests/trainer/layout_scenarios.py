@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from trainer_scenarios import BASE as TRAINER_BASE  # beside this file: torchrun puts its folder on sys.path
+from trainer_scenarios import RecordingTrainer as GatheringTrainer
 
 from weightsync.models import build_model
 from weightsync.trainer.config import ParallelConfig, PublishConfig, parse_job_config
@@ -43,16 +45,7 @@ RESUME_AT = 10
 LORA_STEPS = 4
 LORA = LoraSettings(rank=4, seed=1)
 
-DENSE = {
-    "model_type": "qwen3",
-    "vocab_size": 259,  # uneven over tp 2 and then dp 2: 65, 65, 65, 64 rows of the embedding
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "init_seed": 3,
-}
+DENSE = TRAINER_BASE["train"]["model"]  # vocab 259: uneven over tp 2, then dp 2 (65, 65, 65, 64 rows)
 MOE = {
     **DENSE,
     "model_type": "qwen3_moe",
@@ -64,19 +57,11 @@ MOE = {
     "mlp_only_layers": [1],
     "router_aux_loss_coef": 0.01,
 }
-BASE = {
-    "parallel": {"dp_shard": -1, "device": "cpu"},
-    "train": {
-        "steps": STEPS,
-        "seed": 1,
-        "log_every": 100,
-        "optimizer": {"lr": 3e-3, "max_grad_norm": 1.0, "weight_decay": 0.01},
-        "schedule": {"warmup_steps": 2, "decay": "cosine"},
-        # 8 examples a step: one micro-batch of 2 on each of 4 dp ranks, or two on each of 2.
-        "data": {"source": "arithmetic", "global_batch_size": 8, "micro_batch_size": 2, "max_seq_len": 64},
-        "guard": {"enabled": False},
-    },
-}
+BASE = copy.deepcopy(TRAINER_BASE)  # the 2-rank suite's optimizer, schedule and data, on 4 ranks:
+BASE["parallel"]["device"] = "cpu"
+BASE["train"]["log_every"] = 100
+# 8 examples a step: one micro-batch of 2 on each of 4 dp ranks, or two on each of 2.
+BASE["train"]["data"]["micro_batch_size"] = 2
 
 
 def job(model: dict, parallel: dict, out: Path | None = None, *, steps: int = STEPS, resume: bool = False):
@@ -91,13 +76,12 @@ def job(model: dict, parallel: dict, out: Path | None = None, *, steps: int = ST
     return parse_job_config(doc)
 
 
-class RecordingTrainer(Trainer):
-    """Records the gathered bf16 state after every publish (test-only: the loop never gathers),
-    and the raw bytes this rank handed the publisher for each version."""
+class RecordingTrainer(GatheringTrainer):
+    """Also records the raw bytes this rank handed the publisher for each version."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.published_states: dict[int, dict] = {}
+        self.published_states = {}
         self.handed_bytes: list[int] = []
         if self.publisher is not None:
             publish = self.publisher._publisher.publish
@@ -108,19 +92,9 @@ class RecordingTrainer(Trainer):
 
             self.publisher._publisher.publish = recording
 
-    def publish(self):
-        metrics = super().publish()
-        if self.publisher is not None:
-            full = self.full_state_dict()
-            if self.rank == 0:
-                self.published_states[self.step] = {k: v.to(torch.bfloat16) for k, v in full.items()}
-        return metrics
 
-
-def run(config, *, cls=Trainer, engine=None):
-    trainer = cls(config)
-    if engine is not None:
-        trainer.engine = engine(trainer)
+def run(config):
+    trainer = Trainer(config)
     try:
         history = trainer.train()
         return trainer, [m["loss"] for m in history], trainer.full_state_dict()

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness.bits import assert_bit_equal
+from harness.torchrun import run_under_torchrun
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.server import AgentServer
 from weightsync.models import ModelConfig
@@ -47,18 +45,7 @@ LAYOUTS = ("tp", "ep")
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=4",
-        str(SCENARIOS),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_under_torchrun(SCENARIOS, str(out), nproc=4, timeout_s=1500, cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"layout scenarios failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     handed = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
