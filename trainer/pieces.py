@@ -120,12 +120,10 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return local if local.is_contiguous() else local.contiguous()
 
 
-def _piece_key(name: str, tensor: torch.Tensor, placement: Placement) -> str:
+def _piece_key(name: str, local: torch.Tensor, placement: Placement) -> str:
     """A digest naming this rank's piece: ranks with equal keys hold the same elements."""
     region = placement.start if placement.boxes is None else [b.to_json() for b in placement.boxes]
-    return xxh3_hex(
-        repr((name, str(tensor.dtype), placement.global_shape, region, local_tensor(tensor).numel())).encode()
-    )
+    return xxh3_hex(repr((name, str(local.dtype), placement.global_shape, region, local.numel())).encode())
 
 
 def _empty(placement: Placement) -> Placement:
@@ -148,14 +146,14 @@ class Ownership:
     def collect(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Placement]]:
         """This rank's part of `state_dict`: (local tensors, placements). A piece another rank
         owns is handed in empty, declaring its tensor."""
+        locals_ = {name: local_tensor(t) for name, t in state_dict.items()}
         placements = {name: placement_of(t) for name, t in state_dict.items()}
-        keys = {name: _piece_key(name, t, placements[name]) for name, t in state_dict.items()}
+        keys = {name: _piece_key(name, locals_[name], placements[name]) for name in state_dict}
         mine = tuple(sorted(keys.values()))
         if _any_rank(mine != self._keys):
             self._exchange(mine)
         tensors, out = {}, {}
-        for name, t in state_dict.items():
-            local = local_tensor(t)
+        for name, local in locals_.items():
             if keys[name] in self._owned:
                 tensors[name], out[name] = local, placements[name]
             else:
