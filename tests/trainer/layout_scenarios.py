@@ -130,6 +130,8 @@ def run_parallel(out: Path, name: str, model: dict, parallel: dict, results: dic
     try:
         initial = build_model(trainer.job.train.model.architecture, seed=model["init_seed"]).state_dict()
         results[f"{name}_pieces"] = piece_mismatches(trainer.engine, initial)
+        held = {n.split(".experts.")[1].split(".")[0] for n in trainer.engine.model.state_dict() if ".experts." in n}
+        results[f"{name}_experts_on_rank_0"] = sorted(map(int, held))
         history = trainer.train()
         results[name] = losses_of(history)
         results[f"{name}_grad_norms"] = [m["grad_norm"] for m in history]

@@ -143,6 +143,8 @@ def test_every_piece_is_the_global_tensor_at_its_indices(layouts):
         "forms": ["Replicate", "Shard", "_StridedShard", "boxes", "flat"],
     }, "tp 2 x FSDP 2: column and row blocks, interleaved (strided) and uneven rows"
     assert results["ep_pieces"] == {"bad": [], "forms": ["Shard", "flat"]}
+    assert results["ep_experts_on_rank_0"] == [0, 1, 2, 3], "ep 2: half of the 8 experts on each ep rank"
+    assert results["tp_experts_on_rank_0"] == []
 
 
 def test_a_two_stage_pipeline_split_publishes_each_tensor_once(layouts):
