@@ -23,8 +23,8 @@ Lifecycle of one version (states in order; any failure ends it):
 A sharded publisher (`shard=ShardSpec(...)`) is one of N trainer ranks: it publishes only its
 local shards, each with a `Placement` (global shape and a flat element offset, or boxes: a
 tensor-parallel shard on any dim, `format/boxes.py`), and the version commits once every rank's
-part is durable and rank 0 checked that the parts cover every tensor exactly once. It never reads a parent from the store: a new job
-session starts with a full version.
+part is durable and rank 0 checked that the parts cover every tensor exactly once. It never
+reads a parent from the store: a new job session starts with a full version.
 
 What the versions may use (manifest format, highest codec id) is `PublisherConfig.write_format`,
 for the oldest reader they must serve (docs/format.md, "Versions of the format"); every encode

@@ -1,15 +1,18 @@
 """shards: one version published by N trainer ranks, each encoding only its own shard.
 
-Nobody gathers the model. Each rank encodes and uploads the chunks of its local shards (a dim-0
-FSDP shard is one contiguous flat range of the global tensor), then writes a *part*: its chunk
-references with global element ranges, under
+Nobody gathers the model. Each rank encodes and uploads the chunks of its local pieces (a
+`Placement`: a dim-0 FSDP shard is one flat range of the global tensor, any other piece a list of
+boxes, docs/format.md "Boxes"), then writes a *part*: its chunk references with global element
+ranges or boxes, and every tensor it holds, chunks or none (a replica another rank publishes),
+under
 
     models/<model>/parts/<version>/<session>/rank-<r>.json
 
 Rank 0 (the committer) waits until every rank's part is there, checks that they agree (same
-parent, base, kind, step; same dtype and global shape for a tensor split across ranks), merges
-them into one manifest, validates it like any reader would, and commits it with the usual
-create-only write. The other ranks wait for that manifest. So a version exists iff every rank's
+parent, base, kind, step; same dtype and global shape for a tensor on several ranks) and that the
+parts cover every tensor any rank holds exactly once (a hole or an overlap fails the version,
+naming the tensor, the range or box, and the ranks), merges them into one manifest, validates it
+like any reader would, and commits it with the usual create-only write. The other ranks wait for that manifest. So a version exists iff every rank's
 chunks are durable, and a rank killed mid-publish means no version at all.
 
 If the committer gives up (a part missing past the timeout, parts that disagree, a delta whose
@@ -19,8 +22,8 @@ one, which is how the ranks re-agree on a parent. Parts are deleted after the co
 dead sessions are left for gc (`stores/retention.py`).
 
 The session ties the ranks of one job run together: parts of another session (a crashed run
-that published the same version number) are never merged. Not here: how a rank finds its shards
-and offsets (the trainer), encoding (`publisher.py`).
+that published the same version number) are never merged. Not here: how a rank finds its pieces
+and which it owns (the trainer's `pieces.py`), encoding (`publisher.py`), boxes (`format/boxes.py`).
 """
 
 from __future__ import annotations
