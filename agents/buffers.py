@@ -27,9 +27,9 @@ import numpy as np
 from weightsync.agents.engines.base import Engine
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import ResourceExhausted
-from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.manifest import compute_digest
+from weightsync.format.regions import read_region
 from weightsync.reader import WeightsState
 
 log = logging.getLogger(__name__)
@@ -134,11 +134,7 @@ class Buffers:
             return ""  # zero-copy: swapped out and being rebuilt meanwhile (the caller asks again)
         rehashed = []
         for tensor in manifest.tensors:
-            itemsize = dtype_by_name(tensor.dtype).itemsize
             data = buffers[tensor.name]
-            chunks = tuple(
-                dataclasses.replace(c, raw=xxh3_hex(data[c.start * itemsize : c.stop * itemsize]))
-                for c in tensor.chunks
-            )
+            chunks = tuple(dataclasses.replace(c, raw=xxh3_hex(read_region(data, tensor, c))) for c in tensor.chunks)
             rehashed.append(dataclasses.replace(tensor, chunks=chunks))
         return compute_digest(rehashed)

@@ -258,9 +258,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' outputs, not the config: under tensor parallelism each
+        # rank's q/k/v projections hold a slice of the heads (trainer/parallel.py, apply_tp).
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -270,7 +272,7 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.length(self.layer)
             k, v = cache.update(self.layer, k, v)
-        groups = self.num_heads // self.num_kv_heads
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -279,7 +281,7 @@ class Attention(nn.Module):
         else:  # new queries see every cached position and the causal part of their own block
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -336,8 +338,12 @@ class CausalLM(nn.Module):
                 elif isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection: lm_head as a module (so tensor parallelism and LoRA can wrap
+        it), or the tied embedding matrix."""
+        if self.config.tie_word_embeddings:
+            return F.linear(x, self.model.embed_tokens.weight)
+        return self.lm_head(x)
 
     def forward(
         self,
@@ -366,7 +372,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, router_logits)
         x = self.model.norm(x)
-        return F.linear(x, self.output_weight()).float()
+        return self.project(x).float()
 
     @torch.no_grad()
     def generate(

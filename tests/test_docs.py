@@ -144,9 +144,11 @@ def test_the_stores_page_snippet_runs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_the_readme_fsdp2_snippet_runs_under_torchrun_and_an_agent_serves_it(tmp_path):
-    """The README's publisher in an FSDP2 loop, on 2 ranks as written, then its agent and status
-    commands: the agent serves the third version, and the served bytes re-hash to its digest."""
+@pytest.mark.parametrize(("mesh", "ranks"), [("fsdp", 2), ("fsdp-x-tp", 4)])
+def test_the_readme_fsdp2_snippets_run_under_torchrun_and_an_agent_serves_them(tmp_path, mesh, ranks):
+    """The README's publisher in an FSDP2 loop, on 2 ranks as written, and its 2-D variant (FSDP2
+    over tensor parallelism) on 4, then the agent and status commands: the agent serves the third
+    version, and the served bytes re-hash to its digest."""
     import json
     import shlex
     import signal
@@ -154,8 +156,10 @@ def test_the_readme_fsdp2_snippet_runs_under_torchrun_and_an_agent_serves_it(tmp
     import sys
     import time
 
-    fsdp = next(b for b in code_blocks("README.md", "python") if "fully_shard" in b)
-    _run_python_block(fsdp, tmp_path, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    blocks = [b for b in code_blocks("README.md", "python") if "fully_shard" in b]
+    block = blocks[0] if mesh == "fsdp" else next(b for b in blocks if "init_device_mesh" in b)
+    assert ("init_device_mesh" in block) == (mesh != "fsdp")
+    _run_python_block(block, tmp_path, launcher=("-m", "torch.distributed.run", "--nproc-per-node", str(ranks)))
     agent_block = next(b for b in code_blocks("README.md", "bash") if "weightsync agent --model policy" in b)
     agent_cmd, status_cmd = weightsync_command_lines(agent_block)
     cli = [sys.executable, "-m", "weightsync.app.cli"]

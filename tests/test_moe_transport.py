@@ -270,7 +270,8 @@ def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
     from weightsync.trainer.losses import LossSums
     from weightsync.trainer.optim import AdamWParams, build_optimizer
     from weightsync.trainer.parallel import build_mesh, close_runtime, exit_worker, init_runtime
-    from weightsync.trainer.publish import WeightPublisher, collect_local_shards
+    from weightsync.trainer.pieces import Ownership
+    from weightsync.trainer.publish import WeightPublisher
 
     runtime = init_runtime(ParallelConfig(device="cpu"), timeout_s=120)
     initial = build_model(TINY_MOE, seed=1).state_dict() if rank == 0 else None
@@ -285,7 +286,7 @@ def _fsdp2_rank(rank: int, world: int, port: int, out: str) -> None:
             rank=rank,
             world_size=world,
         )
-        saved[model] = {"placements": collect_local_shards(engine.weights(), rank=rank)[1], "gathered": []}
+        saved[model] = {"placements": Ownership().collect(engine.weights())[1], "gathered": []}
         for version in range(1, versions + 1):
             if version == freeze_at:
                 for name, p in engine.model.named_parameters():

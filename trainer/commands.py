@@ -189,6 +189,8 @@ class Worker:
         aux = result.metrics.get("moe/aux_loss")  # this rank's share (MoE models that train)
         sums = torch.stack([result.loss.detach(), aux if aux is not None else torch.zeros_like(result.loss)])
         sums = sums.double().cpu()
+        if engine.tp_rank != 0:  # tensor-parallel ranks of one dp rank ran the same datums: one reports them
+            outputs, sums = [], torch.zeros_like(sums)
         if self.world_size > 1:
             dist.all_reduce(sums)
         gathered = self._gather(outputs)

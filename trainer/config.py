@@ -61,7 +61,13 @@ class ParallelConfig:
     dp_replicate: int = 1
     """Replica groups (HSDP: each group holds a whole sharded copy). 1 = plain FSDP."""
     dp_shard: int = -1
-    """Ranks one copy of the model is sharded over; -1 = world size / dp_replicate."""
+    """Ranks one copy of the model is sharded over; -1 = world size / (dp_replicate x tp x ep)."""
+    tp: int = 1
+    """Tensor parallelism (dense models): each attention and MLP weight split over this many ranks,
+    which see the same batch; FSDP2 shards over dp_shard. dp_shard x tp = world size."""
+    ep: int = 1
+    """Expert parallelism (MoE models): the experts partitioned over this many ranks, tokens
+    dispatched to them by all_to_all; every rank sees its own batch. dp_shard x ep = world size."""
     backend: str = "auto"
     """Process-group backend: "auto" (NCCL for CUDA tensors plus gloo for CPU ones when CUDA is
     available, else gloo), "gloo" or "nccl"."""
@@ -98,16 +104,28 @@ class ParallelConfig:
             raise ValueError(f"dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"dp_shard must be >= 1, or -1 for all remaining ranks; got {self.dp_shard}")
+        for name in ("tp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (1: off), got {value!r}")
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError("tp and ep cannot both be > 1: tp is for dense models, ep for MoE")
+        if (self.tp > 1 or self.ep > 1) and self.dp_replicate > 1:
+            raise ValueError("tp and ep need dp_replicate = 1 (HSDP with them is not built)")
+        if self.ep > 1 and self.frozen_experts is not None:
+            raise ValueError("frozen_experts with ep > 1 is not built: unset one of them")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend 'nccl' needs CUDA devices; use backend 'gloo' (or 'auto') with device 'cpu'")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for `world_size` ranks; raises ValueError if they do not fit."""
-        shard = self.dp_shard if self.dp_shard != -1 else world_size // self.dp_replicate
-        if shard < 1 or self.dp_replicate * shard != world_size:
+        model_parallel = self.tp * self.ep
+        shard = self.dp_shard if self.dp_shard != -1 else world_size // (self.dp_replicate * model_parallel)
+        if shard < 1 or self.dp_replicate * shard * model_parallel != world_size:
             raise ValueError(
-                f"parallel.dp_replicate ({self.dp_replicate}) x parallel.dp_shard ({self.dp_shard}) must equal the "
-                f"world size ({world_size}); set dp_shard = -1 to use every rank"
+                f"parallel.dp_replicate ({self.dp_replicate}) x parallel.dp_shard ({self.dp_shard}) x parallel.tp "
+                f"({self.tp}) x parallel.ep ({self.ep}) must equal the world size ({world_size}); set dp_shard = -1 "
+                "to use every rank"
             )
         return self.dp_replicate, shard
 

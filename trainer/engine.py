@@ -9,6 +9,9 @@ Building one (`TrainingEngine.build`), on every rank, in this order:
     define       the model on the meta device (`weightsync.models`, by the architecture's type)
     adapt        which parameters train: all (full fine-tuning), the LoRA adapters only (lora.py),
                  or none (a frozen model: the KL reference)
+    partition    expert parallelism (parallel.ep): this rank's experts only (expert_parallel.py);
+                 tensor parallelism (parallel.tp): each attention and MLP weight split over the tp
+                 ranks (parallel.apply_tp)
     recompute    activation checkpointing of each decoder layer (trainable models, if configured)
     shard        `fully_shard` each decoder layer, then the root (parallel.py)
     materialise  the local shards only, on the device (on the host with CPU offload)
@@ -28,7 +31,9 @@ What it does once built:
 
 Gradient scale: FSDP averages gradients over the data-parallel ranks, so `forward_backward`
 multiplies the loss by their number (and divides it by `divisor`): the reduced gradient is that
-of the sum over all ranks of loss / divisor, as on one rank. Gradients accumulate across calls
+of the sum over all ranks of loss / divisor, as on one rank. Tensor-parallel ranks of one batch
+compute slices of the same gradient, never averaged; an expert's gradient (expert parallelism)
+sums every rank's tokens through the dispatch and is divided by the data-parallel ranks only. Gradients accumulate across calls
 (reduced only on a call with `sync_gradients`) until `optimizer_step` or `discard_gradients`.
 
 Not here: the loop (train.py), the Training API's commands (commands.py), the loss formulas
@@ -61,14 +66,21 @@ from weightsync.models.probe import ProbeRun, greedy_extend, run_probe
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
+from weightsync.trainer.expert_parallel import LocalExperts, check_ep_fits, partition_experts
 from weightsync.trainer.losses import LossSums, load_balancing_share, router_load
 from weightsync.trainer.optim import AdamWParams, build_optimizer, set_hyperparameters
 from weightsync.trainer.parallel import (
+    AXIS_EP,
+    AXIS_SHARD,
     apply_activation_checkpointing,
     apply_fsdp,
+    apply_tp,
+    check_tp_fits,
+    dp_group,
     dp_rank_and_size,
     reset_rope_buffer,
     set_gradient_sync,
+    tp_rank,
 )
 
 WeightsKind = Literal["full", "merged", "adapter"]
@@ -101,6 +113,17 @@ class TrainingEngine:
         self.device = device
         self.lora, self.lora_targets = lora, list(lora_targets or [])
         self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
+        self.dp_group = dp_group(mesh)
+        """The data-parallel ranks' group, for sums over the global batch (None: every rank)."""
+        self.tp_rank = tp_rank(mesh)
+        """0 on the rank that speaks for its tensor-parallel group's batch (outputs, loss sums)."""
+        self._mesh = mesh
+        self._expert_names = {
+            f"{module_name}.{name}"
+            for module_name, module in model.named_modules()
+            if isinstance(module, LocalExperts)
+            for name, _ in module.named_parameters()
+        }
         self.optim_steps = 0
         """Optimizer steps taken (saved and restored with the optimizer)."""
 
@@ -242,13 +265,30 @@ class TrainingEngine:
     def clip_gradients(self, max_norm: float) -> float:
         """Clips the gradients to a global norm of `max_norm` (0: no clipping); returns the norm
         before clipping, over every rank's shards (0 without gradients)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
         if not params:
             return 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        groups = _by_mesh(named, self._expert_names)
+        if len(groups) == 1 and not self._expert_names:  # one mesh (FSDP, HSDP): torch's own clipping
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # Several meshes (tensor- or expert-parallel weights beside FSDP-only ones): each group's
+        # norm over its own mesh, the experts' summed over the ep ranks too (each holds others),
+        # then one coefficient for the whole model.
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for (_, experts), grads in groups.items():
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            square = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2
+            if experts:
+                dist.all_reduce(square, group=self._mesh[AXIS_EP].get_group())
+            squares = squares + square
+        total = float(squares.sqrt())
+        if max_norm > 0 and total > max_norm:
+            coefficient = max_norm / (total + 1e-6)  # what clip_grad_norm_ multiplies by
+            for p in params:
+                p.grad.mul_(coefficient)
+        return total
 
     def optimizer_step(self, params: AdamWParams) -> None:
         """One AdamW step on the accumulated gradients, with these hyper-parameters; the gradients are then cleared."""
@@ -292,8 +332,9 @@ class TrainingEngine:
             return state
         if self.lora is None:
             raise ValueError(f"{kind!r} weights need a LoRA model; this one is fully fine-tuned")
-        if kind == "merged":
-            return adapters.merged_state_dict(state, self.lora_targets, self.lora.scale)
+        if kind == "merged":  # the targets this rank holds (expert parallelism: its experts')
+            targets = [t for t in self.lora_targets if f"{t}.weight" in state]
+            return adapters.merged_state_dict(state, targets, self.lora.scale)
         if kind == "adapter":
             return adapters.adapter_state_dict(state)
         raise ValueError(f"weights kind must be 'full', 'merged' or 'adapter', got {kind!r}")
@@ -301,8 +342,22 @@ class TrainingEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The gathered fp32 state dict on rank 0 ({} elsewhere). For tests and exports: training
         and publishing never gather. Packed experts are given dequantized (bf16, HF names)."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return packing.dequantized_state_dict(self.model, state)
+        if not self._expert_names:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return packing.dequantized_state_dict(self.model, state)
+        # Expert parallelism: each ep rank gathers its own experts (over dp_shard), and the
+        # dp_shard-0 rank of every ep group sends them to rank 0.
+        state = {}
+        for name, tensor in self.model.state_dict().items():
+            state[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+        mine = {n: t for n, t in state.items() if n in self._expert_names}
+        parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if self._mesh.get_local_rank(AXIS_SHARD) == 0 else {}, parts, dst=0)
+        if parts is None:
+            return {}
+        for part in parts:
+            state.update(part)
+        return dict(sorted(state.items()))
 
     def export_pretrained(self, directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
         """Rank 0 writes the model as an HF-style directory (gathered there); every rank returns
@@ -354,9 +409,11 @@ def _build_model(
         model = CausalLM(architecture)
     frozen_experts = packing.PackFormat.parse(parallel.frozen_experts) if parallel.frozen_experts else None
     targets = _adapt(model, lora=lora, trainable=trainable, frozen_experts=frozen_experts)
+    experts = _partition(model, mesh, parallel)
     if parallel.activation_checkpointing and trainable:
         apply_activation_checkpointing(model)
-    apply_fsdp(model, mesh, parallel, device=device)
+    dp_size = dp_rank_and_size(mesh)[1]
+    apply_fsdp(model, mesh, parallel, device=device, experts=experts, gradient_divide_factor=dp_size)
     model.to_empty(device="cpu" if parallel.cpu_offload else device)
     reset_rope_buffer(model)
     state = dict(weights) if weights is not None else {}  # the call below overwrites its argument
@@ -365,10 +422,52 @@ def _build_model(
         state.update(adapters.initial_adapters(shapes, targets, lora))
     if weights is not None:
         state = packing.pack_state_dict(state, model)  # rank 0 packs from the fp32 weights
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Rank 0 broadcasts every tensor and each rank keeps its own; with expert parallelism rank 0
+    # holds only its experts, so its load is not strict: `_check_loaded` is, on every rank.
+    own = set(model.state_dict())
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not experts)
+    )
+    if experts:
+        _check_loaded(own, state)
     if not trainable:
         model.eval()
     return model, targets
+
+
+def _partition(model: CausalLM, mesh: DeviceMesh, parallel: ParallelConfig) -> list[torch.nn.Module]:
+    """Expert and tensor parallelism on the meta model (before FSDP); returns the layers' local
+    expert containers (empty without expert parallelism)."""
+    if parallel.ep > 1:
+        check_ep_fits(model.config.num_experts, parallel.ep)
+        if not model.config.is_moe:
+            raise ValueError("parallel.ep > 1 needs a Mixture-of-Experts model; this one is dense")
+        group = mesh[AXIS_EP].get_group()
+        return partition_experts(model, group, parallel.ep, mesh.get_local_rank(AXIS_EP))
+    if parallel.tp > 1:
+        check_tp_fits(model.config, parallel.tp)
+        apply_tp(model, mesh)
+    return []
+
+
+def _check_loaded(own: set[str], state: Mapping[str, torch.Tensor]) -> None:
+    """Every rank's tensors were among rank 0's initial weights (a non-strict load must not leave
+    one uninitialised)."""
+    names = set(state) if dist.get_rank() == 0 else None
+    box = [names]
+    dist.broadcast_object_list(box, src=0)
+    missing = sorted(own - box[0])
+    if missing:
+        raise ValueError(f"the initial weights lack {len(missing)} tensors this rank holds, e.g. {missing[:3]}")
+
+
+def _by_mesh(named: list[tuple[str, torch.Tensor]], experts: set[str]) -> dict[tuple[int, bool], list[torch.Tensor]]:
+    """Gradients grouped by their mesh (and whether they are an expert's), in parameter order."""
+    groups: dict[tuple[int, bool], list[torch.Tensor]] = {}
+    for name, p in named:
+        mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        groups.setdefault((id(mesh), name in experts), []).append(p.grad)
+    return groups
 
 
 def _adapt(

@@ -19,8 +19,9 @@ which is what lets them be stored packed in a LoRA run; `train_experts` (not in 
 LoraConfig) adapts them too. The shared expert's 1-row gate (`mlp.shared_expert_gate`) stays
 frozen: a rank-r adapter of it would be larger than the weight.
 
-Merging for engines that serve plain weights: W' = W + scale * B A. On FSDP2 dim-0 shards the
-rows of W and B are cut alike, so each rank merges its own rows with the whole (small) A.
+Merging for engines that serve plain weights: W' = W + scale * B A. Each rank merges its own
+piece of W, whatever the layout (FSDP rows, tensor-parallel column blocks, both): the piece's
+rows of the whole (small) B times its columns of the whole A (`pieces.local_indices`).
 
 Not here: building and sharding the model (engine.py), publishing (publish.py), checking a
 request's lora_config (the Training API's front end).
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from weightsync.errors import ConfigError
 from weightsync.models import ModelConfig
+from weightsync.trainer.pieces import local_indices
 
 LORA_ALPHA = 32.0
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -121,22 +123,12 @@ def attach(model: nn.Module, settings: LoraSettings) -> list[str]:
         linear.lora_A = nn.Linear(linear.in_features, settings.rank, bias=False, device=linear.weight.device)
         linear.lora_B = nn.Linear(settings.rank, linear.out_features, bias=False, device=linear.weight.device)
         linear.lora_scale = settings.scale
-        if name == "lm_head":
-            # CausalLM applies its output projection as F.linear(x, output_weight()), not through
-            # the module: adapt the weight it hands out instead.
-            model.output_weight = types.MethodType(_adapted_output_weight, model)
-        else:
-            linear.forward = types.MethodType(_lora_forward, linear)
+        linear.forward = types.MethodType(_lora_forward, linear)
     return names
 
 
 def _lora_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias) + self.lora_scale * self.lora_B(self.lora_A(x))
-
-
-def _adapted_output_weight(self: nn.Module) -> torch.Tensor:
-    head = self.lm_head
-    return head.weight + head.lora_scale * (head.lora_B.weight @ head.lora_A.weight)
 
 
 def initial_adapters(
@@ -159,20 +151,25 @@ def initial_adapters(
 def merged_state_dict(state: Mapping[str, torch.Tensor], names: list[str], scale: float) -> dict[str, torch.Tensor]:
     """The plain-model state dict (HF names, no adapters) with W + scale * B A for each target.
 
-    Works on FSDP2 DTensors (each rank merges its own rows; A is gathered) and on plain tensors.
+    Works on DTensors (each rank merges its own piece; A and B are gathered) and on plain tensors.
     """
     merged = {k: v for k, v in state.items() if not k.endswith(SUFFIXES)}
     for name in names:
         weight, a, b = state[f"{name}.weight"], state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"]
         with torch.no_grad():
             if isinstance(weight, DTensor):
-                local = weight.to_local() + scale * (b.to_local() @ a.full_tensor())
+                rows, cols = local_indices(weight)
+                local = weight.to_local() + scale * (_whole(b)[rows] @ _whole(a)[:, cols])
                 merged[f"{name}.weight"] = DTensor.from_local(
                     local, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
                 )
             else:
                 merged[f"{name}.weight"] = weight + scale * (b @ a)
     return merged
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def adapter_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

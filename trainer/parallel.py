@@ -1,10 +1,21 @@
-"""parallel: process group, DeviceMesh and the FSDP2 wrapping of the decoder.
+"""parallel: process group, DeviceMesh, and the tensor-parallel and FSDP2 wrapping of the decoder.
 
 `init_runtime` joins the process group torchrun describes (or reuses one that is already up),
 picks the device from LOCAL_RANK and the backend from it; `build_mesh` turns ParallelConfig's
-degrees into a DeviceMesh once; `apply_activation_checkpointing` and `apply_fsdp` (each decoder
-layer, then the root) are the steps the engine's build runs on a model still on the meta
-device; `broadcast_object` hands rank 0's Python object to every rank.
+degrees into a DeviceMesh once; `apply_tp`, `apply_activation_checkpointing` and `apply_fsdp`
+(each decoder layer, then the root) are the steps the engine's build runs on a model still on
+the meta device (expert parallelism is `expert_parallel.py`); `broadcast_object` hands rank 0's
+Python object to every rank.
+
+The mesh's axes, outermost first:
+
+    dp_replicate, dp_shard    HSDP / FSDP (data parallel: each rank a different batch)
+    dp_shard, tp              FSDP x tensor parallelism: the tp ranks of one dp_shard index see the
+                              same batch and each holds a slice of every attention and MLP weight
+    dp_shard, ep              FSDP x expert parallelism (MoE): every rank a different batch; each
+                              ep rank holds num_experts / ep of the experts, FSDP-sharded over
+                              dp_shard, and the dense weights are FSDP-sharded over all ranks
+                              (the flattened "dp" axis)
 
 Not here: what the model computes (`weightsync.models`), building the sharded model and its
 optimizer (engine.py), checkpoints.
@@ -24,15 +35,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from weightsync.models import CausalLM, rope_inv_freq
+from weightsync.models import CausalLM, ModelConfig, rope_inv_freq
 from weightsync.trainer.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
 AXIS_REPLICATE = "dp_replicate"
 AXIS_SHARD = "dp_shard"
+AXIS_TP = "tp"
+AXIS_EP = "ep"
+AXIS_DP = "dp"  # dp_shard x ep flattened: the ranks that FSDP-shard the dense weights under EP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,19 +130,128 @@ def exit_worker(code: int) -> NoReturn:
 
 
 def build_mesh(config: ParallelConfig, runtime: Runtime) -> DeviceMesh:
-    """A 1-D ("dp_shard",) mesh for FSDP, or 2-D ("dp_replicate", "dp_shard") for HSDP."""
+    """A 1-D ("dp_shard",) mesh for FSDP, 2-D ("dp_replicate", "dp_shard") for HSDP, ("dp_shard",
+    "tp") with tensor parallelism, ("dp_shard", "ep") with expert parallelism (see the module
+    docstring)."""
     replicate, shard = config.mesh_shape(runtime.world_size)
+    device = runtime.device.type
+    if config.tp > 1:
+        return init_device_mesh(device, (shard, config.tp), mesh_dim_names=(AXIS_SHARD, AXIS_TP))
+    if config.ep > 1:
+        return init_device_mesh(device, (shard, config.ep), mesh_dim_names=(AXIS_SHARD, AXIS_EP))
     if replicate == 1:
-        return init_device_mesh(runtime.device.type, (shard,), mesh_dim_names=(AXIS_SHARD,))
-    return init_device_mesh(runtime.device.type, (replicate, shard), mesh_dim_names=(AXIS_REPLICATE, AXIS_SHARD))
+        return init_device_mesh(device, (shard,), mesh_dim_names=(AXIS_SHARD,))
+    return init_device_mesh(device, (replicate, shard), mesh_dim_names=(AXIS_REPLICATE, AXIS_SHARD))
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards the dense weights over: every data-parallel rank (under TP, the
+    dp_shard ranks of this rank's tp index; under EP, all ranks)."""
+    names = mesh.mesh_dim_names or ()
+    if AXIS_TP in names:
+        return mesh[AXIS_SHARD]
+    if AXIS_EP in names:  # made once, then the same mesh (the root keeps its flattened meshes)
+        return mesh[AXIS_SHARD, AXIS_EP]._flatten(AXIS_DP)
+    return mesh
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's index among all data-parallel ranks (replicas x shards), and their count."""
-    if mesh.ndim == 1:
-        return mesh.get_local_rank(), mesh.size()
-    replicate, shard = mesh.get_local_rank(AXIS_REPLICATE), mesh.get_local_rank(AXIS_SHARD)
-    return replicate * mesh.size(1) + shard, mesh.size()
+    """This rank's index among all data-parallel ranks (replicas x shards, x ep ranks), and their
+    count. Tensor-parallel ranks of one index see the same batch."""
+    dp = fsdp_mesh(mesh)
+    if dp.ndim == 1:
+        return dp.get_local_rank(), dp.size()
+    replicate, shard = dp.get_local_rank(AXIS_REPLICATE), dp.get_local_rank(AXIS_SHARD)
+    return replicate * dp.size(1) + shard, dp.size()
+
+
+def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of this rank's data-parallel ranks, for sums over the global batch; None
+    (the default group) when they are every rank."""
+    dp = fsdp_mesh(mesh)
+    return None if dp.size() == dist.get_world_size() or dp.ndim != 1 else dp.get_group()
+
+
+def tp_rank(mesh: DeviceMesh) -> int:
+    """This rank's index in its tensor-parallel group (0 without TP): rank 0 of each group speaks
+    for the group's batch (its outputs and loss sums), the others compute the same."""
+    return mesh.get_local_rank(AXIS_TP) if AXIS_TP in (mesh.mesh_dim_names or ()) else 0
+
+
+def check_tp_fits(config: ModelConfig, tp: int) -> None:
+    """ValueError unless tensor parallelism of degree `tp` can split this model's heads and MLP."""
+    if config.is_moe:
+        raise ValueError(
+            "parallel.tp > 1 is for dense models; a Mixture-of-Experts model is split with parallel.ep "
+            "(tensor parallelism of the experts is not built)"
+        )
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(f"parallel.tp = {tp} must divide the model's {name} ({getattr(config, name)})")
+
+
+def apply_tp(model: CausalLM, mesh: DeviceMesh) -> None:
+    """torchtitan-style tensor parallelism over the "tp" axis: q/k/v and gate/up column-parallel
+    (each rank a slice of the heads and of the MLP width), o and down row-parallel (their outputs
+    summed across the ranks); the embedding row-parallel over the vocabulary and lm_head
+    column-parallel with its logits gathered (unless they are tied: then both stay whole). Qwen3's
+    per-head q/k norms see the local heads as a shard of the head dim (their weight's gradient is
+    summed over the tp ranks); the other norms see whole hidden states and stay whole on every tp
+    rank. FSDP then shards everything over dp_shard.
+
+    The attention reads its local head counts from the projections' outputs (models/decoder.py).
+    LoRA adapters attached before are split to match their layer: a column-parallel layer's
+    lora_B like its rows, a row-parallel layer's lora_A like its columns, the other whole."""
+    tp = mesh[AXIS_TP]
+    colwise, rowwise = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+    plan: dict = {}
+    for i, layer in enumerate(model.model.layers):
+        for name, _ in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in colwise or leaf in rowwise:
+                plan[f"model.layers.{i}.{name}"] = _lora_aware(
+                    ColwiseParallel() if leaf in colwise else RowwiseParallel()
+                )
+            elif leaf in ("q_norm", "k_norm"):  # one weight for every head: its gradient sums the tp ranks' heads
+                plan[f"model.layers.{i}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if not model.config.tie_word_embeddings:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["lm_head"] = _lora_aware(ColwiseParallel(output_layouts=Replicate()))
+    # The styles make every weight they split a new Parameter that requires grad: keep frozen
+    # weights (LoRA's base, a frozen reference model) frozen.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    parallelize_module(model, tp, plan)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+
+
+def _lora_aware(style):
+    """A column- or row-parallel style that leaves a layer's LoRA adapters (child modules) to
+    `_split_adapters` instead of sharding them like the layer's own weight."""
+    partition = style._partition_linear_fn
+
+    def partition_linear(name, module, mesh):
+        if name:  # an adapter, visited after its layer (which split it already)
+            return
+        adapters = {k: module._modules.pop(k) for k in ("lora_A", "lora_B") if k in module._modules}
+        partition(name, module, mesh)
+        module._modules.update(adapters)
+        if adapters:
+            _split_adapters(module, mesh, colwise=isinstance(style, ColwiseParallel))
+
+    style._partition_linear_fn = partition_linear
+    return style
+
+
+def _split_adapters(module: nn.Module, mesh: DeviceMesh, *, colwise: bool) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sharded, whole = ("lora_B", "lora_A") if colwise else ("lora_A", "lora_B")
+    for child, placement in ((sharded, Shard(0) if colwise else Shard(1)), (whole, Replicate())):
+        linear = getattr(module, child)
+        linear.weight = nn.Parameter(
+            distribute_tensor(linear.weight, mesh, [placement]), requires_grad=linear.weight.requires_grad
+        )
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -144,10 +269,21 @@ def apply_activation_checkpointing(model: CausalLM) -> None:
         layer.forward = checkpointed
 
 
-def apply_fsdp(model: CausalLM, mesh: DeviceMesh, config: ParallelConfig, *, device: torch.device) -> None:
+def apply_fsdp(
+    model: CausalLM,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    *,
+    device: torch.device,
+    experts: list[nn.Module] = (),
+    gradient_divide_factor: int | None = None,
+) -> None:
     """`fully_shard` each decoder layer (the unit of all-gather), then the root (embeddings,
-    final norm, output projection)."""
-    kwargs: dict = {"mesh": mesh}
+    final norm, output projection), over `fsdp_mesh(mesh)`. `experts` (expert parallelism): each
+    layer's local experts first, over dp_shard only, with their reduced gradient divided by
+    `gradient_divide_factor` (every data-parallel rank) instead of their own group's size:
+    their gradient already sums the tokens of every ep rank, and is not averaged over them."""
+    kwargs: dict = {"mesh": fsdp_mesh(mesh)}
     if config.mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.cpu_offload:
@@ -155,6 +291,10 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, config: ParallelConfig, *, dev
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     else:
         kwargs["offload_policy"] = OffloadPolicy()
+    for module in experts:
+        fully_shard(module, **{**kwargs, "mesh": mesh[AXIS_SHARD]})
+        module.set_gradient_divide_factor(float(gradient_divide_factor))
+        module.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
     layers = list(model.model.layers)
     for i, layer in enumerate(layers):
         # The last layer's weights are needed again at once by backward: keep them gathered.

@@ -1,11 +1,10 @@
-"""publish: hands each rank's own FSDP2 shards to the weightsync publisher, from the loop.
+"""publish: hands each rank's own pieces of the model to the weightsync publisher, from the loop.
 
-No rank gathers the model. A dim-0 FSDP2 shard of a row-major tensor is one contiguous flat
-element range of the global tensor; its start comes from the DTensor's chunk metadata
-(`__create_chunk_list__`, which accounts for uneven and empty shards), so each rank hands in
-{HF name: local shard} and {HF name: (global shape, flat start)}. Tensors replicated across an
-axis (HSDP replicas, plain buffers) are published by the ranks at coordinate 0 of that axis
-only. The publisher commits the version once every rank's part is durable.
+No rank gathers the model. Each rank hands in {HF name: local tensor} and {HF name: placement}:
+a flat range for an FSDP dim-0 shard, boxes for a tensor- or expert-parallel piece, whatever
+the mesh (`pieces.py`). A piece several ranks hold is published by the lowest of them; the
+others declare its tensor. The publisher commits the version once every rank's part is durable
+and rank 0 checked that the parts cover every tensor exactly once.
 
 `publish()` blocks only for the publisher's bf16 snapshot copy of the local shards; encode and
 upload overlap the following steps. Every version carries the model's files (config.json, and an
@@ -25,7 +24,6 @@ import collections
 import concurrent.futures as cf
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -33,93 +31,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from weightsync.errors import LayoutError, PublishError
+from weightsync.errors import PublishError
 from weightsync.format.probe import Probe
 from weightsync.listen import listen_error
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.model_files import read_model_files
 from weightsync.models import ModelConfig
 from weightsync.models.probe import default_prompts, to_probe
-from weightsync.publisher import Placement, Publisher, ShardSpec
+from weightsync.publisher import Publisher, ShardSpec
 from weightsync.stores import open_store
 from weightsync.trainer.config import ModelSpec, PublishConfig
+from weightsync.trainer.pieces import Ownership
 from weightsync.transport.push import PushConfig, Pusher
 from weightsync.transport.rpc import TlsConfig, read_token
 from weightsync.transport.signing import Signer
 
 log = logging.getLogger(__name__)
-
-
-def flat_start(global_shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
-    """The flat element offset of a chunk that covers whole trailing dims (a dim-0 shard).
-
-    Raises LayoutError for a chunk that is not one contiguous flat range (e.g. a dim-1 shard).
-    """
-    if len(global_shape) != len(offsets) or len(offsets) != len(sizes):
-        raise LayoutError(f"chunk offsets {offsets} / sizes {sizes} do not match shape {global_shape}")
-    if not global_shape:
-        return 0
-    trailing = math.prod(global_shape[1:])
-    if math.prod(sizes) == 0:
-        # An empty shard (more ranks than rows): place it at the end of what precedes it.
-        return min(offsets[0], global_shape[0]) * trailing
-    if tuple(offsets[1:]) != (0,) * (len(offsets) - 1) or tuple(sizes[1:]) != tuple(global_shape[1:]):
-        raise LayoutError(
-            f"a shard at offsets {tuple(offsets)} with sizes {tuple(sizes)} of shape "
-            f"{tuple(global_shape)} is not a contiguous flat range; only dim-0 sharding is published"
-        )
-    if offsets[0] + sizes[0] > global_shape[0]:
-        raise LayoutError(f"a shard at row {offsets[0]} with {sizes[0]} rows overruns shape {tuple(global_shape)}")
-    return offsets[0] * trailing
-
-
-def collect_local_shards(
-    state_dict: Mapping[str, torch.Tensor], *, rank: int
-) -> tuple[dict[str, torch.Tensor], dict[str, Placement]]:
-    """This rank's part of `state_dict`: (local tensors, placements of the sharded ones).
-
-    DTensors sharded on dim 0 give their local shard and its flat range; a tensor replicated
-    along a mesh axis is kept only by the rank at coordinate 0 of that axis; plain tensors
-    (whole on every rank) are kept by global rank 0 only, with no placement.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    placements: dict[str, Placement] = {}
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, DTensor):
-            if rank == 0:
-                tensors[name] = tensor.detach()
-            continue
-        if not _owns(tensor):
-            continue
-        local = tensor.to_local().detach()
-        if not local.is_contiguous():
-            local = local.contiguous()
-        if not any(isinstance(p, Shard) for p in tensor.placements):
-            tensors[name] = local  # replicated everywhere: a whole tensor from one owner
-            continue
-        chunks = tensor.__create_chunk_list__()
-        if len(chunks) != 1:
-            raise LayoutError(f"{name}: a local shard in {len(chunks)} pieces cannot be published as one range")
-        chunk = chunks[0]
-        global_shape = tuple(tensor.shape)
-        start = flat_start(global_shape, tuple(chunk.offsets), tuple(chunk.sizes))
-        tensors[name] = local
-        placements[name] = Placement(global_shape=global_shape, start=start)
-    return tensors, placements
-
-
-def _owns(tensor: DTensor) -> bool:
-    """True unless another rank along a replicated mesh axis holds the same data first."""
-    mesh = tensor.device_mesh
-    for axis, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
-            if mesh.get_local_rank(axis) != 0:
-                return False
-        elif not isinstance(placement, Shard):
-            raise LayoutError(f"cannot publish a tensor with placement {placement} (reduce it first)")
-    return True
 
 
 def version_probe(
@@ -213,6 +141,7 @@ class WeightPublisher:
             metrics=self.metrics,
             model_files=model_files,
         )
+        self._ownership = Ownership()
         self._pending: collections.deque[tuple[int, cf.Future, int]] = collections.deque()  # step, future, called at
         self._probe_prompts: list[list[int]] | None = None  # the run's, set by the first probe
         self.last_version: int | None = None
@@ -236,15 +165,17 @@ class WeightPublisher:
     def publish(
         self, state_dict: Mapping[str, torch.Tensor], step: int, *, probe: Probe | None = None
     ) -> dict[str, float]:
-        """Hands this rank's shards of `state_dict` (and the version's parity probe, which rank 0
+        """Hands this rank's pieces of `state_dict` (and the version's parity probe, which rank 0
         writes) to the publisher; returns the step's metrics: "publish/version", the version
         these weights become once committed (numbered now: the step's own, not the last commit),
         and "publish/wait_s", the seconds it blocked (the snapshot copy, plus any wait for a free
-        in-flight slot)."""
+        in-flight slot). Collective: every rank calls it at the same step."""
         t0 = time.perf_counter()
         called_unix_ms = int(time.time() * 1000)
-        tensors, placements = collect_local_shards(state_dict, rank=self.rank)
-        future = self._publisher.publish(tensors, step=step, placements=placements, probe=probe)
+        tensors, placements = self._ownership.collect(state_dict)
+        future = self._publisher.publish(
+            tensors, step=step, placements=placements, probe=probe, layout_key=self._ownership.layout_key
+        )
         self._pending.append((step, future, called_unix_ms))
         return {"publish/version": future.version, "publish/wait_s": time.perf_counter() - t0}
 

@@ -156,7 +156,7 @@ class Trainer:
                 torch.tensor(float(sum(_real_tokens(mb) for mb in micro_batches))),
             ]
         ).to(self.device)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.engine.dp_group)  # tensor-parallel ranks share a batch: once per dp rank
         global_weight, step_tokens = totals[0], totals[1]
         # Each micro-batch's loss sum over the weight of the whole global batch: the accumulated
         # gradient is that of the global token mean, reduced across ranks after the last one.
@@ -191,7 +191,7 @@ class Trainer:
         extra = [sum(mb.num_tokens for mb in micro_batches), known.numel(), float((self.step + 1 - known).sum())]
         packed = torch.stack([sums[n].float().to(self.device) for n in names])
         packed = torch.cat([packed, torch.tensor(extra, dtype=torch.float32, device=self.device)])
-        dist.all_reduce(packed)
+        dist.all_reduce(packed, group=self.engine.dp_group)
         values = packed.tolist()
         weight = max(float(global_weight), torch.finfo(torch.float32).tiny)
         metrics: dict[str, Any] = {name: values[i] / weight for i, name in enumerate(names)}

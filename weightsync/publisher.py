@@ -6,10 +6,8 @@ overlap per tensor and chunk: a tensor's chunks are encoded as soon as it is cop
 publish() copies the next), each object goes to the listeners (the push) and to its upload as
 soon as it is encoded, and a delta's objects are packed (`pack.py`) with each full pack uploaded
 while encoding goes on; publish() to commit is then close to the slowest stage, not their sum. Each
-version is a delta against the previous snapshot, or a full version (a rebase) when there is no
-parent, the tensor layout changed, the chain reached `rebase_every` versions, or the chain's
-deltas add up to more than `rebase_chain_ratio` times the base (a long chain costs a catching-up
-reader more than a fresh base would).
+version is a delta against the previous snapshot, or a full version (a rebase) when `chain.py`
+says so; each tensor is cut into chunks by `format/chunking.py`.
 
 Lifecycle of one version (states in order; any failure ends it):
     snapshot   -> caller's thread, under the in-flight bound (blocks while max_in_flight run);
@@ -23,9 +21,10 @@ Lifecycle of one version (states in order; any failure ends it):
                   the one manifest while the others wait for it; see `shards.py`)
 
 A sharded publisher (`shard=ShardSpec(...)`) is one of N trainer ranks: it publishes only its
-local shards, each with a `Placement` (global shape, flat element offset), and the version
-commits once every rank's part is durable. It never reads a parent from the store: a new job
-session starts with a full version.
+local shards, each with a `Placement` (global shape and a flat element offset, or boxes: a
+tensor-parallel shard on any dim, `format/boxes.py`), and the version commits once every rank's
+part is durable and rank 0 checked that the parts cover every tensor exactly once. It never
+reads a parent from the store: a new job session starts with a full version.
 
 What the versions may use (manifest format, highest codec id) is `PublisherConfig.write_format`,
 for the oldest reader they must serve (docs/format.md, "Versions of the format"); every encode
@@ -36,7 +35,8 @@ thread, so that on a machine whose numba cache is empty the first delta does not
 
 Listeners (the gRPC push client) see each encoded object as soon as it exists, concurrently
 with its upload, and the manifest once committed; they must queue, not block.
-Not here: reading versions back (`reader.py`), deleting them (`stores/retention.py`).
+Not here: reading versions back (`reader.py`), deleting them (`stores/retention.py`), the delta
+chain and its rebase policy (`chain.py`), where chunks are cut (`format/chunking.py`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
-import math
 import queue
 import socket
 import threading
@@ -53,10 +52,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from weightsync import __version__
+from weightsync.chain import Chain, ChainTotals, chain_from_store, planning_horizon, rebase_reason
 from weightsync.cpus import usable_cpus
-from weightsync.errors import ObjectNotFound, PublishError, VersionConflict, WeightsyncError
+from weightsync.errors import ObjectNotFound, PublishError, VersionConflict
 from weightsync.format import layout
+from weightsync.format.boxes import Box
 from weightsync.format.chunk import MAX_CHUNK_BYTES, encode_chunk, object_hash
+from weightsync.format.chunking import box_chunks, chunk_ranges
 from weightsync.format.codecs import CODEC_IDS, CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL
 from weightsync.format.codecs.changes import Changes
 from weightsync.format.codecs.choice import CodecChoice
@@ -65,8 +67,7 @@ from weightsync.format.codecs.warmup import BackgroundWarmUp
 from weightsync.format.dtypes import DType, dtype_by_name
 from weightsync.format.manifest import (
     CODEC_SAME,
-    FORMAT_PACKS,
-    FORMAT_VERSION,
+    FORMAT_BOXES,
     KIND_DELTA,
     KIND_FULL,
     ChunkPlacement,
@@ -74,11 +75,12 @@ from weightsync.format.manifest import (
     Manifest,
     TensorEntry,
     compute_digest,
+    lowest_format,
     parse_manifest,
 )
 from weightsync.format.pack import DEFAULT_PACK_BYTES, PackSlot, PackWriter
 from weightsync.format.probe import Probe
-from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, layout_of, snapshot_layout
+from weightsync.format.tensors import Snapshot, SnapshotTensor, copy_tensor, snapshot_layout
 from weightsync.format.write_format import WriteFormat
 from weightsync.metrics import NULL_METRICS, Metrics
 from weightsync.model_files import put_model_file_copies, put_model_file_objects
@@ -88,6 +90,7 @@ from weightsync.shards import (
     ShardSpec,
     delete_parts,
     merge_parts,
+    placements_for,
     wait_for_commit,
     wait_for_parts,
     write_abort,
@@ -95,7 +98,7 @@ from weightsync.shards import (
 )
 from weightsync.stores import Store
 from weightsync.transport.signing import Signer
-from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature, resolve_chain
+from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature
 
 log = logging.getLogger(__name__)
 
@@ -184,31 +187,6 @@ class PublisherConfig:
         return DEFAULT_PACK_BYTES if self.write_format.packs else 0
 
 
-def describe_layout_change(
-    old: Mapping[str, tuple[str, tuple[int, ...]]], new: Mapping[str, tuple[str, tuple[int, ...]]], *, most: int = 3
-) -> str:
-    """What changed between two layouts (name -> (dtype, shape)), naming up to `most` tensors per
-    kind of change: why a version cannot be a delta of the one before."""
-
-    def names(found: list[str]) -> str:
-        return ", ".join(found[:most]) + (f" and {len(found) - most} more" if len(found) > most else "")
-
-    added = sorted(set(new) - set(old))
-    removed = sorted(set(old) - set(new))
-    retyped = [f"{n} {old[n][0]} -> {new[n][0]}" for n in sorted(set(old) & set(new)) if old[n][0] != new[n][0]]
-    reshaped = [
-        f"{n} {tuple(old[n][1])} -> {tuple(new[n][1])}"
-        for n in sorted(set(old) & set(new))
-        if tuple(old[n][1]) != tuple(new[n][1])
-    ]
-    parts = [
-        f"{label} {names(found)}"
-        for label, found in (("new tensors", added), ("tensors gone", removed), ("dtype", retyped), ("shape", reshaped))
-        if found
-    ]
-    return "layout changed: " + "; ".join(parts) if parts else "layout changed"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PublishResult:
     """What one publish committed, and what it cost."""
@@ -255,43 +233,15 @@ class PublishListener(Protocol):
     """Sees a version's bytes as they are made (the gRPC push client is one). Called from the
     publisher's threads: implementations queue the work and return at once."""
 
-    def on_object(self, version: int, object_xxh3: str, obj: bytes, placement: ChunkPlacement) -> None:
+    def on_object(self, version: int, object_xxh3: str, obj: bytes, placement: ChunkPlacement | None) -> None:
         """An encoded chunk object of `version`, before its upload is durable, and where it goes
-        (for receivers that apply objects as they arrive)."""
+        (for receivers that apply objects as they arrive; None for a box chunk)."""
 
     def on_commit(self, manifest: Manifest, manifest_bytes: bytes, signature: bytes | None) -> None:
         """The version committed (on a sharded publish: called on every rank)."""
 
     def on_failure(self, version: int, error: BaseException) -> None:
         """`version` will never commit."""
-
-
-@dataclasses.dataclass
-class _ChainTotals:
-    """Stored bytes of one delta chain's versions, filled in as they commit (under the lock)."""
-
-    by_version: dict[int, int] = dataclasses.field(default_factory=dict)
-    base: int = 0  # the chain's full version
-
-    def known(self, horizon: int | None) -> tuple[int, int]:
-        """(base bytes, delta bytes) counting only versions <= `horizon` (None: all committed)."""
-        counted = {v: b for v, b in self.by_version.items() if horizon is None or v <= horizon}
-        base = counted.pop(self.base, 0)
-        return base, sum(counted.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chain:
-    """The delta parent the next publish diffs against."""
-
-    version: int
-    base: int
-    snapshot: Snapshot
-    layout: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape): what a delta must keep
-    placements: dict[str, Placement]
-    length: int  # deltas since the base
-    totals: _ChainTotals
-    copied: threading.Event  # set once `snapshot` is complete (copied by its publish() call)
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -305,9 +255,11 @@ class _Job:
     step: int | None
     full_reason: str | None  # why the version is full (None: a delta)
     placements: dict[str, Placement]
+    chunks: dict[str, list[tuple[int, int, int | Box]]]
+    """Each tensor's chunks: (local start, local stop, global flat start or global box)."""
     snapshot: Snapshot  # filled by the caller's thread while the encoders start on what is there
     parent_snapshot: Snapshot | None  # what the delta is taken against; None for a full version
-    totals: _ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
+    totals: ChainTotals  # the chain's stored bytes, shared with the jobs of the same chain
     t0: float = 0.0  # perf_counter at publish()
     snapshot_s: float = 0.0
     previous: _Job | None = None  # the job accepted just before: commits wait for it
@@ -375,7 +327,7 @@ class Publisher:
         self._slots = threading.BoundedSemaphore(self.config.max_in_flight)
         self._lock = threading.Lock()
         self._next_version: int | None = None
-        self._chain: _Chain | None = None
+        self._chain: Chain | None = None
         # A sharded job never diffs against the store: each rank would need its own ranges of a
         # version that other ranks wrote. Its first version is a full one.
         self._loaded_parent = not self.config.parent_from_store or shard is not None
@@ -405,6 +357,7 @@ class Publisher:
         progress: Callable[[int], None] | None = None,
         placements: Mapping[str, Placement] | None = None,
         probe: Probe | None = None,
+        layout_key: str | None = None,
     ) -> PublishFuture:
         """Snapshots `state_dict` now; returns a Future of the committed version (its `version` is
         the number it commits as).
@@ -415,6 +368,9 @@ class Publisher:
         `progress`, if given, is called from a background thread with the raw bytes of each
         chunk as it is encoded and stored. `placements` (sharded publishers only) says where
         each local shard sits in its global tensor; tensors without one are whole tensors.
+        `layout_key` (sharded): a name of the whole job's layout, the same on every rank (the
+        trainer's digest of every rank's pieces); when it changes, every rank's next version is
+        full at once, not only those of the ranks whose own pieces moved.
         """
         if self._closed:
             raise PublishError("publisher is closed")
@@ -426,13 +382,21 @@ class Publisher:
         unknown = sorted(set(placements or ()) - set(state_dict))
         if unknown:
             raise ValueError(f"placements name tensors that are not in the state dict: {unknown[:5]}")
+        boxed = sorted(n for n, p in (placements or {}).items() if p.boxes is not None)
+        if boxed and self.config.write_format.manifest_format < FORMAT_BOXES:
+            raise ValueError(
+                f"{boxed[0]!r} is placed as boxes (a shard that is not one flat range), which needs manifest "
+                f"format {FORMAT_BOXES}; this publisher writes at most {self.config.write_format}: raise its "
+                "manifest_format, or hand in dim-0 shards"
+            )
         t0 = time.perf_counter()
         self._slots.acquire()
         try:
             # Checked and planned before any byte is copied; the version worker then encodes
             # each tensor as soon as it is copied, so publish() to commit overlaps the copy.
             planned = snapshot_layout(state_dict, self.config.cast_floats_to)
-            where = _placements(planned, placements or {})
+            where = placements_for(planned, placements or {})
+            chunks = {name: self._chunks_of(dtype, shape, where[name]) for name, (dtype, shape) in planned.items()}
             if self.warm_up is None and self.config.warm_up_kernels:  # the next version is likely a delta
                 self.warm_up = BackgroundWarmUp(
                     {dtype.name for dtype, _ in planned.values()},
@@ -441,11 +405,12 @@ class Publisher:
                 )
             with self._lock:
                 spare, self._spare = self._spare, None
-                job = self._plan({}, {n: (d.name, shape) for n, (d, shape) in planned.items()}, where, step)
+                tensor_layout = {n: (d.name, shape) for n, (d, shape) in planned.items()}
+                job = self._plan({}, tensor_layout, where, chunks, step, layout_key)
                 job.t0, job.previous, job.progress, job.probe = t0, self._last_job, progress, probe_doc
                 if self._device_parent is not None:  # on the tensors' device, before the host copy
                     job.changes = self._device_parent.diff(
-                        state_dict, planned, job.version, job.parent, self._ranges_of
+                        state_dict, planned, job.version, job.parent, lambda n: [(a, b) for a, b, _ in chunks[n]]
                     )
                 worker = self._version_pool.submit(self._run, job)
                 self._last_job = job
@@ -497,7 +462,9 @@ class Publisher:
         snapshot: Snapshot,
         tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
         placements: dict[str, Placement],
+        chunks: dict[str, list[tuple[int, int, int | Box]]],
         step: int | None,
+        layout_key: str | None = None,
     ) -> _Job:
         """Numbers the version and picks its parent from the layout the snapshot will have (the
         snapshot is filled later); called under the lock, in publish order."""
@@ -506,18 +473,27 @@ class Publisher:
             self._next_version = (latest or 0) + 1
         if not self._loaded_parent:
             self._loaded_parent = True
-            self._chain = self._chain_from_store()
+            self._chain = chain_from_store(self.store, self.model, self._next_version - 1, workers=self.config.workers)
         version = self._next_version
         self._next_version += 1
         chain = self._chain
-        reason = self._rebase_reason(chain, tensor_layout, placements, self._horizon(version))
+        reason = rebase_reason(
+            chain,
+            tensor_layout,
+            placements,
+            layout_key,
+            failed=self._failed,
+            horizon=planning_horizon(version, max_in_flight=self.config.max_in_flight, sharded=self.shard is not None),
+            rebase_every=self.config.rebase_every,
+            rebase_chain_ratio=self.config.rebase_chain_ratio,
+        )
         if reason:
             log.info("%s v%d: full version (%s)", self.model, version, reason)
             parent_snapshot, base, length, parent_copied = None, version, 0, None
         else:
             parent_snapshot, base, length, parent_copied = chain.snapshot, chain.base, chain.length + 1, chain.copied
         parent = None if reason else chain.version
-        totals = _ChainTotals(base=version) if reason else chain.totals
+        totals = ChainTotals(base=version) if reason else chain.totals
         job = _Job(
             version=version,
             parent=parent,
@@ -525,77 +501,17 @@ class Publisher:
             step=step,
             full_reason=reason,
             placements=placements,
+            chunks=chunks,
             snapshot=snapshot,
             parent_snapshot=parent_snapshot,
             totals=totals,
             parent_copied=parent_copied,
         )
-        self._chain = _Chain(version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done)
+        self._chain = Chain(
+            version, base, snapshot, tensor_layout, placements, length, totals, job.copy_done, layout_key
+        )
         self._failed = {v for v in self._failed if v >= base}  # older failures cannot matter any more
         return job
-
-    def _horizon(self, version: int) -> int | None:
-        """The newest version whose outcome every rank knows when planning `version` (sharded).
-
-        Ranks learn commits and failures at different moments, so a plan that used everything a
-        rank knows could make one rank write a delta and another a full version of the same
-        version. But a rank plans `version` only after its publish slot frees, i.e. after the
-        version `max_in_flight` before it finished on that rank, commit or failure: every rank
-        knows that far, and sharded plans use nothing newer. None (unsharded): use everything.
-        """
-        return None if self.shard is None else version - self.config.max_in_flight
-
-    def _rebase_reason(
-        self,
-        chain: _Chain | None,
-        tensor_layout: dict[str, tuple[str, tuple[int, ...]]],
-        placements: dict[str, Placement],
-        horizon: int | None,
-    ) -> str | None:
-        if chain is None:
-            return "no parent"
-        failed = [v for v in self._failed if (horizon is None or v <= horizon) and chain.base <= v <= chain.version]
-        if failed:
-            return f"v{min(failed)} of the chain failed"
-        if chain.layout != tensor_layout:
-            return describe_layout_change(chain.layout, tensor_layout)
-        if chain.placements != placements:
-            return "the shards' placements changed"
-        if chain.length + 1 > self.config.rebase_every:
-            return f"chain reached {self.config.rebase_every} deltas"
-        base_bytes, delta_bytes = chain.totals.known(horizon)
-        if base_bytes and delta_bytes > self.config.rebase_chain_ratio * base_bytes:
-            return f"chain holds {delta_bytes} bytes of deltas, over {self.config.rebase_chain_ratio}x its base"
-        return None
-
-    def _chain_from_store(self) -> _Chain | None:
-        """The store's latest version as the first delta parent (None if the store has none)."""
-        latest = self._next_version - 1
-        if latest < 1:
-            return None
-        from weightsync.reader import Reader  # reading back is the reader's job
-
-        try:
-            manifests = resolve_chain(self.store, self.model, latest)
-            state = Reader(self.store, model=self.model, workers=self.config.workers).read(latest)
-        except WeightsyncError as e:  # an unreadable latest version must not stop publishing
-            log.warning("%s: cannot read v%d as delta parent (%s); publishing a full version", self.model, latest, e)
-            return None
-        snapshot = {
-            t.name: SnapshotTensor(dtype_by_name(t.dtype), t.shape, state.buffers[t.name])
-            for t in state.manifest.tensors
-        }
-        log.info("%s: delta parent is v%d from %s", self.model, latest, self.store.uri)
-        return _Chain(
-            version=latest,
-            base=manifests[0].version,
-            snapshot=snapshot,
-            layout=layout_of(snapshot),
-            placements=_placements({n: (t.dtype, t.shape) for n, t in snapshot.items()}, {}),
-            length=len(manifests) - 1,
-            totals=_ChainTotals(by_version={m.version: m.stored_bytes for m in manifests}, base=manifests[0].version),
-            copied=_SET,
-        )
 
     # ---------------------------------------------------------------------------- execution
 
@@ -626,7 +542,7 @@ class Publisher:
     def _fail(self, job: _Job, e: BaseException) -> BaseException:
         with self._lock:
             # Anything planned on top of this version is doomed; a later publish rebases. Unsharded:
-            # the very next one. Sharded: the first one planned past the horizon (see _horizon),
+            # the very next one. Sharded: the first one planned past the horizon (see chain.planning_horizon),
             # so that every rank rebases the same version.
             self._failed.add(job.version)
             if self.shard is None and self._chain is not None and self._chain.version >= job.version:
@@ -672,11 +588,11 @@ class Publisher:
                         name,
                         start,
                         stop,
-                        placements[name].start,
+                        where,
                         packer,
                         job.changes.get(name, {}).get(start),
                     )
-                    for start, stop in self._chunk_ranges(tensor)
+                    for start, stop, where in job.chunks[name]
                 ]
             encoded = {}
             for name in sorted(futures):
@@ -687,7 +603,7 @@ class Publisher:
                     if upload is not None:
                         upload.result()
                     if job.progress is not None:
-                        job.progress((ref.stop - ref.start) * snapshot[name].dtype.itemsize)
+                        job.progress(ref.count * snapshot[name].dtype.itemsize)
                     encoded[name].append((ref, slot))
                     changed += n_changed
             for upload in packer.finish() if packer is not None else ():
@@ -771,7 +687,6 @@ class Publisher:
             producer["files"] = self._files_doc
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)
-        packed = any(c.packed for t in tensors for c in t.chunks)
         manifest = Manifest(
             model=self.model,
             version=header.version,
@@ -784,7 +699,7 @@ class Publisher:
             digest=compute_digest(tensors),
             producer=producer,
             stats=stats,
-            format=FORMAT_PACKS if packed else FORMAT_VERSION,  # format-1 readers still read unpacked versions
+            format=lowest_format(tensors),  # older readers still read what needs nothing newer
         )
         data = manifest.to_bytes()
         parse_manifest(data)  # never commit a manifest a reader would refuse
@@ -851,32 +766,15 @@ class Publisher:
             ) from error
         # A full version does not need its predecessor; commit order is all we waited for.
 
-    def _chunk_ranges(self, tensor: SnapshotTensor) -> list[tuple[int, int]]:
-        return self._ranges_of(tensor.dtype, tensor.shape)
-
-    def _ranges_of(self, dtype: DType, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-        """The [start, stop) element ranges of a tensor's chunks, at most `chunk_bytes` each.
-
-        A tensor of 3 or more dims is cut at its dim-0 slices too: fused MoE experts (experts x
-        rows x cols, as torchtitan's grouped experts and transformers 5 hold them in memory) then
-        get chunks that each lie in one expert, so an expert that did not change is `same` chunks
-        and costs nothing, as a per-expert tensor does (docs/format.md, note 11). Slices smaller
-        than a chunk are grouped whole; larger ones are cut into near-equal parts. A dim-0 shard
-        starts at a slice boundary, so the same holds for each rank's part."""
-        count = math.prod(shape)
-        per_chunk = max(1, self.config.chunk_bytes // dtype.itemsize)
-        if len(shape) < 3 or shape[0] < 2 or count == 0:
-            return [(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
-        per_slice = count // shape[0]
-        if per_slice <= per_chunk:
-            step = per_chunk // per_slice * per_slice
-            return [(start, min(start + step, count)) for start in range(0, count, step)]
-        parts = -(-per_slice // per_chunk)
-        return [
-            (first + per_slice * i // parts, first + per_slice * (i + 1) // parts)
-            for first in range(0, count, per_slice)
-            for i in range(parts)
-        ]
+    def _chunks_of(
+        self, dtype: DType, shape: tuple[int, ...], placement: Placement
+    ) -> list[tuple[int, int, int | Box]]:
+        """A local tensor's chunks (`format/chunking.py`): (local start, local stop, where the
+        chunk sits in the global tensor: its flat start, or its box)."""
+        if placement.boxes is not None:
+            return box_chunks(placement.boxes, dtype.itemsize, self.config.chunk_bytes)
+        ranges = chunk_ranges(dtype.itemsize, shape, self.config.chunk_bytes)
+        return [(start, stop, placement.start + start) for start, stop in ranges]
 
     def _encode_one(
         self,
@@ -887,11 +785,11 @@ class Publisher:
         name: str,
         start: int,
         stop: int,
-        offset: int,
+        where: int | Box,
         packer: PackWriter | None,
         changes: Changes | None = None,
     ) -> tuple[ChunkRef, int, cf.Future | None, PackSlot | None]:
-        """Encodes local elements [start, stop) (global: + offset) against `parent` (version
+        """Encodes local elements [start, stop) (global: from flat `where` on, or box `where`) against `parent` (version
         `parent_version`; None and 0 for a full version) and queues the upload, or adds the object
         to the version's pack; returns (ref, changed elements, upload, pack slot).
         A packed ref gets its key and offset once its pack is sealed. `changes`: found on the
@@ -907,15 +805,16 @@ class Publisher:
             changes=None if old is None else changes,
             choice=self._codec_choice,
         )
-        start, stop = start + offset, stop + offset
+        region = {"box": where} if isinstance(where, Box) else {"start": where, "stop": where + stop - start}
         if obj is None:
-            return ChunkRef(start=start, stop=stop, codec=CODEC_SAME, raw=raw_hex), 0, None, None
+            return ChunkRef(codec=CODEC_SAME, raw=raw_hex, **region), 0, None, None
         obj_hash = object_hash(obj)
         key = layout.chunk_key(obj_hash)
-        ref = ChunkRef(
-            start=start, stop=stop, codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj)
-        )
-        self._notify("on_object", version, obj_hash, obj, ChunkPlacement(name, start, stop, parent_version))
+        ref = ChunkRef(codec=CODEC_NAMES[codec_id], raw=raw_hex, object=obj_hash, key=key, size=len(obj), **region)
+        # A box chunk goes without a placement: an agent applies it after the offer (the push's
+        # placement frame holds a flat range only; docs/format.md, "Boxes").
+        placement = None if ref.box is not None else ChunkPlacement(name, ref.start, ref.stop, parent_version)
+        self._notify("on_object", version, obj_hash, obj, placement)
         if packer is not None:
             return ref, changed, None, packer.add(obj)
         self._pending_uploads.acquire()
@@ -946,26 +845,6 @@ class Publisher:
             self.store.touch(key)
         except ObjectNotFound:
             self.store.put(key, obj)
-
-
-_SET = threading.Event()  # a snapshot that is complete from the start (read back from the store)
-_SET.set()
-
-
-def _placements(
-    planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
-) -> dict[str, Placement]:
-    """Every tensor's placement (`planned`: name -> (dtype, local shape)): the given one
-    (checked to fit), else the whole tensor."""
-    out = {}
-    for name, (_, shape) in planned.items():
-        placement = given.get(name)
-        numel = math.prod(shape)
-        if placement is None:
-            placement = Placement(global_shape=shape, start=0)
-        placement.check_fits(name, numel)
-        out[name] = placement
-    return out
 
 
 def publish_once(

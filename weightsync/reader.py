@@ -38,6 +38,7 @@ from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
 from weightsync.format.pack import group_span, plan_reads
+from weightsync.format.regions import read_region, writable_region
 from weightsync.format.tensors import to_tensor
 from weightsync.stores import Store
 from weightsync.versions import latest_version, resolve_chain
@@ -218,10 +219,9 @@ class Reader:
         log.debug("%s: applied %s", self.model, route.describe())
 
     def _fold_range(self, buffer: np.ndarray, tensor: TensorEntry, target: ChunkRef, stored: list[ChunkRef]) -> int:
-        dtype = dtype_by_name(tensor.dtype)
-        out = buffer[target.start * dtype.itemsize : target.stop * dtype.itemsize]
         objects = [self.fetch_object(ref) for ref in stored]
-        apply_folded(objects, stored, out, dtype, target)
+        with writable_region(buffer, tensor, target) as out:
+            apply_folded(objects, stored, out, dtype_by_name(tensor.dtype), target)
         return out.nbytes
 
     def _apply_version(
@@ -321,10 +321,9 @@ class Reader:
 
     def _check_same(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef) -> int:
         """An unchanged range (no object) still holds the bytes the manifest says."""
-        itemsize = dtype_by_name(tensor.dtype).itemsize
-        out = buffer[ref.start * itemsize : ref.stop * itemsize]
+        out = read_region(buffer, tensor, ref)
         if xxh3_hex(out) != ref.raw:
-            raise IntegrityError(f"{tensor.name}[{ref.start}:{ref.stop}] differs from the published bytes")
+            raise IntegrityError(f"{tensor.name}{ref.describe()} differs from the published bytes")
         return out.nbytes
 
     def _apply_objects(
@@ -341,9 +340,8 @@ class Reader:
         return done
 
     def _apply_object(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef, obj: bytes) -> int:
-        dtype = dtype_by_name(tensor.dtype)
-        out = buffer[ref.start * dtype.itemsize : ref.stop * dtype.itemsize]
-        apply_chunk(obj, out, dtype, ref.raw, CODEC_IDS[ref.codec])
+        with writable_region(buffer, tensor, ref) as out:
+            apply_chunk(obj, out, dtype_by_name(tensor.dtype), ref.raw, CODEC_IDS[ref.codec])
         return out.nbytes
 
     def plan_reads(self, refs: list[ChunkRef]) -> list[list[ChunkRef]]:

@@ -1,15 +1,18 @@
 """shards: one version published by N trainer ranks, each encoding only its own shard.
 
-Nobody gathers the model. Each rank encodes and uploads the chunks of its local shards (a dim-0
-FSDP shard is one contiguous flat range of the global tensor), then writes a *part*: its chunk
-references with global element ranges, under
+Nobody gathers the model. Each rank encodes and uploads the chunks of its local pieces (a
+`Placement`: a dim-0 FSDP shard is one flat range of the global tensor, any other piece a list of
+boxes, docs/format.md "Boxes"), then writes a *part*: its chunk references with global element
+ranges or boxes, and every tensor it holds, chunks or none (a replica another rank publishes),
+under
 
     models/<model>/parts/<version>/<session>/rank-<r>.json
 
 Rank 0 (the committer) waits until every rank's part is there, checks that they agree (same
-parent, base, kind, step; same dtype and global shape for a tensor split across ranks), merges
-them into one manifest, validates it like any reader would, and commits it with the usual
-create-only write. The other ranks wait for that manifest. So a version exists iff every rank's
+parent, base, kind, step; same dtype and global shape for a tensor on several ranks) and that the
+parts cover every tensor any rank holds exactly once (a hole or an overlap fails the version,
+naming the tensor, the range or box, and the ranks), merges them into one manifest, validates it
+like any reader would, and commits it with the usual create-only write. The other ranks wait for that manifest. So a version exists iff every rank's
 chunks are durable, and a rank killed mid-publish means no version at all.
 
 If the committer gives up (a part missing past the timeout, parts that disagree, a delta whose
@@ -19,8 +22,8 @@ one, which is how the ranks re-agree on a parent. Parts are deleted after the co
 dead sessions are left for gc (`stores/retention.py`).
 
 The session ties the ranks of one job run together: parts of another session (a crashed run
-that published the same version number) are never merged. Not here: how a rank finds its shards
-and offsets (the trainer), encoding (`publisher.py`).
+that published the same version number) are never merged. Not here: how a rank finds its pieces
+and which it owns (the trainer's `pieces.py`), encoding (`publisher.py`), boxes (`format/boxes.py`).
 """
 
 from __future__ import annotations
@@ -30,16 +33,18 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 
 from weightsync.errors import ObjectExists, ObjectNotFound, PublishError, VersionConflict, WeightsyncError
 from weightsync.format import layout
+from weightsync.format.boxes import Box, box_from_json, cover_error
 from weightsync.format.manifest import ChunkRef, Manifest, TensorEntry, canonical_json
 from weightsync.stores import Store
 from weightsync.versions import read_manifest
 
 log = logging.getLogger(__name__)
 
-PART_FORMAT = 1
+PART_FORMAT = 2  # 2: chunks may be boxes, and a rank lists the tensors it holds but does not publish
 _POLL_MIN_S = 0.02
 _POLL_MAX_S = 0.5
 
@@ -73,24 +78,62 @@ class ShardSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a local tensor sits in its global tensor: the flat element range
-    [start, start + local numel) of a tensor of `global_shape` (what a dim-0 shard is)."""
+    """Where a local tensor sits in its global tensor of `global_shape`, one of:
+
+    - `start`: the flat element range [start, start + local numel) (what a dim-0 shard is);
+    - `boxes`: a list of boxes of the global tensor whose elements, box after box and each in
+      row-major order, are the local tensor's elements in order (`weightsync.format.boxes`): a
+      tensor-parallel shard on any dim, an interleaved (strided) one, an expert slice. No boxes
+      at all: the rank holds the tensor but publishes none of it (another rank owns its piece).
+
+    What the trainer builds from a DTensor; a Megatron-style trainer builds it by hand, e.g. a
+    row-parallel weight [out, in] on tensor-parallel rank r of t:
+    `Placement((out, in), boxes=[Box((0, r * in // t), (out, in // t))])`.
+    """
 
     global_shape: tuple[int, ...]
-    start: int
+    start: int | None = None
+    boxes: tuple[Box, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
-        if self.start < 0 or any(s < 0 for s in self.global_shape):
+        if self.boxes is not None:
+            object.__setattr__(self, "boxes", tuple(self.boxes))
+        if (self.start is None) == (self.boxes is None):
+            raise ValueError(f"a placement has a flat start or boxes, exactly one of them; got {self}")
+        if (self.start is not None and self.start < 0) or any(s < 0 for s in self.global_shape):
             raise ValueError(f"placement start and global_shape must be non-negative, got {self}")
 
     def check_fits(self, name: str, local_numel: int) -> None:
         total = math.prod(self.global_shape)
-        if self.start + local_numel > total:
-            raise ValueError(
-                f"{name!r}: local shard of {local_numel} elements at offset {self.start} does not fit "
-                f"the global shape {self.global_shape} ({total} elements)"
-            )
+        if self.boxes is None:
+            if self.start + local_numel > total:
+                raise ValueError(
+                    f"{name!r}: local shard of {local_numel} elements at offset {self.start} does not fit "
+                    f"the global shape {self.global_shape} ({total} elements)"
+                )
+            return
+        outside = [b for b in self.boxes if not b.fits(self.global_shape)]
+        if outside:
+            raise ValueError(f"{name!r}: {outside[0]} does not lie inside the global shape {list(self.global_shape)}")
+        held = sum(b.numel for b in self.boxes)
+        if held != local_numel:
+            raise ValueError(f"{name!r}: the boxes hold {held} elements, the local tensor {local_numel}")
+
+
+def placements_for(
+    planned: Mapping[str, tuple[object, tuple[int, ...]]], given: Mapping[str, Placement]
+) -> dict[str, Placement]:
+    """Every tensor's placement (`planned`: name -> (dtype, local shape)): the given one
+    (checked to fit), else the whole tensor."""
+    out = {}
+    for name, (_, shape) in planned.items():
+        placement = given.get(name)
+        if placement is None:
+            placement = Placement(global_shape=shape, start=0)
+        placement.check_fits(name, math.prod(shape))
+        out[name] = placement
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,8 +280,10 @@ def wait_for_commit(store: Store, model: str, spec: ShardSpec, version: int) -> 
 
 def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHeader, list[TensorEntry], dict]:
     """One manifest's header, tensors and stats from every rank's part; PublishError if they
-    disagree. Coverage (every element of every tensor in exactly one chunk) is checked when the
-    merged manifest is parsed before commit."""
+    disagree, or if the union is not exactly the model: a tensor some rank holds whose elements
+    are not each covered by exactly one chunk (a hole, or an overlap), named with the box or range
+    and the ranks. The model's tensor set is what the ranks hold: each lists every tensor it holds,
+    with the chunks of the piece it owns (none for a replica another rank publishes)."""
     headers = set()
     for part in parts:
         if part.get("format") != PART_FORMAT or part.get("session") != spec.session or part.get("model") != model:
@@ -257,17 +302,47 @@ def merge_parts(model: str, spec: ShardSpec, parts: list[dict]) -> tuple[PartHea
         for key in stats:
             stats[key] += int(part["stats"].get(key, 0))
         for t in part["tensors"]:
-            entry = merged.setdefault(t["name"], {"dtype": t["dtype"], "shape": tuple(t["shape"]), "chunks": []})
+            entry = merged.setdefault(
+                t["name"], {"dtype": t["dtype"], "shape": tuple(t["shape"]), "rank": part["rank"], "chunks": []}
+            )
             if (entry["dtype"], entry["shape"]) != (t["dtype"], tuple(t["shape"])):
                 raise PublishError(
-                    f"{model}: ranks disagree on {t['name']!r}: {entry['dtype']} {entry['shape']} "
-                    f"vs {t['dtype']} {tuple(t['shape'])} (rank {part['rank']})"
+                    f"{model} v{header.version}: ranks disagree on tensor {t['name']!r}: {entry['dtype']} "
+                    f"{list(entry['shape'])} (rank {entry['rank']}) vs {t['dtype']} {list(t['shape'])} "
+                    f"(rank {part['rank']})"
                 )
-            entry["chunks"].extend(ChunkRef(**c) for c in t["chunks"])
-    tensors = [
-        TensorEntry(
-            name=name, dtype=e["dtype"], shape=e["shape"], chunks=tuple(sorted(e["chunks"], key=lambda c: c.start))
-        )
-        for name, e in sorted(merged.items())
-    ]
+            entry["chunks"].extend((_chunk_of_part(c), part["rank"]) for c in t["chunks"])
+    tensors = []
+    for name, e in sorted(merged.items()):
+        chunks = sorted(e["chunks"], key=lambda item: item[0].box.offsets if item[0].box else item[0].start)
+        error = _cover_error(e["shape"], chunks)
+        if error is not None:
+            raise PublishError(f"{model} v{header.version}: tensor {name!r}: {error}")
+        tensors.append(TensorEntry(name=name, dtype=e["dtype"], shape=e["shape"], chunks=tuple(c for c, _ in chunks)))
     return header, tensors, stats
+
+
+def _chunk_of_part(doc: dict) -> ChunkRef:
+    """A chunk as a part (written by this build: trusted) holds it."""
+    return ChunkRef(**{**doc, "box": box_from_json(doc["box"])}) if "box" in doc else ChunkRef(**doc)
+
+
+def _cover_error(shape: tuple[int, ...], chunks: list[tuple[ChunkRef, int]]) -> str | None:
+    """Why the merged chunks (in order, each with its rank) do not cover the tensor exactly once."""
+    forms = {c.box is None for c, _ in chunks}
+    if len(forms) > 1:
+        flat = sorted({r for c, r in chunks if c.box is None})
+        boxed = sorted({r for c, r in chunks if c.box is not None})
+        return f"ranks {flat} publish flat ranges and ranks {boxed} boxes of it: give every piece in one form"
+    if forms == {False}:
+        return cover_error(shape, [c.box for c, _ in chunks], [f"rank {r}" for _, r in chunks])
+    numel, at = math.prod(shape), 0
+    for i, (c, rank) in enumerate(chunks):
+        if c.start > at:
+            return f"elements [{at}:{c.start}] are covered by no rank (a hole)"
+        if c.start < at:
+            return (
+                f"elements [{c.start}:{min(at, c.stop)}] of rank {rank} are also rank {chunks[i - 1][1]}'s (an overlap)"
+            )
+        at = c.stop
+    return f"elements [{at}:{numel}] are covered by no rank (a hole)" if at < numel else None

@@ -346,7 +346,7 @@ def _add_publish(sub) -> None:
     p.add_argument(
         "--manifest-format",
         type=int,
-        help="newest manifest format to write: 1 (no packs, for format-1 readers) or 2 (default)",
+        help="newest manifest format to write: 1 (no packs, for format-1 readers), 2 (packs) or 3 (box chunks, the default)",
     )
     p.set_defaults(handler=_cmd_publish)
 

@@ -90,6 +90,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism of dense models: each attention and MLP weight split over this many ranks "
+        "(the ranks must be a multiple of it; the rest is FSDP2)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert parallelism of Mixture-of-Experts models: the experts partitioned over this many ranks "
+        "(the ranks must be a multiple of it)",
+    )
+    parser.add_argument(
         "--frozen-experts",
         default=None,
         metavar="FORMAT",
@@ -175,12 +189,17 @@ def run(args: argparse.Namespace) -> int:
             PackFormat.parse(args.frozen_experts)
         except ValueError as e:
             raise SystemExit(f"--frozen-experts: {e}") from None
-    parallel = ParallelConfig(
-        cpu_offload=args.cpu_offload,
-        activation_checkpointing=args.activation_checkpointing,
-        mixed_precision=args.mixed_precision,
-        frozen_experts=args.frozen_experts,
-    )
+    try:
+        parallel = ParallelConfig(
+            cpu_offload=args.cpu_offload,
+            activation_checkpointing=args.activation_checkpointing,
+            mixed_precision=args.mixed_precision,
+            frozen_experts=args.frozen_experts,
+            tp=args.tp,
+            ep=args.ep,
+        )
+    except ValueError as e:  # every rank stops here, before the process group
+        raise SystemExit(str(e)) from None
     runtime = init_runtime(parallel)
     mesh = build_mesh(parallel, runtime)
     worker = Worker(runtime, mesh, parallel)

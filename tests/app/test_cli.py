@@ -219,8 +219,8 @@ def test_publish_for_older_readers(tmp_path, capsys):
     manifest = json.loads((tmp_path / "store" / manifest_key("m", 2)).read_bytes())
     assert manifest["kind"] == "delta" and manifest["format"] == 1
     assert {c["codec"] for t in manifest["tensors"] for c in t["chunks"]} <= {"xor", "sparse", "same"}
-    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--manifest-format", "3", str(c2))
-    assert code == 1 and "manifest_format must be one of [1, 2]" in err
+    code, _, err = _run(capsys, "publish", "--store", store, "--model", "m", "--manifest-format", "4", str(c2))
+    assert code == 1 and "manifest_format must be one of [1, 2, 3]" in err
 
 
 def test_usage_errors_exit_2(capsys):

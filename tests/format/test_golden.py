@@ -23,12 +23,21 @@ import pytest
 import torch
 import zstandard
 
+from weightsync.format.boxes import Box
 from weightsync.format.chunk import HEADER, HEADER_SIZE, apply_chunk, encode_chunk, object_hash, unpack_chunk
 from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_RANS, CODEC_SPARSE
 from weightsync.format.codecs.choice import CodecChoice
 from weightsync.format.dtypes import dtype_by_name
 from weightsync.format.hashing import xxh3_digest, xxh3_hex
-from weightsync.format.manifest import ChunkRef, Manifest, TensorEntry, canonical_json, compute_digest, parse_manifest
+from weightsync.format.manifest import (
+    ChunkRef,
+    Manifest,
+    TensorEntry,
+    canonical_json,
+    compute_digest,
+    lowest_format,
+    parse_manifest,
+)
 from weightsync.format.tensors import raw_bytes, to_tensor
 
 BF16 = dtype_by_name("bfloat16")
@@ -269,6 +278,23 @@ GOLDEN_PACKED_MANIFEST = (
     b'"size":90,"start":0,"stop":1}],"dtype":"int64","name":"c.step","shape":[]}],"version":2}'
 )
 GOLDEN_DELTA_DIGEST = "f6775f33b4f51579a9e849aa49bdc41b"
+# Format 3: a [2, 4] weight published as its two column halves (a row-parallel weight's shards over 2
+# ranks), each chunk a box (docs/format.md, "Boxes"); its digest entries are [offsets, sizes, raw].
+GOLDEN_BOX_MANIFEST = (
+    b'{"base":1,"created_unix_ms":1764000000000,"digest":"35deb76d880412739e06246e473ba10b","format":3,'
+    b'"kind":"full","model":"org/tiny","parent":null,"producer":{"name":"weightsync","version":"0.1.0"},'
+    b'"stats":{},"step":null,"tensors":[{"chunks":[{"box":[[0,0],[2,2]],"codec":"full",'
+    b'"key":"chunks/99/99999999999999999999999999999999","object":"99999999999999999999999999999999",'
+    b'"raw":"88888888888888888888888888888888","size":80},{"box":[[0,2],[2,2]],"codec":"full",'
+    b'"key":"chunks/bb/bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb","object":"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb",'
+    b'"raw":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","size":80}],"dtype":"bfloat16","name":"a.weight","shape":[2,4]}],'
+    b'"version":1}'
+)
+GOLDEN_BOX_DIGEST = "35deb76d880412739e06246e473ba10b"
+GOLDEN_BOX_DIGEST_DOC = (
+    b'[["a.weight","bfloat16",[2,4],[[[0,0],[2,2],"88888888888888888888888888888888"],'
+    b'[[0,2],[2,2],"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]]]]'
+)
 
 
 def _full_manifest() -> Manifest:
@@ -363,14 +389,35 @@ def _packed_delta_manifest() -> Manifest:
     return dataclasses.replace(delta, tensors=(a, empty, c), format=2)
 
 
+def _box_manifest() -> Manifest:
+    def half(col: int, raw: str, obj: str) -> ChunkRef:
+        return ChunkRef(
+            box=Box((0, col), (2, 2)), codec="full", raw=raw, object=obj, key=f"chunks/{obj[:2]}/{obj}", size=80
+        )
+
+    tensors = (
+        TensorEntry(
+            name="a.weight",
+            dtype="bfloat16",
+            shape=(2, 4),
+            chunks=(half(0, "8" * 32, "9" * 32), half(2, "a" * 32, "b" * 32)),
+        ),
+    )
+    producer = {"name": "weightsync", "version": "0.1.0"}
+    return dataclasses.replace(
+        _full_manifest(), tensors=tensors, digest=GOLDEN_BOX_DIGEST, producer=producer, stats={}, format=3
+    )
+
+
 @pytest.mark.parametrize(
     "build, golden, digest",
     [
         (_full_manifest, GOLDEN_FULL_MANIFEST, GOLDEN_FULL_DIGEST),
         (_delta_manifest, GOLDEN_DELTA_MANIFEST, GOLDEN_DELTA_DIGEST),
         (_packed_delta_manifest, GOLDEN_PACKED_MANIFEST, GOLDEN_DELTA_DIGEST),
+        (_box_manifest, GOLDEN_BOX_MANIFEST, GOLDEN_BOX_DIGEST),
     ],
-    ids=["full", "delta", "packed-delta"],
+    ids=["full", "delta", "packed-delta", "boxes"],
 )
 def test_manifest_canonical_bytes_parse_and_digest(build, golden, digest):
     manifest = build()
@@ -388,6 +435,22 @@ def test_version_digest_is_xxh3_of_the_documented_document():
     doc = [[t.name, t.dtype, list(t.shape), [[c.start, c.stop, c.raw] for c in t.chunks]] for t in manifest.tensors]
     assert canonical_json(doc) == GOLDEN_FULL_DIGEST_DOC
     assert xxh3_hex(GOLDEN_FULL_DIGEST_DOC) == GOLDEN_FULL_DIGEST
+
+
+def test_a_box_chunks_digest_entry_is_offsets_sizes_and_raw():
+    """docs/format.md, "Version digest": a box chunk enters as [offsets, sizes, raw]."""
+    manifest = _box_manifest()
+    doc = [[t.name, t.dtype, list(t.shape), [[*c.box.to_json(), c.raw] for c in t.chunks]] for t in manifest.tensors]
+    assert canonical_json(doc) == GOLDEN_BOX_DIGEST_DOC
+    assert xxh3_hex(GOLDEN_BOX_DIGEST_DOC) == GOLDEN_BOX_DIGEST
+
+
+def test_older_golden_manifests_stay_in_their_formats():
+    """Manifests without packs or boxes are what format-1 readers read, byte for byte; the
+    publisher's choice of format is the lowest that holds a version (docs/format.md)."""
+    assert lowest_format(_full_manifest().tensors) == 1 and lowest_format(_delta_manifest().tensors) == 1
+    assert lowest_format(_packed_delta_manifest().tensors) == 2
+    assert lowest_format(_box_manifest().tensors) == 3
 
 
 def test_digest_ignores_codecs_and_objects():

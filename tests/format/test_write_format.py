@@ -162,8 +162,8 @@ def test_a_write_format_before_rans_writes_ctx_and_no_rans(tmp_path):
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"manifest_format": 3}, r"manifest_format must be one of \[1, 2\]"),
-        ({"manifest_format": 0}, r"manifest_format must be one of \[1, 2\]"),
+        ({"manifest_format": 4}, r"manifest_format must be one of \[1, 2, 3\]"),
+        ({"manifest_format": 0}, r"manifest_format must be one of \[1, 2, 3\]"),
         ({"highest_codec": 2}, re.escape(f"highest_codec must be one of {DELTA_CEILINGS}")),
         ({"highest_codec": max(CODEC_NAMES) + 1}, re.escape(f"highest_codec must be one of {DELTA_CEILINGS}")),
     ],

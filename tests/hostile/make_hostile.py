@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from weightsync.format.boxes import Box
 from weightsync.format.chunk import HEADER, encode_chunk
 from weightsync.format.codecs import CODEC_CTX, CODEC_FULL, CODEC_IDS, CODEC_NAMES, CODEC_RANS, CODEC_SPARSE, CODEC_XOR
 from weightsync.format.codecs import rans as rans_codec
@@ -89,11 +90,15 @@ def _valid_manifest_doc() -> dict:
     return manifest.to_json()
 
 
+def _ref(c: dict) -> ChunkRef:
+    return ChunkRef(**{**c, "box": Box(*c["box"])}) if "box" in c else ChunkRef(**c)
+
+
 def _redigest(doc: dict) -> dict:
     """Recomputes the digest so a file reaches the check it targets, not the digest check."""
     tensors = [
         TensorEntry(
-            name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]), chunks=tuple(ChunkRef(**c) for c in t["chunks"])
+            name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]), chunks=tuple(_ref(c) for c in t["chunks"])
         )
         for t in doc["tensors"]
     ]
@@ -205,22 +210,25 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         "manifest_unknown_format.json",
         mutate(lambda d: d.update(format=99)),
         "UnsupportedFormatError",
-        "manifest format 99 is not supported by this build; supported: [1, 2]",
+        "manifest format 99 is not supported by this build; supported: [1, 2, 3]",
     )
     add(
-        "manifest_missing_format.json", mutate(lambda d: d.pop("format")), "UnsupportedFormatError", "supported: [1, 2]"
+        "manifest_missing_format.json",
+        mutate(lambda d: d.pop("format")),
+        "UnsupportedFormatError",
+        "supported: [1, 2, 3]",
     )
     add(
         "manifest_format_string.json",
         mutate(lambda d: d.update(format="1")),
         "UnsupportedFormatError",
-        "supported: [1, 2]",
+        "supported: [1, 2, 3]",
     )
     add(
         "manifest_format_bool.json",
         text(b'"format":1', b'"format":true'),
         "UnsupportedFormatError",
-        "supported: [1, 2]",
+        "supported: [1, 2, 3]",
     )
 
     # Packs (format 2): the manifest is the pack's index.
@@ -276,6 +284,103 @@ def manifests() -> dict[str, tuple[bytes, str, str]]:
         mutate(lambda d: packed(d, [member(0, 2048, 0), dict(member(2048, COUNT, 150), object="e" * 32)])),
         "FormatError",
         "overlap (a bad pack index)",
+    )
+
+    # Boxes (format 3): each chunk a box of its tensor (64 x 64), all boxes covering it exactly once.
+    def boxes(doc, regions, fmt=3, shape=None):
+        doc["format"] = fmt
+        tensor = doc["tensors"][0]
+        if shape is not None:
+            tensor["shape"] = shape
+        template = {k: v for k, v in tensor["chunks"][0].items() if k not in ("start", "stop")}
+        tensor["chunks"] = [{**template, "box": region} for region in regions]
+        return doc
+
+    halves = [[[0, 0], [64, 32]], [[0, 32], [64, 32]]]  # a row-parallel weight's two column shards
+
+    def mixed(doc):  # the second half as a flat range, which it is not: the forms must not mix
+        chunks = doc["tensors"][0]["chunks"]
+        flat = {k: v for k, v in chunks[0].items() if k != "box"}
+        chunks.append({**flat, "start": 2048, "stop": 4096})
+
+    add(
+        "manifest_box_chunk_in_format_2.json",
+        mutate(lambda d: boxes(d, halves, fmt=2)),
+        "FormatError",
+        "box chunks ('box') need manifest format 3, this one is 2",
+    )
+    add(
+        "manifest_box_overlap.json",
+        mutate(lambda d: boxes(d, [[[0, 0], [64, 33]], [[0, 32], [64, 32]]])),
+        "FormatError",
+        "box(offsets=[0, 32], sizes=[64, 32]) overlaps box(offsets=[0, 0], sizes=[64, 33])",
+    )
+    add(
+        "manifest_box_hole.json",
+        mutate(lambda d: boxes(d, [[[0, 0], [64, 32]], [[0, 32], [63, 32]]])),
+        "FormatError",
+        "box(offsets=[63, 32], sizes=[1, 32]) is covered by no chunk (a hole)",
+    )
+    add(
+        "manifest_box_outside_tensor.json",
+        mutate(lambda d: boxes(d, [[[0, 0], [64, 32]], [[0, 32], [64, 33]]])),
+        "FormatError",
+        "does not lie inside the tensor's shape [64, 64]",
+    )
+    add(
+        "manifest_box_wrong_dims.json",
+        mutate(lambda d: boxes(d, [[[0], [4096]]])),
+        "FormatError",
+        "does not lie inside the tensor's shape [64, 64]",
+    )
+    add(
+        "manifest_box_empty.json",
+        mutate(lambda d: boxes(d, [[[0, 0], [0, 64]], *halves])),
+        "FormatError",
+        "is empty",
+    )
+    add(
+        "manifest_box_negative.json",
+        mutate(lambda d: boxes(d, [[[-1, 0], [64, 32]], [[0, 32], [64, 32]]])),
+        "FormatError",
+        "non-negative",
+    )
+    add(
+        "manifest_box_not_two_lists.json",
+        mutate(lambda d: boxes(d, [[0, 0, 64, 64]])),
+        "FormatError",
+        "a box is [offsets, sizes]",
+    )
+    add(
+        "manifest_box_float.json",
+        text(b'"format":1', b'"format":3').replace(b'"start":0,"stop":4096', b'"box":[[0,0],[64,64.0]]', 1),
+        "FormatError",
+        "numbers must be integers",
+        redigest=False,
+    )
+    add(
+        "manifest_box_out_of_order.json",
+        mutate(lambda d: boxes(d, halves[::-1])),
+        "FormatError",
+        "strictly increasing order of their offsets",
+    )
+    add(
+        "manifest_box_mixed_with_range.json",
+        mutate(lambda d: mixed(boxes(d, [halves[0]]))),
+        "FormatError",
+        "chunks must be all flat ranges or all boxes, not both",
+    )
+    add(
+        "manifest_box_over_chunk_limit.json",
+        mutate(lambda d: boxes(d, [[[0, 0], [1 << 20, 1 << 20]]], shape=[1 << 20, 1 << 20])),
+        "FormatError",
+        "over the 67108864-byte chunk limit",
+    )
+    add(
+        "manifest_box_grid_over_limit.json",
+        mutate(lambda d: boxes(d, [[[i, i, i], [1, 1, 1]] for i in range(257)], shape=[257, 257, 257])),
+        "FormatError",
+        "cut it into 16974593 cells, over the limit of 16777216",
     )
     add(
         "manifest_unknown_codec.json",

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from harness.torchrun import run_under_torchrun
 from weightsync.errors import ConfigError
 from weightsync.models import ModelConfig, build_model, token_logprobs
 from weightsync.models.moe import is_sparse_layer, load_balancing_loss
@@ -146,18 +144,7 @@ def test_moe_configs_parse():
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(SCENARIOS),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    proc = run_under_torchrun(SCENARIOS, str(out), nproc=2, timeout_s=480, cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"moe_scenarios failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(out / "moe.pt", weights_only=False)

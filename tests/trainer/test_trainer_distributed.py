@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from harness.bits import assert_bit_equal
+from harness.torchrun import run_under_torchrun
 from weightsync.agents.parity import compare
 from weightsync.format.probe import probe_from_json
 from weightsync.models import ModelConfig, build_model
@@ -36,20 +37,7 @@ REPO = SCENARIOS.parents[2]
 
 
 def launch(suite: str, out: Path, *more: Path, nproc: int, check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(SCENARIOS),
-        suite,
-        str(out),
-        *map(str, more),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_under_torchrun(SCENARIOS, suite, str(out), *map(str, more), nproc=nproc, timeout_s=240, cwd=REPO)
     if check and proc.returncode != 0:
         pytest.fail(f"{suite} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

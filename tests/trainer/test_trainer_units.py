@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.errors import ConfigError, LayoutError
+from weightsync.errors import ConfigError
+from weightsync.format.boxes import Box
+from weightsync.models import ModelConfig
 from weightsync.trainer.checkpoint import list_checkpoints
 from weightsync.trainer.config import (
     DataConfig,
@@ -41,7 +43,8 @@ from weightsync.trainer.data import (
 from weightsync.trainer.guard import SpikeGuard, Verdict
 from weightsync.trainer.losses import LOSSES, compute_loss, grpo_loss, mean_over_weights, sft_loss, sum_datum_losses
 from weightsync.trainer.optim import lr_at
-from weightsync.trainer.publish import flat_start
+from weightsync.trainer.parallel import check_tp_fits
+from weightsync.trainer.pieces import boxes_of
 
 EXAMPLE_CONFIG = Path(__file__).parents[2] / "trainer" / "configs" / "sft_tiny.toml"
 TINY = {
@@ -118,6 +121,46 @@ def test_mesh_shape_and_accumulation_checks():
     with pytest.raises(ValueError, match="data-parallel ranks"):
         DataConfig(global_batch_size=8, micro_batch_size=4).grad_accum_steps(4)
     assert DataConfig(global_batch_size=16, micro_batch_size=2).grad_accum_steps(2) == 4
+
+
+def test_tensor_and_expert_parallel_degrees_are_checked():
+    assert ParallelConfig(tp=2).mesh_shape(4) == (1, 2)
+    assert ParallelConfig(ep=2, dp_shard=2).mesh_shape(4) == (1, 2)
+    with pytest.raises(ValueError, match=r"x parallel.tp \(2\) .* must equal the world size \(6\)"):
+        ParallelConfig(tp=2, dp_shard=2).mesh_shape(6)
+    for fields, match in (
+        ({"tp": 0}, "tp must be an integer >= 1"),
+        ({"ep": True}, "ep must be an integer >= 1"),
+        ({"tp": 2, "ep": 2}, "cannot both be > 1"),
+        ({"tp": 2, "dp_replicate": 2}, "need dp_replicate = 1"),
+        ({"ep": 2, "frozen_experts": "int4"}, "frozen_experts with ep > 1 is not built"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ParallelConfig(**fields)
+    with pytest.raises(ValueError, match="Mixture-of-Experts model is split with parallel.ep"):
+        check_tp_fits(ModelConfig(model_type="qwen3_moe", num_experts=4), 2)
+    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads"):
+        check_tp_fits(ModelConfig(num_attention_heads=4, num_key_value_heads=1), 2)
+
+
+def test_a_pieces_boxes_follow_its_local_element_order():
+    """Per-dim index lists (what a DTensor's placements leave a rank) become boxes whose elements,
+    in order, are the local tensor's: runs of one dim, each index of the dims before the last
+    fragmented one a box of its own, nothing for an empty piece."""
+    rows, cols = torch.tensor([0, 1, 4, 5]), torch.arange(2, 6)  # interleaved rows x a column block
+    assert boxes_of([rows, cols]) == [Box((0, 2), (2, 4)), Box((4, 2), (2, 4))]
+    assert boxes_of([torch.arange(3), torch.tensor([0, 1, 6, 7])]) == [
+        Box((r, c), (1, 2)) for r in range(3) for c in (0, 6)
+    ]
+    assert boxes_of([torch.arange(4, 8), torch.arange(10)]) == [Box((4, 0), (4, 10))]
+    assert boxes_of([torch.arange(0), torch.arange(3)]) == []
+    full = torch.arange(80).reshape(8, 10)
+    for indices in ([rows, cols], [torch.arange(3), torch.tensor([0, 1, 6, 7])]):
+        local = full[torch.meshgrid(*indices, indexing="ij")].reshape(-1)
+        flat = torch.cat(
+            [full[b.offsets[0] : b.stops[0], b.offsets[1] : b.stops[1]].reshape(-1) for b in boxes_of(indices)]
+        )
+        assert torch.equal(local, flat)
 
 
 # ------------------------------------------------------------------------------------ data
@@ -390,34 +433,6 @@ def test_lr_schedule_warmup_and_decay():
     assert lr_at(7, peak_lr=2.0, schedule=ScheduleConfig(), total_steps=10) == 2.0
     with pytest.raises(ValueError):
         lr_at(0, peak_lr=1.0, schedule=linear, total_steps=10)
-
-
-# ------------------------------------------------------------------------------- placements
-
-
-@pytest.mark.parametrize("shape", [(7, 3), (2, 5), (5,), (1, 4), (0, 3), ()])
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_dim0_shards_reassemble_at_their_flat_starts(shape, ranks):
-    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    rebuilt = torch.full((full.numel(),), -1.0)
-    rows = shape[0] if shape else 1
-    per_rank = -(-rows // ranks) if rows else 0  # FSDP2's split: ceil, trailing ranks may be short or empty
-    for r in range(ranks):
-        lo, hi = min(r * per_rank, rows), min((r + 1) * per_rank, rows)
-        local = full[lo:hi] if shape else full
-        if not shape and r:
-            continue
-        start = flat_start(shape, (lo,) + (0,) * (len(shape) - 1) if shape else (), tuple(local.shape))
-        rebuilt[start : start + local.numel()] = local.reshape(-1)
-    assert torch.equal(rebuilt.reshape(shape), full)
-
-
-def test_non_flat_shards_are_refused():
-    with pytest.raises(LayoutError, match="only dim-0"):
-        flat_start((4, 6), (0, 3), (4, 3))
-    with pytest.raises(LayoutError, match="overruns"):
-        flat_start((4, 6), (3, 0), (2, 6))
-    assert flat_start((4, 6), (4, 0), (0, 6)) == 24  # an empty shard sits at the end
 
 
 # ------------------------------------------------------------------------------ checkpoints

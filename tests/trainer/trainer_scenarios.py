@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from weightsync.models import build_model, save_pretrained
 from weightsync.trainer.config import ModelSpec, parse_job_config
-from weightsync.trainer.publish import collect_local_shards
+from weightsync.trainer.pieces import Ownership
 from weightsync.trainer.train import Trainer, configure_logging
 
 STEPS = 6
@@ -189,7 +189,7 @@ def suite_two_ranks(out: Path) -> dict:
     trainer, results["plain"], results["plain_state"] = run(config, cls=RecordingTrainer, published_states={})
     results["published_states"] = trainer.published_states
     # Each rank's own shards and where they go, to reassemble in the test.
-    shards, placements = collect_local_shards(trainer.model.state_dict(), rank=rank)
+    shards, placements = Ownership().collect(trainer.model.state_dict())
     torch.save(
         {"shards": shards, "placements": {k: (p.global_shape, p.start) for k, p in placements.items()}},
         out / f"shards-rank{rank}.pt",

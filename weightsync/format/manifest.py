@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from weightsync.errors import FormatError, IntegrityError, UnsupportedFormatError
+from weightsync.format.boxes import Box, box_from_json, cover_error
 from weightsync.format.chunk import HEADER_SIZE, MAX_CHUNK_BYTES, max_object_bytes
 from weightsync.format.codecs import CODEC_IDS
 from weightsync.format.dtypes import DType, dtype_by_name
@@ -23,11 +24,14 @@ from weightsync.format.hashing import is_hash_hex, xxh3_hex
 from weightsync.format.layout import MAX_PACK_BYTES, MAX_VERSION, check_model_name, chunk_key, is_chunk_key, is_pack_key
 
 # Manifest format versions this build reads. 1: first release. 2: chunk objects may live in
-# packs (a chunk names its pack's key and its byte `offset` there); publishers write 2 only for a
-# version that has packed chunks, so versions without packs stay readable by format-1 readers.
+# packs (a chunk names its pack's key and its byte `offset` there). 3: a chunk may name a `box`
+# of its tensor instead of a flat range (a tensor- or expert-parallel shard, `boxes.py`).
+# Publishers write the lowest format a version needs, so versions without packs stay readable by
+# format-1 readers, and versions without boxes by format-2 readers.
 FORMAT_VERSION = 1
 FORMAT_PACKS = 2
-SUPPORTED_FORMATS = (1, 2)
+FORMAT_BOXES = 3
+SUPPORTED_FORMATS = (1, 2, 3)
 
 CODEC_SAME = "same"  # an unchanged chunk: no object, bytes equal to the parent's
 KIND_FULL = "full"
@@ -61,6 +65,8 @@ _TENSOR_KEYS = {"name", "dtype", "shape", "chunks"}
 _CHUNK_KEYS = {"start", "stop", "codec", "raw", "object", "key", "size"}
 _PACKED_CHUNK_KEYS = _CHUNK_KEYS | {"offset"}
 _SAME_CHUNK_KEYS = {"start", "stop", "codec", "raw"}
+_FLAT_KEYS = {"start", "stop"}
+_BOX_KEYS = {"box"}  # a box chunk (format 3) has these instead of _FLAT_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,20 +83,41 @@ class ChunkPlacement:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChunkRef:
-    """One chunk of a tensor as the manifest names it."""
+    """One chunk of a tensor as the manifest names it: a flat element range [start, stop), or
+    (format 3) a `box` of the tensor, whose elements the chunk holds in the box's row-major order."""
 
-    start: int  # first element (flat index into the tensor)
-    stop: int  # one past the last element
     codec: str  # "full", "xor", "sparse", "ctx" or "same" (no object)
     raw: str  # xxh3-128 hex of the chunk's raw bytes in this version
     object: str | None = None  # xxh3-128 hex of the object bytes (its content address)
     key: str | None = None  # key relative to the model prefix: the object's own, or its pack's
     size: int = 0  # object bytes
     offset: int | None = None  # where the object starts in its pack (None: not packed)
+    start: int | None = None  # first element (flat index into the tensor); None for a box chunk
+    stop: int | None = None  # one past the last element; None for a box chunk
+    box: Box | None = None  # where a box chunk's elements sit (format 3); None for a flat range
+
+    def __post_init__(self) -> None:
+        if (self.box is None) == (self.start is None or self.stop is None):
+            raise ValueError(f"a chunk is a flat range (start, stop) or a box, not both or neither: {self}")
 
     @property
     def packed(self) -> bool:
         return self.offset is not None
+
+    @property
+    def count(self) -> int:
+        """Elements in the chunk."""
+        return self.box.numel if self.box is not None else self.stop - self.start
+
+    @property
+    def region(self) -> tuple[int, int] | Box:
+        """Where the chunk sits in its tensor: (start, stop), or its box. Two versions' chunks
+        with equal regions hold the same elements."""
+        return self.box if self.box is not None else (self.start, self.stop)
+
+    def describe(self) -> str:
+        """The region for messages: "[start:stop]" or the box."""
+        return str(self.box) if self.box is not None else f"[{self.start}:{self.stop}]"
 
     @property
     def address_key(self) -> str | None:
@@ -99,7 +126,8 @@ class ChunkRef:
         return None if self.object is None else chunk_key(self.object)
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"start": self.start, "stop": self.stop, "codec": self.codec, "raw": self.raw}
+        region = {"box": self.box.to_json()} if self.box is not None else {"start": self.start, "stop": self.stop}
+        doc: dict[str, Any] = {**region, "codec": self.codec, "raw": self.raw}
         if self.codec != CODEC_SAME:
             doc.update(object=self.object, key=self.key, size=self.size)
             if self.offset is not None:
@@ -192,6 +220,19 @@ class Manifest:
     def has_packs(self) -> bool:
         return any(c.packed for t in self.tensors for c in t.chunks)
 
+    @property
+    def has_boxes(self) -> bool:
+        return any(c.box is not None for t in self.tensors for c in t.chunks)
+
+
+def lowest_format(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> int:
+    """The lowest manifest format that can hold these tensors' chunks: what a publisher writes,
+    so that readers of older formats keep reading every version that needs nothing newer."""
+    chunks = [c for t in tensors for c in t.chunks]
+    if any(c.box is not None for c in chunks):
+        return FORMAT_BOXES
+    return FORMAT_PACKS if any(c.packed for c in chunks) else FORMAT_VERSION
+
 
 def canonical_json(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
@@ -201,10 +242,15 @@ def compute_digest(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> str:
     """The version digest: xxh3-128 over names, dtypes, shapes and chunk raw hashes, in order.
 
     It depends only on the weights (and their chunking), not on how they were encoded, so two
-    versions with identical weights have the same digest whatever their parents were.
+    versions with identical weights have the same digest whatever their parents were. A box chunk
+    (format 3) enters as [offsets, sizes, raw] where a flat one is [start, stop, raw].
     """
-    doc = [[t.name, t.dtype, list(t.shape), [[c.start, c.stop, c.raw] for c in t.chunks]] for t in tensors]
+    doc = [[t.name, t.dtype, list(t.shape), [[*_where(c), c.raw] for c in t.chunks]] for t in tensors]
     return xxh3_hex(canonical_json(doc))
+
+
+def _where(c: ChunkRef) -> list:
+    return c.box.to_json() if c.box is not None else [c.start, c.stop]
 
 
 # ------------------------------------------------------------------------------------ parse
@@ -334,10 +380,17 @@ def _tensor_from_json(t: Any, kind: str, fmt: int = FORMAT_VERSION) -> TensorEnt
     chunks_doc = t["chunks"]
     if not isinstance(chunks_doc, list):
         raise FormatError(f"tensor {name!r}: chunks must be a list")
-    chunks = []
+    chunks = [_chunk_from_json(c, name, dtype, kind, fmt, shape) for c in chunks_doc]
+    if any(ref.box is not None for ref in chunks):
+        _check_box_cover(name, shape, chunks)
+    else:
+        _check_flat_cover(name, numel, chunks)
+    return TensorEntry(name=name, dtype=dtype.name, shape=shape, chunks=tuple(chunks))
+
+
+def _check_flat_cover(name: str, numel: int, chunks: list[ChunkRef]) -> None:
     expected_start = 0
-    for c in chunks_doc:
-        ref = _chunk_from_json(c, name, dtype, kind, fmt)
+    for ref in chunks:
         if ref.start != expected_start:
             raise FormatError(
                 f"tensor {name!r}: chunk starts at {ref.start}, expected {expected_start} "
@@ -346,13 +399,26 @@ def _tensor_from_json(t: Any, kind: str, fmt: int = FORMAT_VERSION) -> TensorEnt
         if ref.stop > numel:
             raise FormatError(f"tensor {name!r}: chunk [{ref.start}, {ref.stop}) beyond its {numel} elements")
         expected_start = ref.stop
-        chunks.append(ref)
     if expected_start != numel:
         raise FormatError(f"tensor {name!r}: chunks cover {expected_start} of its {numel} elements")
-    return TensorEntry(name=name, dtype=dtype.name, shape=shape, chunks=tuple(chunks))
 
 
-def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str, fmt: int = FORMAT_VERSION) -> ChunkRef:
+def _check_box_cover(name: str, shape: tuple[int, ...], chunks: list[ChunkRef]) -> None:
+    """Box chunks: all of the tensor's chunks are boxes, in order of their offsets, covering it
+    exactly once (`boxes.cover_error`)."""
+    if any(ref.box is None for ref in chunks):
+        raise FormatError(f"tensor {name!r}: chunks must be all flat ranges or all boxes, not both")
+    offsets = [ref.box.offsets for ref in chunks]
+    if any(a >= b for a, b in itertools.pairwise(offsets)):
+        raise FormatError(f"tensor {name!r}: box chunks must be in strictly increasing order of their offsets")
+    error = cover_error(shape, [ref.box for ref in chunks])
+    if error is not None:
+        raise FormatError(f"tensor {name!r}: {error}")
+
+
+def _chunk_from_json(
+    c: Any, name: str, dtype: DType, kind: str, fmt: int = FORMAT_VERSION, shape: tuple[int, ...] = ()
+) -> ChunkRef:
     where = f"tensor {name!r} chunk"
     if not isinstance(c, dict):
         raise FormatError(f"{where} must be a JSON object")
@@ -362,38 +428,64 @@ def _chunk_from_json(c: Any, name: str, dtype: DType, kind: str, fmt: int = FORM
     packed = "offset" in c and codec != CODEC_SAME
     if packed and fmt < FORMAT_PACKS:
         raise FormatError(f"{where}: packed chunks ('offset') need manifest format {FORMAT_PACKS}, this one is {fmt}")
+    boxed = "box" in c
+    if boxed and fmt < FORMAT_BOXES:
+        raise FormatError(f"{where}: box chunks ('box') need manifest format {FORMAT_BOXES}, this one is {fmt}")
+    region_keys = _BOX_KEYS if boxed else _FLAT_KEYS
     if codec == CODEC_SAME:
-        _exact_keys(c, _SAME_CHUNK_KEYS, where)
+        _exact_keys(c, _SAME_CHUNK_KEYS - _FLAT_KEYS | region_keys, where)
         if kind == KIND_FULL:
             raise FormatError(f"{where}: a full version cannot have unchanged ('same') chunks")
     elif codec in CODEC_IDS:
-        _exact_keys(c, _PACKED_CHUNK_KEYS if packed else _CHUNK_KEYS, where)
+        _exact_keys(c, (_PACKED_CHUNK_KEYS if packed else _CHUNK_KEYS) - _FLAT_KEYS | region_keys, where)
         if kind == KIND_FULL and codec != "full":
             raise FormatError(f"{where}: a full version can only hold 'full' chunks, got {codec!r}")
     else:
         raise UnsupportedFormatError(f"{where}: unknown codec {codec!r}; supported: {sorted([*CODEC_IDS, CODEC_SAME])}")
-    start = _int(c["start"], f"{where} start", 0, MAX_TENSOR_BYTES)
-    stop = _int(c["stop"], f"{where} stop", start + 1, MAX_TENSOR_BYTES)
-    raw_bytes = (stop - start) * dtype.itemsize
-    if raw_bytes > MAX_CHUNK_BYTES:
-        raise FormatError(f"{where} [{start}, {stop}) is {raw_bytes} bytes, over the {MAX_CHUNK_BYTES} limit")
+    if boxed:
+        region = {"box": _box(c["box"], where, shape, dtype)}
+        raw_bytes = region["box"].numel * dtype.itemsize
+    else:
+        start = _int(c["start"], f"{where} start", 0, MAX_TENSOR_BYTES)
+        stop = _int(c["stop"], f"{where} stop", start + 1, MAX_TENSOR_BYTES)
+        region = {"start": start, "stop": stop}
+        raw_bytes = (stop - start) * dtype.itemsize
+        if raw_bytes > MAX_CHUNK_BYTES:
+            raise FormatError(f"{where} [{start}, {stop}) is {raw_bytes} bytes, over the {MAX_CHUNK_BYTES} limit")
     if not is_hash_hex(c["raw"]):
         raise FormatError(f"{where}: raw hash must be 32 lowercase hex characters")
     if codec == CODEC_SAME:
-        return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"])
+        return ChunkRef(codec=codec, raw=c["raw"], **region)
     if not is_hash_hex(c["object"]):
         raise FormatError(f"{where}: object hash must be 32 lowercase hex characters")
     size = _int(c["size"], f"{where} size", HEADER_SIZE + 1, max_object_bytes(raw_bytes))
     if not packed:
         if not is_chunk_key(c["key"]) or c["key"] != chunk_key(c["object"]):
             raise FormatError(f"{where}: key {c['key']!r} is not the content address of its object")
-        return ChunkRef(start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size)
+        return ChunkRef(codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size, **region)
     if not is_pack_key(c["key"]):
         raise FormatError(f"{where}: key {c['key']!r} of a packed chunk is not a pack's content address")
     offset = _int(c["offset"], f"{where} offset", 0, MAX_PACK_BYTES - size)
-    return ChunkRef(
-        start=start, stop=stop, codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size, offset=offset
-    )
+    return ChunkRef(codec=codec, raw=c["raw"], object=c["object"], key=c["key"], size=size, offset=offset, **region)
+
+
+def _box(doc: Any, where: str, shape: tuple[int, ...], dtype: DType) -> Box:
+    """A chunk's box: one offset and one size per dim of its tensor, non-empty, inside it, and at
+    most MAX_CHUNK_BYTES of raw bytes (the sizes multiplied with a check at each step)."""
+    try:
+        box = box_from_json(doc)
+    except ValueError as e:
+        raise FormatError(f"{where}: {e}") from None
+    if len(box.sizes) != len(shape) or not box.fits(shape):
+        raise FormatError(f"{where}: {box} does not lie inside the tensor's shape {list(shape)}")
+    count = 1
+    for size in box.sizes:
+        count *= size
+        if count * dtype.itemsize > MAX_CHUNK_BYTES:
+            raise FormatError(f"{where}: {box} is over the {MAX_CHUNK_BYTES}-byte chunk limit")
+    if count == 0:
+        raise FormatError(f"{where}: {box} is empty")
+    return box
 
 
 def check_tensor_name(name: Any) -> str:

@@ -2,7 +2,7 @@
 
 The format has three axes that move independently (docs/format.md, "Versions of the format"):
 the chunk header's format version (1, the only one), the codec ids (1-5; a reader decodes the
-ids it knows), and the manifest's format version (1, or 2 with packs). A reader built at some
+ids it knows), and the manifest's format version (1; 2 with packs; 3 with box chunks). A reader built at some
 point supports what existed then; a publisher that must serve older readers says so with a
 `WriteFormat` on its `PublisherConfig`: the highest manifest format and the highest codec id it
 may use, and where the model's files go (in each version, or where older `pull`s look for them).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from weightsync.format.codecs import CODEC_RANS, check_highest_codec
-from weightsync.format.manifest import FORMAT_PACKS, SUPPORTED_FORMATS
+from weightsync.format.manifest import FORMAT_BOXES, FORMAT_PACKS, SUPPORTED_FORMATS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,12 +32,14 @@ class WriteFormat:
     `WriteFormat(manifest_format=1, highest_codec=3)` is what every reader reads (the first
     release: no packs, codecs full/xor/sparse); `WriteFormat(highest_codec=4)` leaves out only
     `rans`. Versions that need nothing newer are written the old way anyway: a manifest without
-    packed chunks is format 1 whatever this says.
+    packed chunks is format 1, one without box chunks format 1 or 2, whatever this says.
     """
 
-    manifest_format: int = FORMAT_PACKS
+    manifest_format: int = FORMAT_BOXES
     """Highest manifest format version: 1 = no packs (readable by format-1 readers, every chunk
-    its own object), 2 = a delta's chunks may be packed (docs/format.md, "Packs")."""
+    its own object), 2 = a delta's chunks may be packed (docs/format.md, "Packs"), 3 = a chunk may
+    be a box of its tensor (a tensor- or expert-parallel shard; docs/format.md, "Boxes"). A
+    publisher handed boxes with a lower format refuses them: the readers it serves cannot place them."""
     highest_codec: int = CODEC_RANS
     """Highest codec id a chunk may use: 3 = `full`, `xor`, `sparse` (readers before codec 4),
     4 adds `ctx`, 5 adds `rans` (docs/format.md, "Codec ids")."""
@@ -52,7 +54,7 @@ class WriteFormat:
         if self.manifest_format not in SUPPORTED_FORMATS:
             raise ValueError(
                 f"manifest_format must be one of {list(SUPPORTED_FORMATS)} (1: no packs, for format-1 readers; "
-                f"2: packs), got {self.manifest_format!r}"
+                f"2: packs; 3: box chunks), got {self.manifest_format!r}"
             )
         check_highest_codec(self.highest_codec)
 

@@ -73,6 +73,72 @@ def test_cpu_offload_and_activation_checkpointing_stay_available_and_change_no_r
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def run_published(state_dir, model_dir, ranks, *, lora_rank, extra_args=()):
+    """`run_api`'s two steps on a LoRA (rank > 0) or fully fine-tuned model, then
+    save_weights_for_sampler: losses, log-probs and the version it published, read back."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from weightsync.reader import Reader
+    from weightsync.stores import open_store
+
+    with (
+        TrainingServer(state_dir, ranks=ranks, extra_args=tuple(extra_args)) as server,
+        tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as service,
+    ):
+        client = service.create_lora_training_client(base_model=model_dir, rank=lora_rank, seed=5).result()
+        losses = []
+        for _ in range(2):
+            out = client.forward_backward(batch(), "cross_entropy")
+            client.optim_step(types.AdamParams(**ADAM)).result()
+            losses.append(out.result().metrics["loss:sum"])
+        client.save_weights_for_sampler("parallel").result()
+        forward = client.forward(batch(0.0), "cross_entropy").result()
+        store = open_store(f"file://{server.state_dir.resolve() / 'store'}")
+        published = Reader(store, model="tinker-" + client.model_id.replace(":", "-")).read(1)
+        client.save_state("after").result()
+        checkpoint = server.state_dir / "runs" / client.model_id / "weights" / "after"
+        dcp_to_torch_save(checkpoint, state_dir / "after.pt")
+    logprobs = [torch.tensor(o["logprobs"].data) for o in forward.loss_fn_outputs]
+    return losses, logprobs, published, torch.load(state_dir / "after.pt", weights_only=True)["model"]
+
+
+def _moe_dir(directory) -> str:
+    from weightsync.models import ModelConfig, build_model, save_pretrained
+
+    config = ModelConfig(
+        model_type="qwen3_moe", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, max_position_embeddings=1024,
+    )  # fmt: skip
+    save_pretrained(directory, config, build_model(config, seed=0).state_dict())
+    return str(directory)
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_tensor_and_expert_parallel_servers_match_one_rank_and_publish(tmp_path, model_dir, layout):
+    """`serve-training --tp 2` (a LoRA run: merged weights) and `--ep 2` (a MoE, fully fine-tuned)
+    on 2 ranks: the same losses and log-probs as 1 rank (seeded adapters: the SDK draws a seed
+    otherwise), and save_weights_for_sampler publishes
+    every rank's pieces, read back as the same weights."""
+    base = model_dir if layout == "tp" else _moe_dir(tmp_path / "moe")
+    lora_rank = 4 if layout == "tp" else 0
+    one = run_published(tmp_path / "one", base, 1, lora_rank=lora_rank)
+    two = run_published(tmp_path / "two", base, 2, lora_rank=lora_rank, extra_args=(f"--{layout}", "2"))
+    assert two[0] == pytest.approx(one[0], rel=1e-5)
+    for a, b in zip(one[1], two[1], strict=True):  # after two steps at lr 1e-2: float rounding apart
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    published, trained = two[2], two[3]
+    assert published.manifest.format == (3 if layout == "tp" else 1), "tp pieces are boxes; ep pieces flat"
+    assert set(published.state_dict()) == set(one[2].state_dict())
+    scale = 32.0 / lora_rank if lora_rank else 0.0  # lora.LORA_ALPHA / rank
+    for name, got in published.state_dict().items():  # the 2-rank run's own weights, merged, in bf16
+        prefix = name.removesuffix(".weight")
+        want = trained[name]
+        if f"{prefix}.lora_A.weight" in trained:
+            want = want + scale * (trained[f"{prefix}.lora_B.weight"] @ trained[f"{prefix}.lora_A.weight"])
+        assert torch.equal(got, want.to(torch.bfloat16)), name
+
+
 def test_the_api_matches_the_toml_trainer_on_the_same_batch(tmp_path, model_dir):
     """The TOML trainer minimises the token mean; the API the weighted sum. Weights of
     1/(number of loss tokens) make them the same objective, so one step lands on the same weights."""

@@ -14,7 +14,7 @@ an H100).
 Written with device-agnostic torch, so the very same code runs (and is tested) on CPU tensors;
 its result is identical, field for field, to the host scan's of each chunk.
 
-Not here: the coding itself (`ctx.py`, `rans.py`), which chunks a tensor has (`publisher.py`).
+Not here: the coding itself (`ctx.py`, `rans.py`), which chunks a tensor has (`format/chunking.py`).
 """
 
 from __future__ import annotations
@@ -317,21 +317,21 @@ class DeviceParent:
         self, state_dict, planned, version: int, parent: int | None, ranges_of
     ) -> dict[str, dict[int, change_model.Changes]]:
         """{tensor name: {chunk start: changes}}. `planned`: name -> (dtype, shape) the snapshot
-        will hold (`tensors.snapshot_layout`); `ranges_of(dtype, shape)` gives the (start, stop)
-        element ranges the publisher encodes."""
+        will hold (`tensors.snapshot_layout`); `ranges_of(name)` gives the (start, stop) element
+        ranges of the local tensor that the publisher encodes."""
         from weightsync.format.tensors import dtype_of  # tensors imports nothing from here; kept local for clarity
 
         usable = parent is not None and parent == self._version
         found: dict[str, dict[int, change_model.Changes]] = {}
         for name, tensor in state_dict.items():
-            dtype, shape = planned[name]
+            dtype, _ = planned[name]
             if dtype_of(tensor) != dtype:  # cast by the snapshot: the device bits are not the published ones
                 self._tensors.pop(name, None)
                 continue
             flat = tensor.detach().reshape(-1)
             kept = self._tensors.get(name)
             if usable and kept is not None and kept.shape == flat.shape and kept.device == flat.device:
-                ranges = ranges_of(dtype, shape)
+                ranges = ranges_of(name)
                 if ranges:
                     found[name] = diff_ranges(flat, kept, ranges, dtype)
                 kept.copy_(flat)

@@ -60,9 +60,7 @@ def plan_route(manifests: list[Manifest], *, fold: bool = True) -> Route:
         return Route(CHAIN, path, f"{what}: nothing to fold")
     first = path[0]
     for m in path[1:]:
-        if [[(c.start, c.stop) for c in t.chunks] for t in m.tensors] != [
-            [(c.start, c.stop) for c in t.chunks] for t in first.tensors
-        ]:
+        if [[c.region for c in t.chunks] for t in m.tensors] != [[c.region for c in t.chunks] for t in first.tensors]:
             return Route(CHAIN, path, f"chunk boundaries differ between v{first.version} and v{m.version}")
     return Route(
         FOLDED,
