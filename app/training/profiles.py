@@ -2,7 +2,7 @@
 
 A profile fixes, for one model: where its weights come from (an HF-style directory, or an
 architecture initialised from a seed), the parallel layout (ranks; torchrun starts that many),
-precision, how a MoE's frozen experts are held, optimizer-state CPU offload, activation
+precision, tensor and expert parallelism (tp, ep), how a MoE's frozen experts are held, optimizer-state CPU offload, activation
 checkpointing, and the sampler deployment (engine type: "reference" in the server, or "vllm" with
 the URL of a vLLM server the user runs, which `--vllm-url` may give instead; and whether it gets
 merged weights or adapter-only versions). They ship as TOML files in `app/training/profiles/`;
@@ -58,6 +58,10 @@ class Profile:
     activation_checkpointing: bool
     sampler_engine: str
     sampler_weights: str
+    tp: int = 1
+    """Tensor parallelism of dense models (`--tp`): the ranks must be a multiple of it."""
+    ep: int = 1
+    """Expert parallelism of MoE models (`--ep`): the ranks must be a multiple of it."""
     frozen_experts: str | None = None
     """MoE models: the format their frozen routed experts are held in (`--frozen-experts`); None:
     fp32 master weights that train like the rest."""
@@ -72,6 +76,12 @@ class Profile:
             raise ValueError(f"profile {self.name}: version must be >= 1, got {self.version}")
         if self.ranks < 1:
             raise ValueError(f"profile {self.name}: [parallel] ranks must be >= 1, got {self.ranks}")
+        for name in ("tp", "ep"):
+            degree = getattr(self, name)
+            if degree < 1 or self.ranks % degree:
+                raise ValueError(
+                    f"profile {self.name}: [parallel] {name} must be >= 1 and divide ranks ({self.ranks}), got {degree}"
+                )
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(
                 f"profile {self.name}: [parallel] mixed_precision must be one of {list(MIXED_PRECISION)}, "
@@ -112,6 +122,8 @@ _TABLES: dict[str, dict[str, str]] = {
         "mixed_precision": "mixed_precision",
         "cpu_offload": "cpu_offload",
         "activation_checkpointing": "activation_checkpointing",
+        "tp": "tp",
+        "ep": "ep",
         "frozen_experts": "frozen_experts",
     },
     "sampler": {"engine": "sampler_engine", "weights": "sampler_weights", "url": "sampler_url"},

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         profile = resolve_profile(args.profile, model_dir=args.profile_model_dir)
         args.cpu_offload, args.activation_checkpointing = profile.cpu_offload, profile.activation_checkpointing
         args.mixed_precision, args.frozen_experts = profile.mixed_precision, profile.frozen_experts
+        args.tp, args.ep = profile.tp, profile.ep
         args.sampler_engine = args.sampler_engine or profile.sampler_engine
         args.vllm_url = args.vllm_url or profile.sampler_url
         args.sampler_weights = args.sampler_weights or profile.sampler_weights

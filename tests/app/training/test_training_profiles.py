@@ -81,6 +81,15 @@ def test_a_profile_may_put_the_sampler_on_vllm_and_vllm_needs_a_url(tmp_path):
         SamplerHub(store_uri=f"file://{tmp_path}", cache_root=tmp_path, engine="vllm")
 
 
+def test_a_profile_sets_tensor_and_expert_parallelism_that_divides_its_ranks():
+    doc = {"name": "wide", "version": 1, "model": {"model_dir": "/models/m"}, "parallel": {"ranks": 4, "tp": 2}}
+    assert (parse_profile(doc, where="test").tp, parse_profile(doc, where="test").ep) == (2, 1)
+    moe = {**doc, "parallel": {"ranks": 4, "ep": 4}}
+    assert parse_profile(moe, where="test").ep == 4
+    with pytest.raises(ValueError, match=r"\[parallel\] tp must be >= 1 and divide ranks \(4\), got 3"):
+        parse_profile({**doc, "parallel": {"ranks": 4, "tp": 3}}, where="test")
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
