@@ -115,6 +115,8 @@ class HealthCheck:
             if state.serving:
                 return f"the {engine.name} engine serves v{state.version}, the agent v{version}", True
             return f"the {engine.name} engine is {state.state}: {state.reason}", True
+        if agent.refusal:  # the refuse rule: no version that passed the parity probe (sync.py)
+            return agent.refusal, True
         broken = agent.broken.to_json(time.monotonic())
         if broken:
             newest = broken[0]

@@ -27,9 +27,18 @@ then written to the local cache). One sync thread does the rest, one version at 
                 that took more than STALL_LOG_S from its offer is logged with where the time went.
     probe    -> a version that carries a parity probe is checked against what the engine computes
                 (`parity.py`): on its own thread under the warn and alert actions, in the swap's
-                path under refuse, where a breach swaps the previous version back in (the spare of
-                a zero-copy engine, the cache's copy for a copying one) and the version is refused
-                for good: never retried, never a fallback; a newer version is taken as it comes.
+                path under refuse, where a breach refuses the version for good (never retried,
+                never a fallback) and the refuse rule below decides what is served.
+
+The refuse rule (action "refuse"; `_refuse`): the agent serves the newest version that passed the
+probe, or nothing, and says which. The version served before the refused one passed (under refuse
+a version counts as served only once its probe passed, and one restored from the cache at a restart
+is probed again): it goes back in bit for bit (the spare of a zero-copy engine, the cache's copy
+for a copying one). With none (a fresh agent, or a restored version that fails), the engine is
+withdrawn where it can be (`Engine.withdraw`), and the agent serves nothing: version 0, not healthy
+(the reason names the refused version), `status --verify` fails. Versions older than a refused one
+are never tried in its place (a breach is the engine's, not the version's: an older version would
+fail alike); the next newer version is taken as it comes.
 Before gather, the engine is asked whether it would take the target's layout (`check_fit`): a
 version it would refuse fails there, before a byte is fetched or written. A failure in gather,
 apply or swap leaves what the engine serves untouched, and a copying engine's one buffer, which
@@ -166,6 +175,8 @@ class SyncAgent:
         )
         self._refused: dict[int, str] = {}
         """Versions the parity probe refused (version -> manifest digest): never served again."""
+        self.refusal = ""
+        """Why the agent serves nothing under the refuse rule ("" while it serves a version that passed)."""
         self.last_error = ""
         self.started_unix_ms = int(time.time() * 1000)
         self.changed = threading.Event()
@@ -359,9 +370,8 @@ class SyncAgent:
             candidates = [
                 v
                 for v in list_versions(self.upstream, self.model)
-                if v > self._served_version
+                if v > max([self._served_version, *self._refused])  # never in place of a refused one
                 and v not in skip
-                and v not in self._refused
                 and not self.broken.waiting(v, None, now)
             ]
             if not candidates:
@@ -406,7 +416,7 @@ class SyncAgent:
             except BaseException as e:
                 self._restore_served_copy()
                 if isinstance(e, ParityRefused):
-                    self._roll_back(target.manifest.version)
+                    self._refuse(target.manifest.version, e)
                 # Kept in the ledger, so that the time a version took is explained in full (a drain
                 # that timed out, a fetch that failed) when a later attempt serves it.
                 entry = self.ledger.entry(target.manifest.version)
@@ -419,28 +429,57 @@ class SyncAgent:
                 self.early.release()
                 self.changed.set()
 
-    def _roll_back(self, refused: int) -> None:
-        """After the parity probe refused a version the engine was already serving: the served
-        version goes back in, from the agent's copy of it (a zero-copy engine's served buffer was
-        never touched; a copying engine's was read back from the cache by `_restore_served_copy`)."""
+    def _refuse(self, refused: int, error: ParityRefused) -> None:
+        """The refuse rule (module docstring), after the probe refused `refused`, which the engine
+        was already serving: the newest version that passed goes back in, or the engine is
+        withdrawn and the agent serves nothing; one ERROR line says which."""
         served = self.buffers.served
         manifest = served.manifest if served is not None else None
-        if self._served_version == 0 or manifest is None or manifest.digest != self._served_digest:
-            log.error(
-                "%s: v%d was refused by the parity probe, but the agent holds no earlier version to roll back "
-                "to; the engine serves it until a version passes",
-                self.config.name,
-                refused,
+        reason = "no version has passed the parity probe on this engine"
+        if self._served_version and manifest is not None and manifest.digest == self._served_digest:
+            try:
+                self.engine.swap(
+                    self._served_version,
+                    served.state_dict(),
+                    digest=self._served_digest,
+                    policy=self.config.swap_policy,
+                )
+            except WeightsyncError as e:
+                reason = f"v{self._served_version}, the newest version that passed, could not be put back ({e})"
+            else:
+                if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
+                    self.buffers.spare_served_as = refused
+                self.cache.write_state(self._served_version, self._served_digest)
+                self.metrics.inc("agent/parity_rollbacks")
+                log.error(
+                    "%s: %s: serving v%d again, the newest version that passed (bit for bit from the agent's copy)",
+                    self.config.name,
+                    error,
+                    self._served_version,
+                )
+                return
+        elif self._served_version:
+            reason = f"the agent's copy of v{self._served_version}, the newest version that passed, is not available"
+        self._serve_nothing(refused, f"{error}; {reason}: serving nothing until a newer version passes")
+
+    def _serve_nothing(self, refused: int, reason: str) -> None:
+        """The engine stops serving `refused` where it can (`withdraw`); `refusal` says why, as
+        health, `status` and `agent/serving` do while no version that passed is served."""
+        withdraw = getattr(self.engine, "withdraw", None)
+        if callable(withdraw):
+            try:
+                withdraw(reason)
+            except WeightsyncError as e:
+                reason += f" (the {self.engine.name} engine could not be withdrawn and may still serve v{refused}: {e})"
+        else:
+            reason += (
+                f" (the {self.engine.name} engine cannot be withdrawn: it still serves v{refused}; send it no requests)"
             )
-            return
-        self.engine.swap(
-            self._served_version, served.state_dict(), digest=self._served_digest, policy=self.config.swap_policy
-        )
         if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
             self.buffers.spare_served_as = refused
-        self.cache.write_state(self._served_version, self._served_digest)
-        self.metrics.inc("agent/parity_rollbacks")
-        log.warning("%s: rolled back from v%d to v%d", self.config.name, refused, self._served_version)
+        with self._cond:
+            self.refusal = reason
+        log.error("%s: %s", self.config.name, reason)
 
     def _restore_served_copy(self) -> None:
         """After a failed sync on a copying engine, whose one buffer the sync rewrote in place: the
@@ -550,6 +589,7 @@ class SyncAgent:
             self.broken.forget_up_to(version)
             self.buffers.swapped(staging, self._served_version)
             self._served_version, self._served_digest = version, target.manifest.digest
+            self.refusal = ""
             self.intake.swapped()
             self._cond.notify_all()
         self.metrics.set("agent/version", version)
@@ -701,6 +741,13 @@ class SyncAgent:
             if state.manifest.digest != digest:
                 raise IntegrityError(f"cached v{version} has digest {state.manifest.digest}, the state file {digest}")
             self.engine.swap(version, state.state_dict(), digest=digest, policy=self.config.swap_policy)
+            if self.parity.blocking:  # the refuse rule holds after a restart too: the engine may have changed
+                self.parity.after_swap(version, state.manifest)
+        except ParityRefused as e:  # nothing passed on this engine since the restart
+            self._record_failure(state.manifest, e)
+            reason = "no version has passed on this engine since the agent started"
+            self._serve_nothing(version, f"{e}; {reason}: serving nothing until a newer version passes")
+            return
         except WeightsyncError as e:
             self.last_error = f"restore: {e}"
             log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.config.name, version, e)
@@ -733,11 +780,13 @@ class SyncAgent:
         version = manifest.version
         entry = self.ledger.entry(version)
         entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
-        if isinstance(error, ParityRefused):
+        self.last_error = f"v{version}: {entry.error}"
+        if isinstance(error, ParityRefused):  # never retried: not a broken version (the rule logged it)
             entry.outcome = "refused"
             with self._cond:
                 self._refused[version] = manifest.digest
-        self.last_error = f"v{version}: {entry.error}"
+            self.metrics.inc("agent/errors")
+            return
         broken = self.broken.fail(version, manifest.digest, entry.error, time.monotonic())
         self.metrics.inc("agent/errors")
         self._report_broken()

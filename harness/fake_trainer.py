@@ -2,15 +2,20 @@
 
 fp32 master weights of a small decoder (weightsync.models); each step nudges ~5 % of them, so
 consecutive bf16 versions differ sparsely, as in RL. The weights of a step depend only on (seed,
-step), so a restarted publisher and a checker rebuild the same ones. Not here: the real trainer
-(weightsync.trainer), publishing (the callers own their Publisher).
+step), so a restarted publisher and a checker rebuild the same ones. `probe` computes the
+parity probe the real trainer would publish with them (trainer/probe.py, without the sharding).
+Not here: the real trainer (weightsync.trainer), publishing (the callers own their Publisher).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from weightsync.format.probe import Probe
 from weightsync.models import ModelConfig, build_model
+from weightsync.models.probe import DEFAULT_TOP_K, run_probe, run_top_k, to_probe
 
 TINY = ModelConfig(
     vocab_size=259,
@@ -54,3 +59,18 @@ class FakeTrainer:
     def published(self) -> dict[str, torch.Tensor]:
         """What a publisher casting floats to bf16 publishes for the current step."""
         return {name: t.detach().to(torch.bfloat16) for name, t in self.model.state_dict().items()}
+
+    def probe(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        dtypes: Sequence[str] = ("bfloat16", "float32"),
+        top_k: int = DEFAULT_TOP_K,
+    ) -> Probe:
+        """The parity probe of the current step, as the trainer computes it: records of the
+        published (bf16) weights in each of `dtypes`, and the fp32 training forward's top-k."""
+        published = self.published()
+        compute = [getattr(torch, d) for d in dtypes]
+        runs = run_probe(self.model.config, prompts, published.__getitem__, dtypes=compute)
+        training = run_top_k(self.model, prompts, top_k) if top_k else None
+        return to_probe(prompts, {d: runs[c] for d, c in zip(dtypes, compute, strict=True)}, training=training)

@@ -249,6 +249,7 @@ class ReferenceEngine:
             self._replicas.put(_replica(model_config))
         self._cond = threading.Condition()
         self._current: _Record | None = None
+        self._withdrawn = ""  # why `withdraw` stopped serving ("" when it did not)
         self._last_pause_s: float | None = None
         self._in_flight: collections.Counter[int] = collections.Counter()
         self._swap_lock = threading.Lock()
@@ -285,7 +286,7 @@ class ReferenceEngine:
             served = Served(version, digest, MappingProxyType(tensors))
             flip = time.perf_counter()
             with self._cond:
-                self._current = _Record(served, time.time(), policy)
+                self._current, self._withdrawn = _Record(served, time.time(), policy), ""
                 self._cond.notify_all()
             pause_s = self._last_pause_s = time.perf_counter() - flip
             total_s = time.perf_counter() - started
@@ -322,6 +323,8 @@ class ReferenceEngine:
     def state(self) -> EngineState:
         """In-process: serving whatever was swapped in last (or loaded from model_dir as version 0)."""
         version = self.served_version()
+        if version is None and self._withdrawn:
+            return EngineState(state="paused", reason=self._withdrawn)
         if version is None:
             return EngineState(state="empty", reason="no weights yet: the agent has not swapped in a version")
         return EngineState(state="serving", version=version)
@@ -362,7 +365,7 @@ class ReferenceEngine:
         """What new requests get now: (version, digest, weights). Raises NotReady before any weights."""
         record = self._current
         if record is None:
-            raise NotReady("no weights yet: the agent has not swapped in a version")
+            raise NotReady(self._withdrawn or "no weights yet: the agent has not swapped in a version")
         return record.served
 
     @contextlib.contextmanager
@@ -381,7 +384,7 @@ class ReferenceEngine:
         """The current record, counted as in use (call under `_cond`)."""
         record = self._current
         if record is None:
-            raise NotReady("no weights yet: the agent has not swapped in a version")
+            raise NotReady(self._withdrawn or "no weights yet: the agent has not swapped in a version")
         self._in_flight[record.served.version] += 1
         return record
 
@@ -456,21 +459,42 @@ class ReferenceEngine:
         self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in completions))
         return Generation(started.served, completions, restarts)
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0, top_k: int = 0
+    ) -> PromptLogprobs:
         """The parity probe's question (`agents/parity.py`): per prompt, the log-prob of each token
-        after the first, and for MoE models the experts each sparse layer chose per token, on the
-        served version (held for the call, like a drain-policy request). Computed by
-        `weightsync.models.probe.run_probe`, one prompt per pass, as the trainer computes it."""
+        after the first, with `top_k` each position's most likely next tokens, and for MoE models
+        the experts each sparse layer chose per token, on the served version (held for the call,
+        like a drain-policy request), in the compute dtype. Computed by
+        `weightsync.models.probe.run_probe`, the very code the trainer's probe runs."""
         try:
             replica = self._replicas.get(timeout=min(timeout_s, self.config.queue_timeout_s))
         except queue.Empty:
             raise NotReady("every generation slot stayed busy; the parity probe waits for the next version") from None
-        try:
+        try:  # a generation slot bounds the probe's memory and CPU like a request's
             with self.lease() as served:
-                run = run_probe(replica, prompts, weights=served.weights)
+                weights = served.weights
+                run = run_probe(self.model_config, prompts, weights.__getitem__, dtypes=[self._dtype], top_k=top_k)
         finally:
             self._replicas.put(replica)
-        return PromptLogprobs(version=served.version, logprobs=run.logprobs, experts=run.experts)
+        run = run[self._dtype]
+        return PromptLogprobs(
+            version=served.version,
+            logprobs=run.logprobs,
+            experts=run.experts,
+            compute_dtype=self.config.compute_dtype,
+            top_ids=run.top_ids,
+            top_logprobs=run.top_logprobs,
+        )
+
+    def withdraw(self, reason: str) -> None:
+        """Stops serving until the next swap: new requests are refused (NotReady with `reason`),
+        running ones finish on their version; `state()` says "paused"."""
+        with self._cond:
+            self._current, self._withdrawn = None, reason
+            self._cond.notify_all()
+        self.metrics.version.set(-1)
+        logger.warning("serving nothing: %s", reason)
 
     def _running(self, record: _Record) -> _Running:
         """The state of one request starting on `record` (tests gate its steps by subclassing)."""

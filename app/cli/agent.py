@@ -138,15 +138,9 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         for b in reply.broken:  # never served; retried while an older good version is served
             print(f"broken v{b.version}: {b.failures} failed attempts, next in {b.retry_in_s:.1f}s: {b.error}")
         if reply.HasField("parity"):  # the newest parity probe (docs/agents.md, "Parity probe")
-            p = reply.parity
-            routing = f", expert mismatch {p.expert_mismatch:.3g}" if p.HasField("expert_mismatch") else ""
-            verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
-            print(
-                f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL "
-                f"{p.mean_kl:.3g}{routing} over {p.tokens} tokens, {1000 * p.probe_s:.0f} ms: {verdict}"
-            )
+            print(_parity_line(reply.parity))
         if reply.refused:
-            print(f"refused by the parity probe: {', '.join(f'v{v}' for v in reply.refused)}")
+            print(f"refused by the parity probe (never served again): {', '.join(f'v{v}' for v in reply.refused)}")
         print(
             f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
             f"{'pause':>8}  path / error"
@@ -161,7 +155,8 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             )
     if args.verify:
         if not reply.current_version:
-            raise Failed(row, f"agent {reply.agent} serves no version of {reply.model}: nothing to verify")
+            why = f": {reply.unhealthy}" if reply.unhealthy else ""
+            raise Failed(row, f"agent {reply.agent} serves no version of {reply.model}{why}")
         if not engine_serving:
             raise Failed(
                 row,
@@ -172,6 +167,24 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         if not reply.verification.ok:
             raise Failed(row, f"v{reply.current_version} does not verify: {reply.verification.error}")
     return row
+
+
+def _parity_line(p) -> str:
+    """A ParityReport in one line: the record the engine was held to, the figures, the verdict."""
+    figures = [f"held to the {p.compute_dtype or '?'} record"]
+    if p.HasField("dlogprob_p50"):
+        figures.append(
+            f"|dlogprob| median {p.dlogprob_p50:.3g}, p90 {p.dlogprob_p90:.3g}, max {p.max_abs_dlogprob:.3g}"
+        )
+    if p.HasField("expert_mismatch"):
+        figures.append(f"expert mismatch {p.expert_mismatch:.3g}")
+    if p.HasField("gap_kl"):
+        figures.append(f"training/inference gap KL {p.gap_kl:.3g} (top-k overlap {p.gap_overlap:.2f})")
+    verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
+    return (
+        f"parity v{p.version} on {p.engine}: {', '.join(figures)} over {p.tokens} tokens, "
+        f"{1000 * p.probe_s:.0f} ms: {verdict}"
+    )
 
 
 def _message_json(message) -> dict[str, Any]:
