@@ -9,13 +9,22 @@ Not here: the real trainer (weightsync.trainer), publishing (the callers own the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from weightsync.format.probe import Probe
 from weightsync.models import ModelConfig, build_model
-from weightsync.models.probe import DEFAULT_TOP_K, run_probe, run_top_k, to_probe
+from weightsync.models.probe import (
+    DEFAULT_PROMPTS,
+    DEFAULT_TOP_K,
+    cover_experts,
+    draw_prompts,
+    run_probe,
+    run_top_k,
+    to_probe,
+)
 
 TINY = ModelConfig(
     vocab_size=259,
@@ -74,3 +83,16 @@ class FakeTrainer:
         runs = run_probe(self.model.config, prompts, published.__getitem__, dtypes=compute)
         training = run_top_k(self.model, prompts, top_k) if top_k else None
         return to_probe(prompts, {d: runs[c] for d, c in zip(dtypes, compute, strict=True)}, training=training)
+
+    def choose_prompts(self, *, count: int = DEFAULT_PROMPTS, length: int = 32) -> list[list[int]]:
+        """The run's probe prompts as the trainer chooses them (trainer/probe.py): drawn, and for a
+        MoE model repaired until every router picks every expert (from a pool four times as large)."""
+        config = self.model.config
+        draws = draw_prompts(config.vocab_size, length=length)
+        prompts = list(itertools.islice(draws, count))
+        if not config.is_moe:
+            return prompts
+        pool = prompts + list(itertools.islice(draws, 4 * count))
+        published = self.published()
+        run = run_probe(config, pool, published.__getitem__, dtypes=[torch.bfloat16])[torch.bfloat16]
+        return cover_experts(config, pool, run, keep=count, room=count)[0]

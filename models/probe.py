@@ -232,6 +232,30 @@ def unrouted_experts(config: ModelConfig, run: ProbeRun) -> dict[int, list[int]]
     return missing
 
 
+def cover_experts(
+    config: ModelConfig, pool: Sequence[Sequence[int]], run: ProbeRun, *, keep: int, room: int
+) -> tuple[list[list[int]], dict[int, list[int]]]:
+    """The repair of a MoE probe's prompts: the first `keep` prompts of `pool`, plus up to `room`
+    more of it, chosen greedily by the (sparse layer, expert) pairs their positions route to that
+    the chosen ones do not (`run`: the pool through the model); and what stays unrouted."""
+
+    def pairs(i: int) -> set[tuple[int, int]]:
+        chosen = run.experts[i]  # [tokens, sparse layers, top_k]
+        return {(layer, int(e)) for layer in range(chosen.shape[1]) for e in chosen[:, layer].unique()}
+
+    picked = list(range(keep))
+    covered = set().union(*(pairs(i) for i in picked))
+    candidates = {i: pairs(i) for i in range(keep, len(pool))}
+    while len(picked) < keep + room and candidates:
+        best = max(candidates, key=lambda i: (len(candidates[i] - covered), -i))
+        if not candidates.pop(best) - covered:
+            break  # nothing left in the pool reaches what is missing
+        picked.append(best)
+        covered |= pairs(best)
+    missing = unrouted_experts(config, ProbeRun(logprobs=[], experts=[run.experts[i] for i in picked]))
+    return [list(pool[i]) for i in picked], missing
+
+
 def to_probe(
     prompts: Sequence[Sequence[int]],
     records: Mapping[str, ProbeRun],

@@ -29,14 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.format.probe import MAX_PROBE_PROMPTS, Probe
-from weightsync.models.probe import (
-    DEFAULT_PROMPT_SEED,
-    ProbeRun,
-    check_prompts,
-    draw_prompts,
-    to_probe,
-    unrouted_experts,
-)
+from weightsync.models.probe import DEFAULT_PROMPT_SEED, check_prompts, cover_experts, draw_prompts, to_probe
 from weightsync.trainer.config import PublishConfig
 
 log = logging.getLogger(__name__)
@@ -83,42 +76,22 @@ def choose_prompts(engine: Any, config: PublishConfig, *, kind: str = "full") ->
         pool = prompts + list(itertools.islice(draws, POOL_FACTOR * config.probe_prompts))
         dtype = getattr(torch, config.probe_dtypes[0])
         run = engine.probe(pool, compute_dtypes=[dtype], published_dtype=_published_dtype(config), kind=kind)[dtype]
-        prompts = _cover_experts(model, pool, run, keep=len(prompts), room=room)
+        chosen, missing = cover_experts(model, pool, run, keep=len(prompts), room=room)
+        if len(chosen) > len(prompts):
+            log.info(
+                "parity probe: %d prompts added so that the routers choose every expert", len(chosen) - len(prompts)
+            )
+        if missing:
+            log.warning(
+                "parity probe: no prompt drawn makes some routers choose every expert (sparse layer: experts never "
+                "chosen: %s); a fault in those experts would not show in the probe",
+                missing,
+            )
+        prompts = chosen
     if dist.is_initialized():  # every rank computed the same; rank 0's is what the manifest holds
         box = [prompts]
         dist.broadcast_object_list(box, src=0)
         prompts = box[0]
-    return prompts
-
-
-def _cover_experts(model: Any, pool: list[list[int]], run: ProbeRun, *, keep: int, room: int) -> list[list[int]]:
-    """The first `keep` prompts of `pool`, plus up to `room` more of it chosen greedily by the
-    (sparse layer, expert) pairs they route to that the chosen ones do not."""
-
-    def pairs(i: int) -> set[tuple[int, int]]:
-        chosen = run.experts[i]  # [tokens, sparse layers, top_k]
-        return {(layer, int(e)) for layer in range(chosen.shape[1]) for e in chosen[:, layer].unique()}
-
-    chosen = list(range(keep))
-    covered = set().union(*(pairs(i) for i in chosen))
-    everything = {(layer, e) for layer in range(run.experts[0].shape[1]) for e in range(model.num_experts)}
-    candidates = {i: pairs(i) - covered for i in range(keep, len(pool))}
-    while covered != everything and len(chosen) < keep + room and candidates:
-        best = max(candidates, key=lambda i: (len(candidates[i] - covered), -i))
-        if not candidates.pop(best) - covered:
-            break
-        chosen.append(best)
-        covered |= pairs(best)
-    prompts = [pool[i] for i in chosen]
-    missing = unrouted_experts(model, ProbeRun(logprobs=[], experts=[run.experts[i] for i in chosen]))
-    if len(chosen) > keep:
-        log.info("parity probe: %d prompts added so that the routers choose every expert", len(chosen) - keep)
-    if missing:
-        log.warning(
-            "parity probe: no prompt drawn makes some routers choose every expert (sparse layer: experts never "
-            "chosen: %s); a fault in those experts would not show in the probe",
-            missing,
-        )
     return prompts
 
 

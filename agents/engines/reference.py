@@ -24,8 +24,10 @@ no extra memory, the pause is a reference flip; use it on CPUs with bf16 instruc
 (AVX512-BF16, AMX), where it is also the faster one. "float32" converts each version to fp32
 before the flip (outside the pause) and generates in fp32: use it on CPUs without bf16
 instructions, where bf16 matmuls are emulated and slow, if 2x the memory and a conversion per swap
-are affordable. It keeps no reference to the agent's tensors (`zero_copy` is False).
-`python -m bench.swap` measures both on the machine at hand.
+are affordable. It keeps no reference to the agent's tensors (`zero_copy` is False). "float16"
+converts likewise, for engines that serve fp16 (the parity probe holds an engine to the trainer's
+record of its own compute dtype: train.publish.probe_dtypes must list it).
+`python -m bench.swap` measures bfloat16 and float32 on the machine at hand.
 
 Not here: the HTTP/JSON front end, request validation and the "reference" engine type
 (`reference_server.py`), verifying or fetching versions (the agent), continuous batching across
@@ -77,7 +79,7 @@ from weightsync.models.probe import run_probe
 
 logger = logging.getLogger(__name__)
 
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODEL_STOP = "model"
 """`generate(stop=MODEL_STOP)`: stop at the model's own EOS (`ReferenceEngine.default_stop`)."""
 TOKENIZER = ByteTokenizer()
@@ -94,7 +96,8 @@ class ReferenceEngineConfig:
     """An HF-style directory (config.json + safetensors): its weights are served as version 0."""
     compute_dtype: str = "bfloat16"
     """"bfloat16": serve the swapped-in tensors as they are (zero-copy). "float32": convert each
-    version before the flip; faster on CPUs without bf16 instructions, 2x memory, not zero-copy."""
+    version before the flip; faster on CPUs without bf16 instructions, 2x memory, not zero-copy.
+    "float16": convert likewise (what an fp16 engine computes)."""
     torch_threads: int | None = None
     """torch.set_num_threads for this process (a process-wide setting); None leaves torch's default."""
     max_concurrent_requests: int = 4

@@ -27,23 +27,24 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         logging.INFO if args.verbose else logging.WARNING, args.log_format, agent=config.name, region=config.region
     )
 
-    def ready(server) -> None:
-        # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
-        print(
-            json.dumps(
-                {
-                    "event": "ready",
-                    "agent": config.name,
-                    "address": server.address,
-                    "engine_url": server.engine.url,
-                    "metrics_port": server.metrics_port,
-                }
-            ),
-            flush=True,
-        )
-
-    run_agent(config, ready=ready)
+    run_agent(config, ready=print_ready_line)
     return {"agent": config.name, "stopped": True}
+
+
+def print_ready_line(server) -> None:
+    """One line on stdout as soon as the agent listens: what scripts (and the demo) wait for."""
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "agent": server.config.name,
+                "address": server.address,
+                "engine_url": server.engine.url,
+                "metrics_port": server.metrics_port,
+            }
+        ),
+        flush=True,
+    )
 
 
 def agent_config(args: argparse.Namespace):
