@@ -9,6 +9,8 @@ one machine, so comparing them across processes is meaningful. Not here: running
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import statistics
 import textwrap
@@ -271,23 +273,36 @@ def write_plot(summary: dict, path: Path) -> Path | None:
     axes[4].set_ylabel("kB stored")
     title = textwrap.wrap(f"weightsync demo: {summary['headline']}", width=120)
     fig.suptitle("\n".join(title), fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.012 * len(title)))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.007 * len(title)))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
 def _plot_served(ax, summary: dict, t0: float) -> None:
-    """Each agent's served version over time (a step each time it began serving one: a jump of
-    more than one is versions it skipped), against the newest committed version."""
-    commits = summary.get("commits") or []
-    if commits:
-        ax.step([c[0] - t0 for c in commits], [c[1] for c in commits], "k--", where="post", lw=1, label="committed")
+    """Each agent's served version over time, as how many versions it was behind the newest
+    commit (0: the newest); the legend counts the versions it skipped (never served)."""
+    commits = sorted(summary.get("commits") or [])
+    if not commits:
+        return
+    newest = [c[1] for c in commits]
+    times = [c[0] for c in commits]
     for name, points in sorted(summary.get("served_timeline", {}).items()):
-        ax.step([p[0] - t0 for p in points], [p[1] for p in points], where="post", lw=1.2, label=name)
+        events = sorted([(t, "commit", v) for t, v in commits] + [(t, "served", v) for t, v in points])
+        served, xs, lags = 0, [], []
+        for t, kind, version in events:
+            if kind == "served":
+                served = version
+            committed = newest[max(0, bisect.bisect_right(times, t) - 1)] if t >= times[0] else 0
+            xs.append(t - t0)
+            lags.append(max(0, committed - served))
+        versions = [v for _, v in points]
+        skipped = sum(b - a - 1 for a, b in itertools.pairwise(versions) if b > a + 1)
+        ax.step(xs, lags, where="post", lw=0.8, alpha=0.8, label=f"{name} (skipped {skipped} of {newest[-1]})")
     ax.set_xlabel("seconds since the first commit")
-    ax.set_ylabel("version served")
-    ax.legend(loc="upper left", fontsize=8, ncol=3)
+    ax.set_ylabel("versions behind the newest commit")
+    ax.set_title("each agent's served version over time (a drop of more than one: versions skipped)", fontsize=9)
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
 
 
 def _plot_latency(ax, rows: list[dict]) -> None:
