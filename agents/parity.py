@@ -15,7 +15,9 @@ reports the figures of `parity_figures.py`:
                                  a figure, an alarm only where max_gap_kl is set
 
 An engine that computes in a dtype the trainer recorded nothing for (`train.publish.probe_dtypes`)
-breaches too ("compute_dtype"): it does not compute what the trainer expects engines to.
+breaches too ("compute_dtype"): it does not compute what the trainer expects engines to. MoE probes
+(those with expert choices) are judged by the `moe_` thresholds of the log-prob figures: kernels
+that round otherwise flip near-tied router choices now and then, and a flip moves the tokens after it.
 
 What breaching a threshold does is the `[agent.parity]` action:
     warn     a WARNING log line
@@ -83,12 +85,22 @@ class ParityConfig:
     compute_dtype: str = "auto"
     """Which of the probe's records the engine is held to: "auto" (the dtype the engine says it
     computes in; the probe's first record for an engine that does not say), or a dtype name."""
-    max_dlogprob_p50: float = 0.004
-    """Largest median |engine - trainer| log-prob that is not a breach."""
+    max_dlogprob_p50: float = 0.01
+    """Dense models: the largest median |engine - trainer| log-prob that is not a breach. Healthy
+    (docs/agents.md): 0 on the reference engine (bit for bit), at most 0.003 on vLLM bf16."""
     max_dlogprob_p90: float = 0.25
-    """Largest 90th percentile of |engine - trainer| log-prob that is not a breach."""
+    """Dense models: the largest 90th percentile of |engine - trainer| log-prob that is not a
+    breach: two bf16 rounding steps of a logit up to 32. Healthy: 0 on the reference engine, at
+    most 0.034 on vLLM bf16 (one rounding step of the demo model's logits)."""
+    moe_max_dlogprob_p50: float = 0.05
+    """MoE models (a probe with expert choices): as max_dlogprob_p50. Engines whose MoE kernels
+    round otherwise flip near-tied router choices, and a flipped choice moves the tokens after it:
+    healthy vLLM bf16 reaches 0.018 (docs/agents.md)."""
+    moe_max_dlogprob_p90: float = 0.8
+    """MoE models: as max_dlogprob_p90; healthy vLLM bf16 reaches 0.27."""
     max_expert_mismatch: float = 0.05
-    """MoE: largest fraction of positions routed to another expert set that is not a breach."""
+    """MoE: largest fraction of positions routed to another expert set that is not a breach.
+    Healthy: 0 (engines that expose routing hold the same bf16 router logits as the record)."""
     max_gap_kl: float | None = None
     """The training/inference gap (gap_kl) above which a version breaches; None: a figure only."""
     timeout_s: float = 120.0
@@ -101,7 +113,8 @@ class ParityConfig:
             raise ValueError(
                 f'parity compute_dtype must be "auto" or one of {list(COMPUTE_DTYPES)}, got {self.compute_dtype!r}'
             )
-        for name in ("max_dlogprob_p50", "max_dlogprob_p90", "max_expert_mismatch", "max_gap_kl", "timeout_s"):
+        thresholds = ("max_dlogprob_p50", "max_dlogprob_p90", "moe_max_dlogprob_p50", "moe_max_dlogprob_p90")
+        for name in (*thresholds, "max_expert_mismatch", "max_gap_kl", "timeout_s"):
             value = getattr(self, name)
             if value is None and name == "max_gap_kl":
                 continue
@@ -159,19 +172,26 @@ def read_probe(manifest: Manifest) -> Probe | None:
     return None if doc is None else probe_from_json(doc)
 
 
-def judge(config: ParityConfig, figures: Figures, recorded: tuple[str, ...]) -> tuple[str, ...]:
-    """The breaches of `config`'s thresholds by `figures` (`recorded`: the probe's record dtypes)."""
+def thresholds(config: ParityConfig, probe: Probe) -> dict[str, float | None]:
+    """The threshold of each alarm figure for `probe` (MoE probes: the moe_ ones)."""
+    moe = probe.records[0].experts is not None
+    return {
+        "dlogprob_p50": config.moe_max_dlogprob_p50 if moe else config.max_dlogprob_p50,
+        "dlogprob_p90": config.moe_max_dlogprob_p90 if moe else config.max_dlogprob_p90,
+        "expert_mismatch": config.max_expert_mismatch,
+        "gap_kl": config.max_gap_kl,
+    }
+
+
+def judge(config: ParityConfig, figures: Figures, probe: Probe) -> tuple[str, ...]:
+    """The breaches of `config`'s thresholds by `figures`, an engine's answer to `probe`."""
     if not figures.recorded:
         return (
-            f"compute_dtype {figures.compute_dtype}: the trainer recorded {', '.join(recorded)} only "
+            f"compute_dtype {figures.compute_dtype}: the trainer recorded {', '.join(probe.compute_dtypes)} only "
             "(train.publish.probe_dtypes)",
         )
-    checks = [
-        ("dlogprob_p50", figures.dlogprob_p50, config.max_dlogprob_p50),
-        ("dlogprob_p90", figures.dlogprob_p90, config.max_dlogprob_p90),
-        ("expert_mismatch", figures.expert_mismatch, config.max_expert_mismatch),
-        ("gap_kl", figures.gap_kl, config.max_gap_kl),
-    ]
+    limits = thresholds(config, probe)
+    checks = [(name, getattr(figures, name), limit) for name, limit in limits.items()]
     return tuple(
         f"{name} {value:.4g} > {limit:g}"
         for name, value, limit in checks
@@ -260,7 +280,7 @@ class ParityChecker:
             )
             self.metrics.inc("agent/parity_errors")
             return None
-        breaches = judge(self.config, figures, probe.compute_dtypes)
+        breaches = judge(self.config, figures, probe)
         report = ParityReport(
             version=version,
             engine=self.engine.name,

@@ -94,7 +94,7 @@ def build_report(config, root: Path, store, statuses: dict, queue, parity_config
     synced = [r["to_all_agents_s"] for r in rows if r["to_all_agents_s"] is not None]
     first, last = _reward_window(rewards, head=True), _reward_window(rewards, head=False)
     counts = queue.counts()
-    parity = _parity_summary(rows, parity_config)
+    parity = _parity_summary(rows, parity_config, moe=bool(config.architecture.get("num_experts")))
     headline = (
         f"{len(rows)} versions ({len(deltas)} deltas, mean {statistics.fmean(r['ratio'] for r in deltas):.0f}x smaller "
         f"than the model) reached all {len(statuses)} agents in median {statistics.median(synced):.2f} s after "
@@ -183,9 +183,9 @@ PARITY_FIGURES = ("dlogprob_p50", "dlogprob_p90", "max_abs_dlogprob", "expert_mi
 """The figures of a parity report (agents/parity_figures.py) the summary gives distributions of."""
 
 
-def _parity_summary(rows: list[dict[str, Any]], config) -> dict[str, Any]:
+def _parity_summary(rows: list[dict[str, Any]], config, *, moe: bool) -> dict[str, Any]:
     """Over every version and agent: how many probes ran, each figure's distribution (median, p99,
-    max), the thresholds they were judged by, and every breach."""
+    max), the thresholds they were judged by (`config`'s, the moe_ ones for a MoE model), and every breach."""
     reports = [(row["version"], name, p) for row in rows for name, p in row["parity"].items() if p is not None]
     figures = {}
     for figure in PARITY_FIGURES:
@@ -207,8 +207,8 @@ def _parity_summary(rows: list[dict[str, Any]], config) -> dict[str, Any]:
         "compute_dtypes": sorted({p["compute_dtype"] for _, _, p in reports}),
         "figures": figures,
         "thresholds": {
-            "dlogprob_p50": config.max_dlogprob_p50,
-            "dlogprob_p90": config.max_dlogprob_p90,
+            "dlogprob_p50": config.moe_max_dlogprob_p50 if moe else config.max_dlogprob_p50,
+            "dlogprob_p90": config.moe_max_dlogprob_p90 if moe else config.max_dlogprob_p90,
             "expert_mismatch": config.max_expert_mismatch,
             "gap_kl": config.max_gap_kl,
         },

@@ -115,8 +115,11 @@ class DemoConfig:
             raise ValueError("groups_per_step x group_size must split evenly over trainer_ranks")
         if self.engine not in DEMO_ENGINES:
             raise ValueError(f"engine must be one of {list(DEMO_ENGINES)}, got {self.engine!r}")
-        if self.inject_parity_fault and (self.engine != "reference" or self.rl_steps < 8):
-            raise ValueError("inject_parity_fault needs the reference engine and rl_steps >= 8 (the fault's window)")
+        if self.inject_parity_fault and (self.engine != "reference" or self.rl_steps < 5):
+            raise ValueError(
+                "inject_parity_fault needs the reference engine and rl_steps >= 5 (three wrong versions mid-GRPO, "
+                "then one that passes)"
+            )
         object.__setattr__(self, "swap_policy", SwapPolicy.parse(self.swap_policy))
         if self.rollout_tokens < 1 or self.rollout_tokens > 1024:
             raise ValueError(

@@ -163,7 +163,7 @@ def test_the_parity_probe_holds_vllm_to_the_trainers_bf16_record(engine, publish
     figures = compare(probe, answer.compute_dtype, answer.logprobs, None, answer.top_ids, answer.top_logprobs)
     with capsys.disabled():
         print(json.dumps({"vllm_parity": dataclasses.asdict(figures)}))
-    assert figures.tokens == 4 * 31 and judge(ParityConfig(), figures, probe.compute_dtypes) == ()
+    assert figures.tokens == 4 * 31 and judge(ParityConfig(), figures, probe) == ()
     assert figures.gap_overlap > 0.5 and figures.gap_kl is not None
 
 
