@@ -349,10 +349,9 @@ class SyncAgent:
         with self._cond:
             for version in [v for v in self._known if v <= self._served_version]:
                 del self._known[version]
+            refused = max(self._refused, default=0)  # the refuse rule: nothing older than a refused version
             ready = [
-                v
-                for v, k in self._known.items()
-                if not self.broken.waiting(v, k.manifest.digest, now) and self._refused.get(v) != k.manifest.digest
+                v for v, k in self._known.items() if not self.broken.waiting(v, k.manifest.digest, now) and v > refused
             ]
             return self._known[max(ready)] if ready else None
 
