@@ -303,10 +303,14 @@ class ParityChecker:
         with self._lock:
             self.last = report
         m = self.metrics
-        for name in ("dlogprob_p50", "dlogprob_p90", "max_abs_dlogprob", "expert_mismatch", "gap_kl"):
-            value = getattr(report, name)
-            if value is not None:
-                m.set(f"agent/parity_{name}", value)
+        if report.dlogprob_p50 is not None:  # None: no record of the engine's dtype, nothing compared
+            m.set("agent/parity_dlogprob_p50", report.dlogprob_p50)
+            m.set("agent/parity_dlogprob_p90", report.dlogprob_p90)
+            m.set("agent/parity_max_abs_dlogprob", report.max_abs_dlogprob)
+        if report.expert_mismatch is not None:
+            m.set("agent/parity_expert_mismatch", report.expert_mismatch)
+        if report.gap_kl is not None:
+            m.set("agent/parity_gap_kl", report.gap_kl)
         m.observe("agent/parity_probe_s", report.probe_s)
         self._record(report)
         if not report.breaches:
