@@ -193,7 +193,8 @@ class Intake:
             candidates = [
                 v
                 for v in list_versions(self.upstream, self.model)
-                if v > served and v not in skip and v not in refused and not state.broken.waiting(v, None, now)
+                # never in place of a refused version (the refuse rule, swap.py)
+                if v > max([served, *refused]) and v not in skip and not state.broken.waiting(v, None, now)
             ]
             if not candidates:
                 return

@@ -281,10 +281,11 @@ def bind_port(server: grpc.Server, address: str, setting: str, flag: str, *, tls
         raise listen_error(setting, address, OSError(errno.EADDRINUSE, "in use"), flag=flag) from None
 
 
-def run_agent(config: AgentConfig, *, ready=None) -> None:
+def run_agent(config: AgentConfig, *, ready=None, engine: Engine | None = None) -> None:
     """Runs an agent until SIGTERM/SIGINT, then shuts it down gracefully. `ready(server)` is
-    called once it listens (the CLI prints the address)."""
-    server = AgentServer(config).start()
+    called once it listens (the CLI prints the address). `engine`: one already open (closed with the
+    agent), instead of the one `config` describes."""
+    server = AgentServer(config, engine=engine).start()
     # What starting made (modules, the engine, compiled kernels) lives as long as the process: frozen,
     # the collector's full passes no longer walk it. They did, 0.18-0.25 s each, and one that landed
     # in a sync (parsing a version's manifests allocates enough to trigger it) held up serving by

@@ -133,6 +133,8 @@ class HealthCheck:
             if engine_state.serving:
                 return f"the {engine.name} engine serves v{engine_state.version}, the agent v{version}", True
             return f"the {engine.name} engine is {engine_state.state}: {engine_state.reason}", True
+        if state.refusal:  # the refuse rule: no version that passed the parity probe (swap.py)
+            return state.refusal, True
         broken = state.broken.to_json(time.monotonic())
         if broken:
             newest = broken[0]

@@ -84,6 +84,9 @@ class AgentState:
         """Versions the parity probe refused (version -> manifest digest): never served again."""
         self.broken = BrokenVersions(RETRY_BACKOFF)
         self.ledger = Ledger(ledger_size)
+        self.refusal = ""
+        """Why the agent serves nothing under the parity refuse rule ("" while it serves a version
+        that passed, or none was refused; swap.py)."""
         self.last_error = ""
         self.closed = False
         # What pushers sent since the last swap (intake.py writes, gather.py reads):
@@ -111,16 +114,16 @@ class AgentState:
             return max(self.known, default=0)
 
     def newest_ready(self) -> Known | None:
-        """The sync's next target: the newest accepted version that is neither refused nor a
-        broken one waiting for its retry. Forgets accepted versions the served one overtook."""
+        """The sync's next target: the newest accepted version that is newer than every refused
+        one (the refuse rule: a breach is the engine's, so an older version would fail alike) and
+        not a broken one waiting for its retry. Forgets accepted versions the served one overtook."""
         now = time.monotonic()
         with self.cond:
             for version in [v for v in self.known if v <= self.served_version]:
                 del self.known[version]
+            refused = max(self.refused, default=0)
             ready = [
-                v
-                for v, k in self.known.items()
-                if not self.broken.waiting(v, k.manifest.digest, now) and self.refused.get(v) != k.manifest.digest
+                v for v, k in self.known.items() if v > refused and not self.broken.waiting(v, k.manifest.digest, now)
             ]
             return self.known[max(ready)] if ready else None
 

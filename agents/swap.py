@@ -8,9 +8,18 @@
              state names it; a version that took more than STALL_LOG_S from its offer is logged
              with where the time went
 
-Two ways back, both here because both hand the engine a version again: `roll_back` (after the
-probe refused a version the engine already served) and `serve_cached` (at start: the state
-file's version, read again from the cache and verified).
+The refuse rule (parity action "refuse"; `refuse`): the agent serves the newest version that
+passed the probe, or nothing, and says which. The version served before the refused one passed
+(under refuse a version counts as served only once its probe passed, and one restored from the
+cache at a restart is probed again): it goes back in bit for bit (the spare of a zero-copy engine,
+the cache's copy for a copying one). With none (a fresh agent, or a restored version that fails),
+the engine is withdrawn where it can be (`Engine.withdraw`) and the agent serves nothing: version
+0, not healthy (the reason names the refused version), `status --verify` fails. Versions older
+than a refused one are never tried in its place (`AgentState.newest_ready`: a breach is the
+engine's, not the version's); the next newer version is taken as it comes.
+
+`serve_cached` hands the engine a version too: at start, the state file's version, read again
+from the cache, verified, and vetted again under refuse.
 
 Not here: building the version (`apply.py`), the probe itself (`parity.py`), the engines.
 """
@@ -26,6 +35,7 @@ from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.engines.base import Engine
 from weightsync.agents.ledger import LedgerEntry
+from weightsync.agents.parity import ParityRefused
 from weightsync.agents.plan import Plan
 from weightsync.agents.state import AgentState
 from weightsync.errors import IntegrityError, WeightsyncError
@@ -94,6 +104,7 @@ class Swapper:
             state.broken.forget_up_to(version)
             self.buffers.swapped(plan.staging, state.served_version)
             state.served_version, state.served_digest = version, target.manifest.digest
+            state.refusal = ""
             state.pending_bytes = 0  # what was pushed for it no longer counts against the quota
             state.pushed = {a: pushed for a, pushed in state.pushed.items() if pushed[0] > version}
             state.cond.notify_all()
@@ -134,31 +145,70 @@ class Swapper:
         parts = ", ".join(f"{s:.1f} s {what}" for what, s in sorted(stages.items(), key=lambda kv: -kv[1]) if s >= 0.05)
         log.warning("%s: v%d took %.1f s from offer to serving: %s", self.name, entry.version, since_offer_s, parts)
 
-    def roll_back(self, refused: int) -> None:
-        """After the parity probe refused a version the engine was already serving: the served
-        version goes back in, from the agent's copy of it (a zero-copy engine's served buffer was
-        never touched; a copying engine's was read back from the cache by
-        `Applier.restore_served_copy`)."""
+    def refuse(self, refused: int, error: ParityRefused) -> None:
+        """The refuse rule, after the probe refused `refused`, which the engine was already
+        serving: the newest version that passed goes back in, bit for bit from the agent's copy
+        (a zero-copy engine's served buffer was never touched; a copying engine's was read back
+        from the cache by `Applier.restore_served_copy`), or the engine is withdrawn and the
+        agent serves nothing. One ERROR line says which."""
         served = self.buffers.served
         manifest = served.manifest if served is not None else None
         version, digest = self.state.served()
-        if version == 0 or manifest is None or manifest.digest != digest:
-            log.error(
-                "%s: v%d was refused by the parity probe, but the agent holds no earlier version to roll back "
-                "to; the engine serves it until a version passes",
-                self.name,
-                refused,
+        reason = "no version has passed the parity probe on this engine"
+        if version and manifest is not None and manifest.digest == digest:
+            try:
+                self.engine.swap(version, served.state_dict(), digest=digest, policy=self.config.swap_policy)
+            except WeightsyncError as e:
+                reason = f"v{version}, the newest version that passed, could not be put back ({e})"
+            else:
+                if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
+                    self.buffers.spare_served_as = refused
+                self.cache.write_state(version, digest)
+                self.metrics.inc("agent/parity_rollbacks")
+                log.error(
+                    "%s: %s: serving v%d again, the newest version that passed (bit for bit from the agent's copy)",
+                    self.name,
+                    error,
+                    version,
+                )
+                return
+        elif version:
+            reason = f"the agent's copy of v{version}, the newest version that passed, is not available"
+        self.serve_nothing(refused, f"{error}; {reason}: serving nothing until a newer version passes")
+
+    def record_refusal(self, manifest: Manifest, error: ParityRefused) -> None:
+        """A version the probe refused: refused for good, never a broken version to retry."""
+        state = self.state
+        with state.cond:
+            entry = state.ledger.entry(manifest.version)
+            entry.outcome, entry.error = "refused", f"{type(error).__name__}: {error}"
+            state.refused[manifest.version] = manifest.digest
+            state.last_error = f"v{manifest.version}: {entry.error}"
+        self.metrics.inc("agent/errors")
+
+    def serve_nothing(self, refused: int, reason: str) -> None:
+        """The engine stops serving `refused` where it can (`withdraw`); the state's `refusal` says
+        why, as health, `status` and `agent/serving` do while no version that passed is served."""
+        withdraw = getattr(self.engine, "withdraw", None)
+        if callable(withdraw):
+            try:
+                withdraw(reason)
+            except WeightsyncError as e:
+                reason += f" (the {self.engine.name} engine could not be withdrawn and may still serve v{refused}: {e})"
+        else:
+            reason += (
+                f" (the {self.engine.name} engine cannot be withdrawn: it still serves v{refused}; send it no requests)"
             )
-            return
-        self.engine.swap(version, served.state_dict(), digest=digest, policy=self.config.swap_policy)
         if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
             self.buffers.spare_served_as = refused
-        self.cache.write_state(version, digest)
-        self.metrics.inc("agent/parity_rollbacks")
-        log.warning("%s: rolled back from v%d to v%d", self.name, refused, version)
+        with self.state.cond:
+            self.state.refusal = reason
+        log.error("%s: %s", self.name, reason)
 
-    def serve_cached(self) -> None:
-        """After a restart: serves the state file's version from the cache, verified again."""
+    def serve_cached(self, *, vet: Callable[[int, Manifest], object] | None = None) -> None:
+        """After a restart: serves the state file's version from the cache, verified again, and
+        vetted again (`vet`: the probe under refuse; the engine may have changed): after a
+        breach the agent serves nothing (the refuse rule)."""
         state_file = self.cache.read_state()
         if state_file is None:
             return
@@ -168,6 +218,13 @@ class Swapper:
             if weights.manifest.digest != digest:
                 raise IntegrityError(f"cached v{version} has digest {weights.manifest.digest}, the state file {digest}")
             self.engine.swap(version, weights.state_dict(), digest=digest, policy=self.config.swap_policy)
+            if vet is not None:
+                vet(version, weights.manifest)
+        except ParityRefused as e:  # nothing passed on this engine since the restart
+            self.record_refusal(weights.manifest, e)
+            reason = "no version has passed on this engine since the agent started"
+            self.serve_nothing(version, f"{e}; {reason}: serving nothing until a newer version passes")
+            return
         except WeightsyncError as e:
             self.state.last_error = f"restore: {e}"
             log.warning("%s: cannot serve cached v%d (%s); catching up from the store", self.name, version, e)

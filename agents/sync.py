@@ -13,14 +13,16 @@ a time, taking it through the stages of its life in order (`state.py` lists them
     applied   -> apply.py   the path applied into the staging buffer, every byte checked
     swapped   -> swap.py    engine.swap; vetted by the probe under refuse; committed as served
     probed    -> parity.py  the engine's numbers against the trainer's (in the background
-                            unless the action is refuse)
+                            unless the action is refuse, where a breach refuses the version for
+                            good and the refuse rule decides what is served: swap.py)
 
 A failure at any stage leaves what the engine serves untouched; a copying engine's one buffer,
 which apply rewrites in place, is read back from the cache as the served version. The failure is
 recorded in the ledger, a corrupt cached object is deleted so it is fetched again, and the version
 is broken: retried with its own growing backoff (0.5 s doubling to 10 s) and reported in
 `status()["broken"]` and the `agent/broken_versions` metric. A version the parity probe refused is
-rolled back and refused for good: never retried, never a fallback. Meanwhile the agent serves the
+refused for good: never retried, never a fallback, and no older version is tried in its place;
+the agent serves the newest version that passed, or nothing (swap.py, the refuse rule). Meanwhile the agent serves the
 newest version it can verify: when every newer version it knows is broken, it takes the store's
 newest other one above the served one as a target (`Intake.fall_back`), going down one version per
 failure; a newer good version is taken as soon as it is known. Nothing unverified is ever served.
@@ -121,7 +123,7 @@ class SyncAgent:
     def start(self) -> None:
         """Serves the last good version from the cache (if any), then starts syncing; the delta
         codecs' kernels warm up beside it (`codecs.BackgroundWarmUp`)."""
-        self.swapper.serve_cached()
+        self.swapper.serve_cached(vet=self.parity.after_swap if self.parity.blocking else None)
         # Kernels for bf16 (what publishers cast floats to) and what it serves, compiled while it waits.
         served = self.buffers.served.manifest.tensors if self.buffers.served is not None else ()
         self.warm_up = codecs.BackgroundWarmUp(
@@ -205,8 +207,8 @@ class SyncAgent:
                 self._sync(target, started)
             except BaseException as e:
                 self.applier.restore_served_copy(self.engine.zero_copy)
-                if isinstance(e, ParityRefused):
-                    self.swapper.roll_back(target.manifest.version)
+                if isinstance(e, ParityRefused):  # the refuse rule (swap.py)
+                    self.swapper.refuse(target.manifest.version, e)
                 # Kept in the ledger, so that the time a version took is explained in full (a drain
                 # that timed out, a fetch that failed) when a later attempt serves it.
                 entry = self.state.ledger.entry(target.manifest.version)
@@ -285,14 +287,13 @@ class SyncAgent:
 
     def _record_failure(self, target: Known, error: BaseException) -> None:
         manifest = target.manifest
+        if isinstance(error, ParityRefused):  # never retried: not a broken version (the rule logged it)
+            self.swapper.record_refusal(manifest, error)
+            return
         version = manifest.version
         state = self.state
         entry = state.ledger.entry(version)
         entry.outcome, entry.error = "failed", f"{type(error).__name__}: {error}"
-        if isinstance(error, ParityRefused):
-            entry.outcome = "refused"
-            with state.cond:
-                state.refused[version] = manifest.digest
         state.last_error = f"v{version}: {entry.error}"
         broken = state.broken.fail(version, manifest.digest, entry.error, time.monotonic())
         self.metrics.inc("agent/errors")

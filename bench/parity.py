@@ -2,16 +2,17 @@
 
 One process, one model (dense by default; `--moe` a Qwen3-MoE of the same active size):
 - trainer: a `TrainingEngine` on a world of one (gloo) takes SFT steps (batch 8 x 128 tokens);
-  beside each step it computes the version's probe (`TrainingEngine.probe`: 4 prompts x 32
-  tokens through the training forward on the weights rounded to bf16). Reported: the step time,
-  the probe time, their ratio, and the probe's size in the manifest.
+  beside each step it computes the version's probe (`weightsync.trainer.probe.version_probe`: 4
+  prompts x 32 tokens, records of the published weights in bf16 and fp32, each tensor gathered
+  whole, and the training forward's top-8 per position). Reported: the step time, the probe time,
+  their ratio, and the probe's size in the manifest.
 - agent: a `SyncAgent` with the reference engine (bf16, zero-copy) over a local store. Each
   trained version is published twice, into two stores: once without a probe, once with one
   (parity action "warn"), to two agents; publish() -> served is measured for both in the same run,
   alternating, so the machine's load falls on both alike. Reported: publish -> served median and
   p90 with and without the probe (the probe runs after the swap, on its own thread, so the two
   should be alike), and the probe's own time after the swap (its report's probe_s), with its
-  figures.
+  figures (the reference engine in bf16 against the bf16 record: 0).
 
 Prints one JSON record. Run from the repository root: `python -m bench.parity [--versions N] [--moe]`.
 Not a test: it asserts no times.
@@ -48,7 +49,7 @@ from weightsync.trainer.engine import TrainingEngine
 from weightsync.trainer.losses import LossSums
 from weightsync.trainer.optim import AdamWParams
 from weightsync.trainer.parallel import build_mesh, init_runtime
-from weightsync.trainer.publish import version_probe
+from weightsync.trainer.probe import version_probe
 
 DENSE = ModelConfig(
     vocab_size=4096,
@@ -129,7 +130,7 @@ def run(arch: ModelConfig, versions: int) -> dict:
                 step_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 probe = version_probe(engine, publish_config, prompts=prompts)
-                prompts = probe.prompts  # the first version's greedy tokens, for every later one
+                prompts = probe.prompts  # the run's, chosen by the first version, for every later one
                 probe_s.append(time.perf_counter() - t0)
                 probe_bytes.append(len(json.dumps(probe.to_json())))
                 # A world of one: each DTensor's local shard is the whole tensor.
@@ -161,7 +162,7 @@ def run(arch: ModelConfig, versions: int) -> dict:
         "trainer": {
             "step_s": _stats(step_s[steady]),
             "probe_s": _stats(probe_s[steady]),
-            "first_probe_s": probe_s[0],  # the run's prompts: greedy tokens generated once
+            "first_probe_s": probe_s[0],  # the run's prompts chosen (MoE: a pass over a pool, once)
             "probe_over_step": statistics.median(probe_s[steady]) / statistics.median(step_s[steady]),
             "probe_bytes": probe_bytes,
         },
@@ -169,9 +170,10 @@ def run(arch: ModelConfig, versions: int) -> dict:
             "publish_to_served_s_without_probe": _stats(served[False][steady]),
             "publish_to_served_s_with_probe": _stats(served[True][steady]),
             "probe_after_swap_s": _stats([r["probe_s"] for r in reports[steady]]),
-            "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in reports),
-            "mean_kl_max": max(r["mean_kl"] for r in reports),
-            "expert_mismatch_max": max((r["expert_mismatch"] or 0.0) for r in reports) if arch.is_moe else None,
+            **{
+                f"{figure}_max": max((r[figure] for r in reports if r[figure] is not None), default=None)
+                for figure in ("dlogprob_p50", "dlogprob_p90", "max_abs_dlogprob", "expert_mismatch", "gap_kl")
+            },
             "actions": sorted({r["action"] for r in reports}),
         },
     }

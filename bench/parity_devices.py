@@ -1,11 +1,12 @@
 """parity across devices: what the parity probe reports when trainer and engine run on different
-hardware or precision, dense and MoE (needs a CUDA GPU).
+hardware, dense and MoE (needs a CUDA GPU).
 
-The "trainer" computes the probe on the GPU in float32 on the bf16-rounded weights (what
-`TrainingEngine.probe` does); "engines" answer the same prompts on the CPU in float32, on the CPU
-in bf16 and on the GPU in bf16 (what a bf16 inference engine computes). The random weights are
-scaled x4 so that the logits are far from uniform, as a trained model's are. Last, the
-`TrainingEngine.probe` path itself on CUDA (an NCCL world of one) against the plain forward.
+The "trainer" records the probe on the GPU, from the published (bf16) weights in bf16 and in fp32
+(what `TrainingEngine.probe` does); "engines" answer the same prompts on the CPU in fp32, on the
+CPU in bf16 and on the GPU in bf16, each held to the record of its own dtype (what an agent
+does): a GPU trainer and a CPU engine differ by their kernels only. The random weights are scaled
+x4 so that the logits are far from uniform, as a trained model's are. Last, the
+`TrainingEngine.probe` path itself on CUDA (an NCCL world of one) against the plain staged forward.
 
 Prints one JSON record (and writes it to --out). Run from the repository root on a GPU machine:
 `python -m bench.parity_devices`. Not a test: it asserts nothing.
@@ -14,6 +15,8 @@ Prints one JSON record (and writes it to --out). Run from the repository root on
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -23,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weightsync.agents.parity import compare
+from weightsync.agents.parity_figures import compare
 from weightsync.models import ModelConfig, build_model
-from weightsync.models.probe import default_prompts, run_probe, to_probe
+from weightsync.models.probe import DEFAULT_PROMPTS, draw_prompts, run_probe, to_probe
 from weightsync.trainer.config import ParallelConfig
 from weightsync.trainer.engine import TrainingEngine
 from weightsync.trainer.parallel import build_mesh, init_runtime
@@ -53,41 +56,33 @@ MOE = ModelConfig(
 
 
 def across_devices(arch: ModelConfig) -> dict:
-    """The trainer's probe (GPU, fp32) against engines on CPU fp32, CPU bf16 and GPU bf16."""
+    """The trainer's records (GPU, bf16 and fp32) against engines on CPU fp32, CPU bf16 and GPU bf16."""
     model = build_model(arch, seed=0)
     with torch.no_grad():  # random init gives near-uniform logits; a trained model's are peaked
         for p in model.parameters():
             if p.ndim == 2:
                 p.mul_(4.0)
     published = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
-    prompts = default_prompts(arch.vocab_size)
+    on_gpu = {n: t.cuda() for n, t in published.items()}
+    prompts = list(itertools.islice(draw_prompts(arch.vocab_size), DEFAULT_PROMPTS))
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     t0 = time.perf_counter()
-    trainer = run_probe(model.cuda(), prompts, weights={n: t.cuda().float() for n, t in published.items()})
+    records = run_probe(arch, prompts, on_gpu.__getitem__, dtypes=list(dtypes.values()), device="cuda")
     torch.cuda.synchronize()
-    probe = to_probe(prompts, trainer)
+    probe = to_probe(prompts, {name: records[dtype] for name, dtype in dtypes.items()})
     result = {"probe_bytes": len(json.dumps(probe.to_json())), "trainer_probe_s_cuda": time.perf_counter() - t0}
-    engines = {
-        "cpu_fp32": ("cpu", {n: t.float() for n, t in published.items()}),
-        "cpu_bf16": ("cpu", dict(published)),
-        "cuda_bf16": ("cuda", {n: t.cuda() for n, t in published.items()}),
-    }
-    for name, (device, weights) in engines.items():
-        engine = build_model(arch).to(device)  # its own module: rope buffers stay float32
+    engines = {"cpu_fp32": ("cpu", "float32"), "cpu_bf16": ("cpu", "bfloat16"), "cuda_bf16": ("cuda", "bfloat16")}
+    for name, (device, dtype) in engines.items():
+        weights = {n: t.to(device) for n, t in published.items()}
         t0 = time.perf_counter()
-        run = run_probe(engine, prompts, weights=weights)
-        max_abs, mean_kl, mismatch, tokens = compare(probe, run.logprobs, run.experts)
-        result[name] = {
-            "max_abs_dlogprob": max_abs,
-            "mean_kl": mean_kl,
-            "expert_mismatch": mismatch,
-            "tokens": tokens,
-            "probe_s": time.perf_counter() - t0,
-        }
+        run = run_probe(arch, prompts, weights.__getitem__, dtypes=[dtypes[dtype]], device=device)[dtypes[dtype]]
+        figures = compare(probe, dtype, run.logprobs, run.experts)
+        result[name] = dataclasses.asdict(figures) | {"probe_s": time.perf_counter() - t0}
     return result
 
 
 def engine_probe_on_cuda() -> dict:
-    """`TrainingEngine.probe` on an NCCL world of one against the plain forward on rounded weights."""
+    """`TrainingEngine.probe` on an NCCL world of one against the plain staged forward."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     parallel = ParallelConfig()
     runtime = init_runtime(parallel)
@@ -96,15 +91,13 @@ def engine_probe_on_cuda() -> dict:
         engine = TrainingEngine.build(
             MOE, state, mesh=build_mesh(parallel, runtime), parallel=parallel, device=runtime.device
         )
-        prompts = default_prompts(MOE.vocab_size, count=2, length=16)
-        run = engine.probe(prompts)
-        rounded = {n: t.to(torch.bfloat16).float().cuda() for n, t in state.items()}
-        want = run_probe(build_model(MOE).cuda(), prompts, weights=rounded)
+        prompts = list(itertools.islice(draw_prompts(MOE.vocab_size, length=16), 2))
+        run = engine.probe(prompts, compute_dtypes=[torch.bfloat16])[torch.bfloat16]
+        published = {n: t.to(torch.bfloat16).cuda() for n, t in state.items()}
+        want = run_probe(MOE, prompts, published.__getitem__, dtypes=[torch.bfloat16], device="cuda")[torch.bfloat16]
         return {
             "backend": dist.get_backend(),
-            "max_abs_vs_plain": max(
-                float((a - b).abs().max()) for a, b in zip(run.logprobs, want.logprobs, strict=True)
-            ),
+            "logprobs_equal": all(torch.equal(a, b) for a, b in zip(run.logprobs, want.logprobs, strict=True)),
             "experts_equal": all(torch.equal(a, b) for a, b in zip(run.experts, want.experts, strict=True)),
         }
     finally:

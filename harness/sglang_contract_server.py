@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from weightsync.models import CausalLM, load_pretrained, rope_inv_freq
+from weightsync.models import load_pretrained
 from weightsync.models.probe import run_probe
 
 _ROUTES = {
@@ -326,11 +326,7 @@ class SGLangContractServer:
 
 def _input_logprobs(architecture, weights: dict[str, torch.Tensor], ids: list[int]) -> list[list]:
     """SGLang's input_token_logprobs: [logprob, id, text] per prompt token, None for the first."""
-    with torch.device("meta"):
-        model = CausalLM(architecture)
-    model.inv_freq = rope_inv_freq(architecture)
-    floats = {n: t.float() for n, t in weights.items()}
-    run = run_probe(model, [ids], weights=floats)
+    run = run_probe(architecture, [ids], weights.__getitem__, dtypes=[torch.float32])[torch.float32]
     return [[None, ids[0], None]] + [
         [float(lp), t, None] for lp, t in zip(run.logprobs[0].tolist(), ids[1:], strict=True)
     ]

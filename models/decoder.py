@@ -203,6 +203,22 @@ def rope_inv_freq(config: ModelConfig, device: str | torch.device = "cpu") -> to
     return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
 
 
+def rotary_cos_sin(
+    inv_freq: torch.Tensor, past: int, length: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin (length, head_dim) for positions past..past+length-1, computed in fp32
+    on inv_freq's device and cast to the activations' dtype."""
+    positions = torch.arange(past, past + length, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The output projection of the final-norm hidden states, in their dtype, returned as fp32."""
+    return F.linear(hidden, weight).float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -363,16 +379,11 @@ class CausalLM(nn.Module):
             kwargs = {"cache": cache, "router_logits": router_logits}
             return torch.func.functional_call(self, dict(weights), (input_ids,), kwargs, strict=False)
         past = 0 if cache is None else cache.length()
-        t = input_ids.shape[1]
-        positions = torch.arange(past, past + t, dtype=torch.float32, device=input_ids.device)
-        freqs = torch.outer(positions, self.inv_freq.to(input_ids.device))
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rotary_cos_sin(self.inv_freq.to(input_ids.device), past, input_ids.shape[1], x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, router_logits)
-        x = self.model.norm(x)
-        return self.project(x).float()
+        return self.project(self.model.norm(x)).float()
 
     @torch.no_grad()
     def generate(

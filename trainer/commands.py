@@ -238,7 +238,7 @@ class Worker:
             loaded.publishers[command.store_model] = publisher
         failures = publisher.failures
         # Adapters alone compute nothing: their versions carry no probe (the merged ones do).
-        probe = publisher.probe(loaded.engine) if command.kind != "adapter" else None
+        probe = publisher.probe(loaded.engine, kind=command.kind) if command.kind != "adapter" else None
         publisher.publish(loaded.engine.weights(command.kind), loaded.engine.optim_steps, probe=probe)
         metrics = publisher.collect(wait=True)
         if publisher.failures != failures:

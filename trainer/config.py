@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import ConfigError
+from weightsync.format.probe import COMPUTE_DTYPES as PROBE_COMPUTE_DTYPES
 from weightsync.listen import is_host
 from weightsync.models import ModelConfig
 from weightsync.models.packed import PackFormat
@@ -352,9 +353,17 @@ class PublishConfig:
     called, time to commit, bytes): what `weightsync demo` reports from."""
     probe_prompts: int = 4
     """Prompts of the numerical-parity probe each version carries (agents compare what their
-    engine computes for them with the trainer's log-probs: agents/parity.py); 0: no probe."""
+    engine computes for them with the trainer's: agents/parity.py, trainer/probe.py); 0: no probe.
+    MoE models may get up to as many again, so that every router chooses every expert."""
     probe_tokens: int = 32
-    """Tokens per probe prompt (fixed seeded token ids, the same for every version)."""
+    """Tokens per probe prompt: distinct seeded token ids, the same prompts for every version."""
+    probe_dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    """Compute dtypes the probe records the published weights in: an engine is held to the record
+    of the dtype it computes in (vLLM and the reference engine: bfloat16 by default), and one that
+    does not say to the first."""
+    probe_top_k: int = 8
+    """Most likely next tokens per probe position the training forward records, for the
+    training/inference gap figure (docs/agents.md, "Parity probe"); 0: no gap figure."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "push", tuple(self.push))
@@ -362,10 +371,20 @@ class PublishConfig:
             raise ValueError(f"every_steps must be >= 1, got {self.every_steps}")
         if not self.commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
-        if self.probe_prompts < 0 or self.probe_tokens < 2:
+        object.__setattr__(self, "probe_dtypes", tuple(self.probe_dtypes))
+        if self.probe_prompts < 0 or self.probe_tokens < 2 or self.probe_top_k < 0:
             raise ValueError(
-                f"probe_prompts must be >= 0 (0: no probe) and probe_tokens >= 2, "
-                f"got {self.probe_prompts} and {self.probe_tokens}"
+                f"probe_prompts must be >= 0 (0: no probe), probe_tokens >= 2 and probe_top_k >= 0 "
+                f"(0: no gap figure), got {self.probe_prompts}, {self.probe_tokens} and {self.probe_top_k}"
+            )
+        if (
+            not self.probe_dtypes
+            or len(set(self.probe_dtypes)) != len(self.probe_dtypes)
+            or not set(self.probe_dtypes) <= set(PROBE_COMPUTE_DTYPES)
+        ):
+            raise ValueError(
+                f"probe_dtypes must list distinct compute dtypes of {list(PROBE_COMPUTE_DTYPES)}, the "
+                f'engines\' first, e.g. ["bfloat16", "float32"]; got {list(self.probe_dtypes)}'
             )
         if not is_host(self.metrics_host):
             raise ValueError(

@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor
 from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
 from weightsync.models import packed as packing
 from weightsync.models.moe import SparseMoeBlock
-from weightsync.models.probe import ProbeRun, greedy_extend, run_probe
+from weightsync.models.probe import ProbeRun, run_probe, run_top_k
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
@@ -107,10 +107,13 @@ class TrainingEngine:
         device: torch.device,
         lora: adapters.LoraSettings | None = None,
         lora_targets: list[str] | None = None,
+        compute_dtype: str = "float32",
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.config: ModelConfig = model.config
         self.device = device
+        self.compute_dtype = compute_dtype
+        """What the forward computes in: "bfloat16" under bf16 mixed precision, else "float32"."""
         self.lora, self.lora_targets = lora, list(lora_targets or [])
         self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
         self.dp_group = dp_group(mesh)
@@ -145,7 +148,10 @@ class TrainingEngine:
             architecture, weights, mesh=mesh, parallel=parallel, device=device, lora=lora, trainable=trainable
         )
         optimizer = build_optimizer(model) if trainable else None
-        return cls(model, optimizer, mesh=mesh, device=device, lora=lora, lora_targets=targets)
+        compute_dtype = "bfloat16" if parallel.mixed_precision == "bf16" else "float32"
+        return cls(
+            model, optimizer, mesh=mesh, device=device, lora=lora, lora_targets=targets, compute_dtype=compute_dtype
+        )
 
     @property
     def trainable_parameters(self) -> int:
@@ -232,35 +238,32 @@ class TrainingEngine:
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        weights_dtype: torch.dtype = torch.bfloat16,
-        extend_to: int | None = None,
-    ) -> ProbeRun:
-        """The parity probe's prompts through the training forward (`weightsync.models.probe`), on
-        the weights as they are published: each floating-point parameter rounded to
-        `weights_dtype` for the pass and put back bit for bit after it. An engine that serves the
-        published tensors correctly in float32 then computes exactly this. `extend_to`: first
-        continue the prompts with the model's greedy tokens to this length (`greedy_extend`).
-        Costs a copy of this rank's shards for the pass. Collective: every rank calls it alike."""
-        saved = []
-        with torch.no_grad():
-            for parameter in self.model.parameters():
-                local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
-                if local.is_floating_point() and local.dtype != weights_dtype:
-                    saved.append((local, local.clone()))
-                    local.copy_(local.to(weights_dtype))
-            try:
-                if extend_to is not None:
-                    prompts = greedy_extend(self.model, prompts, extend_to, device=self.device)
-                # Router logits through hooks, as forward_backward records them (FSDP2 and lists).
-                return run_probe(
-                    self.model,
-                    prompts,
-                    recording=lambda: _recording_router_logits(self.model, True),
-                    device=self.device,
-                )
-            finally:
-                for local, original in saved:
-                    local.copy_(original)
+        compute_dtypes: Sequence[torch.dtype],
+        published_dtype: torch.dtype | None = torch.bfloat16,
+        kind: WeightsKind = "full",
+    ) -> dict[torch.dtype, ProbeRun]:
+        """The parity probe's records (`weightsync.models.probe.run_probe`): the prompts through the
+        model on the weights exactly as they are published (`weights(kind)`, each floating tensor
+        cast to `published_dtype` as the publisher casts it), in each of `compute_dtypes`. Each
+        tensor is gathered whole one at a time: one all-gather of the model, and a layer's weights
+        of memory, whatever the sharding. Collective: every rank calls it alike."""
+        weights = self.weights(kind)
+
+        def published(name: str) -> torch.Tensor:
+            tensor = weights[name]
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if published_dtype is not None and whole.is_floating_point():
+                whole = whole.to(published_dtype)
+            return whole.to(self.device)
+
+        return run_probe(self.config, prompts, published, dtypes=compute_dtypes, device=self.device)
+
+    def probe_training(self, prompts: Sequence[Sequence[int]], top_k: int) -> ProbeRun:
+        """The parity probe's prompts through the training forward as the model trains (its own
+        weights, its compute precision; LoRA adapters applied): each position's `top_k` most likely
+        next tokens with their log-probs (`weightsync.models.probe.run_top_k`), what the policy
+        would sample. Collective: every rank calls it alike."""
+        return run_top_k(self.model, prompts, top_k, device=self.device)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clips the gradients to a global norm of `max_norm` (0: no clipping); returns the norm

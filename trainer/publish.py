@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,40 +38,16 @@ from weightsync.listen import listen_error
 from weightsync.metrics import NULL_METRICS, PrometheusMetrics
 from weightsync.model_files import read_model_files
 from weightsync.models import ModelConfig
-from weightsync.models.probe import default_prompts, to_probe
 from weightsync.publisher import Publisher, ShardSpec
 from weightsync.stores import open_store
 from weightsync.trainer.config import ModelSpec, PublishConfig
 from weightsync.trainer.pieces import Ownership
+from weightsync.trainer.probe import version_probe
 from weightsync.transport.push import PushConfig, Pusher
 from weightsync.transport.rpc import TlsConfig, read_token
 from weightsync.transport.signing import Signer
 
 log = logging.getLogger(__name__)
-
-
-def version_probe(
-    engine: Any,
-    config: PublishConfig,
-    *,
-    prompts: Sequence[Sequence[int]] | None = None,
-    compute_dtype: str = "float32",
-) -> Probe | None:
-    """The numerical-parity probe of the version about to be published (None when
-    `probe_prompts` is 0): `prompts` through `engine`'s training forward on the weights rounded as
-    the publisher casts them (`TrainingEngine.probe`). Without `prompts`, the run's first: seeded
-    start tokens continued greedily to `probe_tokens` by this model; the caller keeps the probe's
-    `prompts` for the next versions (`WeightPublisher.probe`). Collective: every rank calls it."""
-    if config.probe_prompts == 0:
-        return None
-    cast = config.publisher.cast_floats_to
-    weights_dtype = getattr(torch, cast) if cast else torch.float32
-    if prompts is None:
-        starts = default_prompts(engine.config.vocab_size, count=config.probe_prompts, length=1)
-        run = engine.probe(starts, weights_dtype=weights_dtype, extend_to=config.probe_tokens)
-    else:
-        run = engine.probe(prompts, weights_dtype=weights_dtype)
-    return to_probe(run.prompts, run, compute_dtype=compute_dtype)
 
 
 def model_files_of(spec: ModelSpec, architecture: ModelConfig, config: PublishConfig) -> dict[str, bytes]:
@@ -154,10 +130,10 @@ class WeightPublisher:
     def due(self, step: int, last_step: int) -> bool:
         return step % self.config.every_steps == 0 or step == last_step
 
-    def probe(self, engine: Any, *, compute_dtype: str = "float32") -> Probe | None:
-        """The parity probe of the version about to be published (`version_probe`), on the prompts
-        of this publisher's first probe. Collective: every rank calls it."""
-        probe = version_probe(engine, self.config, prompts=self._probe_prompts, compute_dtype=compute_dtype)
+    def probe(self, engine: Any, *, kind: str = "full") -> Probe | None:
+        """The parity probe of the version about to be published (`weightsync.trainer.probe`), on the
+        prompts this publisher's first probe chose. Collective: every rank calls it."""
+        probe = version_probe(engine, self.config, prompts=self._probe_prompts, kind=kind)
         if probe is not None:
             self._probe_prompts = [list(p) for p in probe.prompts]
         return probe

@@ -230,8 +230,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.publisher.due(self.step, self.config.steps):
             t0 = time.perf_counter()
-            compute_dtype = "bfloat16" if self.job.parallel.mixed_precision == "bf16" else "float32"
-            probe = self.publisher.probe(self.engine, compute_dtype=compute_dtype)
+            probe = self.publisher.probe(self.engine)
             metrics["publish/probe_s"] = time.perf_counter() - t0
             metrics.update(self.publisher.publish(self.engine.weights(), self.step, probe=probe))
         metrics.update(self.publisher.collect())

@@ -22,8 +22,13 @@ engine is handed, so that a refused version never touches it), `state` (what it 
 it serves nothing: `EngineState`) and `verify_held` (does what it holds hash to the agent's verified
 copy of a version? `status --verify`; None from an engine that cannot report what it holds).
 
-One optional member: `prompt_logprobs(prompts, timeout_s=...)` (a `PromptLogprobs`), what the agent's
-parity probe asks after each swap (`agents/parity.py`). An engine without it is never probed.
+Two optional members. `prompt_logprobs(prompts, timeout_s=..., top_k=0)` (a `PromptLogprobs`), what
+the agent's parity probe asks after each swap (`agents/parity.py`): the log-prob of each prompt token,
+the dtype the engine computes in, and with top_k each position's most likely next tokens. An engine
+without it is never probed. `withdraw(reason)`: stop serving (new requests are refused, `state()`
+says "paused" with the reason) until the next `swap`; what the agent's refuse rule asks when no
+version passed the parity probe (`sync.py`). An engine without it keeps serving, and the agent
+reports that it serves nothing (not healthy).
 
 Not here: verifying, staging or fetching versions (the agent does that), the registry
 (`engines/__init__.py`), the swap policies themselves (`swap_policy.py`).
@@ -113,6 +118,13 @@ class PromptLogprobs:
     """Per prompt: float log p(token i | tokens < i), i = 1..n-1."""
     experts: list[torch.Tensor] | None = None
     """MoE, where the engine exposes routing: per prompt [tokens, sparse layers, top_k] expert ids."""
+    compute_dtype: str | None = None
+    """The dtype the engine computes in ("bfloat16", "float16", "float32"), where it can say."""
+    top_ids: list[torch.Tensor] | None = None
+    """Asked with top_k, where the engine can: per prompt [n-1, top_k], each position's most likely
+    next tokens, best first."""
+    top_logprobs: list[torch.Tensor] | None = None
+    """Their log-probs, the same shape."""
 
 
 @runtime_checkable

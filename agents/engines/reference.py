@@ -24,8 +24,10 @@ no extra memory, the pause is a reference flip; use it on CPUs with bf16 instruc
 (AVX512-BF16, AMX), where it is also the faster one. "float32" converts each version to fp32
 before the flip (outside the pause) and generates in fp32: use it on CPUs without bf16
 instructions, where bf16 matmuls are emulated and slow, if 2x the memory and a conversion per swap
-are affordable. It keeps no reference to the agent's tensors (`zero_copy` is False).
-`python -m bench.swap` measures both on the machine at hand.
+are affordable. It keeps no reference to the agent's tensors (`zero_copy` is False). "float16"
+converts likewise, for engines that serve fp16 (the parity probe holds an engine to the trainer's
+record of its own compute dtype: train.publish.probe_dtypes must list it).
+`python -m bench.swap` measures bfloat16 and float32 on the machine at hand.
 
 Not here: the HTTP/JSON front end, request validation and the "reference" engine type
 (`reference_server.py`), verifying or fetching versions (the agent), continuous batching across
@@ -77,7 +79,7 @@ from weightsync.models.probe import run_probe
 
 logger = logging.getLogger(__name__)
 
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODEL_STOP = "model"
 """`generate(stop=MODEL_STOP)`: stop at the model's own EOS (`ReferenceEngine.default_stop`)."""
 TOKENIZER = ByteTokenizer()
@@ -94,7 +96,8 @@ class ReferenceEngineConfig:
     """An HF-style directory (config.json + safetensors): its weights are served as version 0."""
     compute_dtype: str = "bfloat16"
     """"bfloat16": serve the swapped-in tensors as they are (zero-copy). "float32": convert each
-    version before the flip; faster on CPUs without bf16 instructions, 2x memory, not zero-copy."""
+    version before the flip; faster on CPUs without bf16 instructions, 2x memory, not zero-copy.
+    "float16": convert likewise (what an fp16 engine computes)."""
     torch_threads: int | None = None
     """torch.set_num_threads for this process (a process-wide setting); None leaves torch's default."""
     max_concurrent_requests: int = 4
@@ -297,6 +300,7 @@ class ReferenceEngine:
             self._replicas.put(_replica(model_config))
         self._cond = threading.Condition()
         self._current: _Record | None = None
+        self._withdrawn = ""  # why `withdraw` stopped serving ("" when it did not)
         self._last_pause_s: float | None = None
         self._in_flight: collections.Counter[int] = collections.Counter()
         self._swap_lock = threading.Lock()
@@ -333,7 +337,7 @@ class ReferenceEngine:
             served = Served(version, digest, MappingProxyType(tensors))
             flip = time.perf_counter()
             with self._cond:
-                self._current = _Record(served, time.time(), policy)
+                self._current, self._withdrawn = _Record(served, time.time(), policy), ""
                 self._cond.notify_all()
             pause_s = self._last_pause_s = time.perf_counter() - flip
             total_s = time.perf_counter() - started
@@ -370,6 +374,8 @@ class ReferenceEngine:
     def state(self) -> EngineState:
         """In-process: serving whatever was swapped in last (or loaded from model_dir as version 0)."""
         version = self.served_version()
+        if version is None and self._withdrawn:
+            return EngineState(state="paused", reason=self._withdrawn)
         if version is None:
             return EngineState(state="empty", reason="no weights yet: the agent has not swapped in a version")
         return EngineState(state="serving", version=version)
@@ -410,7 +416,7 @@ class ReferenceEngine:
         """What new requests get now: (version, digest, weights). Raises NotReady before any weights."""
         record = self._current
         if record is None:
-            raise NotReady("no weights yet: the agent has not swapped in a version")
+            raise NotReady(self._withdrawn or "no weights yet: the agent has not swapped in a version")
         return record.served
 
     @contextlib.contextmanager
@@ -429,7 +435,7 @@ class ReferenceEngine:
         """The current record, counted as in use (call under `_cond`)."""
         record = self._current
         if record is None:
-            raise NotReady("no weights yet: the agent has not swapped in a version")
+            raise NotReady(self._withdrawn or "no weights yet: the agent has not swapped in a version")
         self._in_flight[record.served.version] += 1
         return record
 
@@ -504,21 +510,42 @@ class ReferenceEngine:
         self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in completions))
         return Generation(started.served, completions, restarts)
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0, top_k: int = 0
+    ) -> PromptLogprobs:
         """The parity probe's question (`agents/parity.py`): per prompt, the log-prob of each token
-        after the first, and for MoE models the experts each sparse layer chose per token, on the
-        served version (held for the call, like a drain-policy request). Computed by
-        `weightsync.models.probe.run_probe`, one prompt per pass, as the trainer computes it."""
+        after the first, with `top_k` each position's most likely next tokens, and for MoE models
+        the experts each sparse layer chose per token, on the served version (held for the call,
+        like a drain-policy request), in the compute dtype. Computed by
+        `weightsync.models.probe.run_probe`, the very code the trainer's probe runs."""
         try:
             replica = self._replicas.get(timeout=min(timeout_s, self.config.queue_timeout_s))
         except queue.Empty:
             raise NotReady("every generation slot stayed busy; the parity probe waits for the next version") from None
-        try:
+        try:  # a generation slot bounds the probe's memory and CPU like a request's
             with self.lease() as served:
-                run = run_probe(replica, prompts, weights=served.weights)
+                weights = served.weights
+                run = run_probe(self.model_config, prompts, weights.__getitem__, dtypes=[self._dtype], top_k=top_k)
         finally:
             self._replicas.put(replica)
-        return PromptLogprobs(version=served.version, logprobs=run.logprobs, experts=run.experts)
+        run = run[self._dtype]
+        return PromptLogprobs(
+            version=served.version,
+            logprobs=run.logprobs,
+            experts=run.experts,
+            compute_dtype=self.config.compute_dtype,
+            top_ids=run.top_ids,
+            top_logprobs=run.top_logprobs,
+        )
+
+    def withdraw(self, reason: str) -> None:
+        """Stops serving until the next swap: new requests are refused (NotReady with `reason`),
+        running ones finish on their version; `state()` says "paused"."""
+        with self._cond:
+            self._current, self._withdrawn = None, reason
+            self._cond.notify_all()
+        self.metrics.version.set(-1)
+        logger.warning("serving nothing: %s", reason)
 
     def _running(self, record: _Record) -> _Running:
         """The state of one request starting on `record` (tests gate its steps by subclassing)."""

@@ -276,11 +276,14 @@ class SGLangEngine:
     def served_version(self) -> int | None:
         return self._served
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0, top_k: int = 0
+    ) -> PromptLogprobs:
         """The parity probe's question (`agents/parity.py`): per prompt, SGLang's log-prob of each
         prompt token after the first (POST /generate with input_ids, return_logprob and
         logprob_start_len 0: meta_info.input_token_logprobs), with the weight_version that
-        answered. SGLang does not report its routing: no expert choices."""
+        answered. SGLang does not report its routing, its dtype or (here) top-k tokens: no expert
+        choices, the probe's first record, no training/inference gap figure (`top_k` is ignored)."""
         logprobs, versions = [], set()
         for prompt in prompts:
             body = {

@@ -285,35 +285,62 @@ class VllmEngine:
         )
         return SwapReport(version=version, pause_s=resumed - t_pause, total_s=time.perf_counter() - started)
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0) -> PromptLogprobs:
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], *, timeout_s: float = 60.0, top_k: int = 0
+    ) -> PromptLogprobs:
         """The parity probe's question (`agents/parity.py`): per prompt, vLLM's log-prob of each
-        prompt token after the first (POST /v1/completions with the token ids, prompt_logprobs 0,
-        one generated token), on whatever the server serves. vLLM does not expose its routing:
-        no expert choices. The version is the one served around the calls; an answer during which
-        a swap began or ran may mix versions, and is reported as version -1 (the agent drops it)."""
+        prompt token after the first and, with `top_k`, each position's `top_k` most likely next
+        tokens (POST /v1/completions with the token ids, prompt_logprobs = top_k, one generated
+        token), on whatever the server serves, with the dtype its workers hold the model in.
+        vLLM does not expose its routing: no expert choices. The version is the one served around
+        the calls; an answer during which a swap began or ran may mix versions, and is reported as
+        version -1 (the agent drops it)."""
         if self.weights_kinds == ("adapter",):
             raise WeightsyncError(
                 "an adapter-serving vLLM engine answers no parity probe (versions of adapters carry none)"
             )
         before = (self._served, self._swaps_begun, self._swaps_ended)
         model = self._served_model_name()
-        logprobs = []
+        logprobs, top_ids, top_logprobs = [], [], []
         for prompt in prompts:
             body = {"model": model, "prompt": [int(t) for t in prompt], "max_tokens": 1, "temperature": 0.0}
-            reply = self._post("/v1/completions", body | {"prompt_logprobs": 0}, timeout_s=timeout_s)
+            reply = self._post("/v1/completions", body | {"prompt_logprobs": top_k}, timeout_s=timeout_s)
             entries = ((reply.get("choices") or [{}])[0]).get("prompt_logprobs")
             if not isinstance(entries, list) or len(entries) != len(prompt):
                 raise WeightsyncError(f"vLLM answered no prompt logprobs for a {len(prompt)}-token probe prompt")
-            values = []
+            values, ids, tops = [], [], []
             for i, entry in enumerate(entries[1:], start=1):
                 candidate = (entry or {}).get(str(prompt[i]))
                 if candidate is None:
                     raise WeightsyncError(f"vLLM's prompt logprobs lack probe token {i}")
                 values.append(float(candidate["logprob"]))
+                # Each entry holds the prompt token and the top_k by rank (1 = most likely).
+                ranked = sorted(
+                    (c["rank"], int(t), float(c["logprob"])) for t, c in entry.items() if c["rank"] <= top_k
+                )
+                if top_k and len(ranked) != top_k:
+                    raise WeightsyncError(f"vLLM gave {len(ranked)} of {top_k} top log-probs at probe token {i}")
+                ids.append([t for _, t, _ in ranked])
+                tops.append([lp for _, _, lp in ranked])
             logprobs.append(torch.tensor(values, dtype=torch.float32))
+            top_ids.append(torch.tensor(ids, dtype=torch.long).reshape(len(values), top_k))
+            top_logprobs.append(torch.tensor(tops, dtype=torch.float32).reshape(len(values), top_k))
         settled = before[1] == before[2] and (self._served, self._swaps_begun, self._swaps_ended) == before
         version = before[0] if settled and before[0] is not None else -1
-        return PromptLogprobs(version=version, logprobs=logprobs)
+        return PromptLogprobs(
+            version=version,
+            logprobs=logprobs,
+            compute_dtype=self.workers[0].get("dtype"),
+            top_ids=top_ids if top_k else None,
+            top_logprobs=top_logprobs if top_k else None,
+        )
+
+    def withdraw(self, reason: str) -> None:
+        """Stops serving until the next swap: the server is paused (running requests aborted) and
+        the engine reports itself paused and unhealthy with `reason`."""
+        with self._lock:
+            self._post("/pause?mode=abort", timeout_s=self.config.drain_timeout_s)
+            self._mark_unhealthy(reason)
 
     def _served_model_name(self) -> str:
         """The model name requests must give (the first of GET /v1/models: --served-model-name),

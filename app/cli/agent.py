@@ -28,23 +28,24 @@ def _cmd_agent(args: argparse.Namespace) -> dict[str, Any]:
         logging.INFO if args.verbose else logging.WARNING, args.log_format, agent=config.name, region=config.region
     )
 
-    def ready(server) -> None:
-        # One line on stdout as soon as the agent listens: what scripts (and the demo) wait for.
-        print(
-            json.dumps(
-                {
-                    "event": "ready",
-                    "agent": config.name,
-                    "address": server.address,
-                    "engine_url": server.engine.url,
-                    "metrics_port": server.metrics_port,
-                }
-            ),
-            flush=True,
-        )
-
-    run_agent(config, ready=ready)
+    run_agent(config, ready=print_ready_line)
     return {"agent": config.name, "stopped": True}
+
+
+def print_ready_line(server) -> None:
+    """One line on stdout as soon as the agent listens: what scripts (and the demo) wait for."""
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "agent": server.config.name,
+                "address": server.address,
+                "engine_url": server.engine.url,
+                "metrics_port": server.metrics_port,
+            }
+        ),
+        flush=True,
+    )
 
 
 def agent_config(args: argparse.Namespace):
@@ -143,7 +144,7 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         if reply.HasField("parity"):  # the newest parity probe (docs/agents.md, "Parity probe")
             print(parity_line(reply.parity))
         if reply.refused:
-            print(f"refused by the parity probe: {', '.join(f'v{v}' for v in reply.refused)}")
+            print(f"refused by the parity probe (never served again): {', '.join(f'v{v}' for v in reply.refused)}")
         print(
             f"{'version':>7} {'outcome':>10} {'source':>14} {'pushed':>10} {'fetched':>10} {'total':>8} "
             f"{'pause':>8}  path / error"
@@ -158,7 +159,8 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
             )
     if args.verify:
         if not reply.current_version:
-            raise Failed(row, f"agent {reply.agent} serves no version of {reply.model}: nothing to verify")
+            why = f": {reply.unhealthy}" if reply.unhealthy else ""
+            raise Failed(row, f"agent {reply.agent} serves no version of {reply.model}{why}")
         if not engine_serving:
             raise Failed(
                 row,
@@ -172,18 +174,23 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parity_line(p) -> str:
-    """A ParityReport as `status` prints it. Each figure names what it is over: the log-prob figures
-    the tokens compared, the expert mismatch the positions whose routing was recorded (every prompt
-    token: more than the tokens; the line once said "124 tokens" of a fraction over 128 positions)."""
-    routing = ""
+    """A ParityReport in one line: the record the engine was held to, the figures, the verdict.
+    Each figure names what it is over: the log-prob figures the tokens compared, the expert
+    mismatch the positions whose routing was recorded (every prompt token: more than the tokens;
+    the line once said "124 tokens" of a fraction over 128 positions)."""
+    figures = [f"held to the {p.compute_dtype or '?'} record"]
+    if p.HasField("dlogprob_p50"):
+        figures.append(
+            f"|dlogprob| median {p.dlogprob_p50:.3g}, p90 {p.dlogprob_p90:.3g}, max {p.max_abs_dlogprob:.3g}"
+        )
+    figures[-1] += f" over {p.tokens} tokens"
     if p.HasField("expert_mismatch"):
         over = f" over {p.expert_positions} positions" if p.expert_positions else ""
-        routing = f"; expert mismatch {p.expert_mismatch:.3g}{over}"
+        figures.append(f"expert mismatch {p.expert_mismatch:.3g}{over}")
+    if p.HasField("gap_kl"):
+        figures.append(f"training/inference gap KL {p.gap_kl:.3g} (top-k overlap {p.gap_overlap:.2f})")
     verdict = "ok" if p.action == "ok" else f"{p.action.upper()}: {'; '.join(p.breaches)}"
-    return (
-        f"parity v{p.version} on {p.engine}: max |dlogprob| {p.max_abs_dlogprob:.3g}, mean KL {p.mean_kl:.3g} "
-        f"over {p.tokens} tokens{routing}, {1000 * p.probe_s:.0f} ms: {verdict}"
-    )
+    return f"parity v{p.version} on {p.engine}: {', '.join(figures)}, {1000 * p.probe_s:.0f} ms: {verdict}"
 
 
 def _message_json(message) -> dict[str, Any]:

@@ -37,6 +37,8 @@ def demo_config(args: argparse.Namespace):
         )
         if getattr(args, k) is not None
     }
+    if args.inject_parity_fault:
+        overrides["inject_parity_fault"] = True
     if args.moe:
         from weightsync.app.demo.run import MOE_ARCHITECTURE
 
@@ -137,6 +139,13 @@ def _add_demo(sub) -> None:
         action="store_true",
         help="train and serve a tiny Qwen3-MoE (8 experts, top-2; the default model's active size) "
         "instead of the dense Qwen3",
+    )
+    p.add_argument(
+        "--inject-parity-fault",
+        action="store_true",
+        help="one agent's engine serves two layers swapped for three GRPO versions (every byte verifies): "
+        "its parity probe catches it and, under action refuse, it keeps the newest version that passed "
+        "(docs/agents.md, 'Parity probe')",
     )
     p.add_argument("--quick", action="store_true", help="a few steps of each phase (what CI runs)")
     p.set_defaults(handler=_cmd_demo)

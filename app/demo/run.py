@@ -98,6 +98,10 @@ class DemoConfig:
     generating past the end of the answer (long rollouts, as in agentic RL), so requests run
     for long and swaps meet them; the trainer still learns from the completion up to its EOS."""
     seed: int = 0
+    inject_parity_fault: bool = False
+    """One agent (the last) runs its parity probe under action "refuse" beside a reference engine
+    that serves layers 0 and 1 swapped for three GRPO versions (`parity_fault.py`): the run shows
+    the breaches, the refusals and that agent keeping the newest version that passed."""
     timeout_s: float = 1800.0
     """The whole run fails if it takes longer (a stuck child never hangs the demo)."""
 
@@ -110,6 +114,11 @@ class DemoConfig:
             raise ValueError("groups_per_step x group_size must split evenly over trainer_ranks")
         if self.engine not in DEMO_ENGINES:
             raise ValueError(f"engine must be one of {list(DEMO_ENGINES)}, got {self.engine!r}")
+        if self.inject_parity_fault and (self.engine != "reference" or self.rl_steps < 5):
+            raise ValueError(
+                "inject_parity_fault needs the reference engine and rl_steps >= 5 (three wrong versions mid-GRPO, "
+                "then one that passes)"
+            )
         object.__setattr__(self, "swap_policy", SwapPolicy.parse(self.swap_policy))
         if self.rollout_tokens < 1 or self.rollout_tokens > 1024:
             raise ValueError(
@@ -123,6 +132,14 @@ class DemoConfig:
         if self.engine == "vllm":
             return {**self.architecture, "tie_word_embeddings": False}
         return dict(self.architecture)
+
+    @property
+    def parity_fault(self) -> tuple[str, int, int] | None:
+        """(agent, first version, last version) of the injected parity fault, or None."""
+        if not self.inject_parity_fault:
+            return None
+        first = self.warmup_steps + self.rl_steps // 2  # a version per step: mid-GRPO
+        return _agent_names(self)[-1], first, first + 2
 
     @property
     def store_uri(self) -> str:
@@ -213,13 +230,15 @@ def _agent_toml(
         )
     else:  # the agent waits for its vLLM server to come up
         engine = f'[agent.engine]\ntype = "vllm"\nurl = "{vllm_url}"\nstart_timeout_s = {config.timeout_s}\n'
+    fault = config.parity_fault
+    parity = '[agent.parity]\naction = "refuse"\n' if fault and fault[0] == name else ""
     path = root / "agents" / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f'[agent]\nmodel = "{config.model}"\nname = "{name}"\nregion = "{region}"\n'
         f'cache_dir = "{root / "agents" / name}"\nstore = "{config.store_uri}"\npeers = {json.dumps(peers)}\n'
         "poll_interval_s = 2.0\npush_wait_s = 1.0\nworkers = 1\nledger_size = 4096\n"
-        f'swap_policy = "{config.swap_policy}"\n' + engine
+        f'swap_policy = "{config.swap_policy}"\n' + engine + parity
     )
     return path
 
@@ -319,6 +338,7 @@ def run_demo(
 ) -> dict[str, Any]:
     """Runs the demo (see the module docstring); `echo` gets the report's lines, `progress` the
     live status line (default: a ProgressLine on stdout when `echo` is print, else `echo`)."""
+    from weightsync.agents.parity import ParityConfig
     from weightsync.app.demo.report import build_report, write_plot
     from weightsync.app.demo.rollout_queue import RolloutQueue
     from weightsync.format import codecs
@@ -350,11 +370,12 @@ def run_demo(
             for i in reversed(range(config.agents_per_region)):
                 name = f"{region}-{i + 1}"
                 toml = _agent_toml(config, root, name, region, downstream, vllm_urls.get(name))
-                _, ready = children.start(
-                    name,
-                    [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml), "--verbose"],
-                    ready_line=True,
-                )  # INFO: each version served
+                argv = [python, "-m", "weightsync.app.cli", "agent", "--config", str(toml), "--verbose"]
+                fault = config.parity_fault
+                if fault and fault[0] == name:
+                    argv = [python, "-m", "weightsync.app.demo.parity_fault", "--config", str(toml)]
+                    argv += ["--versions", f"{fault[1]}-{fault[2]}"]
+                _, ready = children.start(name, argv, ready_line=True)  # INFO: each version served
                 agents[name] = {"region": region, "address": ready["address"], "engine_url": ready["engine_url"]}
                 downstream = [ready["address"]]
             leaders.append(downstream[0])
@@ -433,7 +454,7 @@ def run_demo(
                 time.sleep(0.2)
             statuses[name] = client.status(verify=True)
         bit_exact = {name: s.served_digest == s.current_digest == final.digest for name, s in statuses.items()}
-        report = build_report(config, root, store, statuses, queue)
+        report = build_report(config, root, store, statuses, queue, ParityConfig())
         summary = {
             "config": dataclasses.asdict(config),
             "store": config.store_uri,
@@ -450,18 +471,8 @@ def run_demo(
         for line in summary["table"]:
             echo(line)
         echo(summary["headline"])
-        parity = summary["parity"]
-        if parity["probes"]:
-            echo(
-                f"parity probe: {parity['probes']} probes, engine vs trainer max |dlogprob| "
-                f"{parity['max_abs_dlogprob']:.3g}, mean KL at most {parity['mean_kl_max']:.3g}"
-                + (
-                    f", expert mismatch at most {parity['expert_mismatch_max']:.3g}"
-                    if parity["expert_mismatch_max"] is not None
-                    else ""
-                )
-                + f", {parity['breaches']} breaches"
-            )
+        for line in _parity_lines(summary["parity"], config, root):
+            echo(line)
         echo(
             f"every agent serves v{latest} bit for bit: {'yes' if summary['all_bit_exact'] else 'NO'} "
             f"(each re-hashed the weights it serves). Summary: {root / 'summary.json'}"
@@ -472,6 +483,34 @@ def run_demo(
         return summary
     finally:
         children.stop_all()
+
+
+def _parity_lines(parity: dict[str, Any], config: DemoConfig, root: Path) -> list[str]:
+    """What the parity probe saw, for the demo's output: each figure's distribution against its
+    threshold, the breaches, and with an injected fault the faulty agent's own log lines about it."""
+    if not parity["probes"]:
+        return []
+    lines = [
+        f"parity probe: {parity['probes']} probes, engines held to the trainer's "
+        f"{'/'.join(parity['compute_dtypes'])} record: {parity['breaches']} breaches"
+    ]
+    for figure, dist in parity["figures"].items():
+        limit = parity["thresholds"].get(figure)
+        lines.append(
+            f"  {figure:<16} median {dist['median']:.3g}, p99 {dist['p99']:.3g}, max {dist['max']:.3g}"
+            + (f" (threshold {limit:g})" if limit is not None else " (a figure, no threshold)")
+        )
+    fault = config.parity_fault
+    if fault is not None:
+        name, first, last = fault
+        lines.append(f"injected parity fault: {name}'s engine served layers 0 and 1 swapped for v{first}-v{last}:")
+        try:
+            logged = (root / "logs" / f"{name}.log").read_text().splitlines()
+        except OSError:
+            logged = []
+        said = [line for line in logged if "breaches parity" in line or "the newest version that passed" in line]
+        lines.extend(f"  {line}" for line in said[:6])
+    return lines
 
 
 def _agent_names(config: DemoConfig) -> list[str]:

@@ -150,9 +150,12 @@ def test_the_expert_mismatch_names_the_positions_it_is_a_fraction_of():
     from weightsync.app.cli.agent import parity_line
     from weightsync.transport.v1 import sync_pb2
 
-    report = dict(version=3, engine="reference", max_abs_dlogprob=0.00467, mean_kl=1.09e-6, tokens=124, action="ok")
+    report = dict(
+        version=3, engine="reference", compute_dtype="bfloat16", dlogprob_p50=0.0, dlogprob_p90=0.001,
+        max_abs_dlogprob=0.00467, tokens=124, action="ok",
+    )  # fmt: skip
     line = parity_line(sync_pb2.ParityReport(**report, expert_mismatch=2 / 128, expert_positions=128))
-    assert "mean KL 1.09e-06 over 124 tokens; expert mismatch 0.0156 over 128 positions" in line, line
+    assert "max 0.00467 over 124 tokens, expert mismatch 0.0156 over 128 positions," in line, line
     older = parity_line(sync_pb2.ParityReport(**report, expert_mismatch=2 / 128))  # an agent that reports no count
-    assert "over 124 tokens; expert mismatch 0.0156," in older, older
+    assert "over 124 tokens, expert mismatch 0.0156," in older, older
     assert "expert" not in parity_line(sync_pb2.ParityReport(**report))  # a dense model

@@ -5,10 +5,11 @@ carry the version vLLM reported before and after it was sampled."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.vllm import require_vllm
-from weightsync.agents.parity import ParityConfig
 from weightsync.app.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm]
@@ -17,7 +18,7 @@ require_vllm()
 
 
 @pytest.mark.timeout(1800)
-def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path):
+def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path, capsys):
     lines: list[str] = []
     config = DemoConfig(
         out_dir=str(tmp_path / "demo"),
@@ -40,15 +41,13 @@ def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path):
     versions = [row["version"] for row in summary["rewards"]]
     assert versions and all(1 <= v <= last for v in versions)
     assert any("; vllm engines," in line for line in lines)
-    # Every agent probed what its vLLM (bf16) computes against the trainer's fp32 log-probs
-    # (agents/parity.py). Typical versions differ by a few hundredths (0.03-0.1 seen); a few early
-    # SFT versions differ by more, as the same weights do in bf16 on our own forward (a real gap
-    # that the default warn action reports): the median is held to the default threshold.
+    # Every agent held its vLLM (bf16, as its workers report) to the trainer's bf16 record of the
+    # published weights: kernels apart, the same numbers, and no breach under the defaults. The
+    # figures' distribution is printed: docs/agents.md ("Parity probe") records it.
     parity = summary["parity"]
-    assert parity["probes"] >= 2, parity
+    assert parity["probes"] >= 2 and parity["compute_dtypes"] == ["bfloat16"], parity
     assert all(p is not None for p in summary["versions"][-1]["parity"].values()), "the last version was probed"
-    worst = [
-        max((p["max_abs_dlogprob"] for p in row["parity"].values() if p), default=None) for row in summary["versions"]
-    ]
-    worst = sorted(w for w in worst if w is not None)
-    assert worst[len(worst) // 2] <= ParityConfig().max_abs_dlogprob, worst
+    with capsys.disabled():
+        print(json.dumps({"vllm_demo_parity": parity["figures"], "probes": parity["probes"]}))
+    assert parity["breaches"] == 0, parity["breached"]
+    assert summary["headline"].endswith(f"parity probe: 0 breaches in {parity['probes']} probes")

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from weightsync.models import ModelConfig, build_model
-from weightsync.models.probe import default_prompts
-from weightsync.trainer.config import ParallelConfig, load_job_config
+from weightsync.trainer.config import ParallelConfig, PublishConfig, load_job_config
 from weightsync.trainer.engine import TrainingEngine
 from weightsync.trainer.lora import LoraSettings
 from weightsync.trainer.losses import LossSums
 from weightsync.trainer.optim import AdamWParams
 from weightsync.trainer.parallel import build_mesh, close_runtime, exit_worker, init_runtime
+from weightsync.trainer.probe import choose_prompts
 from weightsync.trainer.train import Trainer, configure_logging
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,9 +76,12 @@ def run_full(out: Path, results: dict) -> None:
             )
             e.optimizer_step(AdamWParams(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0))
         results["dcp_saved_next"], results["dcp_loaded_next"] = engine.full_state_dict(), fresh.full_state_dict()
-        # The parity probe through the 2-rank FSDP2 forward, with each layer's expert choices.
-        prompts = default_prompts(architecture.vocab_size, count=3, length=16)
-        results["probe_prompts"], results["probe_run"] = prompts, engine.probe(prompts)
+        # The parity probe on 2 ranks: the run's prompts (repaired until every router picks every
+        # expert), the records of the published weights with each layer's expert choices.
+        config = PublishConfig(store="unused", probe_prompts=2, probe_tokens=16)
+        prompts = choose_prompts(engine, config)
+        runs = engine.probe(prompts, compute_dtypes=[torch.bfloat16, torch.float32])
+        results["probe_prompts"], results["probe_runs"] = prompts, runs
         results["probe_architecture"] = architecture
         results["probe_weights"] = engine.full_state_dict()  # put back bit for bit after the probe
     finally:

@@ -18,7 +18,7 @@ from harness.torchrun import run_under_torchrun
 from weightsync.errors import ConfigError
 from weightsync.models import ModelConfig, build_model, token_logprobs
 from weightsync.models.moe import is_sparse_layer, load_balancing_loss
-from weightsync.models.probe import run_probe
+from weightsync.models.probe import run_probe, unrouted_experts
 from weightsync.trainer import lora
 from weightsync.trainer.config import load_job_config
 from weightsync.trainer.data import Datum, Example, collate, collate_datums
@@ -216,19 +216,22 @@ def test_dcp_round_trip_is_bit_exact(moe_run):
 @pytest.mark.slow
 def test_the_parity_probe_of_an_moe_records_every_layers_experts(moe_run):
     """The trainer's parity probe on 2 ranks equals one plain model's forward on the weights
-    rounded as published (bf16) in float32, expert choices included: what a correct engine
-    answers. The probe leaves the training weights as they were, bit for bit."""
+    exactly as published (bf16), in bf16 and in fp32, expert choices included, to the last bit:
+    what a correct engine answers. Its prompts make every router pick every expert. The probe
+    leaves the training weights as they were, bit for bit."""
     for name, tensor in moe_run["dcp_saved_next"].items():
         assert torch.equal(tensor, moe_run["probe_weights"][name]), name
-    weights = {n: t.to(torch.bfloat16).float() for n, t in moe_run["probe_weights"].items()}
-    architecture = moe_run["probe_architecture"]
-    want = run_probe(build_model(architecture), moe_run["probe_prompts"], weights=weights)
-    got = moe_run["probe_run"]
+    weights = {n: t.to(torch.bfloat16) for n, t in moe_run["probe_weights"].items()}
+    architecture, prompts = moe_run["probe_architecture"], moe_run["probe_prompts"]
+    assert len(prompts) >= 2
+    want = run_probe(architecture, prompts, weights.__getitem__, dtypes=[torch.bfloat16, torch.float32])
     sparse_layers = sum(is_sparse_layer(architecture, i) for i in range(architecture.num_hidden_layers))
-    for mine, theirs in zip(got.experts, want.experts, strict=True):
-        assert mine.shape[1] == sparse_layers and torch.equal(mine, theirs)
-    for mine, theirs in zip(got.logprobs, want.logprobs, strict=True):
-        assert (mine - theirs).abs().max() <= 1e-6
+    for dtype, got in moe_run["probe_runs"].items():
+        for mine, theirs in zip(got.experts, want[dtype].experts, strict=True):
+            assert mine.shape[1] == sparse_layers and torch.equal(mine, theirs)
+        for mine, theirs in zip(got.logprobs, want[dtype].logprobs, strict=True):
+            assert torch.equal(mine, theirs)
+    assert unrouted_experts(architecture, moe_run["probe_runs"][torch.bfloat16]) == {}
 
 
 @pytest.mark.distributed

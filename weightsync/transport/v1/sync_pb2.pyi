@@ -121,28 +121,36 @@ class LedgerEntry(_message.Message):
     def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ..., applied_early: _Optional[int] = ..., parity: _Optional[_Union[ParityReport, _Mapping]] = ...) -> None: ...
 
 class ParityReport(_message.Message):
-    __slots__ = ("version", "engine", "max_abs_dlogprob", "mean_kl", "expert_mismatch", "tokens", "probe_s", "breaches", "action", "expert_positions")
+    __slots__ = ("version", "engine", "max_abs_dlogprob", "expert_mismatch", "tokens", "probe_s", "breaches", "action", "compute_dtype", "dlogprob_p50", "dlogprob_p90", "gap_kl", "gap_overlap", "expert_positions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MAX_ABS_DLOGPROB_FIELD_NUMBER: _ClassVar[int]
-    MEAN_KL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBE_S_FIELD_NUMBER: _ClassVar[int]
     BREACHES_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DLOGPROB_P50_FIELD_NUMBER: _ClassVar[int]
+    DLOGPROB_P90_FIELD_NUMBER: _ClassVar[int]
+    GAP_KL_FIELD_NUMBER: _ClassVar[int]
+    GAP_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     EXPERT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     version: int
     engine: str
     max_abs_dlogprob: float
-    mean_kl: float
     expert_mismatch: float
     tokens: int
     probe_s: float
     breaches: _containers.RepeatedScalarFieldContainer[str]
     action: str
+    compute_dtype: str
+    dlogprob_p50: float
+    dlogprob_p90: float
+    gap_kl: float
+    gap_overlap: float
     expert_positions: int
-    def __init__(self, version: _Optional[int] = ..., engine: _Optional[str] = ..., max_abs_dlogprob: _Optional[float] = ..., mean_kl: _Optional[float] = ..., expert_mismatch: _Optional[float] = ..., tokens: _Optional[int] = ..., probe_s: _Optional[float] = ..., breaches: _Optional[_Iterable[str]] = ..., action: _Optional[str] = ..., expert_positions: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., engine: _Optional[str] = ..., max_abs_dlogprob: _Optional[float] = ..., expert_mismatch: _Optional[float] = ..., tokens: _Optional[int] = ..., probe_s: _Optional[float] = ..., breaches: _Optional[_Iterable[str]] = ..., action: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., dlogprob_p50: _Optional[float] = ..., dlogprob_p90: _Optional[float] = ..., gap_kl: _Optional[float] = ..., gap_overlap: _Optional[float] = ..., expert_positions: _Optional[int] = ...) -> None: ...
 
 class BrokenVersion(_message.Message):
     __slots__ = ("version", "digest", "error", "failures", "first_failed_unix_ms", "retry_in_s")
