@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 
 from weightsync.errors import WeightsyncError
 from weightsync.format.dtypes import dtype_by_name
-from weightsync.format.tensors import Snapshot, SnapshotTensor, layout_of
+from weightsync.format.tensors import Snapshot, SnapshotTensor, describe_layout_change, layout_of
 from weightsync.shards import Placement, placements_for
 from weightsync.stores import Store
 from weightsync.versions import resolve_chain
@@ -99,7 +99,7 @@ def rebase_reason(
     if failures:
         return f"v{min(failures)} of the chain failed"
     if chain.layout != tensor_layout:
-        return describe_layout_change(chain.layout, tensor_layout)
+        return "layout changed: " + describe_layout_change(chain.layout, tensor_layout, expected_is="the last version")
     if chain.layout_key != layout_key:
         return "the job's layout changed (mesh or placements)"
     if chain.placements != placements:
@@ -110,29 +110,6 @@ def rebase_reason(
     if base_bytes and delta_bytes > rebase_chain_ratio * base_bytes:
         return f"chain holds {delta_bytes} bytes of deltas, over {rebase_chain_ratio}x its base"
     return None
-
-
-def describe_layout_change(old: TensorLayout, new: TensorLayout, *, most: int = 3) -> str:
-    """What changed between two layouts (name -> (dtype, shape)), naming up to `most` tensors per
-    kind of change: why a version cannot be a delta of the one before."""
-
-    def names(found: list[str]) -> str:
-        return ", ".join(found[:most]) + (f" and {len(found) - most} more" if len(found) > most else "")
-
-    added = sorted(set(new) - set(old))
-    removed = sorted(set(old) - set(new))
-    retyped = [f"{n} {old[n][0]} -> {new[n][0]}" for n in sorted(set(old) & set(new)) if old[n][0] != new[n][0]]
-    reshaped = [
-        f"{n} {tuple(old[n][1])} -> {tuple(new[n][1])}"
-        for n in sorted(set(old) & set(new))
-        if tuple(old[n][1]) != tuple(new[n][1])
-    ]
-    parts = [
-        f"{label} {names(found)}"
-        for label, found in (("new tensors", added), ("tensors gone", removed), ("dtype", retyped), ("shape", reshaped))
-        if found
-    ]
-    return "layout changed: " + "; ".join(parts) if parts else "layout changed"
 
 
 _SET = threading.Event()  # a snapshot that is complete from the start (read back from the store)

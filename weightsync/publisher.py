@@ -70,6 +70,7 @@ from weightsync.format.manifest import (
     FORMAT_BOXES,
     KIND_DELTA,
     KIND_FULL,
+    WEIGHTS_KINDS,
     ChunkPlacement,
     ChunkRef,
     Manifest,
@@ -101,10 +102,6 @@ from weightsync.transport.signing import Signer
 from weightsync.versions import commit_manifest, latest_version, read_manifest, read_signature
 
 log = logging.getLogger(__name__)
-
-
-WEIGHTS_KINDS = ("model", "adapter")
-"""producer.weights_kind values (see PublisherConfig.weights_kind); a manifest without one holds "model"."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

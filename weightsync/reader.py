@@ -39,7 +39,8 @@ from weightsync.format.hashing import xxh3_hex
 from weightsync.format.manifest import CODEC_SAME, KIND_FULL, ChunkRef, Manifest, TensorEntry
 from weightsync.format.pack import group_span, plan_reads
 from weightsync.format.regions import read_region, writable_region
-from weightsync.format.tensors import to_tensor
+from weightsync.format.tensors import describe_layout_change, to_tensor
+from weightsync.retry import Backoff, GaveUp, retry_call
 from weightsync.stores import Store
 from weightsync.versions import latest_version, resolve_chain
 
@@ -47,6 +48,12 @@ log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3
 """Fetches of a chunk object whose size or hash does not match its manifest before giving up."""
+_REFETCH = Backoff(first_s=0.0, max_s=0.0)  # corruption in flight: fetch again at once
+
+
+class _Mismatch(IntegrityError):
+    """A fetched object whose size or hash is not its manifest's (fetched again)."""
+
 
 Progress = Callable[[int], None]  # called with raw bytes done
 
@@ -372,18 +379,22 @@ class Reader:
         manifest's index says, is an IntegrityError at once.
         """
         where = self._where(ref)
-        for attempt in range(1, FETCH_ATTEMPTS + 1):
+
+        def fetch() -> bytes:
             if ref.offset is None or self.objects_by_address:
                 obj = self._read(ref, None, None)
             else:
                 obj = self._read(ref, ref.offset, ref.size)
-            if len(obj) == ref.size and object_hash(obj) == ref.object:
-                return obj
-            if attempt < FETCH_ATTEMPTS:
-                log.warning(
-                    "%s does not match its manifest (%d of %d bytes); fetching it again", where, len(obj), ref.size
-                )
-        raise IntegrityError(f"{where} is corrupt (size or hash mismatch in {FETCH_ATTEMPTS} fetches)")
+            if len(obj) != ref.size or object_hash(obj) != ref.object:
+                raise _Mismatch(f"{where} does not match its manifest ({len(obj)} of {ref.size} bytes)")
+            return obj
+
+        try:
+            return retry_call(
+                f"fetch {where}", fetch, attempts=FETCH_ATTEMPTS, backoff=_REFETCH, retry_on=(_Mismatch,), log=log
+            )
+        except GaveUp:
+            raise IntegrityError(f"{where} is corrupt (size or hash mismatch in {FETCH_ATTEMPTS} fetches)") from None
 
     def _where(self, ref: ChunkRef) -> str:
         if ref.offset is None or self.objects_by_address:
@@ -419,7 +430,8 @@ def check_delta_layout(model: str, parent: Manifest, delta: Manifest) -> None:
     """LayoutError when a delta's tensors (names, dtypes, shapes) are not its parent's: the layout
     changes only at a rebase (a full version)."""
     if parent.layout != delta.layout:
-        raise LayoutError(f"{model} v{delta.version} changes tensor layout without a rebase")
+        change = describe_layout_change(parent.layout, delta.layout, expected_is=f"v{parent.version}")
+        raise LayoutError(f"{model} v{delta.version} changes tensor layout without a rebase: {change}")
 
 
 def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:

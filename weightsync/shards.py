@@ -39,14 +39,14 @@ from weightsync.errors import ObjectExists, ObjectNotFound, PublishError, Versio
 from weightsync.format import layout
 from weightsync.format.boxes import Box, box_from_json, cover_error
 from weightsync.format.manifest import ChunkRef, Manifest, TensorEntry, canonical_json
+from weightsync.retry import Backoff
 from weightsync.stores import Store
 from weightsync.versions import read_manifest
 
 log = logging.getLogger(__name__)
 
 PART_FORMAT = 2  # 2: chunks may be boxes, and a rank lists the tensors it holds but does not publish
-_POLL_MIN_S = 0.02
-_POLL_MAX_S = 0.5
+_POLL_BACKOFF = Backoff(first_s=0.02, max_s=0.5)  # how often rank 0 looks for the other ranks' parts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -196,15 +196,15 @@ class _Timeout(PublishError):
 
 def _poll(deadline: float, check):
     """Calls `check()` with backoff until it returns non-None; _Timeout at the deadline."""
-    delay = _POLL_MIN_S
+    looks = 0
     while True:
         result = check()
         if result is not None:
             return result
         if time.monotonic() >= deadline:
             raise _Timeout("timed out")
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 1.5, _POLL_MAX_S)
+        looks += 1
+        time.sleep(min(_POLL_BACKOFF.pause_s(looks), max(0.0, deadline - time.monotonic())))
 
 
 def _abort_reason(store: Store, model: str, version: int, session: str) -> str | None:

@@ -46,7 +46,8 @@ from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.layout import MAX_VERSION
-from weightsync.format.tensors import raw_bytes
+from weightsync.format.manifest import WEIGHTS_KINDS
+from weightsync.format.tensors import describe_layout_change, raw_bytes
 
 Layout = Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
 """Tensor name -> (dtype, shape) a swap must match; a dtype of None accepts any dtype."""
@@ -63,9 +64,6 @@ class SwapReport:
     total_s: float
     """The whole `swap` call: for copying engines this includes writing and the reload call."""
 
-
-WEIGHTS_KINDS = ("model", "adapter")
-"""What an engine may serve: "model" (whole weights) or "adapter" (LoRA adapter tensors only)."""
 
 ENGINE_STATES = ("serving", "empty", "paused", "unreachable", "unknown")
 """What `Engine.state()` may say: "serving" (new requests get `version`), "empty" (no weights
@@ -256,19 +254,9 @@ def check_fits(expected: Layout | None, layout: Layout, *, what: str = "the serv
     implementations share. Nothing to check when `expected` is None."""
     if expected is None:
         return
-    missing = sorted(set(expected) - set(layout))
-    unexpected = sorted(set(layout) - set(expected))
-    if missing or unexpected:
-        raise LayoutError(
-            f"weights do not fit {what}: {len(missing)} missing {missing[:5]}, "
-            f"{len(unexpected)} unexpected {unexpected[:5]}"
-        )
-    for name, (dtype, shape) in expected.items():
-        got_dtype, got_shape = layout[name]
-        if tuple(got_shape) != tuple(shape):
-            raise LayoutError(f"{name} has shape {tuple(got_shape)}, {what} needs {tuple(shape)}")
-        if dtype is not None and got_dtype != dtype:
-            raise LayoutError(f"{name} is {got_dtype}, {what} needs {dtype}")
+    change = describe_layout_change(expected, layout, expected_is=what)
+    if change:
+        raise LayoutError(f"weights do not fit {what}: {change}")
 
 
 def layout_of(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

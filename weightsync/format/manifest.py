@@ -36,6 +36,9 @@ SUPPORTED_FORMATS = (1, 2, 3)
 CODEC_SAME = "same"  # an unchanged chunk: no object, bytes equal to the parent's
 KIND_FULL = "full"
 KIND_DELTA = "delta"
+WEIGHTS_KINDS = ("model", "adapter")
+"""What a version holds (`producer.weights_kind`, absent: "model"): a whole model's weights, or
+LoRA adapter tensors only."""
 
 # Hard limits (docs/format.md, "Limits").
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024

@@ -128,3 +128,30 @@ def to_tensor(data: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> torch.T
 
 def layout_of(snapshot: Snapshot) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {name: (t.dtype.name, t.shape) for name, t in snapshot.items()}
+
+
+def describe_layout_change(expected: Mapping, actual: Mapping, *, expected_is: str, most: int = 3) -> str:
+    """How layout `actual` (name -> (dtype, shape)) differs from `expected`, in one line: the
+    tensors missing and unexpected (up to `most` named per kind), then each tensor whose shape or
+    dtype differs, as "NAME has shape (267, 64), {expected_is} needs (259, 64)". An expected dtype
+    of None accepts any dtype. "" when they agree. The one wording of a layout mismatch, whoever
+    finds it: the publisher (why a version is full), the reader (a delta that changes its parent's
+    layout), an engine (a version that does not fit what it serves)."""
+
+    def names(found: list[str]) -> str:
+        return ", ".join(found[:most]) + (f" and {len(found) - most} more" if len(found) > most else "")
+
+    missing = sorted(set(expected) - set(actual))
+    unexpected = sorted(set(actual) - set(expected))
+    parts = [f"{len(missing)} tensors missing ({names(missing)})"] if missing else []
+    parts += [f"{len(unexpected)} unexpected ({names(unexpected)})"] if unexpected else []
+    for name in sorted(set(expected) & set(actual)):
+        (want_dtype, want_shape), (dtype, shape) = expected[name], actual[name]
+        if tuple(shape) != tuple(want_shape):
+            parts.append(f"{name} has shape {tuple(shape)}, {expected_is} needs {tuple(want_shape)}")
+        elif want_dtype is not None and dtype != want_dtype:
+            parts.append(f"{name} is {dtype}, {expected_is} needs {want_dtype}")
+        if len(parts) >= 2 * most + 2:
+            parts.append("...")
+            break
+    return "; ".join(parts)
