@@ -37,6 +37,12 @@ def _report(where: str, left: dict[int, str]) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[SCOPE_ENV] = _SESSION_TOKEN
+    # Python's resource tracker is one per process, started by the first test that spawns a
+    # process (torch.multiprocessing, "spawn"): started inside that test, it was reaped with it
+    # and reported as its leak. It belongs to the session: started here, under its mark.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
 
 
 @pytest.hookimpl(hookwrapper=True)
