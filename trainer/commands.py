@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from weightsync.model_files import read_model_files
 from weightsync.publisher import PublisherConfig
 from weightsync.trainer.config import ParallelConfig, PublishConfig
 from weightsync.trainer.data import Datum, collate_datums
@@ -121,6 +122,9 @@ class Stop:
 @dataclasses.dataclass
 class LoadedModel:
     engine: TrainingEngine
+    base_dir: str
+    """The HF directory it was created from: its config and tokenizer files travel with every
+    version published of it (weightsync.model_files)."""
     publishers: dict[str, WeightPublisher] = dataclasses.field(default_factory=dict)  # by store model
 
 
@@ -149,7 +153,7 @@ class Worker:
             config, weights, mesh=self.mesh, parallel=self.parallel, device=self.runtime.device, lora=command.lora
         )
         del weights
-        self.models[command.model_id] = LoadedModel(engine)
+        self.models[command.model_id] = LoadedModel(engine, command.base_dir)
         return {
             "vocab_size": config.vocab_size,
             "model_type": config.model_type,
@@ -234,7 +238,10 @@ class Worker:
                     workers=2, max_in_flight=1, weights_kind="adapter" if command.kind == "adapter" else "model"
                 ),
             )
-            publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size)
+            # Whole weights carry the base model's files, so the store alone is enough to serve them;
+            # adapter-only versions are served on a base model the engine already has.
+            files = read_model_files(loaded.base_dir) if command.kind != "adapter" else None
+            publisher = WeightPublisher(config, rank=self.runtime.rank, world_size=self.world_size, model_files=files)
             loaded.publishers[command.store_model] = publisher
         failures = publisher.failures
         # Adapters alone compute nothing: their versions carry no probe (the merged ones do).

@@ -21,10 +21,12 @@ from tinker import types
 
 from harness.tiny_model import write_tokenizer
 from harness.training_server import API_KEY, TrainingServer
+from weightsync.model_files import get_model_files
 from weightsync.models import CausalLM, ModelConfig, build_model, load_pretrained, save_pretrained, token_logprobs
 from weightsync.reader import Reader
 from weightsync.stores import open_store
 from weightsync.trainer.lora import LORA_ALPHA
+from weightsync.versions import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -125,6 +127,11 @@ def test_full_fine_tuning_trains_router_and_experts_and_samples_the_published_we
     assert set(weights) == set(state)
     for name, tensor in state.items():
         assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+    # The version carries the base model's files: the store alone is enough to serve it.
+    store = open_store(f"file://{Path(server.state_dir).resolve() / 'store'}")
+    sampler_model = "tinker-" + client.model_id.replace(":", "-")
+    files = get_model_files(store, sampler_model, read_manifest(store, sampler_model, 1))
+    assert files["config.json"] == (Path(model_dir) / "config.json").read_bytes()
 
     # ... and it samples with them: its prompt log-probs are those of a plain model on them.
     prompt = TOKENS[:6]
