@@ -66,6 +66,7 @@ from weightsync.agents import signals
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
+from weightsync.agents.delta_swap import DeltaSwaps
 from weightsync.agents.early_apply import EarlyApply
 from weightsync.agents.engines.base import (
     Engine,
@@ -141,6 +142,7 @@ class SyncAgent:
         self._cond = threading.Condition()
         self._known: dict[int, _Known] = {}
         self.buffers = Buffers(engine, self._cond)
+        self.delta_swaps = DeltaSwaps(engine, name=config.name)
         self.early = EarlyApply(self.buffers, enabled=config.apply_early, workers=config.workers, name=config.name)
         self._served_version = 0
         self._served_digest = ""
@@ -433,9 +435,10 @@ class SyncAgent:
                 refused,
             )
             return
-        self.engine.swap(
-            self._served_version, served.state_dict(), digest=self._served_digest, policy=self.config.swap_policy
-        )
+        if self.delta_swaps.undo(refused, policy=self.config.swap_policy) is None:  # else O(delta) undone
+            self.engine.swap(
+                self._served_version, served.state_dict(), digest=self._served_digest, policy=self.config.swap_policy
+            )
         if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
             self.buffers.spare_served_as = refused
         self.cache.write_state(self._served_version, self._served_digest)
@@ -455,6 +458,8 @@ class SyncAgent:
         manifest = served.manifest
         if manifest is not None and (manifest.version, manifest.digest) == (self._served_version, self._served_digest):
             return  # the failure came before the buffer was touched
+        if self.delta_swaps.revert(served):  # the captured old bits back: O(delta)
+            return
         try:
             self.reader.advance_route(served, self._served_version)
             if served.manifest is None or served.manifest.digest != self._served_digest:
@@ -513,7 +518,8 @@ class SyncAgent:
             t_apply = time.monotonic()
             # Several deltas behind: folded into one pass per chunk range (weightsync/format/codecs/fold.py).
             done = early.done if len(path) == 1 else frozenset()
-            route = self.reader.advance_route(staging, version, done=done)
+            capture = self.delta_swaps.capture(staging)  # the changed elements, for an in-place swap
+            route = self.reader.advance_route(staging, version, done=done, capture=capture)
             if route is not None:
                 entry.route, entry.route_reason = route.kind, route.reason
             entry.applied_early = len(done)
@@ -525,8 +531,8 @@ class SyncAgent:
                 f"v{version} failed verification ({e}); its unverified parts are dropped and fetched again"
             ) from e
         t_swap = time.monotonic()
-        report = self.engine.swap(
-            version, staging.state_dict(), digest=target.manifest.digest, policy=self.config.swap_policy
+        report = self.delta_swaps.swap(
+            version, staging, digest=target.manifest.digest, policy=self.config.swap_policy, capture=capture
         )
         if self.parity.blocking:  # under refuse the version counts as served only once it passed
             t_probe = time.monotonic()
@@ -536,6 +542,7 @@ class SyncAgent:
         done = time.monotonic()
         with self._cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
+            entry.swap_path, entry.swap_path_reason = report.path, report.path_reason
             entry.served_unix_ms = int(time.time() * 1000)
             entry.timings_s.update(
                 timings,

