@@ -41,7 +41,7 @@ import torch
 
 from weightsync.agents.engines import placement as pl
 from weightsync.agents.engines.delta_file import read_delta_file
-from weightsync.agents.engines.position_digest import add, element_bits, position_sum, sub, tensor_id
+from weightsync.agents.engines.position_digest import add, element_bits, fold, mix, position_sum, tensor_id
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -75,6 +75,8 @@ class _Owned:
     index: torch.Tensor  # target flat indices
     rows: torch.Tensor  # box rows of the positions (the audit's cursor unit)
     old: torch.Tensor  # bits before the swap (int64, zero-extended)
+    new: torch.Tensor  # bits after it
+    change: torch.Tensor  # mix(new) - mix(old) per element (int64, wrapping): the audit's adjustment
 
 
 @dataclasses.dataclass
@@ -85,10 +87,12 @@ class _Staged:
     owned: list[_Owned]
     dense: list[tuple[str, torch.Tensor]]
     old_sum: int = 0
+    new_sum: int = 0
     handles: dict[int, Any] = dataclasses.field(default_factory=dict)
     modules: dict[int, torch.nn.Module] = dataclasses.field(default_factory=dict)
     builder: threading.Thread | None = None
     error: BaseException | None = None
+    build_s: float = 0.0
 
 
 class DeltaApplier:
@@ -127,6 +131,7 @@ class DeltaApplier:
             "staged": staged.version if staged is not None else "",
             "ready": staged is not None and not building,
             "error": repr(staged.error) if staged is not None and staged.error is not None else "",
+            "handles_s": staged.build_s if staged is not None else 0.0,
             "undo": self._undo.version if self._undo is not None else "",
         }
 
@@ -165,17 +170,18 @@ class DeltaApplier:
                 if place.owned:
                     positions = entry.positions[inside]
                     rows = positions // _inner(place) - place.box[0][0]
-                    old = element_bits(view[index])
-                    owned.append(_Owned(self._order[id(place)], tid, place.target, positions, index, rows, old))
+                    old, new = element_bits(view[index]), element_bits(values[inside])
+                    owned.append(_owned(self._order[id(place)], tid, place.target, positions, index, rows, old, new))
         staged = _Staged(delta.parent, delta.version, {}, owned, dense)
         for key, pieces in parts.items():
             index = torch.cat([i for i, _ in pieces])
             staged.writes[key] = _Writes(index, torch.cat([v for _, v in pieces]), self._view(key)[index].clone())
-        staged.old_sum = _sum(staged.owned, lambda o: o.old)
+        staged.old_sum, staged.new_sum = _sums(owned)
         self._staged = staged
         self._patch_copies_and_build(staged)
         return {
             "old_sum": str(staged.old_sum),
+            "new_sum": str(staged.new_sum),
             "changed": sum(w.index.numel() for w in staged.writes.values()),
             "dense": [name for name, _ in dense],
             "timings_s": {"read": read - started, "stage": time.perf_counter() - read},
@@ -190,15 +196,24 @@ class DeltaApplier:
         if undo.dense:
             raise DeltaRefused("the last swap reloaded layers natively: their old weights are not kept")
         writes = {key: _Writes(w.index, w.old, self._view(key)[w.index].clone()) for key, w in undo.writes.items()}
-        owned = [dataclasses.replace(o, old=element_bits(self._view(o.key)[o.index])) for o in undo.owned]
+        owned = [
+            _owned(o.order, o.tid, o.key, o.positions, o.index, o.rows, element_bits(self._view(o.key)[o.index]), o.old)
+            for o in undo.owned
+        ]
         staged = _Staged(undo.version, undo.parent, writes, owned, [])
-        staged.old_sum = _sum(owned, lambda o: o.old)
+        staged.old_sum, staged.new_sum = _sums(owned)
         self._staged = staged
         self._patch_copies_and_build(staged)
-        return {"old_sum": str(staged.old_sum), "changed": sum(w.index.numel() for w in writes.values())}
+        return {
+            "old_sum": str(staged.old_sum),
+            "new_sum": str(staged.new_sum),
+            "changed": sum(w.index.numel() for w in writes.values()),
+        }
 
     def commit(self, native_reload: NativeReload | None = None) -> dict[str, Any]:
-        """Makes the staged version the held one (under the engine's pause)."""
+        """Makes the staged version the held one (under the engine's pause): scatters, rebinds,
+        reloads native layers, and reads every written element back against the staged bits
+        ("landed"); the sums were taken at stage, so nothing is hashed here."""
         staged = self._staged
         if staged is None:
             raise DeltaRefused("nothing is staged")
@@ -218,11 +233,11 @@ class DeltaApplier:
                 raise DeltaRefused("this engine cannot reload layers natively")
             native_reload(staged.dense)
         written = time.perf_counter()
-        new_sum = _sum(staged.owned, lambda o: element_bits(self._view(o.key)[o.index]))
+        landed = all(torch.equal(self._view(key)[w.index], w.new) for key, w in staged.writes.items())
         self._adjust_audit(staged)
         self.held, self._staged, self._undo = staged.version, None, staged
         return {
-            "new_sum": str(new_sum),
+            "landed": landed,
             "timings_s": {
                 "wait_handles": waited - started,
                 "write": written - waited,
@@ -317,6 +332,7 @@ class DeltaApplier:
         build_handle, plan = self.build_handle, self.plan
 
         def build() -> None:
+            started = time.perf_counter()
             try:
                 for module, key, w in jobs:
                     weight = plan.targets[key]
@@ -326,6 +342,7 @@ class DeltaApplier:
                     staged.handles[id(module)] = build_handle(module, weight.view(plan.shapes[key]))
             except BaseException as e:  # reported by status() and commit()
                 staged.error = e
+            staged.build_s = time.perf_counter() - started
 
         staged.builder = threading.Thread(target=build, name="weightsync-handles", daemon=True)
         staged.builder.start()
@@ -337,15 +354,8 @@ class DeltaApplier:
         for owned in staged.owned:
             if owned.order > at_index:
                 continue
-            covered = torch.ones_like(owned.rows, dtype=torch.bool) if owned.order < at_index else owned.rows < at_row
-            if not bool(covered.any()):
-                continue
-            new = element_bits(self._view(owned.key)[owned.index[covered]])
-            positions = owned.positions[covered]
-            change = sub(
-                position_sum(owned.tid, positions, new), position_sum(owned.tid, positions, owned.old[covered])
-            )
-            self._audit_sum = add(self._audit_sum, change)
+            change = owned.change if owned.order < at_index else owned.change[owned.rows < at_row]
+            self._audit_sum = add(self._audit_sum, fold(change.sum()))
         if self._audit_done is not None:
             self._audit_done = self._audit_sum
 
@@ -357,5 +367,14 @@ def _inner(place: pl.Placement) -> int:
     return n
 
 
-def _sum(owned: list[_Owned], bits_of: Callable[[_Owned], torch.Tensor]) -> int:
-    return add(*(position_sum(o.tid, o.positions, bits_of(o)) for o in owned))
+def _owned(order, tid, key, positions, index, rows, old, new) -> _Owned:
+    """An owned placement's changed elements, with their mixes' change taken now (off the pause)."""
+    return _Owned(
+        order, tid, key, positions, index, rows, old, new, mix(tid, positions, new) - mix(tid, positions, old)
+    )
+
+
+def _sums(owned: list[_Owned]) -> tuple[int, int]:
+    """(sum over the old bits, over the new bits) of the owned changed elements."""
+    old = add(*(position_sum(o.tid, o.positions, o.old) for o in owned))
+    return old, add(old, *(fold(o.change.sum()) for o in owned))

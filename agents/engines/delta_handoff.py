@@ -127,7 +127,10 @@ def expected_sums(delta, plans: Plans, *, rank: int | None = None) -> tuple[int,
         if keep is not None:
             old, new = old[keep], new[keep]
         tid = tensor_id(name)
-        old_sum, new_sum = add(old_sum, position_sum(tid, positions, old)), add(new_sum, position_sum(tid, positions, new))
+        old_sum, new_sum = (
+            add(old_sum, position_sum(tid, positions, old)),
+            add(new_sum, position_sum(tid, positions, new)),
+        )
     return old_sum, new_sum
 
 

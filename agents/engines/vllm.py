@@ -483,6 +483,10 @@ class VllmEngine:
             "last_audit": self._deltas.last_audit,
         }
 
+    def delta_stats(self) -> dict[str, Any]:
+        """Figures of the last in-place delta swap (`VllmDeltas.last_swap`): what a benchmark reads."""
+        return dict(self._deltas.last_swap)
+
     def served_weight_version(self) -> str | None:
         """The weight version vLLM itself reports (GET /weight_info), where it has the route."""
         if "/weight_info" not in self.routes:

@@ -13,15 +13,16 @@ column says; "full" means the engine reloads the whole version instead, and repo
              log) and sums them over its owned elements; patches the unpacked
              copies of repacked linears and rebuilds their kernel handles on a
              thread (weightsync_delta_status says when they are done)
-    check    the ranks' old-bit sums add up to the agent's sum over the old   -> full (discarded):
+    check    the ranks' sums over the staged new bits add up to the agent's   -> nothing changed:
+             sum over the published ones                                         raise
+             the ranks' old-bit sums add up to the agent's sum over the old   -> full (discarded):
              bits of the version it believes is served                          the workers' state
                                                                                 diverged, logged
     pause    /pause?mode=M by the swap policy (only the scatter is inside)    -> nothing changed: raise
     commit   weightsync_delta_commit: live parameters scattered (index_copy_,  -> unknown: stay paused,
-             addresses never move), handles rebound, native layers reloaded;      unhealthy, raise
-             the written bits are read back and summed
-    verify   the ranks' new-bit sums add up to the agent's sum over the new   -> the undo log is
-             bits                                                                written back, the
+             addresses never move), handles rebound, native layers reloaded      unhealthy, raise
+    verify   every written element reads back as the staged bits (whose sum   -> the undo log is
+             was checked above: no hashing inside the pause)                      written back, the
                                                                                  previous version
                                                                                  resumes, raise
     commit   reset the prefix cache (running requests' KV recomputed), set the weight version, resume
@@ -79,6 +80,9 @@ class VllmDeltas:
         self.undo_of: tuple[int, int, str, int, int] | None = None
         """(version, its parent, the parent's digest, old-bit sum, new-bit sum) of the last delta swap."""
         self.last_audit: dict = {}
+        self.last_swap: dict = {}
+        """Figures of the last delta swap: file bytes, changed elements, stage and handle-rebuild
+        seconds (the slowest worker's), pause, commit."""
         self._passes = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,12 +141,20 @@ class VllmDeltas:
         engine, plans = self.engine, self.plans
         parent = delta.parent
         path = engine._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}.delta.safetensors"
+        self.last_swap = {"version": version, "changed": delta.changed, "elements": delta.elements}
         try:
             nbytes, dense = write_delta(
                 path, delta, weights, plans, parent=tag(parent.version, parent.digest), version=tag(version, digest)
             )
+            self.last_swap["file_bytes"] = nbytes
             old_want, new_want = expected_sums(delta, plans)
-            old_got = self._stage("weightsync_delta_stage", str(path))
+            old_got, new_got = self._stage("weightsync_delta_stage", str(path))
+            if new_got != new_want:
+                engine.rpc("weightsync_delta_discard")
+                raise IntegrityError(
+                    f"v{version}: the bits staged in the workers sum to {new_got}, the published ones to "
+                    f"{new_want}; the delta was damaged between the agent and the workers (nothing changed)"
+                )
             if old_got != old_want:
                 engine.rpc("weightsync_delta_discard")
                 logger.error(
@@ -157,10 +169,13 @@ class VllmDeltas:
                     "(their state diverged); reloaded in full"
                 )
             staged = time.perf_counter()
-            pause_s, timings = self._commit(version, new_want, policy, undo_tag=tag(version, digest))
+            pause_s, timings = self._commit(version, policy, undo_tag=tag(version, digest))
         finally:
             path.unlink(missing_ok=True)
         engine._served, engine._served_digest = version, digest
+        self.last_swap.update(
+            pause_s=pause_s, commit_s=timings.get("commit", 0.0), total_s=time.perf_counter() - started
+        )
         if self.version_sum is not None:
             self.version_sum = add(sub(self.version_sum, old_want), new_want)
         self.undo_of = (version, parent.version, parent.digest, old_want, new_want) if not dense else None
@@ -198,15 +213,15 @@ class VllmDeltas:
             return None
         _, parent, parent_digest, old_sum, new_sum = self.undo_of
         try:
-            old_got = self._stage("weightsync_delta_undo", tag(version, engine._served_digest))
+            old_got, new_got = self._stage("weightsync_delta_undo", tag(version, engine._served_digest))
         except FullPath as e:
             logger.warning("vllm %s: no undo of v%d: %s", self.config.url, version, e)
             return None
-        if old_got != new_sum:
+        if (old_got, new_got) != (new_sum, old_sum):
             engine.rpc("weightsync_delta_discard")
             logger.error("vllm %s: v%d's bits changed since it was swapped in; no undo", self.config.url, version)
             return None
-        pause_s, _ = self._commit(parent, old_sum, policy, undo_tag=None)
+        pause_s, _ = self._commit(parent, policy, undo_tag=None)
         engine._served, engine._served_digest = parent, parent_digest
         self.undo_of = None
         if self.version_sum is not None:
@@ -214,9 +229,16 @@ class VllmDeltas:
         logger.warning("vllm %s: v%d undone in place, v%d serves again", self.config.url, version, parent)
         return SwapReport(version=parent, pause_s=pause_s, total_s=time.perf_counter() - started, path="delta")
 
-    def _stage(self, method: str, arg: str) -> int:
-        """Stages on every worker and waits until their handles are rebuilt (still serving);
-        the ranks' old-bit sum. FullPath when a worker refuses."""
+    def _stage(self, method: str, arg: str) -> tuple[int, int]:
+        started = time.perf_counter()
+        sums = self._stage_and_wait(method, arg)
+        self.last_swap["stage_s"] = time.perf_counter() - started
+        return sums
+
+    def _stage_and_wait(self, method: str, arg: str) -> tuple[int, int]:
+        """Stages on every worker and waits until their handles are rebuilt (still serving); the
+        ranks' sums over the old bits they gathered and the new bits they staged. FullPath when a
+        worker refuses."""
         engine = self.engine
         try:
             results = engine.rpc(method, arg, timeout_s=self.config.load_timeout_s)
@@ -227,6 +249,7 @@ class VllmDeltas:
                 if errors:
                     raise WeightsyncError(f"a worker failed to rebuild kernel handles: {errors[0]}")
                 if all(s.get("ready") for s in status):
+                    self.last_swap["handles_s"] = max(s.get("handles_s", 0.0) for s in status)
                     break
                 if time.monotonic() > deadline:
                     raise WeightsyncError(
@@ -239,11 +262,12 @@ class VllmDeltas:
             except WeightsyncError:
                 pass
             raise FullPath(f"the workers could not stage the delta: {e}") from e
-        return add(*(int(r["old_sum"]) for r in results))
+        return add(*(int(r["old_sum"]) for r in results)), add(*(int(r["new_sum"]) for r in results))
 
-    def _commit(self, version: int, new_want: int | None, policy: SwapPolicy, *, undo_tag: str | None) -> tuple:
-        """Pause, commit, check the new-bit sum (writing the undo log back on a mismatch), reset the
-        prefix cache, set the version, resume: (pause seconds, timings)."""
+    def _commit(self, version: int, policy: SwapPolicy, *, undo_tag: str | None) -> tuple:
+        """Pause, commit, check that every written element reads back as staged (writing the undo
+        log back otherwise), reset the prefix cache, set the version, resume: (pause seconds,
+        timings). The staged bits' sum was checked before the pause: nothing is hashed in it."""
         engine = self.engine
         mode = engine._pause_mode(policy)
         t_pause = time.perf_counter()
@@ -256,15 +280,14 @@ class VllmDeltas:
             except BaseException as e:
                 engine._mark_unhealthy(f"v{version} failed while committing a delta: {e}")
                 raise
-            new_got = add(*(int(r["new_sum"]) for r in results))
-            if new_want is not None and new_got != new_want:
+            if not all(r.get("landed") for r in results):
                 if undo_tag is None:  # an undo that does not verify: nothing known is left to serve
-                    engine._mark_unhealthy(f"undoing to v{version}: the bits written back do not verify")
-                    raise IntegrityError(f"undoing to v{version}: the bits written back do not verify")
+                    engine._mark_unhealthy(f"undoing to v{version}: the bits written back do not read back")
+                    raise IntegrityError(f"undoing to v{version}: the bits written back do not read back")
                 self._write_back(version, undo_tag)
                 raise IntegrityError(
-                    f"v{version}: the bits the workers wrote sum to {new_got}, the published ones to {new_want}; "
-                    "the undo log was written back and the previous version serves"
+                    f"v{version}: the bits the workers wrote do not read back as staged; the undo log was "
+                    "written back and the previous version serves"
                 )
             try:
                 engine._post("/reset_prefix_cache?reset_running_requests=true")

@@ -260,11 +260,11 @@ def test_ten_delta_swaps_land_bit_exactly_with_sums_that_add_up_and_undo_restore
         write_delta_file(path, changes, parent=f"v{step}", version=f"v{step + 1}")
         staged = [applier.stage(str(path)) for _, applier in ranks]
         assert pd.add(*(int(s["old_sum"]) for s in staged)) == agent_sum(hf, changes), "old bits, over the ranks"
+        assert pd.add(*(int(s["new_sum"]) for s in staged)) == agent_sum(new, changes), "staged new bits"
         for model, _applier in ranks:  # staged only: what is served has not changed
             assert torch.equal(model.norm, expected_state(hf, 0, 1)["norm"])
             assert model.down_proj.cpu_linear[1] is not None
-        committed = [applier.commit() for _, applier in ranks]
-        assert pd.add(*(int(c["new_sum"]) for c in committed)) == agent_sum(new, changes), "new bits, read back"
+        assert all(applier.commit()["landed"] for _, applier in ranks), "the written bits read back as staged"
         for rank, (model, applier) in enumerate(ranks):
             want = expected_state(new, rank, tp_size)
             got = held_state(model, applier)
