@@ -138,8 +138,16 @@ def hf_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def locate(placement: Placement, positions: torch.Tensor, perms: Mapping[str, torch.Tensor]) -> tuple:
-    """(mask, final): which of the HF flat `positions` (int64) lie in the placement's box, and
-    their flat indices in its target."""
+    """(inside, final): which of the HF flat `positions` (int64, ascending) lie in the placement's
+    box (a slice or a mask over `positions`), and their flat indices in its target."""
+    inner = _slab_inner(placement)
+    if inner:  # rows of the HF tensor, contiguous in the target: two binary searches, one subtraction
+        start = placement.box[0][0] * inner
+        bounds = torch.tensor(
+            [start, start + placement.box[0][1] * inner], dtype=positions.dtype, device=positions.device
+        )
+        lo, hi = torch.searchsorted(positions, bounds).tolist()
+        return slice(lo, hi), positions[lo:hi] - (start - placement.base)
     rest = positions
     inside = torch.ones_like(positions, dtype=torch.bool)
     index = torch.full_like(positions, placement.base)
@@ -154,6 +162,23 @@ def locate(placement: Placement, positions: torch.Tensor, perms: Mapping[str, to
     if placement.perm is not None:
         index = perms[placement.perm][index] + placement.perm_base
     return inside, index
+
+
+def _slab_inner(placement: Placement) -> int:
+    """The elements per HF row when the box is whole rows laid out contiguously in the target
+    (no permutation), else 0."""
+    if placement.perm is not None or not placement.box:
+        return 0
+    full = all(
+        start == 0 and length == size
+        for (start, length), size in zip(placement.box[1:], placement.hf_shape[1:], strict=True)
+    )
+    if not full or placement.strides != hf_strides(tuple(length for _, length in placement.box)):
+        return 0
+    inner = 1
+    for size in placement.hf_shape[1:]:
+        inner *= size
+    return inner
 
 
 def box_indices(placement: Placement, first_row: int = 0, rows: int | None = None) -> tuple:

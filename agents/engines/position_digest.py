@@ -65,19 +65,21 @@ def element_bits(flat: torch.Tensor) -> torch.Tensor:
 
 
 def mix(tid: int, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """mix(id, i, b) of int64 tensors `index` and `bits` (same shape), as int64 (wrapping)."""
-    h = index * K1 + tid
-    h ^= bits * K2
-    return _fmix64_(h)
-
-
-def _fmix64_(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 64-bit finalizer, in place (logical shifts written as arithmetic + mask)."""
-    h ^= (h >> 33) & _LOW31
-    h *= M1
-    h ^= (h >> 33) & _LOW31
-    h *= M2
-    h ^= (h >> 33) & _LOW31
+    """mix(id, i, b) of int64 tensors `index` and `bits` (same shape), as int64 (wrapping). In place
+    on two work tensors: each temporary is a pass over memory, and this runs over every changed
+    element of every swap."""
+    h = index * K1
+    h += tid
+    work = bits * K2
+    h ^= work
+    for multiplier in (M1, M2):  # MurmurHash3's 64-bit finalizer; a logical shift is arithmetic + mask
+        torch.bitwise_right_shift(h, 33, out=work)
+        work &= _LOW31
+        h ^= work
+        h *= multiplier
+    torch.bitwise_right_shift(h, 33, out=work)
+    work &= _LOW31
+    h ^= work
     return h
 
 

@@ -1,159 +1,31 @@
 """The placement plan and the in-place delta applier on vLLM-shaped modules, torch only.
 
-Stands in for vLLM's layers: modules with the attributes vLLM's loaders shard and fuse by
-(`output_partition_sizes`, `num_kv_head_replicas`, `shard_indices`, `input_dim`/`output_dim`,
-`moe_config`), loaded here by an independent loader written from vLLM's rules, on one rank or on
-each of two tensor-parallel ranks. Real vLLM: test_vllm_delta.py.
+harness/vllm_layout.py stands in for vLLM's layers (the attributes its loaders shard and fuse by,
+and an independent loader written from its rules), on one rank or on each of two
+tensor-parallel ranks. Real vLLM: test_vllm_delta.py.
 """
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
+from harness import vllm_layout as vl
 from weightsync.agents.engines import placement as pl
 from weightsync.agents.engines import position_digest as pd
 from weightsync.agents.engines.delta_apply import DeltaApplier, DeltaRefused
 from weightsync.agents.engines.delta_file import TensorChanges, join_positions, split_positions, write_delta_file
 
-VOCAB, PADDED, HIDDEN, HEAD, HEADS, KV_HEADS, INTER, EXPERTS, MOE_INTER = 10, 16, 8, 2, 4, 1, 12, 3, 6
+DIMS = vl.Dims()
+HF_SHAPES = vl.hf_shapes(DIMS)
 
 
-class UnquantizedLinearMethod:
-    pass
+def Model(tp_rank, tp_size, **kw):  # noqa: N802 - a model class, as the tests below use it
+    return vl.LayerModel(DIMS, tp_rank, tp_size, **kw)
 
 
-class Fp8LinearMethod:
-    pass
-
-
-class UnquantizedFusedMoEMethod:
-    moe_kernel = None
-
-
-class Linear(torch.nn.Module):
-    def __init__(self, rows, cols, *, quant=UnquantizedLinearMethod, **attrs):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.bfloat16), requires_grad=False)
-        self.weight.output_dim, self.quant_method = 0, quant()
-        for key, value in attrs.items():
-            setattr(self, key, value)
-
-
-class QKVParallelLinear(Linear):
-    pass
-
-
-class MergedColumnParallelLinear(Linear):
-    pass
-
-
-class RowParallelLinear(Linear):
-    pass
-
-
-class VocabParallelEmbedding(Linear):
-    pass
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    pass
-
-
-class Experts(torch.nn.Module):
-    def __init__(self, tp_rank, tp_size):
-        super().__init__()
-        inter = MOE_INTER // tp_size
-        self.w13_weight = torch.nn.Parameter(torch.zeros(EXPERTS, 2 * inter, HIDDEN, dtype=torch.bfloat16), False)
-        self.w2_weight = torch.nn.Parameter(torch.zeros(EXPERTS, HIDDEN, inter, dtype=torch.bfloat16), False)
-        self.moe_config = types.SimpleNamespace(
-            tp_rank=tp_rank, tp_size=tp_size, num_experts=EXPERTS, is_act_and_mul=True
-        )
-        self.quant_method = UnquantizedFusedMoEMethod()
-
-
-class Model(torch.nn.Module):
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
-    def __init__(self, tp_rank, tp_size, *, quantized_down=False):
-        super().__init__()
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
-        replicas = max(1, tp_size // KV_HEADS)
-        q, kv = HEADS * HEAD // tp_size, max(1, KV_HEADS // tp_size) * HEAD
-        rows = PADDED // tp_size
-        shard = types.SimpleNamespace(
-            org_vocab_start_index=min(VOCAB, tp_rank * rows), org_vocab_end_index=min(VOCAB, (tp_rank + 1) * rows)
-        )
-        self.embed = VocabParallelEmbedding(rows, HIDDEN, org_vocab_size=VOCAB, shard_indices=shard, **tp)
-        self.qkv_proj = QKVParallelLinear(
-            q + 2 * kv, HIDDEN, output_partition_sizes=[q, kv, kv], num_kv_head_replicas=replicas, **tp
-        )
-        self.o_proj = RowParallelLinear(HIDDEN, HEADS * HEAD // tp_size, **tp)
-        self.o_proj.weight.input_dim = 1
-        self.gate_up_proj = MergedColumnParallelLinear(
-            2 * INTER // tp_size, HIDDEN, output_partition_sizes=[INTER // tp_size] * 2, **tp
-        )
-        self.down_proj = RowParallelLinear(
-            HIDDEN, INTER // tp_size, quant=Fp8LinearMethod if quantized_down else UnquantizedLinearMethod, **tp
-        )
-        self.down_proj.weight.input_dim = 1
-        self.norm = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16), requires_grad=False)
-        self.experts = Experts(tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(rows, HIDDEN, org_vocab_size=VOCAB, shard_indices=shard, **tp)
-        self.lm_head.weight = self.embed.weight  # tied
-        self.lm_head.cpu_linear = ("handle", None)
-
-
-HF_SHAPES = {
-    "embed.weight": (VOCAB, HIDDEN),
-    "q_proj.weight": (HEADS * HEAD, HIDDEN),
-    "k_proj.weight": (KV_HEADS * HEAD, HIDDEN),
-    "v_proj.weight": (KV_HEADS * HEAD, HIDDEN),
-    "o_proj.weight": (HIDDEN, HEADS * HEAD),
-    "gate_proj.weight": (INTER, HIDDEN),
-    "up_proj.weight": (INTER, HIDDEN),
-    "down_proj.weight": (HIDDEN, INTER),
-    "norm": (HIDDEN,),
-    **{f"experts.{e}.{p}_proj.weight": (MOE_INTER, HIDDEN) for e in range(EXPERTS) for p in ("gate", "up")},
-    **{f"experts.{e}.down_proj.weight": (HIDDEN, MOE_INTER) for e in range(EXPERTS)},
-}
-
-
-def load(model: Model, hf: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> None:
-    """vLLM's loading rules, written out independently of weightsync's plan."""
-
-    def rows(t, size):
-        return t.narrow(0, tp_rank * size, size)
-
-    with torch.no_grad():
-        emb = torch.zeros(PADDED // tp_size, HIDDEN, dtype=torch.bfloat16)
-        start = min(VOCAB, tp_rank * (PADDED // tp_size))
-        stop = min(VOCAB, (tp_rank + 1) * (PADDED // tp_size))
-        emb[: stop - start] = hf["embed.weight"][start:stop]
-        model.embed.weight.copy_(emb)
-        q = HEADS * HEAD // tp_size
-        kv_rank = tp_rank // max(1, tp_size // KV_HEADS)
-        kv = max(1, KV_HEADS // tp_size) * HEAD
-        model.qkv_proj.weight.copy_(
-            torch.cat(
-                [rows(hf["q_proj.weight"], q)]
-                + [hf[f"{p}_proj.weight"].narrow(0, kv_rank * kv, kv) for p in ("k", "v")]
-            )
-        )
-        model.o_proj.weight.copy_(hf["o_proj.weight"].narrow(1, tp_rank * q, q))
-        inter = INTER // tp_size
-        model.gate_up_proj.weight.copy_(
-            torch.cat([rows(hf["gate_proj.weight"], inter), rows(hf["up_proj.weight"], inter)])
-        )
-        model.down_proj.weight.copy_(hf["down_proj.weight"].narrow(1, tp_rank * inter, inter))
-        model.norm.copy_(hf["norm"])
-        mi = MOE_INTER // tp_size
-        for e in range(EXPERTS):
-            gate, up = (rows(hf[f"experts.{e}.{p}_proj.weight"], mi) for p in ("gate", "up"))
-            model.experts.w13_weight[e].copy_(torch.cat([gate, up]))
-            model.experts.w2_weight[e].copy_(hf[f"experts.{e}.down_proj.weight"].narrow(1, tp_rank * mi, mi))
+def load(model, hf, tp_rank, tp_size):
+    vl.load(model, hf, DIMS, tp_rank, tp_size)
 
 
 def held_state(model: Model, applier: DeltaApplier) -> dict[str, torch.Tensor]:
