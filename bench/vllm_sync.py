@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 from bench.output import write_results
 from harness import vllm as vh
 from harness.machine import describe_machine
-from weightsync import Publisher, Reader
+from weightsync import Publisher, PublisherConfig, Reader
 from weightsync.stores import LocalStore
 from weightsync.transport.push import PushConfig, Pusher
 
@@ -140,7 +140,12 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record.update(
-        machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
+        machine={
+            **describe_machine(),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "vllm_without_amx": os.environ.get(vh.NO_AMX_ENV) == "1",
+        },
         date=datetime.date.today().isoformat(),
     )
     base = RESULTS / (args.out or f"vllm-sync-{os.cpu_count()}cpu-{platform.machine()}-{record['date']}")
@@ -296,12 +301,13 @@ def pause_under_load(server, work: Path, weights, generator, swaps: int, model_b
     for w in workers:
         w.join()
     result = {"client_latency_no_swaps_s": percentiles(quiet)}
-    with Publisher(store, model="m") as publisher:
+    config = PublisherConfig(rebase_every=4 * swaps + 2)  # every timed swap a delta on the last
+    with Publisher(store, model="m", config=config) as publisher:
         state = reader.read(publisher.publish(weights, step=0).result().version)
         engine.swap(state.manifest.version, state.state_dict(), digest=state.manifest.digest)  # the plans
         errors = len(quiet_errors)
         for path in ("delta", "full"):
-            stop, busy, busy_errors, pauses, stats = threading.Event(), [], [], [], []
+            stop, busy, busy_errors, pauses, holds, stats = threading.Event(), [], [], [], [], []
             workers = client_load(server.url, 3, stop, busy, busy_errors)
             for _ in range(swaps):
                 rl_step(weights, generator)
@@ -320,11 +326,16 @@ def pause_under_load(server, work: Path, weights, generator, swaps: int, model_b
                 else:
                     report = engine.swap(version, state.state_dict(), digest=digest, policy=SwapPolicy.IN_FLIGHT)
                 pauses.append(report.pause_s)
+                holds.append(engine.pause_split()["hold_s"])
             stop.set()
             for w in workers:
                 w.join()
             errors += len(busy_errors)
-            figures = {"engine_pause_s": percentiles(pauses), "client_latency_during_swaps_s": percentiles(busy)}
+            figures = {
+                "engine_pause_s": percentiles(pauses),
+                "hold_s": percentiles(holds),
+                "client_latency_during_swaps_s": percentiles(busy),
+            }
             if stats:
                 figures.update(
                     file_bytes=percentiles([s["file_bytes"] for s in stats]),
@@ -338,6 +349,7 @@ def pause_under_load(server, work: Path, weights, generator, swaps: int, model_b
             result[path] = figures
     engine.close()
     result["engine_pause_s"] = result["delta"]["engine_pause_s"]  # the default path's, under in_flight
+    result["hold_s"] = result["delta"]["hold_s"]
     result["policy"] = "in_flight"
     result["client_errors"] = errors
     return result
@@ -356,7 +368,8 @@ def markdown(r: dict) -> str:
             f"# vLLM sync — {m['cpu']}, {m['cores']} cores, {r['date']}",
             "",
             f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16. "
-            f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}.",
+            f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}."
+            + (" vLLM's CPU kernels without AMX (WEIGHTSYNC_VLLM_NO_AMX=1)." if m.get("vllm_without_amx") else ""),
             "",
             "| method | median s | runs |",
             "|---|---|---|",
@@ -376,7 +389,10 @@ def markdown(r: dict) -> str:
             f"Swap pause under the in_flight policy ({d['engine_pause_s']['n']} swaps per path under client load): "
             f"in place p50 {ms(d['engine_pause_s'], 'p50')} / p99 {ms(d['engine_pause_s'], 'p99')} / max "
             f"{ms(d['engine_pause_s'], 'max')} ms; full handoff p50 {ms(f['engine_pause_s'], 'p50')} / p99 "
-            f"{ms(f['engine_pause_s'], 'p99')} ms. In place, per swap: {d['changed_fraction'] * 100:.2f} % of the "
+            f"{ms(f['engine_pause_s'], 'p99')} ms. Of each pause, the engine's own hold (from the server "
+            f"acknowledging the pause, which waits for the step under way, to resume): in place p50 "
+            f"{ms(d['hold_s'], 'p50')} / p99 {ms(d['hold_s'], 'p99')} ms, full handoff p50 {ms(f['hold_s'], 'p50')} / p99 "
+            f"{ms(f['hold_s'], 'p99')} ms. In place, per swap: {d['changed_fraction'] * 100:.2f} % of the "
             f"elements changed, {d['file_bytes']['p50'] / 1e6:.2f} MB to tmpfs ({100 * d['file_bytes_x_model']:.1f} % "
             f"of the model), workers' stage p50 {ms(d['stage_s'], 'p50')} ms of which the kernel-handle rebuild "
             f"(vLLM's repack of the touched layers, the floor) {ms(d['handles_s'], 'p50')} ms, commit inside the "

@@ -93,6 +93,7 @@ class _Staged:
     builder: threading.Thread | None = None
     error: BaseException | None = None
     build_s: float = 0.0
+    copies_landed: bool = True  # the unpacked copies read back as staged (checked at stage)
 
 
 class DeltaApplier:
@@ -212,8 +213,9 @@ class DeltaApplier:
 
     def commit(self, native_reload: NativeReload | None = None) -> dict[str, Any]:
         """Makes the staged version the held one (under the engine's pause): scatters, rebinds,
-        reloads native layers, and reads every written element back against the staged bits
-        ("landed"); the sums were taken at stage, so nothing is hashed here."""
+        reloads native layers, and reads every element written into live targets back against the
+        staged bits ("landed"; the unpacked copies were written and read back at stage); the sums
+        were taken at stage, so nothing is hashed here."""
         staged = self._staged
         if staged is None:
             raise DeltaRefused("nothing is staged")
@@ -233,7 +235,9 @@ class DeltaApplier:
                 raise DeltaRefused("this engine cannot reload layers natively")
             native_reload(staged.dense)
         written = time.perf_counter()
-        landed = all(torch.equal(self._view(key)[w.index], w.new) for key, w in staged.writes.items())
+        landed = staged.copies_landed and all(
+            torch.equal(self._view(key)[w.index], w.new) for key, w in staged.writes.items() if self.plan.live[key]
+        )
         self._adjust_audit(staged)
         self.held, self._staged, self._undo = staged.version, None, staged
         return {
@@ -322,6 +326,7 @@ class DeltaApplier:
         for key, w in staged.writes.items():
             if not self.plan.live[key]:
                 self._view(key).index_copy_(0, w.index, w.new)
+                staged.copies_landed &= torch.equal(self._view(key)[w.index], w.new)
             for module in self.plan.handles.get(key, ()):
                 staged.modules[id(module)] = module
                 jobs.append((module, key, w))

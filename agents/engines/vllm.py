@@ -225,6 +225,7 @@ class VllmEngine:
         self._closed = False
         self._served: int | None = None
         self._served_digest = ""
+        self._pause_split: dict[str, float] = {}
         self._model_name: str | None = None  # --served-model-name, read on the first parity probe
         self._swaps_begun = self._swaps_ended = 0  # a probe's answer counts only if no swap overlapped it
         self._healthy = True
@@ -351,6 +352,7 @@ class VllmEngine:
                 path.unlink(missing_ok=True)
             self._swaps_ended = self._swaps_begun
         self._served, self._served_digest, self._healthy, self._last_error = version, digest, True, None
+        self._pause_split = {"wait_s": paused - t_pause, "hold_s": resumed - paused}
         self._layout = None if adapter else layout_of(weights)
         if not adapter:
             self._deltas.after_full_load(weights)  # served already: its plans and D(v) are for the audit
@@ -482,6 +484,12 @@ class VllmEngine:
             "last_error": self._last_error,
             "last_audit": self._deltas.last_audit,
         }
+
+    def pause_split(self) -> dict[str, float]:
+        """The last swap's pause in two: "wait_s", until the server acknowledged /pause (under
+        in_flight: the engine step under way finishing), and "hold_s", from then to /resume
+        answered (what the swap itself holds requests for)."""
+        return dict(self._pause_split)
 
     def delta_stats(self) -> dict[str, Any]:
         """Figures of the last in-place delta swap (`VllmDeltas.last_swap`): what a benchmark reads."""

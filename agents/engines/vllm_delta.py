@@ -64,6 +64,28 @@ logger = logging.getLogger(__name__)
 _READY_POLL_S = 0.005
 
 
+class _Background:
+    """A call on a thread of its own; `result()` waits and returns it (or raises its error)."""
+
+    def __init__(self, fn, *args, **kwargs) -> None:
+        self._value, self._error = None, None
+
+        def run() -> None:
+            try:
+                self._value = fn(*args, **kwargs)
+            except BaseException as e:  # raised again by result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="weightsync-vllm-delta", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class FullPath(WeightsyncError):
     """This version goes in whole; the message says why (the report's path_reason)."""
 
@@ -147,8 +169,11 @@ class VllmDeltas:
                 path, delta, weights, plans, parent=tag(parent.version, parent.digest), version=tag(version, digest)
             )
             self.last_swap["file_bytes"] = nbytes
-            old_want, new_want = expected_sums(delta, plans)
+            self.last_swap["file_s"] = time.perf_counter() - started
+            # The agent's sums while the workers stage (another process): off the critical path.
+            sums = _Background(expected_sums, delta, plans)
             old_got, new_got = self._stage("weightsync_delta_stage", str(path))
+            old_want, new_want = sums.result()
             if new_got != new_want:
                 engine.rpc("weightsync_delta_discard")
                 raise IntegrityError(
@@ -169,7 +194,7 @@ class VllmDeltas:
                     "(their state diverged); reloaded in full"
                 )
             staged = time.perf_counter()
-            pause_s, timings = self._commit(version, policy, undo_tag=tag(version, digest))
+            pause_s, timings = self._commit(version, policy, undo_tag=tag(version, digest), parent=parent.version)
         finally:
             path.unlink(missing_ok=True)
         engine._served, engine._served_digest = version, digest
@@ -242,6 +267,7 @@ class VllmDeltas:
         engine = self.engine
         try:
             results = engine.rpc(method, arg, timeout_s=self.config.load_timeout_s)
+            self.last_swap["worker_stage_s"] = max(r.get("timings_s", {}).get("stage", 0.0) for r in results)
             deadline = time.monotonic() + self.config.load_timeout_s
             while True:
                 status = engine.rpc("weightsync_delta_status")
@@ -264,7 +290,7 @@ class VllmDeltas:
             raise FullPath(f"the workers could not stage the delta: {e}") from e
         return add(*(int(r["old_sum"]) for r in results)), add(*(int(r["new_sum"]) for r in results))
 
-    def _commit(self, version: int, policy: SwapPolicy, *, undo_tag: str | None) -> tuple:
+    def _commit(self, version: int, policy: SwapPolicy, *, undo_tag: str | None, parent: int | None = None) -> tuple:
         """Pause, commit, check that every written element reads back as staged (writing the undo
         log back otherwise), reset the prefix cache, set the version, resume: (pause seconds,
         timings). The staged bits' sum was checked before the pause: nothing is hashed in it."""
@@ -275,8 +301,18 @@ class VllmDeltas:
         try:
             engine._post(f"/pause?mode={mode}", timeout_s=self.config.drain_timeout_s)
             paused = time.perf_counter()
+            # Inside the pause the engine loop runs only utility calls, in the order they arrive:
+            # the prefix-cache reset and the version label go with the commit, not after it.
+            calls = [
+                _Background(engine.rpc, "weightsync_delta_commit", timeout_s=self.config.load_timeout_s),
+                _Background(engine._post, "/reset_prefix_cache?reset_running_requests=true"),
+            ]
+            if "/update_weight_version" in engine.routes:
+                calls.append(_Background(engine._post, "/update_weight_version", {"new_version": str(version)}))
             try:
-                results = engine.rpc("weightsync_delta_commit", timeout_s=self.config.load_timeout_s)
+                results = calls[0].result()
+                for call in calls[1:]:
+                    call.result()
             except BaseException as e:
                 engine._mark_unhealthy(f"v{version} failed while committing a delta: {e}")
                 raise
@@ -284,32 +320,33 @@ class VllmDeltas:
                 if undo_tag is None:  # an undo that does not verify: nothing known is left to serve
                     engine._mark_unhealthy(f"undoing to v{version}: the bits written back do not read back")
                     raise IntegrityError(f"undoing to v{version}: the bits written back do not read back")
-                self._write_back(version, undo_tag)
+                self._write_back(version, undo_tag, parent)
                 raise IntegrityError(
                     f"v{version}: the bits the workers wrote do not read back as staged; the undo log was "
                     "written back and the previous version serves"
                 )
             try:
-                engine._post("/reset_prefix_cache?reset_running_requests=true")
-                if "/update_weight_version" in engine.routes:
-                    engine._post("/update_weight_version", {"new_version": str(version)})
                 engine._post("/resume")
             except BaseException as e:
                 engine._mark_unhealthy(f"v{version}: {e}")
                 raise
             resumed = time.perf_counter()
+            engine._pause_split = {"wait_s": paused - t_pause, "hold_s": resumed - paused}
         finally:
             engine._swaps_ended = engine._swaps_begun
         commit_s = max((r.get("timings_s", {}).get("write", 0.0) for r in results), default=0.0)
         return resumed - t_pause, {"drain": paused - t_pause, "commit": commit_s}
 
-    def _write_back(self, version: int, undo_tag: str | None) -> None:
-        """Still paused after a commit whose bits do not verify: the undo log goes back, then resume."""
+    def _write_back(self, version: int, undo_tag: str, parent: int | None) -> None:
+        """Still paused after a commit whose bits do not verify: the undo log goes back, the label
+        to the parent, then resume."""
         engine = self.engine
         try:
             engine.rpc("weightsync_delta_undo", undo_tag, timeout_s=self.config.load_timeout_s)
             engine.rpc("weightsync_delta_commit", timeout_s=self.config.load_timeout_s)
             engine._post("/reset_prefix_cache?reset_running_requests=true")
+            if parent is not None and "/update_weight_version" in engine.routes:
+                engine._post("/update_weight_version", {"new_version": str(parent)})
             engine._post("/resume")
         except WeightsyncError as e:
             engine._mark_unhealthy(f"v{version} did not verify and its undo failed: {e}")

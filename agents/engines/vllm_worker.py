@@ -182,8 +182,20 @@ class WeightsyncWorkerExtension:
         return self._weightsync_applier().status()
 
     def weightsync_delta_commit(self) -> dict[str, Any]:
-        """Makes the staged delta served (the server is paused): scatter, rebind, native layers."""
-        return self._weightsync_applier().commit(lambda tensors: self._weightsync_reload(iter(tensors)))
+        """Makes the staged delta served (the server is paused): scatter, rebind, native layers.
+        A native reload replaced those layers' unpacked copies: the plan is read again (such a
+        swap keeps no undo log anyway)."""
+        applier = self._weightsync_applier()
+        reloaded = []
+
+        def reload(tensors: list) -> None:
+            reloaded.append(True)
+            self._weightsync_reload(iter(tensors))
+
+        result = applier.commit(reload)
+        if reloaded:
+            applier.reset(applier.held, self._weightsync_plan())
+        return result
 
     def weightsync_delta_discard(self) -> dict[str, Any]:
         self._weightsync_applier().discard()

@@ -241,6 +241,8 @@ def test_a_layer_listed_for_native_reload_goes_through_vllms_loader_and_says_why
         ]
         assert any("reloaded model.layers.1.mlp.gate_up_proj" in r.getMessage() for r in caplog.records)
         check_held(server.url, tmp_path, versions[2], "v2 with layer 1's MLP reloaded natively")
+        held = engine.verify_held(2, state.state_dict())
+        assert held.ok, held.error  # the natively reloaded layers' digest reads their new copies
         assert engine.undo(2) is None, "a swap that reloaded layers natively keeps no undo log"
     finally:
         engine.close()
