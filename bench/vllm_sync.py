@@ -266,8 +266,12 @@ def agent_run(work: Path, server, weights, generator, versions: int, *, delta_sw
             text=True,
             timeout=120,
         )
+        stages = ("gather", "apply", "swap", "swap_pause", "since_offer")
         ledger = [
-            {k: e.get(k) for k in ("version", "swap_path", "swap_path_reason")}
+            {
+                **{k: e.get(k) for k in ("version", "swap_path", "swap_path_reason")},
+                "timings_s": {k: v for k, v in (e.get("timings_s") or {}).items() if k in stages},
+            }
             for e in json.loads(status.stdout)["ledger"]
         ]
     finally:

@@ -123,18 +123,52 @@ class DeltaApplier:
         self._order = {id(p): i for i, p in enumerate(self._owned)}
         self._audit_pass, self._audit_at, self._audit_sum, self._audit_done = "", (0, 0), 0, None
 
+    def begin(self, stage: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Runs `stage` (`self.stage(path)` or `self.stage_undo(tag)`) and the handle rebuild on a
+        background thread: an RPC of vLLM's worker runs inside its engine loop, so one that
+        staged in place would stall generation for as long. `status()` says when it is done."""
+        self._join()
+        self._job_result, self._job_error = None, None
+
+        def run() -> None:
+            try:
+                result = stage()
+                staged = self._staged
+                if staged is not None and staged.builder is not None:
+                    staged.builder.join()
+                self._job_result = result
+            except BaseException as e:  # reported by status()
+                self._job_error = e
+
+        self._job = threading.Thread(target=run, name="weightsync-stage", daemon=True)
+        self._job.start()
+        return {"started": True}
+
     def status(self) -> dict[str, Any]:
+        """What the worker holds and stages; once a `begin` job is done, its result ("old_sum",
+        "new_sum", ...) or "error"."""
         staged = self._staged
+        job = getattr(self, "_job", None)
+        running = job is not None and job.is_alive()
         building = staged is not None and staged.builder is not None and staged.builder.is_alive()
-        return {
+        error = getattr(self, "_job_error", None) or (staged.error if staged is not None else None)
+        answer = {
             "held": self.held,
             "planned": self.plan is not None,
             "staged": staged.version if staged is not None else "",
-            "ready": staged is not None and not building,
-            "error": repr(staged.error) if staged is not None and staged.error is not None else "",
+            "ready": not running and (staged is not None and not building or error is not None),
+            "error": repr(error) if error is not None else "",
             "handles_s": staged.build_s if staged is not None else 0.0,
             "undo": self._undo.version if self._undo is not None else "",
         }
+        if not running and getattr(self, "_job_result", None) is not None:
+            answer.update(self._job_result)
+        return answer
+
+    def _join(self) -> None:
+        job = getattr(self, "_job", None)
+        if job is not None:
+            job.join()
 
     # ------------------------------------------------------------------ stage / commit / discard
 
@@ -216,6 +250,7 @@ class DeltaApplier:
         reloads native layers, and reads every element written into live targets back against the
         staged bits ("landed"; the unpacked copies were written and read back at stage); the sums
         were taken at stage, so nothing is hashed here."""
+        self._join()
         staged = self._staged
         if staged is None:
             raise DeltaRefused("nothing is staged")
@@ -251,6 +286,8 @@ class DeltaApplier:
 
     def discard(self) -> None:
         """Drops a staged swap: unpacked copies get their old bits back, new handles are dropped."""
+        if getattr(self, "_job", None) is not threading.current_thread():
+            self._join()
         staged, self._staged = self._staged, None
         if staged is None:
             return

@@ -31,6 +31,12 @@ A swap, in order (a failure at any step is handled as the last column says):
              again with the new weights), POST /update_weight_version,
              POST /resume
 
+Delta versions go in place instead (`swap_delta`, the optional `base.DeltaEngine` members; the
+steps are in `vllm_delta.py`): only the changed elements travel, the workers patch them through
+their placement plans, the pause covers the scatter, and `undo` writes the workers' undo log back.
+A version that cannot (no plan after a server restart, a gap over `delta_max_changed_fraction`,
+workers whose old bits diverged) takes the steps above, and the report says why.
+
 LoRA adapter-only versions (engine `lora_name`, agent weights_kind "adapter"; `vllm_lora.py`):
 the handoff is a PEFT directory, the server also needs --enable-lora and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and "load" puts the adapter under `lora_name` (the first
@@ -48,7 +54,7 @@ server as the last one left it (maybe paused mid-load) and swaps its cached vers
 Memory in the agent: the agent's one buffer (the engine keeps no reference to it); the handoff
 file lives on tmpfs only for the duration of the swap. The copy vLLM serves is the engine's copy.
 Not here: fetching or verifying versions (the agent), the worker side (`vllm_worker.py`), adapters
-(`vllm_lora.py`).
+(`vllm_lora.py`), in-place delta swaps and the audit (`vllm_delta.py`).
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _READY_POLL_S = 0.005
+_READY_POLL_MAX_S = 0.05
 
 
 class _Background:
@@ -261,34 +262,35 @@ class VllmDeltas:
         return sums
 
     def _stage_and_wait(self, method: str, arg: str) -> tuple[int, int]:
-        """Stages on every worker and waits until their handles are rebuilt (still serving); the
-        ranks' sums over the old bits they gathered and the new bits they staged. FullPath when a
-        worker refuses."""
+        """Starts the stage on every worker and polls until each is done (their threads stage and
+        rebuild handles while the server serves; a poll is a short RPC between engine steps, at a
+        growing interval); the ranks' sums over the old bits they gathered and the new bits they
+        staged. FullPath when a worker refuses."""
         engine = self.engine
         try:
-            results = engine.rpc(method, arg, timeout_s=self.config.load_timeout_s)
-            self.last_swap["worker_stage_s"] = max(r.get("timings_s", {}).get("stage", 0.0) for r in results)
+            engine.rpc(method, arg, timeout_s=self.config.load_timeout_s)
             deadline = time.monotonic() + self.config.load_timeout_s
+            interval = _READY_POLL_S
             while True:
                 status = engine.rpc("weightsync_delta_status")
                 errors = [s["error"] for s in status if s.get("error")]
                 if errors:
-                    raise WeightsyncError(f"a worker failed to rebuild kernel handles: {errors[0]}")
+                    raise WeightsyncError(f"a worker could not stage the delta: {errors[0]}")
                 if all(s.get("ready") for s in status):
-                    self.last_swap["handles_s"] = max(s.get("handles_s", 0.0) for s in status)
                     break
                 if time.monotonic() > deadline:
-                    raise WeightsyncError(
-                        f"the workers' kernel handles were not rebuilt in {self.config.load_timeout_s} s"
-                    )
-                time.sleep(_READY_POLL_S)
+                    raise WeightsyncError(f"the workers did not stage the delta in {self.config.load_timeout_s} s")
+                time.sleep(interval)
+                interval = min(2 * interval, _READY_POLL_MAX_S)
         except WeightsyncError as e:
             try:
                 engine.rpc("weightsync_delta_discard")
             except WeightsyncError:
                 pass
             raise FullPath(f"the workers could not stage the delta: {e}") from e
-        return add(*(int(r["old_sum"]) for r in results)), add(*(int(r["new_sum"]) for r in results))
+        self.last_swap["handles_s"] = max(s.get("handles_s", 0.0) for s in status)
+        self.last_swap["worker_stage_s"] = max(s.get("timings_s", {}).get("stage", 0.0) for s in status)
+        return add(*(int(s["old_sum"]) for s in status)), add(*(int(s["new_sum"]) for s in status))
 
     def _commit(self, version: int, policy: SwapPolicy, *, undo_tag: str | None, parent: int | None = None) -> tuple:
         """Pause, commit, check that every written element reads back as staged (writing the undo

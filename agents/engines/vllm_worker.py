@@ -171,12 +171,16 @@ class WeightsyncWorkerExtension:
         return (applier.plan or self._weightsync_plan()).summary() | {"held": applier.held}
 
     def weightsync_delta_stage(self, path: str) -> dict[str, Any]:
-        """Stages the delta file at `path` while serving (`DeltaApplier.stage`)."""
-        return self._weightsync_applier().stage(path)
+        """Starts staging the delta file at `path` on a thread (`DeltaApplier.stage`), while
+        serving; `weightsync_delta_status` answers its sums once done."""
+        applier = self._weightsync_applier()
+        return applier.begin(lambda: applier.stage(path))
 
     def weightsync_delta_undo(self, expect: str) -> dict[str, Any]:
-        """Stages the inverse of the last delta swap (which made `expect` held) from the undo log."""
-        return self._weightsync_applier().stage_undo(expect)
+        """Starts staging the inverse of the last delta swap (which made `expect` held) from the
+        undo log, likewise."""
+        applier = self._weightsync_applier()
+        return applier.begin(lambda: applier.stage_undo(expect))
 
     def weightsync_delta_status(self) -> dict[str, Any]:
         return self._weightsync_applier().status()
