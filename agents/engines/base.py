@@ -197,6 +197,8 @@ class DeltaEngine(Protocol):
     - `undo(version, policy=...)`: the version served before `version` goes back, from the undo log
       the delta swap that made `version` served kept (O(changed elements)); a `SwapReport`, or None
       when there is no such log (the agent then swaps the previous version in whole).
+    - `delta_swaps` (optional, default True): False while the engine is configured to take whole
+      versions only; the agent then captures nothing.
     """
 
     def swap_delta(
@@ -213,8 +215,10 @@ class DeltaEngine(Protocol):
 
 
 def accepts_deltas(engine: object) -> bool:
-    """True when `engine` has the optional in-place delta members (`DeltaEngine`)."""
-    return callable(getattr(engine, "swap_delta", None)) and callable(getattr(engine, "undo", None))
+    """True when `engine` has the optional in-place delta members (`DeltaEngine`) and its
+    `delta_swaps` (where it has one) is on: only then does the agent capture what a version changes."""
+    members = callable(getattr(engine, "swap_delta", None)) and callable(getattr(engine, "undo", None))
+    return members and bool(getattr(engine, "delta_swaps", True))
 
 
 def check_engine(engine: object) -> None:

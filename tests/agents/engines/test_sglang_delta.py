@@ -12,6 +12,9 @@ sent a delta.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from harness.sglang_contract_server import SGLangContractServer
@@ -167,4 +170,57 @@ def test_the_contract_server_refuses_a_loader_it_was_not_started_with(tmp_path):
         assert reply.status == 400 and "Unknown load_format" in reply.text
     finally:
         engine.close()
+        server.close()
+
+
+def test_a_parity_refuse_is_undone_in_place_and_the_agents_copy_reverted(tmp_path, caplog):
+    """v2 carries a forged probe (v1's figures while v2 moves the output layer): the agent refuses
+    it and rolls back through the loader's undo log (no load from disk) and its captured old bits."""
+    from weightsync.agents.parity import ParityConfig
+    from weightsync.models.probe import default_prompts, run_probe, to_probe
+
+    server, engine = start(tmp_path)
+    v1 = versions(1)[1]
+    v2 = dict(v1)
+    head = v1["lm_head.weight"]
+    mask = torch.rand(head.shape, generator=torch.Generator().manual_seed(3)) < 0.1
+    v2["lm_head.weight"] = torch.where(mask, (head.float() + 1.0).to(head.dtype), head)
+    architecture = ModelConfig(**SMALL)
+    prompts = default_prompts(architecture.vocab_size, count=2, length=12)
+    trainer = build_model(architecture)
+
+    def probe_of(weights):
+        return to_probe(prompts, run_probe(trainer, prompts, weights={n: t.float() for n, t in weights.items()}))
+
+    store = LocalStore(tmp_path / "store")
+    config = AgentConfig(
+        model=MODEL,
+        cache_dir=str(tmp_path / "cache"),
+        name="sglang-parity-agent",
+        store=store.uri,
+        engine={"type": "sglang", "url": server.url, "root": str(tmp_path / "snapshots")},
+        poll_interval_s=0.1,
+        parity=ParityConfig(action="refuse", max_abs_dlogprob=1e-3, max_mean_kl=1e-4),
+    )
+    caplog.set_level(logging.INFO, logger="weightsync.agents.delta_swap")
+    agent = AgentServer(config, engine=engine).start()
+    try:
+        with Publisher(store, model=MODEL) as publisher:
+            publisher.publish(v1, step=1, probe=probe_of(v1)).result()
+            assert agent.agent.wait_for_version(1, WAIT_S)
+            loads = server.loads
+            publisher.publish(v2, step=2, probe=probe_of(v1)).result()
+            deadline = time.monotonic() + WAIT_S
+            while 2 not in agent.agent.status()["refused"]:
+                assert time.monotonic() < deadline, agent.agent.status()
+                time.sleep(0.05)
+        assert server.loads == loads, "the rollback loaded nothing from disk"
+        assert engine.served_version() == 1 and server.weight_version == "1"
+        assert_served(server, v1)
+        _, _, copy = agent.agent.served()
+        for name, tensor in copy.state_dict().items():  # the agent's copy is v1 again, bit for bit
+            assert torch.equal(tensor, v1[name]), name
+        assert any("the agent's copy is back on v1" in r.getMessage() for r in caplog.records), "reverted in place"
+    finally:
+        agent.stop(0)
         server.close()
