@@ -112,6 +112,9 @@ class DeltaApplier:
         self._audit_at = (0, 0)  # (owned placement, box row) the running pass has reached
         self._audit_sum = 0
         self._audit_done: int | None = None  # the finished pass's sum
+        self._job: threading.Thread | None = None  # a `begin` stage running in the background
+        self._job_result: dict[str, Any] | None = None
+        self._job_error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,10 +151,9 @@ class DeltaApplier:
         """What the worker holds and stages; once a `begin` job is done, its result ("old_sum",
         "new_sum", ...) or "error"."""
         staged = self._staged
-        job = getattr(self, "_job", None)
-        running = job is not None and job.is_alive()
+        running = self._job is not None and self._job.is_alive()
         building = staged is not None and staged.builder is not None and staged.builder.is_alive()
-        error = getattr(self, "_job_error", None) or (staged.error if staged is not None else None)
+        error = self._job_error or (staged.error if staged is not None else None)
         answer = {
             "held": self.held,
             "planned": self.plan is not None,
@@ -161,14 +163,13 @@ class DeltaApplier:
             "handles_s": staged.build_s if staged is not None else 0.0,
             "undo": self._undo.version if self._undo is not None else "",
         }
-        if not running and getattr(self, "_job_result", None) is not None:
+        if not running and self._job_result is not None:
             answer.update(self._job_result)
         return answer
 
     def _join(self) -> None:
-        job = getattr(self, "_job", None)
-        if job is not None:
-            job.join()
+        if self._job is not None:
+            self._job.join()
 
     # ------------------------------------------------------------------ stage / commit / discard
 
@@ -286,7 +287,7 @@ class DeltaApplier:
 
     def discard(self) -> None:
         """Drops a staged swap: unpacked copies get their old bits back, new handles are dropped."""
-        if getattr(self, "_job", None) is not threading.current_thread():
+        if self._job is not threading.current_thread():
             self._join()
         staged, self._staged = self._staged, None
         if staged is None:
