@@ -29,6 +29,8 @@ class LedgerEntry:
     route: str = ""  # how the path was applied: "chain" (delta by delta) or "folded" (as one delta)
     route_reason: str = ""  # why that route (weightsync/format/codecs/fold.py plan_route)
     applied_early: int = 0  # chunks applied as their objects arrived, before the offer (early_apply.py)
+    swap_path: str = ""  # how it went into the engine: "delta" (changed elements in place) or "full"
+    swap_path_reason: str = ""  # why "full" where a delta was possible (agents/delta_swap.py)
     source: str = ""
     bytes_pushed: int = 0
     bytes_fetched: int = 0

@@ -1,7 +1,9 @@
 """swap: the "swapped" stage. A built version handed to the engine, vetted, and committed as served.
 
-    swap     `engine.swap` under the agent's swap policy (drain / in_flight / abort: what running
-             requests do, `SwapPolicy`): the engine serves the version from here on
+    swap     into the engine under the agent's swap policy (drain / in_flight / abort: what running
+             requests do, `SwapPolicy`), in place where the engine patches the changed elements
+             and the apply captured them, else whole (`delta_swap.py` chooses; the ledger says
+             which path and why): the engine serves the version from here on
     vet      under the parity action refuse, the probe runs now (`parity.py`) and a breach raises
              ParityRefused: the version never counts as served, and the caller rolls back
     commit   the state file records the served version (crash-safe), the ledger its timings, the
@@ -11,8 +13,8 @@
 The refuse rule (parity action "refuse"; `refuse`): the agent serves the newest version that
 passed the probe, or nothing, and says which. The version served before the refused one passed
 (under refuse a version counts as served only once its probe passed, and one restored from the
-cache at a restart is probed again): it goes back in bit for bit (the spare of a zero-copy engine,
-the cache's copy for a copying one). With none (a fresh agent, or a restored version that fails),
+cache at a restart is probed again): it goes back in bit for bit (the engine's undo log where it swapped
+in place, O(delta); else the spare of a zero-copy engine, the cache's copy for a copying one). With none (a fresh agent, or a restored version that fails),
 the engine is withdrawn where it can be (`Engine.withdraw`) and the agent serves nothing: version
 0, not healthy (the reason names the refused version), `status --verify` fails. Versions older
 than a refused one are never tried in its place (`AgentState.newest_ready`: a breach is the
@@ -33,11 +35,13 @@ from collections.abc import Callable
 from weightsync.agents.buffers import STALL_LOG_S, Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
+from weightsync.agents.delta_swap import DeltaSwaps
 from weightsync.agents.engines.base import Engine
 from weightsync.agents.ledger import LedgerEntry
 from weightsync.agents.parity import ParityRefused
 from weightsync.agents.plan import Plan
 from weightsync.agents.state import AgentState
+from weightsync.delta_capture import DeltaCapture
 from weightsync.errors import IntegrityError, WeightsyncError
 from weightsync.format.manifest import Manifest
 from weightsync.metrics import Metrics
@@ -55,9 +59,11 @@ class Swapper:
         engine: Engine,
         buffers: Buffers,
         cache: AgentCache,
+        delta_swaps: DeltaSwaps,
         *,
         metrics: Metrics,
     ) -> None:
+        self.delta_swaps = delta_swaps
         self.config = config
         self.name = config.name
         self.state = state
@@ -73,15 +79,17 @@ class Swapper:
         timings: dict[str, float],
         *,
         started: float,
+        capture: DeltaCapture | None = None,
         vet: Callable[[int, Manifest], object] | None = None,
     ) -> None:
         """Swaps `plan`'s built version into the engine, vets it (`vet` raises to refuse it), and
         commits it as served. `timings` holds the seconds of the stages so far, `started` the
-        monotonic time the sync began; the ledger entry gets them all."""
+        monotonic time the sync began; the ledger entry gets them all. `capture`: what the apply
+        changed, for an in-place swap (`delta_swap.py` chooses the path; the ledger says which)."""
         target = plan.target
         version = plan.version
-        report = self.engine.swap(
-            version, plan.staging.state_dict(), digest=target.manifest.digest, policy=self.config.swap_policy
+        report = self.delta_swaps.swap(
+            version, plan.staging, digest=target.manifest.digest, policy=self.config.swap_policy, capture=capture
         )
         if vet is not None:
             t_probe = time.monotonic()
@@ -92,6 +100,7 @@ class Swapper:
         state = self.state
         with state.cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
+            entry.swap_path, entry.swap_path_reason = report.path, report.path_reason
             entry.served_unix_ms = int(time.time() * 1000)
             entry.timings_s.update(
                 timings,
@@ -157,7 +166,8 @@ class Swapper:
         reason = "no version has passed the parity probe on this engine"
         if version and manifest is not None and manifest.digest == digest:
             try:
-                self.engine.swap(version, served.state_dict(), digest=digest, policy=self.config.swap_policy)
+                if self.delta_swaps.undo(refused, policy=self.config.swap_policy) is None:  # else undone in place
+                    self.engine.swap(version, served.state_dict(), digest=digest, policy=self.config.swap_policy)
             except WeightsyncError as e:
                 reason = f"v{version}, the newest version that passed, could not be put back ({e})"
             else:

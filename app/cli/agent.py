@@ -152,10 +152,11 @@ def _cmd_status(args: argparse.Namespace) -> dict[str, Any]:
         for e in reply.ledger:
             total = e.timings_s.get("since_offer")
             pause = e.timings_s.get("swap_pause")
+            into = f", swapped {'in place' if e.swap_path == 'delta' else 'whole'}" if e.swap_path else ""
             print(
                 f"{e.version:>7} {e.outcome:>10} {e.source[:14]:>14} {format_size(e.bytes_pushed):>10} "
                 f"{format_size(e.bytes_fetched):>10} {'-' if total is None else f'{total:.3f}s':>8} "
-                f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path}"
+                f"{'-' if pause is None else f'{1000 * pause:.2f}ms':>8}  {e.error or e.path + into}"
             )
     if args.verify:
         if not reply.current_version:

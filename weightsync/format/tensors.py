@@ -132,7 +132,7 @@ def layout_of(snapshot: Snapshot) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def describe_layout_change(expected: Mapping, actual: Mapping, *, expected_is: str, most: int = 3) -> str:
     """How layout `actual` (name -> (dtype, shape)) differs from `expected`, in one line: the
-    tensors missing and unexpected (up to `most` named per kind), then each tensor whose shape or
+    tensors missing and new (up to `most` named per kind), then each tensor whose shape or
     dtype differs, as "NAME has shape (267, 64), {expected_is} needs (259, 64)". An expected dtype
     of None accepts any dtype. "" when they agree. The one wording of a layout mismatch, whoever
     finds it: the publisher (why a version is full), the reader (a delta that changes its parent's
@@ -143,8 +143,8 @@ def describe_layout_change(expected: Mapping, actual: Mapping, *, expected_is: s
 
     missing = sorted(set(expected) - set(actual))
     unexpected = sorted(set(actual) - set(expected))
-    parts = [f"{len(missing)} tensors missing ({names(missing)})"] if missing else []
-    parts += [f"{len(unexpected)} unexpected ({names(unexpected)})"] if unexpected else []
+    parts = [f"missing {names(missing)}"] if missing else []
+    parts += [f"new {names(unexpected)}"] if unexpected else []
     for name in sorted(set(expected) & set(actual)):
         (want_dtype, want_shape), (dtype, shape) = expected[name], actual[name]
         if tuple(shape) != tuple(want_shape):

@@ -205,13 +205,12 @@ class SGLangKit(SafetensorsDirKit):
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """One real vLLM server (tiny Qwen3) for the module; its workers keep a copy of what they load
-    before the CPU kernels repack it, so that they can write back what they hold."""
+    through weightsync before the CPU kernels repack it, so that they can write back what they hold."""
     vh.require_vllm()
     model_dir = tmp_path_factory.mktemp("qwen3")
     vh.write_qwen3(model_dir, seed=0)
     with vh.VllmServer(model_dir, tmp_path_factory.mktemp("vllm-log") / "server.log") as server:
         server.wait_ready()
-        assert vh.collective_rpc(server.url, "weightsync_keep_loaded", "1") == [{"keep_loaded": True}]
         server.base_weights = load_file(str(model_dir / "model.safetensors"))
         yield server
 

@@ -63,8 +63,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    eng = VllmEngine(VllmEngineConfig(url=server.url))
-    assert eng.rpc("weightsync_keep_loaded", "1") == [{"keep_loaded": True}]  # lets the test read repacked weights back
+    eng = VllmEngine(VllmEngineConfig(url=server.url, delta_swaps=False))  # the full path (deltas: test_vllm_delta.py)
     yield eng
     eng.close()
 
@@ -218,8 +217,8 @@ def test_a_worker_reporting_a_wrong_digest_keeps_the_server_paused_until_a_good_
     weights1, digest1 = read_version(store, 1)
     original = engine._load
 
-    def load_then_lie(path):
-        reports = original(path)
+    def load_then_lie(path, *args):
+        reports = original(path, *args)
         name = min(reports[0]["tensors"])
         reports[0]["tensors"][name][4] = "0" * 32
         return reports
@@ -519,8 +518,8 @@ def test_an_agent_on_vllm_verifies_what_the_workers_hold_and_reports_a_paused_en
         # A swap whose in-engine verification fails leaves vLLM paused: status says so.
         original = agent.engine._load
 
-        def load_then_lie(path):
-            reports = original(path)
+        def load_then_lie(path, *args):
+            reports = original(path, *args)
             name = min(reports[0]["tensors"])
             reports[0]["tensors"][name][4] = "0" * 32
             return reports
@@ -559,9 +558,9 @@ def test_a_server_dying_mid_swap_gets_a_clear_error_and_nothing_is_served(engine
     store, _ = published
     weights2, digest2 = read_version(store, 2)
 
-    def die_then_load(path):
+    def die_then_load(path, *args):
         server.kill()
-        return VllmEngine._load(engine, path)
+        return VllmEngine._load(engine, path, *args)
 
     monkeypatch.setattr(engine, "_load", die_then_load)
     with pytest.raises(WeightsyncError, match="collective_rpc"):

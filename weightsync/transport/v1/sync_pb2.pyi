@@ -80,7 +80,7 @@ class StatusRequest(_message.Message):
     def __init__(self, verify: _Optional[bool] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
-    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason", "applied_early", "parity")
+    __slots__ = ("version", "outcome", "path", "source", "bytes_pushed", "bytes_fetched", "timings_s", "error", "offered_unix_ms", "served_unix_ms", "digest", "route", "route_reason", "applied_early", "parity", "swap_path", "swap_path_reason")
     class TimingsSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class LedgerEntry(_message.Message):
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     APPLIED_EARLY_FIELD_NUMBER: _ClassVar[int]
     PARITY_FIELD_NUMBER: _ClassVar[int]
+    SWAP_PATH_FIELD_NUMBER: _ClassVar[int]
+    SWAP_PATH_REASON_FIELD_NUMBER: _ClassVar[int]
     version: int
     outcome: str
     path: str
@@ -118,7 +120,9 @@ class LedgerEntry(_message.Message):
     route_reason: str
     applied_early: int
     parity: ParityReport
-    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ..., applied_early: _Optional[int] = ..., parity: _Optional[_Union[ParityReport, _Mapping]] = ...) -> None: ...
+    swap_path: str
+    swap_path_reason: str
+    def __init__(self, version: _Optional[int] = ..., outcome: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., bytes_pushed: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., offered_unix_ms: _Optional[int] = ..., served_unix_ms: _Optional[int] = ..., digest: _Optional[str] = ..., route: _Optional[str] = ..., route_reason: _Optional[str] = ..., applied_early: _Optional[int] = ..., parity: _Optional[_Union[ParityReport, _Mapping]] = ..., swap_path: _Optional[str] = ..., swap_path_reason: _Optional[str] = ...) -> None: ...
 
 class ParityReport(_message.Message):
     __slots__ = ("version", "engine", "max_abs_dlogprob", "expert_mismatch", "tokens", "probe_s", "breaches", "action", "compute_dtype", "dlogprob_p50", "dlogprob_p90", "gap_kl", "gap_overlap", "expert_positions")
