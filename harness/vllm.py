@@ -53,22 +53,6 @@ TINY_QWEN3 = dict(
 )
 
 
-NO_AMX_ENV = "WEIGHTSYNC_VLLM_NO_AMX"
-"""Set to 1: servers run vLLM's CPU kernels without AMX (`no_amx_env`)."""
-
-
-def no_amx_env(directory: Path) -> dict[str, str]:
-    """Environment for a vLLM server that must not use AMX: on a VM that advertises AMX in cpuid but
-    faults on it (seen 2026-11-28: SIGILL in vLLM's `cpu_attention_with_kv_cache` on the first
-    request, a server without weightsync too). oneDNN is capped below AMX and torch's AMX probe,
-    which vLLM's attention and SGL GEMM dispatch read, answers False (a sitecustomize the server's
-    processes import)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sitecustomize.py").write_text("import torch.cpu\ntorch.cpu._is_amx_tile_supported = lambda: False\n")
-    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)
-    return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": path}
-
-
 def vllm_python() -> str | None:
     """The interpreter that has vLLM, or None."""
     return find_vllm_python()
@@ -128,8 +112,6 @@ class VllmServer:
             extra_args=extra_args,
         )
         env["VLLM_LOGGING_LEVEL"] = "WARNING"
-        if os.environ.get(NO_AMX_ENV) == "1":
-            env.update(no_amx_env(self.log_path.parent / "no-amx"))
         env.update(extra_env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

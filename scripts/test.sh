@@ -22,6 +22,10 @@ else
   trap - EXIT
   export WEIGHTSYNC_REQUIRE_VLLM=1
 fi
+# vLLM's CPU kernels without AMX unless asked otherwise: some VMs advertise AMX and fault on it
+# (SIGILL in vLLM's attention, weightsync or not); the tests compare vLLM with itself and with
+# the published bytes, which AMX does not change.
+export WEIGHTSYNC_VLLM_NO_AMX="${WEIGHTSYNC_VLLM_NO_AMX:-1}"
 # One worker per CPU, up to 4 (WEIGHTSYNC_TEST_WORKERS overrides; 0 runs in this process): many
 # tests wait on processes they start, so two workers on two cores cut the wall time by ~30 %.
 # --dist loadfile keeps a file's tests on one worker, so a module's server starts once. xdist hands

@@ -15,6 +15,20 @@ import socket
 from pathlib import Path
 
 SERVED_MODEL_NAME = "m"
+NO_AMX_ENV = "WEIGHTSYNC_VLLM_NO_AMX"
+"""Set to 1: the vLLM servers started here run vLLM's CPU kernels without AMX (`no_amx_env`)."""
+
+
+def no_amx_env(pythonpath: str = "") -> dict[str, str]:
+    """Environment for a vLLM server that must not use AMX: on a VM that advertises AMX in cpuid but
+    faults on it (seen 2026-11-28: SIGILL in vLLM's `cpu_attention_with_kv_cache` on the first
+    request, a server without weightsync too). oneDNN is capped below AMX and torch's AMX probe
+    answers False (`no_amx/sitecustomize.py`, which the server's processes import)."""
+    directory = str(Path(__file__).with_name("no_amx"))
+    return {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "PYTHONPATH": os.pathsep.join(p for p in (directory, pythonpath) if p),
+    }
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
@@ -49,6 +63,8 @@ def vllm_server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of a vLLM server on 127.0.0.1:`port` serving `model_dir` as model "m"."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if env.get(NO_AMX_ENV) == "1":
+        env.update(no_amx_env(env.get("PYTHONPATH", "")))
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     else:
