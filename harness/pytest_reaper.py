@@ -62,5 +62,10 @@ def pytest_runtest_call(item: pytest.Item):
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Nothing outlives the run: the fixtures have been torn down by now."""
     left = marked(_SESSION_TOKEN)
+    # Except this process's resource tracker: it exits by itself once this process is gone, after
+    # unlinking the semaphores and shared memory its tests leaked; killed now, it would leave them.
+    from multiprocessing import resource_tracker
+
+    left.pop(getattr(resource_tracker._resource_tracker, "_pid", None), None)
     if left:
         stop(sorted(left))

@@ -27,7 +27,26 @@ SHM = Path("/dev/shm")
 SHM_PREFIXES = ("psm_", "sem.mp-", "vllm", "weightsync-", "torch_")
 """What vLLM, Python's multiprocessing, torch and weightsync name their /dev/shm entries."""
 
+TRACKER_GRACE_S = 15.0
+"""How long the check waits for exiting processes' resource trackers to clean up first."""
+
 _started = time.time()
+
+
+def _trackers_running() -> bool:
+    """Whether a Python resource tracker other than this process's own is still running."""
+    from multiprocessing import resource_tracker
+
+    own = getattr(resource_tracker._resource_tracker, "_pid", None)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == own:
+            continue
+        try:
+            if b"multiprocessing.resource_tracker" in (entry / "cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _ours_since(started: float) -> set[Path]:
@@ -54,8 +73,12 @@ def _remove(entry: Path) -> bool:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once for all
         return
-    left = sorted(_ours_since(_started))
-    removed = [entry for entry in left if _remove(entry)]
+    left = _ours_since(_started)
+    deadline = time.monotonic() + TRACKER_GRACE_S
+    while left and _trackers_running() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the workers' resource trackers unlink what their tests leaked as they exit
+        left = _ours_since(_started)
+    removed = [entry for entry in sorted(left) if _remove(entry)]
     if not removed:
         return
     names = "\n".join(f"  {entry}" for entry in removed)

@@ -23,18 +23,25 @@ from pathlib import Path
 def stop_process_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
     """Stops `proc` and every process of its group (see the module docstring)."""
     held = group_shared_memory(proc.pid)
+    deadline = time.monotonic() + timeout_s
     if proc.poll() is None:
         _signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
+    # The rest of the group gets the grace period to exit on its own: a resource tracker ignores
+    # SIGTERM and unlinks what its processes leaked once the last of them is gone.
+    _wait_group_gone(proc.pid, deadline)
     _signal_group(proc.pid, signal.SIGKILL)  # what is left of the group (engine core, workers, ranks)
     proc.wait()
-    deadline = time.monotonic() + timeout_s
-    while any(_pgid(pid) == proc.pid for pid in _pids()) and time.monotonic() < deadline:
-        time.sleep(0.05)  # killed, not yet reaped by init: their mappings go with them
+    _wait_group_gone(proc.pid, time.monotonic() + timeout_s)  # killed, not yet reaped: mappings go with them
     release_shared_memory(held)
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    while any(_pgid(pid) == pgid for pid in _pids()) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
