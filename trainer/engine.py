@@ -66,7 +66,13 @@ from weightsync.models.probe import ProbeRun, run_probe, run_top_k
 from weightsync.trainer import lora as adapters
 from weightsync.trainer.checkpoint import load_checkpoint, save_checkpoint
 from weightsync.trainer.config import ParallelConfig
-from weightsync.trainer.expert_parallel import LocalExperts, check_ep_fits, partition_experts
+from weightsync.trainer.expert_parallel import (
+    LocalExperts,
+    check_ep_fits,
+    is_expert_weight,
+    partition_experts,
+    whole_expert,
+)
 from weightsync.trainer.losses import LossSums, load_balancing_share, router_load
 from weightsync.trainer.optim import AdamWParams, build_optimizer, set_hyperparameters
 from weightsync.trainer.parallel import (
@@ -248,10 +254,14 @@ class TrainingEngine:
         tensor is gathered whole one at a time: one all-gather of the model, and a layer's weights
         of memory, whatever the sharding. Collective: every rank calls it alike."""
         weights = self.weights(kind)
+        ep_group = self._mesh[AXIS_EP].get_group() if self._expert_names else None
 
         def published(name: str) -> torch.Tensor:
-            tensor = weights[name]
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if ep_group is not None and is_expert_weight(name):  # each ep rank holds its own experts
+                whole = whole_expert(name, weights, ep_group, self.config.num_experts)
+            else:
+                tensor = weights[name]
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if published_dtype is not None and whole.is_floating_point():
                 whole = whole.to(published_dtype)
             return whole.to(self.device)

@@ -24,12 +24,15 @@ Not here: routing and the expert MLP (`weightsync.models.moe`), the mesh (parall
 
 from __future__ import annotations
 
+import re
 import types
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from weightsync.models import CausalLM
 from weightsync.models.moe import SparseMoeBlock
@@ -44,6 +47,36 @@ def check_ep_fits(num_experts: int, ep: int) -> None:
 def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
     per_rank = num_experts // ep
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+_EXPERT_NAME = re.compile(r"^(?P<head>.+\.experts\.)(?P<expert>\d+)(?P<tail>\..+)$")
+
+
+def is_expert_weight(name: str) -> bool:
+    return _EXPERT_NAME.match(name) is not None
+
+
+def whole_expert(
+    name: str, held: Mapping[str, torch.Tensor], group: dist.ProcessGroup, num_experts: int
+) -> torch.Tensor:
+    """Expert weight `name`, whole, on every ep rank of `group`: gathered (over dp_shard) on the
+    ranks that hold it (`held`: this rank's shards by name), broadcast from there to the others.
+    Collective over the ep group and the owner's dp_shard group: every rank asks for the same
+    names in the same order (the probe walks the model layer by layer)."""
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not an expert's weight (…experts.E.…)")
+    ep = group.size()
+    owner = int(match["expert"]) // (num_experts // ep)
+    if name in held:
+        tensor = held[name]
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    else:  # another rank's expert: shaped like this rank's own of the same layer
+        mine = local_experts(num_experts, ep, dist.get_rank(group))
+        like = held[f"{match['head']}{mine.start}{match['tail']}"]
+        tensor = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group)
+    return tensor
 
 
 class LocalExperts(nn.ModuleDict):

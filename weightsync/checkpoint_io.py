@@ -23,6 +23,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from weightsync.errors import ConfigError, FormatError, LayoutError, StoreError
+from weightsync.format.hashing import xxh3_hex
+from weightsync.format.tensors import raw_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -173,7 +175,7 @@ def write_safetensors(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _refuse_foreign_checkpoint_files(out)
-    shards = _plan_shards(state_dict, max_shard_bytes)
+    shards = plan_shards(state_dict, max_shard_bytes)
     # "format": "pt" is what HF transformers checks before it loads a safetensors file as torch;
     # WRITTEN_BY marks the files a later write may replace.
     metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}, **WRITTEN_BY}
@@ -203,6 +205,36 @@ def write_safetensors(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_safetensors_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """One safetensors file, written tensor by tensor in name order (no second copy of the model in
+    memory, unlike `safetensors.torch.save_file`); {name: xxh3 of its bytes}, hashed as written."""
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items() if dtype is not None}
+    header, offset, contiguous = {}, 0, {}
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        if tensor.dtype not in dtype_names:
+            raise LayoutError(f"{name} is {tensor.dtype}, which safetensors cannot hold")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": dtype_names[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        contiguous[name] = tensor
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-aligned
+    hashes = {}
+    with open(path, "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        for name, tensor in contiguous.items():
+            data = raw_bytes(tensor) if tensor.numel() else b""
+            hashes[name] = xxh3_hex(data)
+            f.write(data)
+    return hashes
+
+
 def _checkpoint_files_in(out: Path) -> list[Path]:
     return [p for p in [out / SINGLE_NAME, *out.glob("model-*-of-*.safetensors"), out / INDEX_NAME] if p.is_file()]
 
@@ -229,7 +261,9 @@ def _refuse_foreign_checkpoint_files(out: Path) -> None:
         )
 
 
-def _plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(state_dict: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names, in the order given, cut into shards of at most `max_shard_bytes` (a larger
+    tensor is a shard of its own): HF's layout of a sharded checkpoint."""
     if max_shard_bytes < 1:
         raise ValueError("max_shard_bytes must be positive")
     shards: list[list[str]] = [[]]

@@ -465,8 +465,14 @@ def check_delta_layout(model: str, parent: Manifest, delta: Manifest) -> None:
     """LayoutError when a delta's tensors (names, dtypes, shapes) are not its parent's: the layout
     changes only at a rebase (a full version)."""
     if parent.layout != delta.layout:
-        change = describe_layout_change(parent.layout, delta.layout, expected_is=f"v{parent.version}")
+        change = describe_layout_change(
+            _by_name(parent.layout), _by_name(delta.layout), expected_is=f"v{parent.version}"
+        )
         raise LayoutError(f"{model} v{delta.version} changes tensor layout without a rebase: {change}")
+
+
+def _by_name(layout: tuple[tuple[str, str, tuple[int, ...]], ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (dtype, shape) for name, dtype, shape in layout}
 
 
 def _allocate(tensor: TensorEntry, manifest: Manifest) -> np.ndarray:

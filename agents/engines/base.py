@@ -51,7 +51,7 @@ from weightsync.errors import LayoutError
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.layout import MAX_VERSION
 from weightsync.format.manifest import WEIGHTS_KINDS
-from weightsync.format.tensors import describe_layout_change, raw_bytes
+from weightsync.format.tensors import describe_layout_change, layout_of, raw_bytes
 
 Layout = Mapping[str, tuple[torch.dtype | None, tuple[int, ...]]]
 """Tensor name -> (dtype, shape) a swap must match; a dtype of None accepts any dtype."""
@@ -311,11 +311,6 @@ def check_fits(expected: Layout | None, layout: Layout, *, what: str = "the serv
     change = describe_layout_change(expected, layout, expected_is=what)
     if change:
         raise LayoutError(f"weights do not fit {what}: {change}")
-
-
-def layout_of(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The layout `weights` have (what later swaps are checked against)."""
-    return {name: (t.dtype, tuple(t.shape)) for name, t in weights.items()}
 
 
 def tensor_hash(tensor: torch.Tensor) -> str:

@@ -50,7 +50,6 @@ versions (the agent), loading weights (SGLang), the generic reload hook (`safete
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import logging
 import os
@@ -59,8 +58,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,16 +89,17 @@ from weightsync.agents.engines.snapshot_dir import (
     snapshot_name,
 )
 from weightsync.agents.engines.swap_policy import SwapPolicy
-from weightsync.checkpoint_io import INDEX_NAME, SAFETENSORS_DTYPES
+from weightsync.checkpoint_io import INDEX_NAME, SAFETENSORS_DTYPES, plan_shards
 from weightsync.errors import WeightsyncError
 from weightsync.format.hashing import xxh3_hex
 from weightsync.format.tensors import raw_bytes
+from weightsync.retry import Backoff, GaveUp, retry_call
+from weightsync.transport.json_http import HttpClient, HttpError
 
 logger = logging.getLogger(__name__)
 
 DRAINS = ("wait", "abort")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
-_REPLY_BYTES = 64 * 1024  # enough of a reply to quote in an error
 
 
 class SGLangError(WeightsyncError, RuntimeError):
@@ -203,6 +201,14 @@ class SGLangEngineConfig:
         return SGLangEngine(self)
 
 
+class _NoAnswer(WeightsyncError):
+    """A reload that got no answer or a 5xx: tried again."""
+
+    def __init__(self, reply: _Reply) -> None:
+        super().__init__(_describe(reply))
+        self.reply = reply
+
+
 @dataclasses.dataclass(frozen=True)
 class _Reply:
     """One HTTP exchange: status None when no reply came (refused, reset, timed out)."""
@@ -230,6 +236,7 @@ class SGLangEngine:
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
         self.url: str | None = config.url  # where clients reach the served model
+        self._http = HttpClient(config.url, api_key=config.api_key, timeout_s=config.request_timeout_s)
         self._template_files = find_template_files(config.template_dir, need_config=config.model is None)
         self._probe()  # before touching the disk: a wrong URL fails fast and leaves nothing behind
         self.dir = SnapshotDir(config.root)
@@ -553,15 +560,25 @@ class SGLangEngine:
         }
         if self.config.load_format is not None:
             body["load_format"] = self.config.load_format
-        attempts = self.config.reload_retries + 1
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+
+        def attempt() -> _Reply:
             reply = self._call("POST", "/update_weights_from_disk", body, self.config.reload_timeout_s)
-            if reply.status is not None and reply.status < 500:
-                return reply  # an answer: success, or a refusal that a retry would only repeat
-            logger.warning("reload of %s, attempt %d/%d: %s", path.name, attempt + 1, attempts, _describe(reply))
-        return reply
+            if reply.status is None or reply.status >= 500:
+                raise _NoAnswer(reply)
+            return reply  # an answer: success, or a refusal that a retry would only repeat
+
+        retries, backoff_s = self.config.reload_retries, self.config.retry_backoff_s
+        try:
+            return retry_call(
+                f"reload {path.name}",
+                attempt,
+                attempts=retries + 1,
+                backoff=Backoff(first_s=backoff_s, max_s=backoff_s * 2**retries),
+                retry_on=(_NoAnswer,),
+                log=logger,
+            )
+        except GaveUp as e:
+            return e.last.reply
 
     def _confirm(self, version: int, reply: _Reply, previous: Path | None) -> str:
         """'' when the server serves `version`; else what went wrong, after making sure the server
@@ -608,31 +625,17 @@ class SGLangEngine:
         )
 
     def _call(self, method: str, route: str, body: Any, timeout_s: float) -> _Reply:
-        headers = {"Content-Type": "application/json"}
-        if self.config.api_key:
-            headers["Authorization"] = f"Bearer {self.config.api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.config.url + route, data=data, headers=headers, method=method)
+        """One exchange; an error reply or no reply is a _Reply too (the callers decide what it means)."""
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-                return _Reply(answer.status, answer.read(_REPLY_BYTES).decode("utf-8", "replace"))
-        except urllib.error.HTTPError as e:
-            return _Reply(e.code, e.read(_REPLY_BYTES).decode("utf-8", "replace"))
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
-            return _Reply(None, "", f"{type(e).__name__}: {e}")
+            reply = self._http.request(method, route, body, timeout_s=timeout_s)
+        except HttpError as e:
+            return _Reply(e.status, e.body, "" if e.status is not None else e.detail)
+        return _Reply(reply.status, reply.text)
 
 
 def _plan_files(weights: Mapping[str, torch.Tensor], shard_bytes: int) -> list[tuple[str, list[str]]]:
-    """Tensors, in the order given, cut into files of about `shard_bytes`."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
+    """Tensors, in the order given, cut into named files of about `shard_bytes` (`plan_shards`)."""
+    groups = plan_shards(weights, shard_bytes)
     return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", names) for i, names in enumerate(groups)]
 
 

@@ -60,7 +60,6 @@ Not here: fetching or verifying versions (the agent), the worker side (`vllm_wor
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import logging
 import os
@@ -69,9 +68,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,8 +92,9 @@ from weightsync.agents.engines.delta_handoff import tag
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.engines.vllm_delta import FullPath, VllmDeltas
 from weightsync.agents.engines.vllm_worker import PROTOCOL, WeightsyncWorkerExtension
+from weightsync.checkpoint_io import SAFETENSORS_DTYPES, write_safetensors_file
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
-from weightsync.format.hashing import xxh3_hex
+from weightsync.transport.json_http import HttpClient
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +110,6 @@ REQUIRED_ROUTES = {
     "/reset_prefix_cache": "start vLLM with VLLM_SERVER_DEV_MODE=1",
 }
 OPTIONAL_ROUTES = ("/update_weight_version", "/is_paused", "/weight_info")
-_REPLY_BYTES = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,7 +222,8 @@ class VllmEngine:
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
         self.url: str | None = config.url  # where clients reach the served model
-        self._api_key = config.api_key or os.environ.get("VLLM_API_KEY")
+        api_key = config.api_key or os.environ.get("VLLM_API_KEY")
+        self._http = HttpClient(config.url, api_key=api_key, timeout_s=config.request_timeout_s)
         self._lock = threading.Lock()
         self._closed = False
         self._served: int | None = None
@@ -551,39 +548,16 @@ class VllmEngine:
     # ------------------------------------------------------------------ steps
 
     def _write_handoff(self, path: Path, weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
-        """Writes a safetensors file tensor by tensor (no second copy of the model in memory) and
-        returns {name: xxh3 of its bytes}."""
-        hashes, header, offset = {}, {}, 0
-        contiguous = {}
-        for name in sorted(weights):
-            tensor = weights[name].detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            tensor = tensor.contiguous()
-            contiguous[name] = tensor
-            nbytes = tensor.numel() * tensor.element_size()
-            header[name] = {
-                "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, offset + nbytes],
-            }
-            offset += nbytes
-        header_bytes = json.dumps(header, separators=(",", ":")).encode()
-        header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-aligned
+        """Writes the handoff file (`write_safetensors_file`: tensor by tensor, no second copy of the
+        model in memory) and returns {name: xxh3 of its bytes}."""
+        size = sum(t.numel() * t.element_size() for t in weights.values())
         free = os.statvfs(path.parent)
-        if offset > free.f_bavail * free.f_frsize:
+        if size > free.f_bavail * free.f_frsize:
             raise WeightsyncError(
-                f"handoff of {offset / 2**30:.2f} GiB does not fit in {path.parent}; "
+                f"handoff of {size / 2**30:.2f} GiB does not fit in {path.parent}; "
                 "give handoff_dir a tmpfs with room for one model"
             )
-        with open(path, "wb") as f:
-            f.write(len(header_bytes).to_bytes(8, "little"))
-            f.write(header_bytes)
-            for name, tensor in contiguous.items():
-                data = _raw_bytes(tensor)
-                hashes[name] = xxh3_hex(data)
-                f.write(data)
-        return hashes
+        return write_safetensors_file(path, weights)
 
     def _check_handoff(self, path: Path, hashes: dict[str, str]) -> None:
         """Every worker hashes the handoff file against the agent's hashes."""
@@ -824,43 +798,17 @@ class VllmEngine:
         return self._request("POST", route, body, timeout_s or self.config.request_timeout_s)
 
     def _request(self, method: str, route: str, body: Any, timeout_s: float) -> Any:
-        url = self.config.url + route
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        """The route's JSON reply ({} when empty; {"text": ...} for one that is not JSON); an
+        HttpError (a WeightsyncError) that names the route and vLLM's message when it fails."""
+        reply = self._http.request(method, route, body, timeout_s=timeout_s)
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                text = reply.read(_REPLY_BYTES).decode("utf-8", "replace")
-        except urllib.error.HTTPError as e:
-            detail = e.read(_REPLY_BYTES).decode("utf-8", "replace")
-            raise WeightsyncError(f"{method} {url} answered {e.code}: {_error_text(detail)}") from None
-        except (OSError, http.client.HTTPException) as e:
-            raise WeightsyncError(f"{method} {url}: {type(e).__name__}: {e}") from None
-        if not text:
-            return {}
-        try:
-            return json.loads(text)
+            return reply.json()
         except ValueError:
-            return {"text": text[:500]}
+            return {"text": reply.text[:500]}
 
 
-_SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.int16: "I16",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in _SAFETENSORS_DTYPES}
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES.values() if d is not None}
+"""torch's dtype names (what workers report they hold tensors in) -> torch dtypes."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -873,13 +821,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
 def _slice_hash(tensor: torch.Tensor, dim: int, start: int, length: int, dtype: str) -> str:
     """xxh3 of the slice a worker reports it holds, in the dtype it holds it in."""
     piece = tensor if dim < 0 else tensor.narrow(dim, start, length)
@@ -887,16 +828,3 @@ def _slice_hash(tensor: torch.Tensor, dim: int, start: int, length: int, dtype: 
     if target is None:
         raise LayoutError(f"a worker holds a tensor in {dtype}, which weightsync cannot compare")
     return tensor_hash(piece.to(target))
-
-
-def _error_text(detail: str) -> str:
-    try:
-        doc = json.loads(detail)
-    except ValueError:
-        return detail[:500]
-    if isinstance(doc, dict):
-        for key in ("error", "detail", "message"):
-            if key in doc:
-                value = doc[key]
-                return (value.get("message") if isinstance(value, dict) else str(value))[:2000]
-    return detail[:500]

@@ -261,7 +261,7 @@ def test_publish_says_why_a_version_is_full_naming_what_changed(tmp_path, capsys
     code, out, _ = _run(capsys, "publish", "--store", store, "--model", "m", str(tmp_path / "c3.safetensors"), "--json")
     reason = json.loads(out)["full_reason"]
     assert code == 0 and json.loads(out)["kind"] == "full"
-    assert "new model.extra.bias" in reason and "missing model.norm.weight" in reason
+    assert "1 unexpected: model.extra.bias" in reason and "1 missing: model.norm.weight" in reason
     assert "model.head.weight has shape (64, 301), the last version needs (64, 300)" in reason
 
 

@@ -126,13 +126,15 @@ def to_tensor(data: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> torch.T
     return flat.reshape(shape)
 
 
-def layout_of(snapshot: Snapshot) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {name: (t.dtype.name, t.shape) for name, t in snapshot.items()}
+def layout_of(tensors: Mapping) -> dict[str, tuple]:
+    """name -> (dtype, shape) of a snapshot (dtypes by the format's names) or of torch tensors
+    (torch dtypes): what a later version or swap is checked against (`describe_layout_change`)."""
+    return {name: (getattr(t.dtype, "name", t.dtype), tuple(t.shape)) for name, t in tensors.items()}
 
 
 def describe_layout_change(expected: Mapping, actual: Mapping, *, expected_is: str, most: int = 3) -> str:
     """How layout `actual` (name -> (dtype, shape)) differs from `expected`, in one line: the
-    tensors missing and new (up to `most` named per kind), then each tensor whose shape or
+    tensors missing and unexpected (counted, up to `most` named per kind), then each tensor whose shape or
     dtype differs, as "NAME has shape (267, 64), {expected_is} needs (259, 64)". An expected dtype
     of None accepts any dtype. "" when they agree. The one wording of a layout mismatch, whoever
     finds it: the publisher (why a version is full), the reader (a delta that changes its parent's
@@ -143,8 +145,8 @@ def describe_layout_change(expected: Mapping, actual: Mapping, *, expected_is: s
 
     missing = sorted(set(expected) - set(actual))
     unexpected = sorted(set(actual) - set(expected))
-    parts = [f"missing {names(missing)}"] if missing else []
-    parts += [f"new {names(unexpected)}"] if unexpected else []
+    parts = [f"{len(missing)} missing: {names(missing)}"] if missing else []
+    parts += [f"{len(unexpected)} unexpected: {names(unexpected)}"] if unexpected else []
     for name in sorted(set(expected) & set(actual)):
         (want_dtype, want_shape), (dtype, shape) = expected[name], actual[name]
         if tuple(shape) != tuple(want_shape):

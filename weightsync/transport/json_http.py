@@ -65,13 +65,15 @@ def error_text(detail: str, limit: int = 2000) -> str:
 class HttpError(WeightsyncError):
     """A request that got no answer or an answer outside 2xx (see the module docstring)."""
 
-    def __init__(self, method: str, url: str, status: int | None, detail: str) -> None:
+    def __init__(self, method: str, url: str, status: int | None, detail: str, body: str = "") -> None:
         answered = f"answered {status}" if status is not None else "got no answer"
         super().__init__(f"{method} {url} {answered}: {detail}")
         self.method, self.url, self.status, self.detail = method, url, status, detail
+        self.body = body
+        """The error reply as the server sent it (its first ERROR_BODY_BYTES), for callers that read it."""
 
     def __reduce__(self):  # picklable like every weightsync error
-        return (HttpError, (self.method, self.url, self.status, self.detail))
+        return (HttpError, (self.method, self.url, self.status, self.detail, self.body))
 
     @property
     def transient(self) -> bool:
@@ -119,8 +121,8 @@ class HttpClient:
                 raw = answer.read(self.max_reply_bytes + 1)
                 status = answer.status
         except urllib.error.HTTPError as e:
-            detail = error_text(e.read(ERROR_BODY_BYTES).decode("utf-8", "replace"))
-            raise HttpError(method, url, e.code, detail) from None
+            text = e.read(ERROR_BODY_BYTES).decode("utf-8", "replace")
+            raise HttpError(method, url, e.code, error_text(text), text) from None
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
             raise HttpError(method, url, None, f"{type(e).__name__}: {e}") from None
         if len(raw) > self.max_reply_bytes:
