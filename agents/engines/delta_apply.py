@@ -212,13 +212,8 @@ class DeltaApplier:
         for key, pieces in parts.items():
             index = torch.cat([i for i, _ in pieces])
             staged.writes[key] = _Writes(index, torch.cat([v for _, v in pieces]), self._view(key)[index].clone())
-        staged.old_sum, staged.new_sum = _sums(owned)
-        self._staged = staged
-        self._patch_copies_and_build(staged)
         return {
-            "old_sum": str(staged.old_sum),
-            "new_sum": str(staged.new_sum),
-            "changed": sum(w.index.numel() for w in staged.writes.values()),
+            **self._stage(staged, owned),
             "dense": [name for name, _ in dense],
             "timings_s": {"read": read - started, "stage": time.perf_counter() - read},
         }
@@ -236,14 +231,18 @@ class DeltaApplier:
             _owned(o.order, o.tid, o.key, o.positions, o.index, o.rows, element_bits(self._view(o.key)[o.index]), o.old)
             for o in undo.owned
         ]
-        staged = _Staged(undo.version, undo.parent, writes, owned, [])
+        return self._stage(_Staged(undo.version, undo.parent, writes, owned, []), owned)
+
+    def _stage(self, staged: _Staged, owned: list[_Owned]) -> dict[str, Any]:
+        """Makes `staged` the one staged version (its sums over `owned`, the copies patched and
+        handles built); the sums and count the agent checks."""
         staged.old_sum, staged.new_sum = _sums(owned)
         self._staged = staged
         self._patch_copies_and_build(staged)
         return {
             "old_sum": str(staged.old_sum),
             "new_sum": str(staged.new_sum),
-            "changed": sum(w.index.numel() for w in writes.values()),
+            "changed": sum(w.index.numel() for w in staged.writes.values()),
         }
 
     def commit(self, native_reload: NativeReload | None = None) -> dict[str, Any]:

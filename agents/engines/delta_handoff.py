@@ -10,9 +10,11 @@ From a captured `VersionDelta` (weightsync/delta_capture.py) and the workers' pl
 - `expected_sums`: the position digest's sums over the changed elements, of the old bits (what the
   workers must gather before writing) and of the new ones (what they must read back after), over
   every rank (`rank`: one rank's owned part, for engines whose workers check alone);
-- `version_sum`: D(v) over the planned tensors of a whole version (the audit's reference).
+- `version_sum`: D(v) over the planned tensors of a whole version (the audit's reference);
+- `delta_misfit`: why a delta cannot go in place on what the engine serves (its parent, its size).
 
-Not here: the RPCs and pauses of an engine (`vllm_delta.py`, `sglang.py`), the workers' side.
+Not here: the RPCs and pauses of an engine (`vllm_delta.py`, `sglang_delta.py`), the workers' side
+(`delta_apply.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 def tag(version: int, digest: str) -> str:
     """How engines and workers name a version they hold."""
     return f"v{version}:{digest}"
+
+
+def delta_misfit(delta, served_version: int | None, served_digest: str | None, max_changed_fraction: float) -> str:
+    """Why `delta` must go in whole on an engine serving (`served_version`, `served_digest`): not
+    on its parent, or changing more than `max_changed_fraction` of the elements (delta_max_changed_
+    fraction: past it a whole reload costs less than the scatter). "" when it may go in place."""
+    parent = delta.parent
+    if served_version != parent.version or served_digest != parent.digest:
+        return f"the engine serves v{served_version}, the delta is on v{parent.version}"
+    fraction = delta.changed / max(1, delta.elements)
+    if fraction > max_changed_fraction:
+        return (
+            f"the version changes {100 * fraction:.1f} % of the elements, over the delta budget "
+            f"({100 * max_changed_fraction:.1f} %, delta_max_changed_fraction)"
+        )
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +138,9 @@ def expected_sums(delta, plans: Plans, *, rank: int | None = None) -> tuple[int,
         if name not in plans.planned:
             continue
         positions = torch.from_numpy(change.positions)
-        keep = None if rank is None else _owned_by(positions, change.shape, plans.ranks[rank]["placements"][name])
+        keep = (
+            None if rank is None else _owned_by(positions, change.shape, plans.ranks[rank]["placements"].get(name, []))
+        )
         if keep is not None:
             positions = positions[keep]
         old, new = (torch.from_numpy(b.astype(np.int64)) for b in (change.old, change.new))

@@ -650,10 +650,13 @@ class _Running:
         request then holding the new record to start again on."""
         engine = self.engine
         current = engine._current
-        if current is self.record or current.policy is SwapPolicy.DRAIN:
+        # None: the version was withdrawn (the agent serves nothing); running requests finish on theirs.
+        if current is None or current is self.record or current.policy is SwapPolicy.DRAIN:
             return None
         with engine._cond:
             current = engine._current
+            if current is None:
+                return None
             old, self.record = self.record, engine._hold()
         engine._release(old)
         if current.policy is SwapPolicy.ABORT:

@@ -115,7 +115,7 @@ class SafetensorsDirConfig:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError("root must be a directory path for the snapshots")
         object.__setattr__(self, "root", str(self.root))
-        object.__setattr__(self, "model", _as_config_source(self.model))
+        object.__setattr__(self, "model", as_config_source(self.model))
         if self.model is None and self.template_dir is None:
             raise ValueError("give template_dir (an HF model directory) and/or model, so snapshots get a config.json")
         if self.reload_url is not None and not re.match(r"https?://[^/]+", self.reload_url):
@@ -262,7 +262,7 @@ class SafetensorsDirEngine:
             for src in self._template_files:
                 shutil.copyfile(src, tmp / src.name)
             if not (tmp / CONFIG_NAME).exists():
-                (tmp / CONFIG_NAME).write_text(json.dumps(_config_json(self.config.model), indent=2, sort_keys=True))
+                (tmp / CONFIG_NAME).write_text(json.dumps(config_json(self.config.model), indent=2, sort_keys=True))
             (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest}))
             for file in tmp.iterdir():
                 fsync(file)
@@ -326,7 +326,7 @@ class SafetensorsDirEngine:
         return None
 
 
-def _as_config_source(value: Any) -> Any:
+def as_config_source(value: Any) -> Any:
     """`model` as given, checked: None, an HF config.json dict, or something with `to_hf()`."""
     if value is None or hasattr(value, "to_hf"):
         return value
@@ -346,7 +346,8 @@ def _as_config_source(value: Any) -> Any:
     )
 
 
-def _config_json(model: Any) -> dict[str, Any]:
+def config_json(model: Any) -> dict[str, Any]:
+    """The config.json document of a checked `model` (`as_config_source`) written with a snapshot."""
     return dict(model) if isinstance(model, Mapping) else model.to_hf()
 
 

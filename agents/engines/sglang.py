@@ -43,8 +43,15 @@ Layout of `root`:
     point     `current` -> the new snapshot; prune older snapshots. Until the reload succeeds the
               previous snapshot stays on disk: SGLang re-reads it when a load fails.
 
+`swap_delta` (in place, O(delta)): on a server started with weightsync's loader
+(`--custom-weight-loader`, `custom_weight_loader = true`), a delta the agent captured goes to the
+workers as one small file through `update_weights_from_tensor` with that loader, patched into the
+live parameters under the pause and read back; the old bits are kept for `undo` (parity refuse).
+Anything else, a refusal or a worker's error included, goes in whole by the states above.
+
 It keeps no reference to the tensors it is handed (`zero_copy` is False). Not here: verifying
-versions (the agent), loading weights (SGLang), the generic reload hook (`safetensors_dir.py`).
+versions (the agent), loading weights (SGLang), the in-place path's RPCs (`sglang_delta.py`) and
+worker side (`sglang_loader.py`, `delta_apply.py`), the generic reload hook (`safetensors_dir.py`).
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from weightsync.agents.engines.base import (
     check_swap_args,
     layout_of,
 )
-from weightsync.agents.engines.safetensors_dir import _as_config_source, _config_json
+from weightsync.agents.engines.safetensors_dir import as_config_source, config_json
 from weightsync.agents.engines.sglang_delta import FullPath as SGLangFullPath
 from weightsync.agents.engines.sglang_delta import SGLangDeltas
 from weightsync.agents.engines.snapshot_dir import (
@@ -166,7 +173,7 @@ class SGLangEngineConfig:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ValueError("root must be a directory path for the snapshots")
         object.__setattr__(self, "root", str(self.root))
-        object.__setattr__(self, "model", _as_config_source(self.model))
+        object.__setattr__(self, "model", as_config_source(self.model))
         if self.model is None and self.template_dir is None:
             raise ValueError(
                 "give template_dir (the HF directory the server was started with) and/or model, "
@@ -502,7 +509,7 @@ class SGLangEngine:
             for src in self._template_files:
                 shutil.copyfile(src, tmp / src.name)
             if not (tmp / CONFIG_NAME).exists():
-                (tmp / CONFIG_NAME).write_text(json.dumps(_config_json(self.config.model), indent=2, sort_keys=True))
+                (tmp / CONFIG_NAME).write_text(json.dumps(config_json(self.config.model), indent=2, sort_keys=True))
             (tmp / SNAPSHOT_META).write_text(json.dumps({"version": version, "digest": digest, "files": fingerprints}))
             for path in tmp.iterdir():
                 if not path.name.endswith(".safetensors"):
@@ -629,6 +636,8 @@ class SGLangEngine:
         try:
             reply = self._http.request(method, route, body, timeout_s=timeout_s)
         except HttpError as e:
+            if e.status is not None and e.status < 300:  # a reply over the size cap: none usable
+                return _Reply(None, "", e.detail)
             return _Reply(e.status, e.body, "" if e.status is not None else e.detail)
         return _Reply(reply.status, reply.text)
 

@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.agents.engines.base import SwapReport
-from weightsync.agents.engines.delta_handoff import Plans, check_plans, expected_sums, tag, write_delta
+from weightsync.agents.engines.delta_handoff import (
+    Plans,
+    check_plans,
+    delta_misfit,
+    expected_sums,
+    tag,
+    write_delta,
+)
 from weightsync.agents.engines.sglang_loader import LOADER, REQUEST_NAME, request_tensor
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import LayoutError, WeightsyncError
@@ -91,15 +98,7 @@ class SGLangDeltas:
             return "the server has no weightsync --custom-weight-loader (custom_weight_loader = false)"
         if self.plans is None:
             return "the workers have no placement plan (a restarted server, or no full load through weightsync yet)"
-        if engine._served != delta.parent.version or self.served_digest != delta.parent.digest:
-            return f"the engine serves v{engine._served}, the delta is on v{delta.parent.version}"
-        fraction = delta.changed / max(1, delta.elements)
-        if fraction > self.config.delta_max_changed_fraction:
-            return (
-                f"the version changes {100 * fraction:.1f} % of the elements, over the delta budget "
-                f"({100 * self.config.delta_max_changed_fraction:.1f} %, delta_max_changed_fraction)"
-            )
-        return ""
+        return delta_misfit(delta, engine._served, self.served_digest, self.config.delta_max_changed_fraction)
 
     def swap(
         self, version: int, delta, weights: Mapping[str, torch.Tensor], digest: str, policy: SwapPolicy, started: float
@@ -114,6 +113,9 @@ class SGLangDeltas:
             )
             expect = {str(r): [str(s) for s in expected_sums(delta, plans, rank=r)] for r in range(len(plans.ranks))}
             request = {"op": "apply", "path": str(handoff / "delta.safetensors"), "expect": expect}
+            # From here some ranks may hold the delta (one that fails to answer, say): `current` on
+            # disk no longer names what is served, should the full reload that follows fail.
+            self.patched = True
             pause_s, answers = self._timed_call(request, handoff, version, policy)
         finally:
             shutil.rmtree(handoff, ignore_errors=True)
@@ -121,7 +123,7 @@ class SGLangDeltas:
         if refused:
             self._undo_partial(answers, version, digest, parent.version)
             raise FullPath(f"a rank refused the delta: {refused[0].get('error')}; reloaded in full")
-        self.served_digest, self.patched = digest, True
+        self.served_digest = digest
         self.undo_of = (version, parent.version, parent.digest) if not dense else None
         native = tuple(
             f"{m}: {e['reason']}" for m, e in sorted(plans.native.items()) if set(e["hf_names"]) & set(dense)
@@ -187,7 +189,14 @@ class SGLangDeltas:
             answers = self._call(request, handoff=handoff, weight_version=str(label))
         finally:
             if abort:
-                self.engine._call("POST", "/continue_generation", {}, self.config.request_timeout_s)
+                reply = self.engine._call("POST", "/continue_generation", {}, self.config.request_timeout_s)
+                if reply.status != 200:  # said, not raised: the weights are in, only the resume failed
+                    logger.error(
+                        "sglang %s: continue_generation failed (%s %s): the server may stay paused",
+                        self.config.url,
+                        reply.status,
+                        reply.problem or reply.text[:200],
+                    )
         if all(a.get("ok") for a in answers) and request["op"] == "apply":
             self._applied_sums = {r: (a["old_sum"], a["new_sum"]) for r, a in enumerate(answers)}
         return time.perf_counter() - started, answers

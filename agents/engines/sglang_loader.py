@@ -62,6 +62,11 @@ def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> 
         answer["ok"] = True
     except DeltaRefused as e:
         answer = {"ok": False, "error": str(e)}
+    except Exception as e:  # never into SGLang's scheduler: the agent reads the answer and reloads whole
+        applier = _APPLIERS.get(id(model))
+        if applier is not None:
+            applier.discard()
+        answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     answer["loader_s"] = time.perf_counter() - started
     tmp = result.with_suffix(".tmp")
     tmp.write_text(json.dumps(answer))

@@ -245,8 +245,8 @@ class VllmEngine:
         self.routes = self._probe_routes()
         self.workers = self._probe_extension()
         self.lora_info = self._probe_lora() if config.lora_name else None
-        self._deltas = VllmDeltas(self)
         self.delta_swaps = config.delta_swaps and config.lora_name is None
+        self._deltas = VllmDeltas(self)
 
     # ------------------------------------------------------------------ Engine protocol
 

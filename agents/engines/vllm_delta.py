@@ -52,7 +52,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.agents.engines.base import SwapReport
-from weightsync.agents.engines.delta_handoff import Plans, check_plans, expected_sums, tag, version_sum, write_delta
+from weightsync.agents.engines.delta_handoff import (
+    Plans,
+    check_plans,
+    delta_misfit,
+    expected_sums,
+    tag,
+    version_sum,
+    write_delta,
+)
 from weightsync.agents.engines.position_digest import add, sub
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
@@ -109,19 +117,19 @@ class VllmDeltas:
         self._passes = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if self.config.audit_interval_s > 0:
+        if engine.delta_swaps and self.config.audit_interval_s > 0:
             self._thread = threading.Thread(target=self._audit_loop, name="weightsync-vllm-audit", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
-        self._stop.set()
+        self._stop.set()  # a pass under way finishes; a closed engine's server is not paused (_audit_failed)
 
     # ------------------------------------------------------------------ after a full swap
 
     def after_full_load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """The workers hold a freshly loaded, verified version: read their plans and D(v)."""
         self.plans, self.version_sum, self.undo_of = None, None, None
-        if not self.config.delta_swaps:
+        if not self.engine.delta_swaps:
             return
         try:
             plans = check_plans(self.engine.rpc("weightsync_plan"), {n: tuple(t.shape) for n, t in weights.items()})
@@ -139,22 +147,13 @@ class VllmDeltas:
     def refusal(self, delta) -> str:
         """Why this delta must go in whole ("" when it may go in place)."""
         engine = self.engine
-        if not self.config.delta_swaps:
-            return "delta swaps are off (delta_swaps = false)"
+        if not self.engine.delta_swaps:
+            return "delta swaps are off (delta_swaps = false, or a LoRA engine)"
         if not engine._healthy:
             return f"the engine is unhealthy ({engine._last_error}): everything is reloaded"
         if self.plans is None:
             return "the workers have no placement plan (a restarted server, or no full load through weightsync yet)"
-        parent = delta.parent
-        if engine._served != parent.version or engine._served_digest != parent.digest:
-            return f"the engine serves v{engine._served}, the delta is on v{parent.version}"
-        fraction = delta.changed / max(1, delta.elements)
-        if fraction > self.config.delta_max_changed_fraction:
-            return (
-                f"the version changes {100 * fraction:.1f} % of the elements, over the delta budget "
-                f"({100 * self.config.delta_max_changed_fraction:.1f} %, delta_max_changed_fraction)"
-            )
-        return ""
+        return delta_misfit(delta, engine._served, engine._served_digest, self.config.delta_max_changed_fraction)
 
     def swap(
         self, version: int, delta, weights: Mapping[str, torch.Tensor], digest: str, policy: SwapPolicy, started: float
@@ -345,7 +344,9 @@ class VllmDeltas:
         engine = self.engine
         try:
             engine.rpc("weightsync_delta_undo", undo_tag, timeout_s=self.config.load_timeout_s)
-            engine.rpc("weightsync_delta_commit", timeout_s=self.config.load_timeout_s)
+            results = engine.rpc("weightsync_delta_commit", timeout_s=self.config.load_timeout_s)
+            if not all(r.get("landed") for r in results):  # stays paused: nothing verified to serve
+                raise IntegrityError("the undo's bits do not read back either")
             engine._post("/reset_prefix_cache?reset_running_requests=true")
             if parent is not None and "/update_weight_version" in engine.routes:
                 engine._post("/update_weight_version", {"new_version": str(parent)})
@@ -363,7 +364,7 @@ class VllmDeltas:
         while True:
             context = contextlib.nullcontext() if locked else self.engine._lock
             with context:
-                if self.plans is None or self.version_sum is None or not self.engine._healthy:
+                if self.plans is None or self.version_sum is None or not self.engine._healthy or self.engine._closed:
                     return {"ok": None}
                 results = self.engine.rpc("weightsync_audit", str(step), pass_id, timeout_s=self.config.load_timeout_s)
                 if any(r.get("busy") for r in results):
@@ -399,3 +400,5 @@ class VllmDeltas:
                 self.audit(rate_elements_per_s=self.config.audit_elements_per_s)
             except WeightsyncError as e:
                 logger.warning("vllm %s: audit pass failed: %s", self.config.url, e)
+            except Exception:  # a malformed answer must not end the audits
+                logger.exception("vllm %s: audit pass failed", self.config.url)
