@@ -12,7 +12,7 @@ is put back from that copy, or dropped when there is none; a cached object that 
 matches its content address is deleted (fetched again by the next sync). `collect` runs the
 cache gc, repairing first when damage stops it.
 
-Not here: deciding what to fetch or serve (`sync.py`), verifying versions (the Reader), the
+Not here: deciding what to fetch or serve (`plan.py`, `gather.py`), verifying versions (the Reader), the
 upstream store's gc (`weightsync/stores/retention.py`).
 """
 

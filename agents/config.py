@@ -281,9 +281,8 @@ def parse_agent_config(doc: dict[str, Any], *, where: str = "agent settings") ->
         config = AgentConfig(**doc)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
-    if (
-        config.store is not None
-    ):  # what the engine leaves out and the store can tell (the reference engine's architecture)
+    # What the engine leaves out and the store can tell (the reference engine's architecture).
+    if config.store is not None:
         engine = complete_from_store(config.engine, store=config.store, model=config.model, where=where)
         if engine != config.engine:
             config = dataclasses.replace(config, engine=engine)

@@ -15,8 +15,8 @@ The agent's choice, per swap:
               (engine.undo, O(delta)) and the agent's buffer gets the captured old bits back
               (O(delta)); without an undo log, the agent's usual full swap of the previous version
 
-Entry points for the sync (agents/sync.py): `capture(staging)`, `swap(...)`, `undo(refused)`,
-`revert(state)`.
+Entry points: `capture(staging)` and `revert(state)` for the apply stage (`apply.py`), `swap(...)`
+and `undo(refused)` for the swap stage (`swap.py`).
 
 Not here: applying versions (the reader), the engines' own paths (`engines/vllm_delta.py`).
 """

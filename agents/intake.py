@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def check_model(serves: str, model: str) -> None:
+    """FormatError unless an offer or object for `model` is for the model this agent `serves`."""
     if model != serves:
         raise FormatError(f"this agent serves {serves!r}, not {model!r}")
 
@@ -135,12 +136,17 @@ class Intake:
                     f"{state.pending_bytes} pushed bytes await a version; limit {self.config.max_pending_bytes}"
                 )
             state.pending_bytes += len(data)
-        if self.relay is not None:  # before the cache: an object an offer finds cached is relayed already
-            self.relay.on_object(version, address, data, placement)
-        if self.early is not None:  # before the cache, so an offer that finds an object cached
-            # finds its early apply started (the sync waits for it)
-            self.early.submit(version, address, data, placement, state.served_version)
-        self.cache.put_object(address, data)
+        try:
+            if self.relay is not None:  # before the cache: an object an offer finds cached is relayed already
+                self.relay.on_object(version, address, data, placement)
+            if self.early is not None:  # before the cache, so an offer that finds an object cached
+                # finds its early apply started (the sync waits for it)
+                self.early.submit(version, address, data, placement, state.served_version)
+            self.cache.put_object(address, data)
+        except BaseException:  # not kept (a full disk, say): its bytes no longer count against the quota
+            with state.cond:
+                state.pending_bytes -= len(data)
+            raise
         self.metrics.inc("agent/bytes_received", len(data), source="push")
         if self.relay is not None:  # under the lock: an offer held just now is seen
             for offer in self.state.take_held_offers(lambda offer: _arrived(offer, address)):

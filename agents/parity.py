@@ -23,7 +23,7 @@ What breaching a threshold does is the `[agent.parity]` action:
     warn     a WARNING log line
     alert    an ERROR log line and agent/parity_alerts (a counter an alert rule watches)
     refuse   the version is refused for good, and the agent serves the newest version that
-             passed, or nothing (`sync.py`, "refuse"; docs/agents.md says what to do next)
+             passed, or nothing (`swap.py`, "refuse"; docs/agents.md says what to do next)
 Under warn and alert the probe runs on its own thread after the swap, so it never delays one:
 a probe that finds a newer version served by the time it ran is dropped as superseded. Under
 refuse it runs in the swap's path (the version only counts as served once it passed), and the
@@ -224,7 +224,6 @@ class ParityChecker:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ws-agent-parity-{name}") if self.available else None
         self._lock = threading.Lock()
         self.last: ParityReport | None = None
-        self.pending: cf.Future | None = None
 
     @property
     def blocking(self) -> bool:
@@ -251,7 +250,7 @@ class ParityChecker:
                     report,
                 )
             return report
-        self.pending = self._pool.submit(self._run, version, probe)
+        self._pool.submit(self._run, version, probe)
         return None
 
     def close(self) -> None:
@@ -331,5 +330,5 @@ class ParityChecker:
         elif report.action == "alert":
             m.inc("agent/parity_alerts")
             log.error("%s", what)
-        else:  # what the agent serves instead is logged by its refuse rule (sync.py)
+        else:  # what the agent serves instead is logged by its refuse rule (swap.py)
             log.error("%s; refused", what)

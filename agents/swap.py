@@ -157,8 +157,8 @@ class Swapper:
     def refuse(self, refused: int, error: ParityRefused) -> None:
         """The refuse rule, after the probe refused `refused`, which the engine was already
         serving: the newest version that passed goes back in, bit for bit from the agent's copy
-        (a zero-copy engine's served buffer was never touched; a copying engine's was read back
-        from the cache by `Applier.restore_served_copy`), or the engine is withdrawn and the
+        (a zero-copy engine's served buffer was never touched; a copying engine's was put back by
+        `Applier.restore_served_copy`: the delta reverted in place, else read from the cache), or the engine is withdrawn and the
         agent serves nothing. One ERROR line says which."""
         served = self.buffers.served
         manifest = served.manifest if served is not None else None
@@ -211,8 +211,11 @@ class Swapper:
             )
         if self.engine.zero_copy:  # requests may still run on the refused version's buffer, the spare
             self.buffers.spare_served_as = refused
-        with self.state.cond:
+        with self.state.cond:  # version 0: what status and health say (the state file keeps the last
+            # version that passed, vetted again at a restart)
+            self.state.served_version, self.state.served_digest = 0, ""
             self.state.refusal = reason
+        self.metrics.set("agent/version", 0)
         log.error("%s: %s", self.name, reason)
 
     def serve_cached(self, *, vet: Callable[[int, Manifest], object] | None = None) -> None:

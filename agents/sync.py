@@ -17,7 +17,8 @@ a time, taking it through the stages of its life in order (`state.py` lists them
                             good and the refuse rule decides what is served: swap.py)
 
 A failure at any stage leaves what the engine serves untouched; a copying engine's one buffer,
-which apply rewrites in place, is read back from the cache as the served version. The failure is
+which apply rewrites in place, is put back as the served version (the captured delta reverted,
+O(delta), else read back from the cache: `Applier.restore_served_copy`). The failure is
 recorded in the ledger, a corrupt cached object is deleted so it is fetched again, and the version
 is broken: retried with its own growing backoff (0.5 s doubling to 10 s) and reported in
 `status()["broken"]` and the `agent/broken_versions` metric. A version the parity probe refused is
@@ -208,7 +209,10 @@ class SyncAgent:
             try:
                 self._sync(target, started)
             except BaseException as e:
-                self.applier.restore_served_copy(self.engine.zero_copy)
+                try:
+                    self.applier.restore_served_copy(self.engine.zero_copy)
+                except Exception:  # the first error is the one to report, and the refuse below must run
+                    log.exception("%s: the served version's copy could not be restored", self.config.name)
                 if isinstance(e, ParityRefused):  # the refuse rule (swap.py)
                     self.swapper.refuse(target.manifest.version, e)
                 # Kept in the ledger, so that the time a version took is explained in full (a drain
