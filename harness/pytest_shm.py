@@ -15,7 +15,6 @@ processes (`reaper.py`).
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -62,13 +61,6 @@ def _ours_since(started: float) -> set[Path]:
     return found
 
 
-def _remove(entry: Path) -> bool:
-    if entry.is_dir() and not entry.is_symlink():
-        shutil.rmtree(entry, ignore_errors=True)
-        return not entry.exists()
-    return bool(release_shared_memory([entry]))
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once for all
@@ -78,7 +70,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     while left and _trackers_running() and time.monotonic() < deadline:
         time.sleep(0.1)  # the workers' resource trackers unlink what their tests leaked as they exit
         left = _ours_since(_started)
-    removed = [entry for entry in sorted(left) if _remove(entry)]
+    removed = release_shared_memory(left)
     if not removed:
         return
     names = "\n".join(f"  {entry}" for entry in removed)

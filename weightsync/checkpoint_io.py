@@ -206,8 +206,10 @@ def write_safetensors(
 
 
 def write_safetensors_file(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """One safetensors file, written tensor by tensor in name order (no second copy of the model in
-    memory, unlike `safetensors.torch.save_file`); {name: xxh3 of its bytes}, hashed as written."""
+    """One safetensors file, written tensor by tensor in name order (no serialized copy of the whole
+    file in memory, unlike `safetensors.torch.save_file`; device tensors are copied to host first);
+    {name: xxh3 of its bytes}, hashed as written. The caller publishes the path when it is complete
+    (vLLM's handoff: a fresh file per swap, named to the workers only after this returns)."""
     dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items() if dtype is not None}
     header, offset, contiguous = {}, 0, {}
     for name in sorted(tensors):

@@ -150,11 +150,12 @@ def get_model_files(store: Store, model: str, manifest: Manifest) -> dict[str, b
             raise IntegrityError(
                 f"{model} v{manifest.version}: its {name} ({ref.key}) is missing from {store.uri}"
             ) from None
-        if len(data) != ref.size or xxh3_hex(data) != ref.object:
+        if len(data) != ref.size:
             raise IntegrityError(
-                f"{model} v{manifest.version}: its {name} ({ref.key}) does not match its hash: {len(data)} bytes, "
-                f"{ref.size} expected"
+                f"{model} v{manifest.version}: its {name} ({ref.key}) is {len(data)} bytes, {ref.size} expected"
             )
+        if xxh3_hex(data) != ref.object:
+            raise IntegrityError(f"{model} v{manifest.version}: its {name} ({ref.key}) does not match its hash")
         found[name] = data
     return found
 

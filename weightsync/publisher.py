@@ -103,6 +103,11 @@ from weightsync.versions import commit_manifest, latest_version, read_manifest, 
 
 log = logging.getLogger(__name__)
 
+FILES_TOUCH_S = 600.0
+"""The model files' objects are touched again at a commit this long after the last touch: gc's
+grace period (an hour by default) protects them only until a manifest names them, and a first
+version may come late (a long first step)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PublisherConfig:
@@ -337,6 +342,8 @@ class Publisher:
         self._codec_choice = CodecChoice(highest_codec=self.config.write_format.highest_codec)
         self.warm_up: BackgroundWarmUp | None = None  # the delta kernels' warm-up, from the first publish()
         self._files_doc: dict | None = None  # producer.files of every version committed here
+        self._model_files = dict(model_files or {})
+        self._files_touched_at = time.monotonic()
         if model_files and (shard is None or shard.is_committer):
             if self.config.write_format.model_files:
                 self._files_doc = put_model_file_objects(store, model, model_files)
@@ -383,7 +390,7 @@ class Publisher:
         if boxed and self.config.write_format.manifest_format < FORMAT_BOXES:
             raise ValueError(
                 f"{boxed[0]!r} is placed as boxes (a shard that is not one flat range), which needs manifest "
-                f"format {FORMAT_BOXES}; this publisher writes at most {self.config.write_format}: raise its "
+                f"format {FORMAT_BOXES}; this publisher writes at most format {self.config.write_format.manifest_format}: raise its "
                 "manifest_format, or hand in dim-0 shards"
             )
         t0 = time.perf_counter()
@@ -681,6 +688,9 @@ class Publisher:
         if self.config.weights_kind != "model":  # absent means "model": manifests before the field stay as they were
             producer["weights_kind"] = self.config.weights_kind
         if self._files_doc is not None:
+            if time.monotonic() - self._files_touched_at > FILES_TOUCH_S:  # gc spares them till a manifest names them
+                put_model_file_objects(self.store, self.model, self._model_files)
+                self._files_touched_at = time.monotonic()
             producer["files"] = self._files_doc
         if self.shard is not None:
             producer.update(session=self.shard.session, ranks=self.shard.world_size)

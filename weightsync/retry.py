@@ -73,6 +73,8 @@ def retry_call(
     """`attempt()` until it returns, retrying the errors of `retry_on` (never FINAL_ERRORS), at
     most `attempts` times, and no new attempt once the pause would end after `deadline_s` from
     now; then GaveUp. Each retried failure is logged at WARNING on `log` (if given), saying what."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     started = time.monotonic()
     deadline = None if deadline_s is None else started + deadline_s
     for n in range(1, attempts + 1):

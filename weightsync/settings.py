@@ -11,8 +11,8 @@ ConfigError with where the key is and how to fix it:
     the class's own    its `__post_init__` ValueError, prefixed with the table's name
 
 `build_table` runs all four, and builds a field whose type is itself a config dataclass from its
-sub-table the same way ([train.optimizer] inside [train]). It is the one reader of every TOML
-config: the agent's (agents/config.py, which uses the pieces for its [agent] table and whole for
+sub-table the same way ([train.optimizer] inside [train]). Every TOML config is checked and built
+by it (each caller opens and parses its own file): the agent's (agents/config.py, which uses the pieces for its [agent] table and whole for
 its sub-tables; the engine registry for [agent.engine]), the trainer's (trainer/config.py) and the
 training profiles (app/training/profiles.py).
 

@@ -13,6 +13,7 @@ Not here: starting them (`run.py`, `vllm.py`).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -60,8 +61,8 @@ def group_shared_memory(pgid: int) -> set[Path]:
 
 
 def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
-    """Unlinks each of `paths` that still exists and that no live process maps or holds open (one
-    still in use is never touched); the ones it removed."""
+    """Removes each of `paths` that still exists and that no live process maps or holds open (a
+    directory: nothing inside it; one still in use is never touched); the ones it removed."""
     left = {p for p in paths if p.exists()}
     if not left:
         return []
@@ -69,7 +70,12 @@ def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
     removed = []
     for path in sorted(left - in_use):
         try:
-            path.unlink()
+            if path.is_dir() and not path.is_symlink():
+                if any(path in held.parents for held in in_use):
+                    continue
+                shutil.rmtree(path)
+            else:
+                path.unlink()
             removed.append(path)
         except OSError:  # gone meanwhile, or not ours
             continue
@@ -96,10 +102,14 @@ def _shared_memory(pids: Iterable[int]) -> set[Path]:
                 where = line.find("/dev/shm/")
                 if where >= 0:
                     found.add(Path(line[where:].removesuffix(" (deleted)")))
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    found.add(Path(target.removesuffix(" (deleted)")))
+            fds = list((proc / "fd").iterdir())
         except OSError:  # gone, or not ours to read
             continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed meanwhile: the others are still read
+                continue
+            if target.startswith("/dev/shm/"):
+                found.add(Path(target.removesuffix(" (deleted)")))
     return found

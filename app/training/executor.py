@@ -49,7 +49,11 @@ class Executor:
         answer with: `request_id`, or for a retried seq_id the first request's (the new future
         is then dropped unused)."""
         kind = request_id.rsplit("-", 1)[0]
-        answered = order.submit(seq_id, request_id, lambda: self.enqueue(request_id, job, session_id), kind=kind)
+        try:
+            answered = order.submit(seq_id, request_id, lambda: self.enqueue(request_id, job, session_id), kind=kind)
+        except BaseException:  # refused (a seq_id already released, say): nobody will ask for the future
+            self.futures.discard(request_id)
+            raise
         if answered != request_id:
             log.info("seq_id %d of %s retried: answering with %s", seq_id, model_id, answered)
             self.futures.discard(request_id)

@@ -412,7 +412,13 @@ class TrainingService:
             def create_and_load() -> Outcome:
                 lora = LoraSettings(**run["lora"]) if run.get("lora") else None
                 self._create_model(model_id, run["base_model"], run["base_dir"], lora)
-                self.commander.run(commands.LoadState(model_id, str(directory), with_optimizer))
+                try:
+                    self.commander.run(commands.LoadState(model_id, str(directory), with_optimizer))
+                except BaseException:  # no half-made model: a retry with the same id must work
+                    self.commander.run(commands.Unload(model_id))
+                    with self._lock:
+                        self.models.pop(model_id, None)
+                    raise
                 return Outcome(json={"type": "load_weights", "path": path, "model_id": model_id})
 
             self.executor.enqueue(request_id, create_and_load, session_id)

@@ -44,6 +44,8 @@ from weightsync.app.training.wire import SampledSequence
 from weightsync.transport.json_http import HttpClient, HttpError
 
 GENERATE_ROUTE = "/inference/v1/generate"
+SAMPLE_REPLY_BYTES = 256 * 1024 * 1024
+"""A sample reply's cap: n sequences with per-token (and prompt) log-probs run to tens of MiB."""
 
 
 class VllmSamplingError(TrainingError):
@@ -56,7 +58,7 @@ class VllmSampler:
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         api_key = api_key or os.environ.get("VLLM_API_KEY")  # as the VllmEngine does
-        self._client = HttpClient(self.url, api_key=api_key, timeout_s=timeout_s)
+        self._client = HttpClient(self.url, api_key=api_key, timeout_s=timeout_s, max_reply_bytes=SAMPLE_REPLY_BYTES)
 
     def sample(
         self,

@@ -121,7 +121,10 @@ class HttpClient:
                 raw = answer.read(self.max_reply_bytes + 1)
                 status = answer.status
         except urllib.error.HTTPError as e:
-            text = e.read(ERROR_BODY_BYTES).decode("utf-8", "replace")
+            try:
+                text = e.read(ERROR_BODY_BYTES).decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException):  # reset while the error body was read
+                text = ""
             raise HttpError(method, url, e.code, error_text(text), text) from None
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled reply
             raise HttpError(method, url, None, f"{type(e).__name__}: {e}") from None
@@ -228,7 +231,9 @@ class JsonHandler(BaseHTTPRequestHandler):
         return f"request body of {size} bytes is over this server's limit of {self.server.max_body_bytes} bytes{hint}"
 
     def send_json(self, status: int, doc: Any, headers: Sequence[tuple[str, str]] = ()) -> None:
-        self.send_bytes(status, json.dumps(doc, allow_nan=False).encode(), "application/json", headers)
+        # NaN and Infinity as Python's json writes them: a training metric (a grad norm) or a log-prob
+        # can be one, and Python clients (the tinker SDK's) read them back.
+        self.send_bytes(status, json.dumps(doc).encode(), "application/json", headers)
 
     def send_bytes(self, status: int, body: bytes, content_type: str, headers: Sequence[tuple[str, str]] = ()) -> None:
         self.send_response(status)
