@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import faulthandler
 import gc
 import logging
 import signal
@@ -281,6 +282,12 @@ def bind_port(server: grpc.Server, address: str, setting: str, flag: str, *, tls
         raise listen_error(setting, address, OSError(errno.EADDRINUSE, "in use"), flag=flag) from None
 
 
+SHUTDOWN_S = 120.0
+"""How long a graceful shutdown (SIGTERM) may take before the process exits anyway (status 1),
+every thread's stack on stderr. Above the bounded waits of `AgentServer.stop` (the calls' grace,
+the sync thread's 60 s, the watch's 30 s)."""
+
+
 def run_agent(config: AgentConfig, *, ready=None, engine: Engine | None = None) -> None:
     """Runs an agent until SIGTERM/SIGINT, then shuts it down gracefully. `ready(server)` is
     called once it listens (the CLI prints the address). `engine`: one already open (closed with the
@@ -297,5 +304,11 @@ def run_agent(config: AgentConfig, *, ready=None, engine: Engine | None = None) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    log.info("agent %s: shutting down", config.name)
+    log.info("agent %s: shutting down (at most %.0f s)", config.name, SHUTDOWN_S)
+    # Bounded: a call or worker thread that never returns (a stuck engine, a probe) must not keep the
+    # process alive, in stop() or in the interpreter's exit, which joins worker threads. Past the
+    # deadline every thread's stack goes to stderr and the process exits with 1; what the agent keeps
+    # on disk is crash-safe, so exiting anyway loses nothing.
+    faulthandler.dump_traceback_later(SHUTDOWN_S, exit=True)
     server.stop()
+    log.info("agent %s: stopped", config.name)

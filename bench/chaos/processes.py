@@ -8,6 +8,7 @@ Every process is started with its own log file and stopped by PID. Not here: wha
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -55,10 +56,15 @@ def rss_mb(pid: int) -> float | None:
 
 
 def http_json(url: str, body: dict | None = None, timeout_s: float = 5.0) -> dict:
+    """One JSON request to an agent's engine; OSError when no whole answer came (an agent killed
+    mid-reply cuts it short: IncompleteRead, which is not an OSError by itself)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except http.client.HTTPException as e:
+        raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from e
 
 
 class AgentProc:
