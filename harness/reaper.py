@@ -27,6 +27,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from weightsync.app.demo.processes import release_shared_memory, shared_memory_of
+
 SCOPE_ENV = "WEIGHTSYNC_REAPER_SCOPE"
 
 
@@ -87,7 +89,16 @@ def alive(pid: int) -> bool:
 
 
 def stop(pids: list[int], *, grace_s: float = 10.0) -> None:
-    """SIGTERM to each, SIGKILL to those still alive after `grace_s`; reaps what is ours to reap."""
+    """SIGTERM to each, SIGKILL to those still alive after `grace_s`; reaps what is ours to reap,
+    and releases the shared memory they held (a resource tracker killed with them would not)."""
+    held = shared_memory_of(pids)
+    try:
+        _signal_and_wait(pids, grace_s)
+    finally:
+        release_shared_memory(held)
+
+
+def _signal_and_wait(pids: list[int], grace_s: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):

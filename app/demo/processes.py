@@ -57,7 +57,7 @@ def group_shared_memory(pgid: int) -> set[Path]:
     vLLM's message queues (psm_*), its CPU tensor-parallel buffers (vllm_*cpushm*) and semaphores.
     A server stopped by signal leaves them behind when its resource tracker dies with it; read
     them before the stop, release them after (`release_shared_memory`)."""
-    return _shared_memory(pid for pid in _pids() if _pgid(pid) == pgid)
+    return shared_memory_of(pid for pid in _pids() if _pgid(pid) == pgid)
 
 
 def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
@@ -66,7 +66,7 @@ def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
     left = {p for p in paths if p.exists()}
     if not left:
         return []
-    in_use = _shared_memory(_pids())
+    in_use = shared_memory_of(_pids())
     removed = []
     for path in sorted(left - in_use):
         try:
@@ -93,7 +93,8 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _shared_memory(pids: Iterable[int]) -> set[Path]:
+def shared_memory_of(pids: Iterable[int]) -> set[Path]:
+    """The /dev/shm entries the live processes `pids` map or hold open."""
     found: set[Path] = set()
     for pid in pids:
         proc = Path("/proc") / str(pid)
