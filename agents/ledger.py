@@ -7,8 +7,8 @@ outcome and the last error. Entries are plain dataclasses, so `status()` seriali
 are. Beside it, the broken versions: those newer than the served one that failed, each with its
 error and its own retry backoff. Thread-safe: gRPC threads and the sync thread both write here.
 
-Not here: deciding what to sync (`state.newest_ready`, `plan.py`), the crash-safe record of the served version (the
-state file, `cache.py`), metrics (`weightsync/metrics.py`).
+Not here: deciding what to sync (`state.newest_ready`, `plan.py`), the crash-safe record of the
+served version (the state file, `cache.py`), metrics (`weightsync/metrics.py`).
 """
 
 from __future__ import annotations

@@ -158,8 +158,8 @@ class Swapper:
         """The refuse rule, after the probe refused `refused`, which the engine was already
         serving: the newest version that passed goes back in, bit for bit from the agent's copy
         (a zero-copy engine's served buffer was never touched; a copying engine's was put back by
-        `Applier.restore_served_copy`: the delta reverted in place, else read from the cache), or the engine is withdrawn and the
-        agent serves nothing. One ERROR line says which."""
+        `Applier.restore_served_copy`: the delta reverted in place, else read from the cache), or
+        the engine is withdrawn and the agent serves nothing. One ERROR line says which."""
         served = self.buffers.served
         manifest = served.manifest if served is not None else None
         version, digest = self.state.served()

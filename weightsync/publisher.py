@@ -390,8 +390,8 @@ class Publisher:
         if boxed and self.config.write_format.manifest_format < FORMAT_BOXES:
             raise ValueError(
                 f"{boxed[0]!r} is placed as boxes (a shard that is not one flat range), which needs manifest "
-                f"format {FORMAT_BOXES}; this publisher writes at most format {self.config.write_format.manifest_format}: raise its "
-                "manifest_format, or hand in dim-0 shards"
+                f"format {FORMAT_BOXES}; this publisher writes at most format "
+                f"{self.config.write_format.manifest_format}: raise its manifest_format, or hand in dim-0 shards"
             )
         t0 = time.perf_counter()
         self._slots.acquire()

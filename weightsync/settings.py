@@ -12,9 +12,10 @@ ConfigError with where the key is and how to fix it:
 
 `build_table` runs all four, and builds a field whose type is itself a config dataclass from its
 sub-table the same way ([train.optimizer] inside [train]). Every TOML config is checked and built
-by it (each caller opens and parses its own file): the agent's (agents/config.py, which uses the pieces for its [agent] table and whole for
-its sub-tables; the engine registry for [agent.engine]), the trainer's (trainer/config.py) and the
-training profiles (app/training/profiles.py).
+by it (each caller opens and parses its own file): the agent's (agents/config.py, which uses the
+pieces for its [agent] table and whole for its sub-tables; the engine registry for
+[agent.engine]), the trainer's (trainer/config.py) and the training profiles
+(app/training/profiles.py).
 
 Not here: reading files, what any setting means (the config classes).
 """
