@@ -36,6 +36,22 @@ TINY = ModelConfig(
 )
 """A decoder small enough for many agents on 2 cores (a byte vocabulary plus specials)."""
 
+TINY_MOE = ModelConfig(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
+"""Its Qwen3-MoE sibling: 8 experts, top-2, in both layers."""
+
 
 class FakeTrainer:
     """Stands in for the trainer: fp32 master weights, nudged sparsely each step."""

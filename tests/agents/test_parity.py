@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from harness.bits import assert_bit_equal
-from harness.fake_trainer import TINY, FakeTrainer
+from harness.fake_trainer import TINY, TINY_MOE, FakeTrainer
 from weightsync.agents.config import AgentConfig, parse_agent_config
 from weightsync.agents.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from weightsync.agents.parity import ParityConfig, ParityRefused
@@ -47,20 +47,7 @@ from weightsync.versions import read_manifest_bytes
 
 MODEL = "parity-lm"
 WAIT_S = 120.0
-MOE = ModelConfig(
-    vocab_size=259,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    model_type="qwen3_moe",
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-)
+MOE = TINY_MOE
 ARCH = {"dense": TINY, "moe": MOE}
 
 

@@ -29,32 +29,17 @@ import time
 
 import pytest
 
-from harness.fake_trainer import TINY, FakeTrainer
+from harness.fake_trainer import TINY, TINY_MOE, FakeTrainer
 from harness.wrong_engines import CASES, wrong_engine
 from weightsync.agents.config import AgentConfig
 from weightsync.agents.parity import ParityConfig
 from weightsync.agents.sync import SyncAgent
-from weightsync.models import ModelConfig
 from weightsync.publisher import Publisher, PublisherConfig
 from weightsync.stores import LocalStore
 
 WAIT_S = 120.0
 DENSE = dataclasses.replace(TINY, initializer_range=0.1)
-MOE = ModelConfig(
-    vocab_size=259,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    model_type="qwen3_moe",
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-    initializer_range=0.1,
-)
+MOE = dataclasses.replace(TINY_MOE, initializer_range=0.1)
 DEFAULTS = ParityConfig()
 THRESHOLDS = {  # by architecture, as agents/parity.py `thresholds` picks them
     "dense": {"dlogprob_p50": DEFAULTS.max_dlogprob_p50, "dlogprob_p90": DEFAULTS.max_dlogprob_p90},
