@@ -35,13 +35,18 @@ class SwappedLayersServer(ReferenceServer):
 
     def swap(self, version: int, weights: Mapping[str, torch.Tensor], **kwargs):
         if version in self.wrong:
-            swapped = dict(weights)
-            for name in weights:
-                if name.startswith("model.layers.0."):
-                    other = name.replace("layers.0.", "layers.1.")
-                    swapped[name], swapped[other] = weights[other], weights[name]
-            weights = swapped
+            weights = with_layers_0_and_1_swapped(weights)
         return super().swap(version, weights, **kwargs)
+
+
+def with_layers_0_and_1_swapped(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with decoder layers 0 and 1 traded: every byte verifies, the numbers are wrong."""
+    swapped = dict(weights)
+    for name in weights:
+        if name.startswith("model.layers.0."):
+            other = name.replace("layers.0.", "layers.1.")
+            swapped[name], swapped[other] = weights[other], weights[name]
+    return swapped
 
 
 def main(argv: list[str] | None = None) -> None:

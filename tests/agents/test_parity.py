@@ -35,6 +35,7 @@ from weightsync.agents.engines.reference import ReferenceEngine, ReferenceEngine
 from weightsync.agents.parity import ParityConfig, ParityRefused
 from weightsync.agents.parity_figures import compare, gap_per_position, trimmed_mean
 from weightsync.agents.sync import SyncAgent
+from weightsync.app.demo.parity_fault import with_layers_0_and_1_swapped
 from weightsync.errors import ConfigError, FormatError
 from weightsync.format.manifest import parse_manifest
 from weightsync.format.probe import MAX_PROBE_BYTES, Probe, ProbeRecord, TrainingTopK, probe_from_json
@@ -84,12 +85,7 @@ class SwappedLayersEngine(ReferenceEngine):
 
     def swap(self, version, weights, **kwargs):
         if version in self.wrong:
-            swapped = dict(weights)
-            for name in weights:
-                if name.startswith("model.layers.0."):
-                    other = name.replace("layers.0.", "layers.1.")
-                    swapped[name], swapped[other] = weights[other], weights[name]
-            weights = swapped
+            weights = with_layers_0_and_1_swapped(weights)
         return super().swap(version, weights, **kwargs)
 
 
