@@ -31,10 +31,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 vh.require_vllm()
 
+from weightsync.agents.config import AgentConfig
 from weightsync.agents.engines.swap_policy import SwapPolicy
 from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 from weightsync.agents.parity import ParityConfig, judge
 from weightsync.agents.parity_figures import compare
+from weightsync.agents.server import AgentServer
 from weightsync.models import build_model, load_config
 from weightsync.models.probe import DEFAULT_TOP_K, draw_prompts, run_probe, run_top_k, to_probe
 
@@ -341,6 +343,25 @@ class VllmWithoutDevModeContractServer(BaseHTTPRequestHandler):
         pass
 
 
+def test_a_server_without_runtime_lora_is_refused_for_adapters_with_what_to_start_it_with(server, tmp_path):
+    """This module's server was started without VLLM_ALLOW_RUNTIME_LORA_UPDATING (test_vllm_lora.py
+    starts one with it)."""
+    with pytest.raises(WeightsyncError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        VllmEngine(VllmEngineConfig(url=server.url, lora_name="policy"))
+    # An engine for whole models is not one for adapters, and the agent says so at start.
+    engine = VllmEngine(VllmEngineConfig(url=server.url))
+    config = AgentConfig(
+        model="qwen3-tiny-adapter",
+        cache_dir=str(tmp_path / "cache"),
+        store=f"file://{tmp_path}",
+        weights_kind="adapter",
+        engine={"type": "vllm", "url": server.url},
+    )
+    with pytest.raises(ValueError, match="lora_name"):
+        AgentServer(config, engine=engine)
+    engine.close()
+
+
 def test_a_server_without_the_dev_routes_is_refused_naming_the_variable():
     server = ThreadingHTTPServer(("127.0.0.1", 0), VllmWithoutDevModeContractServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -467,8 +488,6 @@ def test_an_agent_on_vllm_verifies_what_the_workers_hold_and_reports_a_paused_en
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from weightsync.agents.config import AgentConfig
-    from weightsync.agents.server import AgentServer
     from weightsync.app.cli import main
     from weightsync.versions import latest_version
 

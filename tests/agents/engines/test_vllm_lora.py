@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from harness import vllm as vh
 from weightsync import Publisher, Reader
-from weightsync.errors import IntegrityError, LayoutError, WeightsyncError
+from weightsync.errors import IntegrityError, LayoutError
 from weightsync.publisher import PublisherConfig
 from weightsync.stores import LocalStore
 
@@ -239,25 +239,6 @@ def test_a_worker_holding_another_adapter_keeps_the_server_paused_until_a_good_s
     held = held_adapter(engine, tmp_path)
     assert all(torch.equal(held[n], t) for n, t in as_held(weights2).items())
     engine.close()
-
-
-def test_a_server_without_runtime_lora_is_refused_with_what_to_start_it_with(model_dir, tmp_path):
-    with vh.VllmServer(model_dir, tmp_path / "server.log") as plain:
-        plain.wait_ready()
-        with pytest.raises(WeightsyncError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
-            VllmEngine(VllmEngineConfig(url=plain.url, lora_name="policy"))
-        # An engine for whole models is not one for adapters, and the agent says so at start.
-        engine = VllmEngine(VllmEngineConfig(url=plain.url))
-        config = AgentConfig(
-            model="qwen3-tiny-adapter",
-            cache_dir=str(tmp_path / "cache"),
-            store=f"file://{tmp_path}",
-            weights_kind="adapter",
-            engine={"type": "vllm", "url": plain.url},
-        )
-        with pytest.raises(ValueError, match="lora_name"):
-            AgentServer(config, engine=engine)
-        engine.close()
 
 
 def test_an_agent_syncs_adapter_versions_from_the_store(server, published, tmp_path):
