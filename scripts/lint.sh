@@ -12,7 +12,7 @@ print(next(d for d in dev if re.match(r"ruff\s*==", d)).replace(" ", ""))
 PY
 )
 if [ "$(.venv/bin/ruff --version 2>/dev/null | awk '{print "ruff==" $2}')" != "$pin" ]; then
-  .venv/bin/python -m pip --disable-pip-version-check -q install --no-compile "$pin"
+  .venv/bin/python -m pip --disable-pip-version-check -q install "$pin"
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -9,14 +9,12 @@ python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-# --no-compile: pip byte-compiles every module it installs (torch: 20 s against 7 s without it,
-# vLLM's venv 112 s against 75 s); Python compiles only what it imports, on first import.
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  pip install --no-compile "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+  pip install "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 fi
 if [ -n "$extras" ]; then
-  pip install --no-compile -e ".[$extras]"
+  pip install -e ".[$extras]"
 else
-  pip install --no-compile -e .
+  pip install -e .
 fi

