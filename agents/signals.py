@@ -128,7 +128,8 @@ class HealthCheck:
         version = state.served_version
         if version:
             engine_state = engine.state()
-            if engine_state.serving and engine_state.version == version:
+            # The engine serves the version being swapped in before the commit names it (swap.py).
+            if engine_state.serving and engine_state.version in (version, state.swapping):
                 return "", False
             if engine_state.serving:
                 return f"the {engine.name} engine serves v{engine_state.version}, the agent v{version}", True

@@ -84,6 +84,9 @@ class AgentState:
         """Versions the parity probe refused (version -> manifest digest): never served again."""
         self.broken = BrokenVersions(RETRY_BACKOFF)
         self.ledger = Ledger(ledger_size)
+        self.swapping = 0
+        """The version being swapped into the engine, from the swap until it is committed or
+        failed (0: none): the engine may serve it before `served_version` names it."""
         self.refusal = ""
         """Why the agent serves nothing under the parity refuse rule ("" while it serves a version
         that passed, or none was refused; swap.py)."""

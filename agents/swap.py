@@ -88,16 +88,23 @@ class Swapper:
         changed, for an in-place swap (`delta_swap.py` chooses the path; the ledger says which)."""
         target = plan.target
         version = plan.version
-        report = self.delta_swaps.swap(
-            version, plan.staging, digest=target.manifest.digest, policy=self.config.swap_policy, capture=capture
-        )
-        if vet is not None:
-            t_probe = time.monotonic()
-            vet(version, target.manifest)
-            timings["parity_probe"] = time.monotonic() - t_probe
-        self.cache.write_state(version, target.manifest.digest)
-        done = time.monotonic()
         state = self.state
+        with state.cond:
+            state.swapping = version
+        try:
+            report = self.delta_swaps.swap(
+                version, plan.staging, digest=target.manifest.digest, policy=self.config.swap_policy, capture=capture
+            )
+            if vet is not None:
+                t_probe = time.monotonic()
+                vet(version, target.manifest)
+                timings["parity_probe"] = time.monotonic() - t_probe
+            self.cache.write_state(version, target.manifest.digest)
+        except BaseException:
+            with state.cond:
+                state.swapping = 0
+            raise
+        done = time.monotonic()
         with state.cond:  # the ledger first, so whoever waits for this version sees it complete
             entry.outcome, entry.digest = "served", target.manifest.digest
             entry.swap_path, entry.swap_path_reason = report.path, report.path_reason
@@ -113,6 +120,7 @@ class Swapper:
             state.broken.forget_up_to(version)
             self.buffers.swapped(plan.staging, state.served_version)
             state.served_version, state.served_digest = version, target.manifest.digest
+            state.swapping = 0
             state.refusal = ""
             state.pending_bytes = 0  # what was pushed for it no longer counts against the quota
             state.pushed = {a: pushed for a, pushed in state.pushed.items() if pushed[0] > version}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 
 import grpc
@@ -286,6 +287,44 @@ def test_an_agent_serving_nothing_says_why_keeps_saying_it_and_is_not_healthy(
         assert code == 0, out + err
     finally:
         server.stop(0)
+
+
+def test_an_agent_between_its_engine_swap_and_its_commit_is_healthy(tmp_path, caplog, monkeypatch):
+    """Seen in CI (issue 43): the engine serves a version a moment before the agent's state file
+    and state name it; a health check in that moment said "serving nothing: the vllm engine serves
+    v5, the agent v4" and reported the agent NOT_SERVING. Here the commit is held open."""
+    caplog.set_level(logging.WARNING, logger="weightsync")
+    store = LocalStore(tmp_path / "store")
+    server = _start(tmp_path, store, ReferenceKit(tmp_path).engine)
+    committing, release = threading.Event(), threading.Event()
+    write_state = server.agent.cache.write_state
+
+    def held_commit(version: int, digest: str) -> None:
+        if version == 2:
+            committing.set()
+            release.wait(WAIT_S)
+        write_state(version, digest)
+
+    monkeypatch.setattr(server.agent.cache, "write_state", held_commit)
+    try:
+        trainer = FakeTrainer(8)
+        with Publisher(store, model=MODEL, config=PUBLISH) as publisher:
+            publisher.publish(trainer.state_dict(), step=1).result()
+            assert server.agent.wait_for_version(1, WAIT_S)
+            caplog.clear()  # the start said the store was empty
+            trainer.step()
+            publisher.publish(trainer.state_dict(), step=2).result()
+        assert committing.wait(WAIT_S)
+        assert server.engine.state().version == 2 and server.agent.served_version == 1
+        assert server.agent.check_health() == ""
+        assert _health(server.address) == SERVING
+        release.set()
+        assert server.agent.wait_for_version(2, WAIT_S)
+        assert server.agent.check_health() == ""
+    finally:
+        release.set()
+        server.stop(0)
+    assert not [r.getMessage() for r in caplog.records if "serving nothing" in r.getMessage()]
 
 
 # ------------------------------------------------------------------ status output

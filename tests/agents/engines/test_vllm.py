@@ -7,6 +7,7 @@ WEIGHTSYNC_REQUIRE_VLLM=1, so these tests fail there rather than skip when vLLM 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -281,38 +282,61 @@ url = "{server.url}"
         log = (tmp_path / "agent.log").read_text()[-3000:]
         raise AssertionError(f"vLLM never served v{version}; agent log:\n{log}")
 
+    # Requests that keep coming, two at a time: the agent's /pause?mode=wait (swap policy drain)
+    # waits for the running ones to finish, so its swap holds the server paused for long enough
+    # to be seen, and the agent is SIGKILLed there.
+    stop_requests = threading.Event()
+
+    def keep_requests_running():
+        while not stop_requests.is_set():
+            with contextlib.suppress(OSError):
+                vh.complete(server.url, [5, 6, 7], max_tokens=400)
+
+    requesters = [threading.Thread(target=keep_requests_running, daemon=True) for _ in range(2)]
     agent = start_agent()
     try:
         wait_serving(4)  # the agent starts on the newest version in the store
-        # A long request holds the agent's /pause?mode=wait open; the agent dies inside its swap.
-        long_request = threading.Thread(
-            target=vh.complete, args=(server.url, [5, 6, 7]), kwargs={"max_tokens": 200}, daemon=True
-        )
-        long_request.start()
+        for thread in requesters:
+            thread.start()
+        killed_in = None
+        weights, _ = read_version(store, 4)
         with Publisher(store, model="qwen3-tiny") as publisher:
-            weights4, _ = read_version(store, 4)
-            bumped = {n: (t.float() * 1.01).to(t.dtype) for n, t in weights4.items()}
-            publisher.publish(bumped, step=4).result()
-        deadline = time.monotonic() + 600
-        while not is_paused(server) and time.monotonic() < deadline and agent.poll() is None:
-            time.sleep(0.01)
-        agent.kill()
+            # A swap that ran between two looks at /is_paused (the requests between two of theirs)
+            # is served whole: the next version tries again.
+            for step in range(4, 10):
+                weights = {n: (t.float() * 1.01).to(t.dtype) for n, t in weights.items()}
+                version = publisher.publish(weights, step=step).result().version
+                deadline = time.monotonic() + 900
+                while killed_in is None and engine.served_weight_version() != str(version):
+                    if agent.poll() is not None or time.monotonic() > deadline:
+                        log = (tmp_path / "agent.log").read_text()[-3000:]
+                        raise AssertionError(f"the agent did not swap v{version} in:\n{log}")
+                    if is_paused(server):
+                        agent.kill()
+                        killed_in = version
+                    time.sleep(0.01)
+                if killed_in is not None:
+                    break
+        assert killed_in is not None, "every swap of v5..v10 ran between two looks at /is_paused"
         agent.wait(timeout=60)
-        long_request.join(timeout=600)
+        stop_requests.set()
         left = list(Path("/dev/shm").glob(f"weightsync-v*-{agent.pid}-*"))
 
         agent = start_agent()
-        wait_serving(5)
+        wait_serving(killed_in)
         # The handoff the killed agent left on the tmpfs is gone (it would hold a model's bytes).
         assert not [p for p in left if p.exists()], left
-        weights5, _ = read_version(store, 5)
-        engine._verify(5, weights5, engine.rpc("weightsync_digest"))
+        served, _ = read_version(store, killed_in)
+        engine._verify(killed_in, served, engine.rpc("weightsync_digest"))
         assert torch.equal(
-            vh.held_params(engine.config.url, tmp_path)["model.norm.weight"], weights5["model.norm.weight"]
+            vh.held_params(engine.config.url, tmp_path)["model.norm.weight"], served["model.norm.weight"]
         )
     finally:
+        stop_requests.set()
         agent.kill()
         agent.wait(timeout=60)
+        for thread in requesters:
+            thread.join(timeout=600)
 
 
 class VllmWithoutDevModeContractServer(BaseHTTPRequestHandler):
