@@ -74,15 +74,40 @@ TINY_QWEN3_MOE = ModelConfig(
 ANSWER_PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 200, 300, 400], [11, 400, 12, 399, 13]]
 
 
+SETUP_ENV = "WEIGHTSYNC_VLLM_SETUP"
+"""A directory where scripts/test.sh sets .venv-vllm up beside the tests: its `log`, and its `rc`
+(setup_vllm.sh's exit status), written once the setup has ended."""
+
+
+def wait_for_setup(timeout_s: float = 1800.0) -> None:
+    """Until the vLLM venv that scripts/test.sh is setting up beside the tests is ready (at once
+    when none is); raises with its log's tail when that setup failed."""
+    directory = os.environ.get(SETUP_ENV)
+    if not directory:
+        return
+    rc_file = Path(directory) / "rc"
+    deadline = time.monotonic() + timeout_s
+    while not rc_file.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"scripts/setup_vllm.sh did not end within {timeout_s} s ({directory}/log)")
+        time.sleep(1.0)
+    rc = int(rc_file.read_text() or "1")
+    if rc != 0:
+        log = (Path(directory) / "log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"scripts/setup_vllm.sh failed (exit {rc}):\n{log}")
+
+
 def vllm_python() -> str | None:
-    """The interpreter that has vLLM, or None."""
+    """The interpreter that has vLLM, or None; waits for a setup still under way (`wait_for_setup`)."""
+    wait_for_setup()
     return find_vllm_python()
 
 
 def require_vllm() -> None:
     """At the top of a test module that runs the real vLLM: skips the module when there is no vLLM
-    venv, or fails it when WEIGHTSYNC_REQUIRE_VLLM=1 (CI), where a skip would hide a broken install."""
-    if vllm_python() is not None:
+    venv, or fails it when WEIGHTSYNC_REQUIRE_VLLM=1 (CI), where a skip would hide a broken install.
+    While scripts/test.sh still sets the venv up, the module is kept: its servers wait for it."""
+    if os.environ.get(SETUP_ENV) or find_vllm_python() is not None:
         return
     if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
         raise RuntimeError("WEIGHTSYNC_REQUIRE_VLLM=1 but no vLLM venv: run scripts/setup_vllm.sh")

@@ -13,24 +13,40 @@ if [ "${1:-}" = "--fast" ]; then
   bash scripts/setup.sh test
   select=(-m "not slow and not distributed and not gpu")
 else
-  # The two venvs are independent: set them up side by side (mostly unpacking wheels).
-  bash scripts/setup.sh test & tests_venv=$!
-  bash scripts/setup_vllm.sh & vllm_venv=$!
-  trap 'kill "$tests_venv" "$vllm_venv" 2>/dev/null || true' EXIT
-  wait "$tests_venv" || { echo "test.sh: setting up .venv failed" >&2; exit 1; }
-  wait "$vllm_venv" || { echo "test.sh: setting up .venv-vllm failed" >&2; exit 1; }
-  trap - EXIT
-  export WEIGHTSYNC_REQUIRE_VLLM=1
+  # .venv-vllm (the longer install) is set up beside .venv and then beside the first tests: the
+  # tests that start vLLM wait for it (harness/vllm.py wait_for_setup reads $WEIGHTSYNC_VLLM_SETUP).
+  vllm_setup="$(mktemp -d)"
+  (
+    status=0
+    bash scripts/setup_vllm.sh > "$vllm_setup/log" 2>&1 || status=$?
+    echo "$status" > "$vllm_setup/rc.part" && mv "$vllm_setup/rc.part" "$vllm_setup/rc"
+  ) &
+  vllm_venv=$!
+  trap 'kill "$vllm_venv" 2>/dev/null || true' EXIT
+  bash scripts/setup.sh test || { echo "test.sh: setting up .venv failed" >&2; exit 1; }
+  export WEIGHTSYNC_VLLM_SETUP="$vllm_setup" WEIGHTSYNC_REQUIRE_VLLM=1
 fi
 # vLLM's CPU kernels without AMX unless asked otherwise: some VMs advertise AMX and fault on it
 # (SIGILL in vLLM's attention, weightsync or not); the tests compare vLLM with itself and with
 # the published bytes, which AMX does not change.
 export WEIGHTSYNC_VLLM_NO_AMX="${WEIGHTSYNC_VLLM_NO_AMX:-1}"
-# One worker per CPU, up to 4 (WEIGHTSYNC_TEST_WORKERS overrides; 0 runs in this process): many
-# tests wait on processes they start, so two workers on two cores cut the wall time by ~30 %.
-# --dist loadfile keeps a file's tests on one worker, so a module's server starts once. xdist hands
-# out the files that hold the most tests first; handing out the longest-running first was tried
-# and was slower beside two busy loops (25.9 min of tests against 20.6, one run each).
-workers="${WEIGHTSYNC_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+# Two workers per CPU, up to 4 (WEIGHTSYNC_TEST_WORKERS overrides; 0 runs in this process): many
+# tests wait on processes they start, and on a shared machine each worker is one more share of the
+# CPU. --dist loadfile keeps a file's tests on one worker, so a module's server starts once;
+# --no-loadscope-reorder keeps tests/conftest.py's order (the longest files first).
+cpus="$(nproc 2>/dev/null || echo 1)"
+workers="${WEIGHTSYNC_TEST_WORKERS:-$((2 * cpus))}"
 [ "$workers" -gt 4 ] && workers=4
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile ${select[@]+"${select[@]}"} "$@"
+pytest=(.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder ${select[@]+"${select[@]}"} "$@")
+[ -n "${vllm_setup:-}" ] || exec "${pytest[@]}"
+rc=0
+"${pytest[@]}" || rc=$?
+wait "$vllm_venv" || true  # the vLLM tests waited for it; a run that selected none did not
+trap - EXIT
+if [ "$(cat "$vllm_setup/rc" 2>/dev/null)" != 0 ]; then
+  tail -n 40 "$vllm_setup/log" >&2
+  echo "test.sh: setting up .venv-vllm failed" >&2
+  [ "$rc" -ne 0 ] || rc=1
+fi
+rm -rf "$vllm_setup"
+exit "$rc"

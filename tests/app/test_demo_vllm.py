@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from harness.vllm import require_vllm
+from harness.vllm import require_vllm, vllm_python
 from weightsync.app.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm]
@@ -30,6 +30,7 @@ def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path, 
         group_size=4,
         groups_per_step=2,
         timeout_s=1700,
+        vllm_python=vllm_python(),
     )
     summary = run_demo(config, echo=lambda line: lines.append(line))
 
