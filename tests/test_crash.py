@@ -114,7 +114,7 @@ def _start(root: str, log: Path, *extra: str, env: dict | None = None) -> subpro
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path, request, kind):
     child = _load_child_module()
@@ -176,7 +176,7 @@ def test_sigkill_at_random_points_leaves_every_listed_version_readable(tmp_path,
     # never rebases, so its first version is a delta on the one committed before it: the parent
     # restored from the store after the kills (a restart above may land on a rebase point instead).
     proc = _start(root, log, "3", str(10**6), env=env)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=900)  # a fresh interpreter and 3 commits: minutes on a loaded machine
     assert proc.returncode == 0, log.read_text()[-2000:]
     first = int(out.split()[1])
     assert out.split()[2:] == ["committed", str(first), "committed", str(first + 1), "committed", str(first + 2)]
