@@ -54,9 +54,12 @@ def test_the_demo_loop_runs_every_agent_ends_bit_exact_and_an_injected_parity_fa
     assert {r["phase"] for r in rows} == {"warm-up", "grpo"}
     assert rows[-1]["to_all_agents_s"] is not None, "the last version reached every agent"
     healthy_agents = set(summary["agents"]) - {faulty}
-    assert all(set(r["to_agents_s"]) >= healthy_agents for r in rows[-3:]), (
-        "the last versions reached every healthy agent"
-    )
+    # The fault held no healthy agent back: each only ever moved forward, to the last version. (Not
+    # "each served each of the last versions": an agent still busy when two versions land takes the
+    # newer one, as a loaded machine showed.)
+    for name in healthy_agents:
+        served = [version for _, version in summary["served_timeline"][name]]
+        assert served == sorted(set(served)) and served[-1] == last, (name, served)
 
     # Rollouts record the version that produced them: for each worker (a client whose requests to a
     # server follow one another) never backwards, and rising overall. Across workers, a request
