@@ -38,8 +38,9 @@ if missing or strays:
 print(f"check_wheel: wheel has {len(names)} files, all of {need}")
 EOF
 
-pip install "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
-pip install "$wheel[demo]"
+source scripts/install.sh  # install: uv, or pip
+install "$tmp/venv/bin/python" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+install "$tmp/venv/bin/python" "$wheel[demo]"
 cd "$tmp/run"  # nothing of the checkout on sys.path from here on
 bin="$tmp/venv/bin"
 "$bin/python" -c "

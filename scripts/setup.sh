@@ -9,12 +9,12 @@ python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+source scripts/install.sh  # install: uv, or pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  pip install "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+  install .venv/bin/python "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 fi
 if [ -n "$extras" ]; then
-  pip install -e ".[$extras]"
+  install .venv/bin/python -e ".[$extras]"
 else
-  pip install -e .
+  install .venv/bin/python -e .
 fi

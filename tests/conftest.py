@@ -76,6 +76,7 @@ def pytest_configure(config):
     session node, so its server took the test's mark and was stopped with the test."""
     config.pluginmanager.import_plugin("harness.pytest_reaper")
     config.pluginmanager.import_plugin("harness.pytest_shm")  # and nothing is left in /dev/shm
+    config.pluginmanager.import_plugin("harness.pytest_kernels")  # numba's kernels compiled once, first
 
 
 @pytest.fixture(scope="session", autouse=True)
