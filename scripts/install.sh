@@ -8,7 +8,8 @@
 #
 # uv reads none of pip's configuration, so what pip is configured with (pip.conf and PIP_*
 # variables: find-links, index URLs, constraints, the CA bundle) is handed to it; a file:// index
-# that does not exist is left out, as pip ignores it with a warning. uv itself lives in .venv-uv
+# that does not exist is left out, as pip ignores it with a warning, and like pip, uv takes the
+best version any index offers (uv's default takes the first index that has the package at all). uv itself lives in .venv-uv
 # (its own venv, made once; the scripts that run at the same time take turns making it).
 
 UV_PIN="uv==0.13.8"
@@ -60,7 +61,7 @@ install() {
       config=("${config[@]:1}")
     fi
     if env ${env[@]+"${env[@]}"} "$UV_VENV/bin/uv" pip install -q --python "$python" --compile-bytecode \
-      ${config[@]+"${config[@]}"} "$@"; then
+      --index-strategy unsafe-best-match ${config[@]+"${config[@]}"} "$@"; then
       return 0
     fi
     echo "install: uv failed (above); installing with pip instead" >&2
