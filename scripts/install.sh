@@ -8,9 +8,10 @@
 #
 # uv reads none of pip's configuration, so what pip is configured with (pip.conf and PIP_*
 # variables: find-links, index URLs, constraints, the CA bundle) is handed to it; a file:// index
-# that does not exist is left out, as pip ignores it with a warning, and like pip, uv takes the
-best version any index offers (uv's default takes the first index that has the package at all). uv itself lives in .venv-uv
-# (its own venv, made once; the scripts that run at the same time take turns making it).
+# that does not exist is left out, as pip ignores it with a warning; and as pip does, uv takes the
+# best version that any index offers (uv's default: the first index that has the package at all).
+# uv itself lives in .venv-uv (its own venv, made once; scripts that run at the same time take
+# turns making it).
 
 UV_PIN="uv==0.13.8"
 UV_VENV=".venv-uv"
