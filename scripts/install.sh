@@ -1,9 +1,9 @@
 # Sourced by the scripts that set up a venv (setup.sh, setup_vllm.sh, check_wheel.sh), from the
 # repository root. `install PYTHON ARG...` is `pip install ARG...` into PYTHON's venv, done by uv
 # where uv can be had: uv resolves and unpacks in Rust and unpacks each wheel once for every venv
-# (.venv took ~130 s of CPU with pip, ~40 s with uv; CI sets up three venvs at once). pip does
-# it where uv cannot be installed, where uv fails (then it says so), or when
-# WEIGHTSYNC_INSTALLER=pip. Both byte-compile what they install: with PYTHONDONTWRITEBYTECODE set
+# (on the idle 2-core machine, .venv took 146 s with pip and takes 49 s with uv; .venv-vllm ~4 min
+# and 45 s; CI sets up three venvs at once). pip does it where uv cannot be installed, where uv
+# fails (then it says so), or when WEIGHTSYNC_INSTALLER=pip. Both byte-compile what they install: with PYTHONDONTWRITEBYTECODE set
 # (as on this project's machines) nothing else would, and every process would compile torch anew.
 #
 # uv reads none of pip's configuration, so what pip is configured with (pip.conf and PIP_*

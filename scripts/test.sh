@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv with the test extras and runs the tests. Extra args go to pytest.
 #   bash scripts/test.sh           every test, every tier (what CI runs); also sets up .venv-vllm
-#                                  (the real vLLM, ~4 min and ~3.4 GB the first time) and requires
+#                                  (the real vLLM, ~1 min and ~3.4 GB the first time) and requires
 #                                  the real-vLLM tests to run rather than skip
 #   bash scripts/test.sh --fast    the tier to run while working: deselects the marks slow,
 #                                  distributed and gpu (2 minutes on 2 cores); no vLLM needed
