@@ -3,8 +3,9 @@
 # where uv can be had: uv resolves and unpacks in Rust and unpacks each wheel once for every venv
 # (on the idle 2-core machine, .venv took 146 s with pip and takes 49 s with uv; .venv-vllm ~4 min
 # and 45 s; CI sets up three venvs at once). pip does it where uv cannot be installed, where uv
-# fails (then it says so), or when WEIGHTSYNC_INSTALLER=pip. Both byte-compile what they install: with PYTHONDONTWRITEBYTECODE set
-# (as on this project's machines) nothing else would, and every process would compile torch anew.
+# fails (then it says so), or when WEIGHTSYNC_INSTALLER=pip. Both byte-compile what they install:
+# with PYTHONDONTWRITEBYTECODE set (as on this project's machines) nothing else would, and every
+# process would compile torch anew.
 #
 # uv reads none of pip's configuration, so what pip is configured with (pip.conf and PIP_*
 # variables: find-links, index URLs, constraints, the CA bundle) is handed to it; a file:// index
