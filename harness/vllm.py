@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from weightsync.app.demo.processes import group_shared_memory, release_shared_memory, stop_process_group
+from weightsync.app.demo.processes import kill_process_group, stop_process_group
 from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
 from weightsync.models.decoder import ModelConfig
 
@@ -191,13 +190,7 @@ class VllmServer:
     def kill(self) -> None:
         """SIGKILL to the whole process group (the server dies mid-whatever); what it held in
         /dev/shm is released."""
-        held = group_shared_memory(self.process.pid)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=60)
-        release_shared_memory(held)
+        kill_process_group(self.process, timeout_s=60)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def stop(self) -> None:

@@ -34,9 +34,21 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
     # The rest of the group gets the grace period to exit on its own: a resource tracker ignores
     # SIGTERM and unlinks what its processes leaked once the last of them is gone.
     _wait_group_gone(proc.pid, deadline)
-    _signal_group(proc.pid, signal.SIGKILL)  # what is left of the group (engine core, workers, ranks)
+    _kill_group_and_release(proc, held, timeout_s)  # what is left of the group (engine core, workers, ranks)
+
+
+def kill_process_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGKILL to `proc` and every process of its group at once (a crash, no grace); what the group
+    held in /dev/shm is released once its processes are gone."""
+    _kill_group_and_release(proc, group_shared_memory(proc.pid), timeout_s)
+
+
+def _kill_group_and_release(proc: subprocess.Popen, held: set[Path], timeout_s: float) -> None:
+    _signal_group(proc.pid, signal.SIGKILL)
     proc.wait()
-    _wait_group_gone(proc.pid, time.monotonic() + timeout_s)  # killed, not yet reaped: mappings go with them
+    # Killed, not yet gone: `proc`'s children (vLLM's engine core and workers) are not ours to
+    # reap, and until they have exited they still map what they held, which is then not released.
+    _wait_group_gone(proc.pid, time.monotonic() + timeout_s)
     release_shared_memory(held)
 
 
