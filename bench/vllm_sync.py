@@ -49,6 +49,7 @@ from bench.output import write_results
 from harness import vllm as vh
 from harness.machine import describe_machine
 from weightsync import Publisher, PublisherConfig, Reader
+from weightsync.app.demo.vllm import NO_AMX_ENV, SPIN_ENV
 from weightsync.stores import LocalStore
 from weightsync.transport.push import PushConfig, Pusher
 
@@ -144,7 +145,8 @@ def main() -> None:
             **describe_machine(),
             "load_before": load_before,
             "load_after": os.getloadavg(),
-            "vllm_without_amx": os.environ.get(vh.NO_AMX_ENV) == "1",
+            "vllm_without_amx": os.environ.get(NO_AMX_ENV) == "1",
+            "vllm_spin_s": os.environ.get(SPIN_ENV) or None,
         },
         date=datetime.date.today().isoformat(),
     )
@@ -373,7 +375,8 @@ def markdown(r: dict) -> str:
             "",
             f"Model: Qwen3, {r['model']['parameters'] / 1e6:.0f}M parameters, {r['model']['bytes'] / 1e6:.0f} MB bf16. "
             f"Load average {m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}."
-            + (" vLLM's CPU kernels without AMX (WEIGHTSYNC_VLLM_NO_AMX=1)." if m.get("vllm_without_amx") else ""),
+            + (" vLLM's CPU kernels without AMX (WEIGHTSYNC_VLLM_NO_AMX=1)." if m.get("vllm_without_amx") else "")
+            + (f" vLLM's queues spin {m['vllm_spin_s']} s (WEIGHTSYNC_VLLM_SPIN_S)." if m.get("vllm_spin_s") else ""),
             "",
             "| method | median s | runs |",
             "|---|---|---|",

@@ -30,6 +30,10 @@ fi
 # (SIGILL in vLLM's attention, weightsync or not); the tests compare vLLM with itself and with
 # the published bytes, which AMX does not change.
 export WEIGHTSYNC_VLLM_NO_AMX="${WEIGHTSYNC_VLLM_NO_AMX:-1}"
+# vLLM's internal queues busy-wait 0.1 s after a message instead of 1 s unless asked otherwise: the
+# tests send vLLM isolated requests and RPCs, each of which cost its engine core and worker a
+# second of a core that the other tests, on 2 cores, wait for (app/demo/vllm_site/sitecustomize.py).
+export WEIGHTSYNC_VLLM_SPIN_S="${WEIGHTSYNC_VLLM_SPIN_S:-0.1}"
 # Two workers per CPU, up to 4 (WEIGHTSYNC_TEST_WORKERS overrides; 0 runs in this process): many
 # tests wait on processes they start, and on a shared machine each worker is one more share of the
 # CPU. --dist loadfile keeps a file's tests on one worker, so a module's server starts once;

@@ -16,19 +16,36 @@ from pathlib import Path
 
 SERVED_MODEL_NAME = "m"
 NO_AMX_ENV = "WEIGHTSYNC_VLLM_NO_AMX"
-"""Set to 1: the vLLM servers started here run vLLM's CPU kernels without AMX (`no_amx_env`)."""
+"""Set to 1: the vLLM servers started here run vLLM's CPU kernels without AMX: on a VM that
+advertises AMX in cpuid but faults on it (seen 2026-11-28: SIGILL in vLLM's
+`cpu_attention_with_kv_cache` on the first request, a server without weightsync too). oneDNN is
+capped below AMX and torch's AMX probe answers False (`vllm_site/sitecustomize.py`)."""
+SPIN_ENV = "WEIGHTSYNC_VLLM_SPIN_S"
+"""Seconds (> 0): how long the vLLM servers started here busy-wait for the next message on their
+internal queues before they sleep (vLLM's own: 1 s, a core's second per isolated request;
+`vllm_site/sitecustomize.py`)."""
+SITE_DIRECTORY = Path(__file__).with_name("vllm_site")
 
 
-def no_amx_env(pythonpath: str = "") -> dict[str, str]:
-    """Environment for a vLLM server that must not use AMX: on a VM that advertises AMX in cpuid but
-    faults on it (seen 2026-11-28: SIGILL in vLLM's `cpu_attention_with_kv_cache` on the first
-    request, a server without weightsync too). oneDNN is capped below AMX and torch's AMX probe
-    answers False (`no_amx/sitecustomize.py`, which the server's processes import)."""
-    directory = str(Path(__file__).with_name("no_amx"))
-    return {
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-        "PYTHONPATH": os.pathsep.join(p for p in (directory, pythonpath) if p),
-    }
+def server_site_env(env: dict[str, str]) -> dict[str, str]:
+    """What `env` (a server's environment) needs added for NO_AMX_ENV and SPIN_ENV: the
+    sitecustomize directory first on PYTHONPATH, oneDNN's ISA cap. Empty when neither is set."""
+    no_amx, spin = env.get(NO_AMX_ENV) == "1", env.get(SPIN_ENV, "")
+    if spin:
+        try:
+            ok = float(spin) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            # 0 would send every message through vLLM's notification socket, which drops a
+            # notification still unread and then waits up to 5 s for its periodic recheck
+            raise ValueError(f"{SPIN_ENV}={spin!r}: expected seconds > 0 (vLLM's own is 1)")
+    if not (no_amx or spin):
+        return {}
+    added = {"PYTHONPATH": os.pathsep.join(p for p in (str(SITE_DIRECTORY), env.get("PYTHONPATH", "")) if p)}
+    if no_amx:
+        added["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+    return added
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
@@ -63,8 +80,7 @@ def vllm_server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of a vLLM server on 127.0.0.1:`port` serving `model_dir` as model "m"."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if env.get(NO_AMX_ENV) == "1":
-        env.update(no_amx_env(env.get("PYTHONPATH", "")))
+    env.update(server_site_env(env))
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     else:

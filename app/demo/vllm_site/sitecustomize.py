@@ -32,7 +32,9 @@ def _spin_at_most(module, spin_s: float) -> None:
     init = getattr(getattr(module, "SpinCondition", None), "__init__", None)
     parameters = list(inspect.signature(init).parameters.values()) if init else []
     if not parameters or parameters[-1].name != "busy_loop_s" or len(init.__defaults__ or ()) != 1:
-        print(f"weightsync: {SHM_QUEUES}.SpinCondition has no busy_loop_s default; spin left as vLLM's", file=sys.stderr)
+        print(
+            f"weightsync: {SHM_QUEUES}.SpinCondition has no busy_loop_s default; spin left as vLLM's", file=sys.stderr
+        )
         return
     init.__defaults__ = (spin_s,)
 
