@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from harness.machine import describe_machine
-from weightsync.models import CausalLM, ModelConfig
+from weightsync.models import ModelConfig, skeleton
 
 MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -60,8 +60,7 @@ def _arch(model_mib: int) -> ModelConfig:
 
 
 def _weights(arch: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in CausalLM(arch).state_dict().items()}
+    shapes = {n: t.shape for n, t in skeleton(arch).state_dict().items()}
     g = torch.Generator().manual_seed(seed)
     return {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from weightsync.models import CausalLM, load_pretrained
+from weightsync.models import load_pretrained, skeleton
 from weightsync.models.probe import run_probe
 
 _ROUTES = {
@@ -416,8 +416,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
 def _served_module(architecture, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """An nn.Module whose parameters are the served tensors themselves (HF names), with the
     `load_weights(named_tensors)` SGLang models have: what a custom weight loader is handed."""
-    with torch.device("meta"):
-        model = CausalLM(architecture)
+    model = skeleton(architecture)
     model.load_state_dict(weights, assign=True, strict=False)
     params = dict(model.named_parameters())
 

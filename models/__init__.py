@@ -20,6 +20,7 @@ from weightsync.models.decoder import (
     num_parameters,
     rope_inv_freq,
     save_pretrained,
+    skeleton,
     token_logprobs,
 )
 from weightsync.models.moe import SparseMoeBlock, load_balancing_loss
@@ -39,5 +40,6 @@ __all__ = [
     "num_parameters",
     "rope_inv_freq",
     "save_pretrained",
+    "skeleton",
     "token_logprobs",
 ]

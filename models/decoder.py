@@ -469,8 +469,27 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
 
+class _SkipInitializers(torch.overrides.TorchFunctionMode):
+    """torch.nn.init's fills return their tensor untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+def skeleton(config: ModelConfig) -> CausalLM:
+    """The architecture of `config` on the meta device: every name and shape, no data. Its layers'
+    initializers are skipped: on meta there is nothing to fill, and torch runs them there through
+    its Python reference kernels, whose first call imports torch._dynamo (~1-2 s of CPU in every
+    process that builds one: each agent, server and sampler)."""
+    with torch.device("meta"), _SkipInitializers():
+        return CausalLM(config)
+
+
 def num_parameters(config: ModelConfig) -> int:
-    return sum(t.numel() for t in CausalLM(config).to("meta").state_dict().values())
+    return sum(t.numel() for t in skeleton(config).state_dict().values())
 
 
 def build_model(config: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> CausalLM:

@@ -39,7 +39,7 @@ import torch
 from torch.func import functional_call
 
 from weightsync.format.probe import Probe, ProbeRecord, TrainingTopK, expert_positions_that_fit
-from weightsync.models.decoder import CausalLM, ModelConfig, output_logits, rope_inv_freq, rotary_cos_sin
+from weightsync.models.decoder import ModelConfig, output_logits, rope_inv_freq, rotary_cos_sin, skeleton
 from weightsync.models.moe import SparseMoeBlock
 
 DEFAULT_PROMPTS = 4
@@ -120,8 +120,7 @@ def run_probe(
     """The prompts through the model of `config` on the tensors `weight(name)` returns (HF names),
     cast to each of `dtypes`, staged layer by layer (see the module docstring); each tensor is
     asked for once, in a fixed order (a collective gather, if it is one, runs alike on every rank)."""
-    with torch.device("meta"):  # the architecture only: every tensor comes from `weight`
-        skeleton = CausalLM(config)
+    architecture = skeleton(config)  # every tensor comes from `weight`
     groups = _groups(prompts)
     ids = [torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=device) for _, rows in groups]
     inv_freq = rope_inv_freq(config).to(device)  # as CausalLM holds it: computed on the CPU
@@ -131,11 +130,11 @@ def run_probe(
     for dtype in dtypes:
         table = {"weight": embed.to(dtype)}
         for g, group_ids in enumerate(ids):
-            x = functional_call(skeleton.model.embed_tokens, table, (group_ids,))
+            x = functional_call(architecture.model.embed_tokens, table, (group_ids,))
             hidden[dtype].append(x)
             rotary[dtype, g] = rotary_cos_sin(inv_freq, 0, group_ids.shape[1], x.dtype)
     routed: dict[torch.dtype, list[list[torch.Tensor]]] = {dtype: [[] for _ in groups] for dtype in dtypes}
-    for i, layer in enumerate(skeleton.model.layers):
+    for i, layer in enumerate(architecture.model.layers):
         tensors = {name: weight(f"model.layers.{i}.{name}") for name in layer.state_dict()}
         sparse = isinstance(layer.mlp, SparseMoeBlock)
         for dtype in dtypes:
@@ -151,7 +150,7 @@ def run_probe(
     runs = {}
     for dtype in dtypes:
         logits = [
-            output_logits(functional_call(skeleton.model.norm, {"weight": norm.to(dtype)}, (x,)), head.to(dtype))
+            output_logits(functional_call(architecture.model.norm, {"weight": norm.to(dtype)}, (x,)), head.to(dtype))
             for x in hidden[dtype]
         ]
         runs[dtype] = _collect(prompts, groups, ids, logits, routed[dtype], top_k, config.num_experts_per_tok)

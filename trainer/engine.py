@@ -59,7 +59,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from weightsync.models import CausalLM, ModelConfig, load_config, load_pretrained, save_pretrained, token_logprobs
+from weightsync.models import (
+    CausalLM,
+    ModelConfig,
+    load_config,
+    load_pretrained,
+    save_pretrained,
+    skeleton,
+    token_logprobs,
+)
 from weightsync.models import packed as packing
 from weightsync.models.moe import SparseMoeBlock
 from weightsync.models.probe import ProbeRun, run_probe, run_top_k
@@ -418,8 +426,7 @@ def _build_model(
 ) -> tuple[CausalLM, list[str]]:
     """The sharded model and its LoRA target layers: define, adapt, recompute, shard,
     materialise, load (the module docstring). No rank materialises the whole model."""
-    with torch.device("meta"):
-        model = CausalLM(architecture)
+    model = skeleton(architecture)
     frozen_experts = packing.PackFormat.parse(parallel.frozen_experts) if parallel.frozen_experts else None
     targets = _adapt(model, lora=lora, trainable=trainable, frozen_experts=frozen_experts)
     experts = _partition(model, mesh, parallel)

@@ -74,6 +74,7 @@ from weightsync.models import (
     as_model_config,
     load_pretrained,
     rope_inv_freq,
+    skeleton,
 )
 from weightsync.models.probe import run_probe
 
@@ -708,7 +709,6 @@ def eos_token_in(data: bytes, *, what: str) -> int | None:
 
 
 def _replica(config: ModelConfig) -> CausalLM:
-    with torch.device("meta"):
-        module = CausalLM(config)
+    module = skeleton(config)
     module.inv_freq = rope_inv_freq(config)  # the one real tensor a replica needs
     return module.eval()

@@ -40,7 +40,7 @@ import torch
 
 from weightsync.app.training.errors import NotSupported, TrainingError, UserInputError
 from weightsync.app.training.wire import SampledSequence
-from weightsync.models import CausalLM, KVCache, ModelConfig, load_config, rope_inv_freq
+from weightsync.models import CausalLM, KVCache, ModelConfig, load_config, rope_inv_freq, skeleton
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,7 @@ class Generator:
     def _replica(self) -> CausalLM:
         """A weightless module to run `weights` through. One per call: functional_call swaps the
         module's parameters while it runs, so concurrent requests must not share one."""
-        with torch.device("meta"):
-            module = CausalLM(self.config)
+        module = skeleton(self.config)
         module.inv_freq = rope_inv_freq(self.config)
         return module.eval()
 

@@ -5,11 +5,13 @@ directory round-trips config and bf16 weights bit for bit."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from weightsync.models import KVCache, ModelConfig, build_model, load_pretrained, save_pretrained
+from weightsync.models import KVCache, ModelConfig, build_model, load_pretrained, save_pretrained, skeleton
 
 SMALL = dict(
     vocab_size=64,
@@ -31,6 +33,30 @@ def test_names_follow_hugging_face(model_type, tied):
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is (model_type == "qwen2")
     assert ("model.layers.0.self_attn.q_norm.weight" in names) is (model_type == "qwen3")
     assert not any("inv_freq" in n for n in names)
+
+
+@pytest.mark.parametrize("model_type,tied", CASES + [("qwen3_moe", False)])
+def test_a_skeleton_has_every_name_and_shape_on_meta(model_type, tied):
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else {}
+    config = ModelConfig(model_type=model_type, tie_word_embeddings=tied, **SMALL, **moe)
+    built, bare = build_model(config).state_dict(), skeleton(config).state_dict()
+    assert {n: t.shape for n, t in bare.items()} == {n: t.shape for n, t in built.items()}
+    assert {t.device.type for t in bare.values()} == {"meta"}
+    assert {n: t.dtype for n, t in bare.items()} == {n: t.dtype for n, t in built.items()}
+
+
+def test_a_skeleton_runs_no_initializer_and_leaves_torch_dynamo_unimported():
+    """In a fresh interpreter: on meta, torch runs nn.init through its reference kernels, whose
+    first call imports torch._dynamo (seconds of CPU in every agent and server process)."""
+    code = (
+        "import sys, torch\n"
+        "from weightsync.models import ModelConfig, skeleton\n"
+        f"skeleton(ModelConfig(model_type='qwen3', **{SMALL!r}))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("model_type,tied", CASES)
