@@ -109,15 +109,16 @@ class LocalStore:
         found = []
         for dirpath, dirnames, filenames in os.walk(directory):
             dirnames.sort()
+            # The key prefix once per directory: an agent's cache gc lists thousands of chunks
+            # after every sync, and relpath per file was most of that listing's time.
+            relative = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            key_prefix = "" if relative == "." else relative + "/"
             for name in filenames:
-                if name.startswith(TEMP_PREFIX):
-                    continue
-                full = os.path.join(dirpath, name)
-                key = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if not key.startswith(prefix):
+                key = key_prefix + name
+                if name.startswith(TEMP_PREFIX) or not key.startswith(prefix):
                     continue
                 try:
-                    st = os.stat(full)
+                    st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted while we walked
                     continue
                 found.append(ObjectInfo(key, st.st_size, st.st_mtime))

@@ -142,7 +142,11 @@ def apply_gc(store: Store, plan: GcPlan, *, grace_s: float = DEFAULT_GRACE_S) ->
     for version in plan.delete_versions:
         store.delete(layout.manifest_key(plan.model, version))
     content = _content_prefixes(plan.model)
-    modified = {info.key: info.modified_unix_s for prefix in content for info in store.list(prefix)}
+    # Listed again only when the plan deletes content: an agent plans after every sync, and its
+    # cache's objects are mostly younger than the grace period, so most plans delete none.
+    deletes_content = any(key.startswith(content) for key in plan.delete_objects)
+    listed = (info for prefix in content for info in store.list(prefix)) if deletes_content else ()
+    modified = {info.key: info.modified_unix_s for info in listed}
     now = time.time()
     for key in plan.delete_objects:
         if not key.startswith(content):
