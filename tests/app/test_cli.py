@@ -636,7 +636,9 @@ def test_the_agent_runs_with_the_engine_port_given_beside_its_config(tmp_path):
         assert ready["event"] == "ready" and ready["engine_url"] == f"http://127.0.0.1:{port}", ready
     finally:
         agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=600)  # stopping waits for a kernel compile under way: minutes under load
+        # Reads both pipes to the end while it waits: an agent blocked writing to a full pipe
+        # would never stop. Stopping waits for a kernel compile under way: minutes under load.
+        agent.communicate(timeout=600)
 
 
 def test_status_of_an_agent_from_before_engine_states_takes_its_word(capsys):

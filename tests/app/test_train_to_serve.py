@@ -68,16 +68,19 @@ class _Agent:
     """`weightsync agent` as a child process, stopped by its PID."""
 
     def __init__(self, cwd: Path, *argv: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.app.cli", "agent", "--poll-interval-s", "0.5", *argv],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # Its log to a file: a pipe nobody reads while the agent runs would stop it once full.
+        self.log_path = cwd / f"agent-{len(list(cwd.glob('agent-*.log')))}.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.app.cli", "agent", "--poll-interval-s", "0.5", *argv],
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         line = self.process.stdout.readline()
         if not line:
-            raise AssertionError(f"the agent did not start: {self.process.stderr.read()[-4000:]}")
+            raise AssertionError(f"the agent did not start: {self.log_path.read_text()[-4000:]}")
         self.address = json.loads(line)["address"]
 
     def wait_serving(self, version: int, cwd: Path) -> None:
