@@ -303,7 +303,11 @@ def run_agent(config: AgentConfig, *, ready=None, engine: Engine | None = None) 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    # Timed: Python runs a handler only in the main thread, once it next runs bytecode. A signal that
+    # the kernel hands to one of the other threads (gRPC's, the engine's) does not wake a main thread
+    # blocked in an untimed wait: seen twice, agents that never stopped on SIGTERM.
+    while not stop.wait(1.0):
+        pass
     log.info("agent %s: shutting down (at most %.0f s)", config.name, SHUTDOWN_S)
     # Bounded: a call or worker thread that never returns (a stuck engine, a probe) must not keep the
     # process alive, in stop() or in the interpreter's exit, which joins worker threads. Past the

@@ -265,7 +265,8 @@ def _serve(args: argparse.Namespace, api_key: str, worker, profile) -> int:
         ),
         flush=True,
     )
-    stop.wait()
+    while not stop.wait(1.0):  # timed: a signal another thread takes wakes no untimed wait (agents/server.py)
+        pass
     log.info("stopping")
     server.shutdown()
     service.close()

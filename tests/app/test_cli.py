@@ -641,6 +641,46 @@ def test_the_agent_runs_with_the_engine_port_given_beside_its_config(tmp_path):
         agent.communicate(timeout=600)
 
 
+def _threads_taking(pid: int, sig: int) -> list[int]:
+    """The threads of `pid` that do not block `sig` (its status file's SigBlk mask)."""
+    taking = []
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+        if not blocked & (1 << (sig - 1)):
+            taking.append(tid)
+    return taking
+
+
+def test_an_agent_stops_on_a_sigterm_that_one_of_its_other_threads_takes(tmp_path):
+    """The kernel may hand a process's SIGTERM to any of its threads. Python runs the handler in
+    the main thread only, which an untimed wait never woke: two agents in CI runs hung on SIGTERM
+    until pytest's timeout. Here the signal goes to a thread that is not the main one (tgkill)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "tgkill"):
+        pytest.skip("no tgkill in this C library")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.app.cli", "agent", "--config", str(_agent_toml(tmp_path))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert json.loads(agent.stdout.readline())["event"] == "ready"
+        # the oldest: one that lives as long as the agent (the kernels' warm-up thread may end any time)
+        others = [tid for tid in _threads_taking(agent.pid, signal.SIGTERM) if tid != agent.pid]
+        assert others, "the agent runs threads beside its main one that take SIGTERM"
+        assert libc.tgkill(agent.pid, others[0], signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+        _, err = agent.communicate(timeout=600)  # its shutdown is bounded at 120 s, kernels compiling or not
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    assert agent.returncode == 0, err[-3000:]
+
+
 def test_status_of_an_agent_from_before_engine_states_takes_its_word(capsys):
     """A new CLI against an agent from before this release (no engine_state, no verification in its
     reply): --verify compares the digests it sends, as the older CLI did, and does not call its
