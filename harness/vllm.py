@@ -19,9 +19,7 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,7 +27,13 @@ import torch
 from safetensors.torch import load_file
 
 from weightsync.app.demo.processes import kill_process_group, stop_process_group
-from weightsync.app.demo.vllm import find_vllm_python, free_port, vllm_server_command
+from weightsync.app.demo.vllm import (
+    find_vllm_python,
+    free_port,
+    server_tmp_dir,
+    vllm_server_command,
+    wait_until_serving,
+)
 from weightsync.models.decoder import ModelConfig
 
 _WRITE_MODEL = r"""
@@ -149,21 +153,18 @@ class VllmServer:
         self.model_dir, self.log_path = Path(model_dir), Path(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.tmp_dir = server_tmp_dir()
         argv, env = vllm_server_command(
             vllm_python(),
             self.model_dir,
             self.port,
+            tmp_dir=self.tmp_dir,
             extension=extension,
             dev_mode=dev_mode,
             max_model_len=max_model_len,
             extra_args=extra_args,
         )
         env["VLLM_LOGGING_LEVEL"] = "WARNING"
-        # vLLM's temporary files (its ZeroMQ IPC sockets, the distributed-init file) go in a
-        # directory of this server's, removed when it stops: in /tmp, every server stopped by a
-        # signal left ~3 sockets and a vllm_dist_* file (a thousand a day of test runs).
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="weightsync-vllm-"))
-        env["TMPDIR"] = str(self.tmp_dir)
         env.update(extra_env or {})
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -172,20 +173,7 @@ class VllmServer:
 
     def wait_ready(self, timeout_s: float = 1200.0) -> None:
         """Until /health answers; raises with the log's tail if the server exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return
-            except (OSError, urllib.error.URLError):
-                time.sleep(1.0)
-        raise RuntimeError(f"vLLM did not answer /health within {timeout_s} s:\n{self.log_tail()}")
-
-    def log_tail(self, nbytes: int = 4000) -> str:
-        data = self.log_path.read_bytes() if self.log_path.exists() else b""
-        return data[-nbytes:].decode("utf-8", "replace")
+        wait_until_serving(self.process, self.url, self.log_path, time.monotonic() + timeout_s)
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (the server dies mid-whatever); what it held in

@@ -152,10 +152,20 @@ class _Children:
     def __init__(self, logs: Path) -> None:
         self.logs = logs
         self.procs: dict[str, subprocess.Popen] = {}
+        self.tmp_dirs: dict[str, Path] = {}
 
     def start(
-        self, name: str, argv: list[str], *, ready_line: bool = False, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        ready_line: bool = False,
+        env: dict[str, str] | None = None,
+        tmp_dir: Path | None = None,
     ) -> tuple[subprocess.Popen, dict | None]:
+        """Starts `name`; `tmp_dir`, the child's own temporary directory, is removed when it stops."""
+        if tmp_dir is not None:
+            self.tmp_dirs[name] = tmp_dir
         log_file = open(self.logs / f"{name}.log", "w")
         proc = subprocess.Popen(
             argv,
@@ -177,9 +187,12 @@ class _Children:
         proc = self.procs.pop(name, None)
         if proc is not None:
             stop_process_group(proc, timeout_s)  # torchrun's ranks and vLLM's workers are in the group too
+        tmp_dir = self.tmp_dirs.pop(name, None)
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def stop_all(self) -> None:
-        for name in list(self.procs):
+        for name in {**self.procs, **self.tmp_dirs}:  # a child that failed to start has its tmp_dir only
             self.stop(name)
 
 
@@ -360,7 +373,7 @@ def run_demo(
         # install) and caches them on disk: once here, not in the trainer and every agent at once
         # when the first delta comes.
         codecs.warm_up(["bfloat16", "float32"])
-        vllm_urls = _start_vllm_servers(config, root, children, vllm_python) if vllm_python else {}
+        vllm_urls = _start_vllm_servers(config, root, children, vllm_python, deadline) if vllm_python else {}
         # -- agents: per region, followers first so the leader knows where to relay
         agents: dict[str, dict] = {}
         leaders = []
@@ -531,10 +544,13 @@ def _find_vllm_python(config: DemoConfig) -> str:
     return python
 
 
-def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children, python: str) -> dict[str, str]:
+def _start_vllm_servers(
+    config: DemoConfig, root: Path, children: _Children, python: str, deadline: float
+) -> dict[str, str]:
     """One vLLM server per agent, all starting at once on the initial weights of the architecture
-    (the agents swap the published versions in); {agent name: server URL}."""
-    from weightsync.app.demo.vllm import free_port, vllm_server_command
+    (the agents swap the published versions in), each answering before this returns; {agent name:
+    server URL}."""
+    from weightsync.app.demo.vllm import free_port, server_tmp_dir, vllm_server_command, wait_until_serving
     from weightsync.models import ModelConfig, build_model, save_pretrained
 
     model_config = ModelConfig(**config.model_architecture)
@@ -543,9 +559,12 @@ def _start_vllm_servers(config: DemoConfig, root: Path, children: _Children, pyt
     urls = {}
     for name in _agent_names(config):
         port = free_port()
-        argv, env = vllm_server_command(python, model_dir, port, max_model_len=64)
-        children.start(f"{name}-vllm", argv, env=env)
+        tmp_dir = server_tmp_dir()
+        argv, env = vllm_server_command(python, model_dir, port, tmp_dir=tmp_dir, max_model_len=64)
+        children.start(f"{name}-vllm", argv, env=env, tmp_dir=tmp_dir)
         urls[name] = f"http://127.0.0.1:{port}"
+    for name, url in urls.items():
+        wait_until_serving(children.procs[f"{name}-vllm"], url, children.logs / f"{name}-vllm.log", deadline)
     return urls
 
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 SERVED_MODEL_NAME = "m"
@@ -68,18 +72,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(process: subprocess.Popen, url: str, log_path: Path, deadline: float) -> None:
+    """Until the server at `url` answers /health; a RuntimeError with the end of its log if its
+    process exits first or `deadline` (time.monotonic()) passes: a server that cannot start (a
+    wrong flag, a socket path too long, no memory) must not leave its agent waiting for it."""
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM at {url} exited with {process.returncode}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:  # URLError included: not listening yet
+            pass
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"vLLM at {url} did not answer /health in time:\n{_tail(log_path)}")
+        time.sleep(1.0)
+
+
+def _tail(log_path: Path, nbytes: int = 4000) -> str:
+    data = log_path.read_bytes() if log_path.exists() else b""
+    return data[-nbytes:].decode("utf-8", "replace")
+
+
+def server_tmp_dir() -> Path:
+    """A new directory for one server's temporary files, in the system temporary directory: its
+    path stays short, as the ZeroMQ socket paths under it must (108 bytes at most)."""
+    return Path(tempfile.mkdtemp(prefix="weightsync-vllm-"))
+
+
 def vllm_server_command(
     python: str,
     model_dir: str | os.PathLike,
     port: int,
     *,
+    tmp_dir: str | os.PathLike,
     extension: bool = True,
     dev_mode: bool = True,
     max_model_len: int = 256,
     extra_args: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of a vLLM server on 127.0.0.1:`port` serving `model_dir` as model "m"."""
+    """(argv, env) of a vLLM server on 127.0.0.1:`port` serving `model_dir` as model "m".
+
+    vLLM's temporary files (its ZeroMQ IPC sockets, its distributed-init file) go in `tmp_dir`
+    (from `server_tmp_dir`), which the caller removes once the server has stopped: in the system
+    temporary directory, every server stopped by a signal leaves ~7 sockets and a vllm_dist_* file
+    behind, a thousand files a day on a machine that runs the tests."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["TMPDIR"] = os.fspath(tmp_dir)
     env.update(server_site_env(env))
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"

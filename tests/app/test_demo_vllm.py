@@ -6,6 +6,9 @@ carry the version vLLM reported before and after it was sampled."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +20,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.vllm]
 require_vllm()
 
 
+@pytest.fixture
+def server_tmp(monkeypatch):
+    """Where the demo makes its servers' temporary directories (vLLM's sockets), to see them gone
+    at the end. Not in tmp_path: a socket's path must stay under 108 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="ws-demo-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.timeout(1800)
-def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path, capsys):
+def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path, capsys, server_tmp):
     lines: list[str] = []
     config = DemoConfig(
         out_dir=str(tmp_path / "demo"),
@@ -51,4 +64,5 @@ def test_the_demo_runs_on_vllm_engines_and_every_agent_ends_bit_exact(tmp_path, 
     with capsys.disabled():
         print(json.dumps({"vllm_demo_parity": parity["figures"], "probes": parity["probes"]}))
     assert parity["breaches"] == 0, parity["breached"]
+    assert list(server_tmp.iterdir()) == []
     assert summary["headline"].endswith(f"parity probe: 0 breaches in {parity['probes']} probes")

@@ -141,6 +141,9 @@ def test_greedy_text_follows_the_weights_and_matches_a_fresh_server(engine, serv
         expected = [vh.complete(fresh.url, p, max_tokens=12, prompt_logprobs=1) for p in PROMPTS]
         with pytest.raises(WeightsyncError, match="--worker-extension-cls weightsync.agents.engines.vllm_worker"):
             VllmEngine(VllmEngineConfig(url=fresh.url))
+        # vLLM's ZeroMQ sockets live in the server's own temporary directory, gone once it stops
+        assert any(entry.is_socket() for entry in fresh.tmp_dir.iterdir())
+    assert not fresh.tmp_dir.exists()
     assert [a["token_ids"] for a in after] == [e["token_ids"] for e in expected]
     assert [a["prompt_logprobs"] for a in after] == [e["prompt_logprobs"] for e in expected]
 
