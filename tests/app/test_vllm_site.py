@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +60,19 @@ def test_the_spin_setting_alone_adds_the_site_directory_and_no_isa_cap():
 def test_a_spin_that_is_not_positive_seconds_is_refused(value):
     with pytest.raises(ValueError, match=f"{SPIN_ENV}='{value}': expected seconds > 0"):
         server_site_env({SPIN_ENV: value})
+
+
+def test_amx_is_off_from_the_first_import_of_torch_and_a_process_without_torch_does_not_load_it():
+    """The switches patch their modules as they are first imported: a server's helper processes
+    (multiprocessing's resource tracker), which never import torch, do not pay for importing it."""
+    env = {k: v for k, v in os.environ.items() if k not in (NO_AMX_ENV, SPIN_ENV)}
+    env.update({NO_AMX_ENV: "1", SPIN_ENV: "0.1"})
+    env.update(server_site_env(env))
+    probe = "import sys; print(json.dumps(['torch' in sys.modules, 'vllm' in sys.modules]))"
+    plain = subprocess.run([sys.executable, "-c", f"import json; {probe}"], env=env, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout) == [False, False]
+    amx = "import torch; print(torch.cpu._is_amx_tile_supported())"
+    done = subprocess.run([sys.executable, "-c", amx], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

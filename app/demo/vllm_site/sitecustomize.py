@@ -8,8 +8,11 @@ vLLM runs on a small CPU machine, neither to what it computes:
   message before sleeping on their ZeroMQ notification (vLLM: 1 s). The engine core and each
   worker read such a queue, so every isolated request or RPC costs each of them a second of a
   core: on a 2-core machine that CPU is taken from whatever else runs (measured: 10 requests 2 s
-  apart, 10.6 CPU-s with 1 s, 1.5 with 0.1; the same latency). Applied when vLLM imports the
-  module, so a process that never does pays nothing.
+  apart, 10.6 CPU-s with 1 s, 1.5 with 0.1; the same latency).
+
+Each change is applied when its module is first imported, so a process that never imports it
+pays nothing: a server's helper processes (multiprocessing's resource tracker) import neither
+torch nor vLLM, and importing torch here cost each of them a CPU-second.
 """
 
 import importlib.abc
@@ -18,12 +21,12 @@ import inspect
 import os
 import sys
 
-if os.environ.get("WEIGHTSYNC_VLLM_NO_AMX") == "1":
-    import torch.cpu
-
-    torch.cpu._is_amx_tile_supported = lambda: False
-
+TORCH_CPU = "torch.cpu"
 SHM_QUEUES = "vllm.distributed.device_communicators.shm_broadcast"
+
+
+def _no_amx(module) -> None:
+    module._is_amx_tile_supported = lambda: False
 
 
 def _spin_at_most(module, spin_s: float) -> None:
@@ -40,13 +43,15 @@ def _spin_at_most(module, spin_s: float) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds vLLM's shm_broadcast like the path finder would and patches it once it has run."""
+    """Finds each module of `patches` ({module name: patch(module)}) like the path finder would
+    and patches it once it has run, before anything else can use it."""
 
-    def __init__(self, spin_s: float) -> None:
-        self.spin_s = spin_s
+    def __init__(self, patches: dict) -> None:
+        self.patches = patches
 
     def find_spec(self, name, path, target=None):
-        if name != SHM_QUEUES:
+        patch = self.patches.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -55,11 +60,17 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            _spin_at_most(module, self.spin_s)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+_patches = {}
+if os.environ.get("WEIGHTSYNC_VLLM_NO_AMX") == "1":
+    _patches[TORCH_CPU] = _no_amx
 if os.environ.get("WEIGHTSYNC_VLLM_SPIN_S"):
-    sys.meta_path.insert(0, _PatchOnImport(float(os.environ["WEIGHTSYNC_VLLM_SPIN_S"])))
+    spin_s = float(os.environ["WEIGHTSYNC_VLLM_SPIN_S"])
+    _patches[SHM_QUEUES] = lambda module: _spin_at_most(module, spin_s)
+if _patches:
+    sys.meta_path.insert(0, _PatchOnImport(_patches))
