@@ -1,4 +1,5 @@
-"""vllm: how the demo (and the test harness) starts a vLLM server for an agent's `vllm` engine.
+"""vllm: how the demo (and the test harness) starts a vLLM server for an agent's `vllm` engine,
+and waits until it answers.
 
 The server is vLLM's OpenAI-compatible one with weightsync's worker extension and the dev routes
 (docs/vllm.md), with flags that run on a small CPU machine. vLLM lives in its own environment
