@@ -30,26 +30,29 @@ STORE_KINDS = [pytest.param(scheme, marks=SCHEME_MARKS.get(scheme, ())) for sche
 # The files that run for minutes (seconds of one fresh-clone run beside two busy loops: chaos 280,
 # the vLLM engine 240, vLLM sampling 175, crash 134, the vLLM demo 122, the cookbook 107, ...),
 # handed out first, so that none of them starts last and runs alone while the other workers idle.
-# The vLLM ones come after the others: scripts/test.sh is still setting up .venv-vllm while the
-# first files run. The rest follow with the most tests first (xdist's own order); scripts/test.sh
-# runs `--dist loadfile --no-loadscope-reorder` so that xdist keeps this order. Order only.
+# The rest follow with the most tests first (xdist's own order); scripts/test.sh runs `--dist
+# loadfile --no-loadscope-reorder` so that xdist keeps this order. Order only.
+# The vLLM files (each starts one to three servers of three processes) alternate with the others,
+# so that about two of the four workers run one at a time: in one order all four ran them at once
+# (six to seven servers) and those minutes took twice as long as in a run where they overlapped
+# less. They start fifth: scripts/test.sh is still setting up .venv-vllm while the first files run.
 LONGEST_FIRST = (
     "tests/test_chaos.py",
     "tests/test_crash.py",
     "tests/app/training/test_training_cookbook.py",
     "tests/trainer/test_moe_trainer.py",
+    "tests/agents/engines/test_vllm.py",
     "tests/trainer/test_trainer_distributed.py",
+    "tests/app/training/test_training_vllm_sampling.py",
     "tests/app/training/test_training_distributed.py",
+    "tests/app/test_demo_vllm.py",
     "tests/app/test_demo.py",
     "tests/app/test_cli.py",
-    "tests/agents/engines/test_vllm.py",
-    "tests/app/training/test_training_vllm_sampling.py",
-    "tests/app/test_demo_vllm.py",
     "tests/agents/engines/test_vllm_delta.py",
-    "tests/agents/engines/test_vllm_moe.py",
     "tests/app/test_train_to_serve.py",
-    "tests/agents/engines/test_vllm_lora.py",
+    "tests/agents/engines/test_vllm_moe.py",
     "tests/trainer/test_parallel_trainer.py",
+    "tests/agents/engines/test_vllm_lora.py",
 )
 
 
