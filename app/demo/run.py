@@ -166,7 +166,7 @@ class _Children:
         """Starts `name`; `tmp_dir`, the child's own temporary directory, is removed when it stops."""
         if tmp_dir is not None:
             self.tmp_dirs[name] = tmp_dir
-        log_file = open(self.logs / f"{name}.log", "w")
+        log_file = open(self.log_path(name), "w")
         proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE if ready_line else log_file,
@@ -180,8 +180,11 @@ class _Children:
             return proc, None
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{name} exited before it was ready; see {self.logs / (name + '.log')}")
+            raise RuntimeError(f"{name} exited before it was ready; see {self.log_path(name)}")
         return proc, json.loads(line)
+
+    def log_path(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
 
     def stop(self, name: str, timeout_s: float = 15.0) -> None:
         proc = self.procs.pop(name, None)
@@ -564,7 +567,7 @@ def _start_vllm_servers(
         children.start(f"{name}-vllm", argv, env=env, tmp_dir=tmp_dir)
         urls[name] = f"http://127.0.0.1:{port}"
     for name, url in urls.items():
-        wait_until_serving(children.procs[f"{name}-vllm"], url, children.logs / f"{name}-vllm.log", deadline)
+        wait_until_serving(children.procs[f"{name}-vllm"], url, children.log_path(f"{name}-vllm"), deadline)
     return urls
 
 
