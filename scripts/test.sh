@@ -34,11 +34,17 @@ export WEIGHTSYNC_VLLM_NO_AMX="${WEIGHTSYNC_VLLM_NO_AMX:-1}"
 # tests send vLLM isolated requests and RPCs, each of which cost its engine core and worker a
 # second of a core that the other tests, on 2 cores, wait for (app/demo/vllm_site/sitecustomize.py).
 export WEIGHTSYNC_VLLM_SPIN_S="${WEIGHTSYNC_VLLM_SPIN_S:-0.1}"
+# One OpenMP thread per process unless asked otherwise: the workers and the processes they start
+# (servers, trainers, agents) already outnumber the CPUs, and a second torch thread in each only
+# spins at OpenMP barriers while its partner waits for a CPU. Four heavy files (-n 4) beside two
+# busy loops: 224-231 s and ~320 CPU-s with torch's default threads, 198-203 s and ~275 CPU-s
+# with one. The tests' results do not depend on it (a 1-CPU machine runs them with one thread).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two workers per CPU, up to 4 (WEIGHTSYNC_TEST_WORKERS overrides; 0 runs in this process): many
 # tests wait on processes they start, and on a shared machine each worker is one more share of the
 # CPU. --dist loadfile keeps a file's tests on one worker, so a module's server starts once;
 # --no-loadscope-reorder keeps tests/conftest.py's order (the longest files first).
-cpus="$(nproc 2>/dev/null || echo 1)"
+cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)"  # nproc obeys both
 workers="${WEIGHTSYNC_TEST_WORKERS:-$((2 * cpus))}"
 [ "$workers" -gt 4 ] && workers=4
 pytest=(.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder ${select[@]+"${select[@]}"} "$@")
