@@ -19,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from weightsync.cpus import usable_cpus
+
 SERVED_MODEL_NAME = "m"
 NO_AMX_ENV = "WEIGHTSYNC_VLLM_NO_AMX"
 """Set to 1: the vLLM servers started here run vLLM's CPU kernels without AMX: on a VM that
@@ -127,7 +129,7 @@ def vllm_server_command(
     # them. A caller's own VLLM_CPU_OMP_THREADS_BIND (tensor parallelism: one list per worker) or
     # OMP_NUM_THREADS wins.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() - 1)))
     env.update(server_site_env(env))
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"

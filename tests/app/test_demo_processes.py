@@ -4,7 +4,6 @@ the direct child (vLLM's engine core and workers are the server's children)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.app.demo.processes import kill_process_group, stop_process_group
+from weightsync.app.demo.processes import group_processes, kill_process_group, stop_process_group
 
 MAPPER = """
 import mmap, sys, time
@@ -36,18 +35,6 @@ def _group_mapping_shared_memory():
     return proc, path
 
 
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    members.append(int(entry.name))
-            except OSError:
-                continue
-    return members
-
-
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 @pytest.mark.parametrize("end", [kill_process_group, stop_process_group])
 def test_the_whole_group_is_gone_and_its_shared_memory_released(end):
@@ -56,7 +43,7 @@ def test_the_whole_group_is_gone_and_its_shared_memory_released(end):
         assert path.exists()
         end(proc, timeout_s=60)
         assert proc.returncode is not None
-        assert _group_members(proc.pid) == []
+        assert group_processes(proc.pid) == []
         assert not path.exists()
     finally:
         proc.stdout.close()

@@ -7,13 +7,13 @@ a server does. A server's environment leaves its worker unpinned unless the call
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
 
 from weightsync.app.demo import DemoConfig, run_demo
 from weightsync.app.demo.vllm import vllm_server_command
+from weightsync.cpus import usable_cpus
 
 
 def test_a_vllm_server_that_dies_at_start_fails_the_demo_with_its_log(tmp_path, monkeypatch):
@@ -41,7 +41,7 @@ def test_a_vllm_servers_worker_is_unpinned_unless_the_caller_binds_it(tmp_path, 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     _, env = vllm_server_command("python", tmp_path, 8000, tmp_dir=tmp_path, extension=False)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) - 1))
+    assert env["OMP_NUM_THREADS"] == str(max(1, usable_cpus() - 1))
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
